@@ -1,0 +1,67 @@
+"""Expert group sizes as every backend reads them.
+
+Group sizes are runtime values, so they cannot be checked at trace time. Every backend
+first clamps them the same way, which is the whole out-of-bounds story for bad sizes:
+a negative size counts as 0, and the running row count stops at m, so experts past
+that point own no rows. Rows at or past the clamped total belong to no expert.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def clamped_group_ends(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+    """Exclusive end row of every expert after clamping, int32 (E,).
+
+    A saturating scan (min(a + b, m) is associative for non-negative terms) keeps every
+    partial sum at most 2 m, so no size, however large, overflows int32.
+    """
+    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, num_rows)
+    if sizes.shape[0] == 0:
+        return sizes
+    return lax.associative_scan(lambda a, b: jnp.minimum(a + b, num_rows), sizes)
+
+
+def clamped_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+    """Rows each expert really owns, int32 (E,); they sum to at most num_rows."""
+    ends = clamped_group_ends(group_sizes, num_rows)
+    return jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
+
+
+def row_experts(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """(expert of each row int32 (m,), whether the row belongs to an expert bool (m,)).
+
+    Rows owned by no expert get expert index 0 and False, so they can index per-expert
+    tables safely and be masked afterwards.
+    """
+    ends = clamped_group_ends(group_sizes, num_rows)
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    # Expert e owns rows [ends[e-1], ends[e]): the first end strictly past the row.
+    expert = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
+    owned = expert < group_sizes.shape[0]
+    return jnp.where(owned, expert, 0), owned
+
+
+_RAGGED_ROWS_CONTRACTED = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[],
+)
+
+
+def per_expert_outer(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
+    """sum over each expert's rows of lhs[i]^T rhs[i]: (m, a), (m, b) -> (E, a, b) float32.
+
+    `sizes` must already be clamped. A dot, not a scatter-add: its order is fixed.
+    """
+    return lax.ragged_dot_general(
+        lhs,
+        rhs,
+        sizes,
+        _RAGGED_ROWS_CONTRACTED,
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )

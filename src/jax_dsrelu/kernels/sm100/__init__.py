@@ -1,0 +1,1 @@
+"""The Blackwell (SM100) backend: cuDNN's block-scaled grouped GEMM + dsReLU kernel."""

@@ -1,0 +1,66 @@
+"""The XLA backend: the contract written in plain JAX, and the oracle for every kernel.
+
+It runs wherever XLA does. Every output is computed in one fixed order, so it is bitwise
+reproducible on a GPU as well: the column reduction for dbias is a dot against the
+expert's own rows, never a scatter-add (XLA's GPU scatter-add uses atomics and
+its sums change from run to run).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_dsrelu import groups
+
+
+def grouped_gemm_dsrelu_reference(
+    grad: jax.Array,  # (m, k)
+    weight: jax.Array,  # (E, n, k)
+    preact: jax.Array,  # (m, n)
+    prob: jax.Array,  # (m,)
+    group_sizes: jax.Array,  # (E,) int32
+    alpha: jax.Array,  # (E,) float32
+    *,
+    with_dbias: bool,
+    with_act: bool,
+    out_dtype: jnp.dtype,
+) -> tuple[jax.Array, ...]:
+    """Returns (dh, dprob, [dbias], [act], amax), the optional ones when asked for."""
+    num_rows = grad.shape[0]
+    num_experts = weight.shape[0]
+    sizes = groups.clamped_group_sizes(group_sizes, num_rows)
+    expert, owned = groups.row_experts(group_sizes, num_rows)
+
+    # ragged_dot leaves rows past sum(sizes) at zero; the float32 accumulation is the
+    # contract's, whatever the operand dtype.
+    acc = lax.ragged_dot(
+        grad,
+        jnp.swapaxes(weight, 1, 2),
+        sizes,
+        preferred_element_type=jnp.float32,
+        precision=lax.Precision.HIGHEST,
+    )
+    g = acc * alpha.astype(jnp.float32)[expert][:, None]
+    r = jnp.maximum(preact.astype(jnp.float32), 0.0)
+    p = prob.astype(jnp.float32)[:, None]
+    owned_col = owned[:, None]
+
+    dh_f32 = jnp.where(owned_col, 2.0 * g * r * p, 0.0)
+    dprob = jnp.where(owned, jnp.sum(r * r * g, axis=1), 0.0)
+    outputs = [dh_f32.astype(out_dtype), dprob]
+
+    if with_dbias:
+        # Each expert's rows are masked with a select before the sum, so a NaN stays in
+        # its own expert's row of dbias.
+        ones = jnp.ones((num_rows, 1), jnp.float32)
+        outputs.append(groups.per_expert_outer(dh_f32, ones, sizes)[:, :, 0])
+    if with_act:
+        outputs.append(jnp.where(owned_col, r * r * p, 0.0).astype(out_dtype))
+    # max is exact, so any order gives the same bits; NaN wins like jnp.max's.
+    row_amax = jnp.max(jnp.abs(dh_f32), axis=1, initial=0.0)
+    membership = expert[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None]
+    membership &= owned[None, :]
+    outputs.append(jnp.max(jnp.where(membership, row_amax[None, :], 0.0), axis=1, initial=0.0))
+    return tuple(outputs)

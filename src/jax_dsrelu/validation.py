@@ -1,0 +1,128 @@
+"""Trace-time checks of shapes, dtypes and options.
+
+Each error names the argument, the value seen and what was expected. Values that only
+exist at run time (group sizes) are not checked here: see `jax_dsrelu.groups` for how
+they are made safe, and `jax_dsrelu.checks` for an opt-in runtime check.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dsrelu.dispatch import BACKEND_NAMES
+
+OPERAND_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def _names(dtypes) -> str:
+    return ", ".join(np.dtype(d).name for d in dtypes)
+
+
+def require_bool(name: str, value: Any) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a Python bool, got {value!r} ({type(value).__name__})")
+
+
+def require_rank(name: str, array: Any, rank: int, layout: str) -> None:
+    shape = np.shape(array)
+    if len(shape) != rank:
+        raise ValueError(f"{name} must be {layout}, got {name}.shape={shape}")
+
+
+def require_dtype(name: str, array: Any, allowed) -> None:
+    dtype = np.dtype(array.dtype)
+    if dtype not in [np.dtype(d) for d in allowed]:
+        raise TypeError(f"{name}.dtype must be one of {_names(allowed)}, got {name}.dtype={dtype.name}")
+
+
+def require_integer(name: str, array: Any) -> None:
+    if not jnp.issubdtype(array.dtype, jnp.integer):
+        raise TypeError(f"{name}.dtype must be an integer type (int32), got {name}.dtype={np.dtype(array.dtype).name}")
+
+
+def require_dim(name: str, array: Any, axis: int, expected: int, meaning: str) -> None:
+    actual = array.shape[axis]
+    if actual != expected:
+        raise ValueError(
+            f"{name}.shape[{axis}] must equal {meaning}={expected}, got {name}.shape={tuple(array.shape)}"
+        )
+
+
+def out_dtype(value: Any) -> np.dtype:
+    try:
+        dtype = np.dtype(value)
+    except TypeError as error:
+        raise TypeError(f"out_dtype must be one of {_names(OUT_DTYPES)}, got {value!r}") from error
+    if dtype not in [np.dtype(d) for d in OUT_DTYPES]:
+        raise TypeError(f"out_dtype must be one of {_names(OUT_DTYPES)}, got {dtype.name}")
+    return dtype
+
+
+def check_grouped_gemm_dsrelu(grad, weight, preact, prob, group_sizes, alpha) -> None:
+    require_rank("grad", grad, 2, "(m, k)")
+    require_rank("weight", weight, 3, "(E, n, k)")
+    require_rank("preact", preact, 2, "(m, n)")
+    require_rank("prob", prob, 1, "(m,)")
+    require_rank("group_sizes", group_sizes, 1, "(E,)")
+    num_rows, k = grad.shape
+    num_experts, n, _ = weight.shape
+    require_dim("weight", weight, 2, k, "grad.shape[1] (k)")
+    require_dim("preact", preact, 0, num_rows, "grad.shape[0] (m)")
+    require_dim("preact", preact, 1, n, "weight.shape[1] (n)")
+    require_dim("prob", prob, 0, num_rows, "grad.shape[0] (m)")
+    require_dim("group_sizes", group_sizes, 0, num_experts, "weight.shape[0] (E)")
+
+    require_dtype("grad", grad, OPERAND_DTYPES)
+    if np.dtype(weight.dtype) != np.dtype(grad.dtype):
+        raise TypeError(
+            f"weight.dtype must equal grad.dtype={np.dtype(grad.dtype).name}, "
+            f"got weight.dtype={np.dtype(weight.dtype).name}"
+        )
+    require_dtype("preact", preact, FLOAT_DTYPES)
+    require_dtype("prob", prob, FLOAT_DTYPES)
+    require_integer("group_sizes", group_sizes)
+    if alpha is not None:
+        require_rank("alpha", alpha, 1, "(E,)")
+        require_dim("alpha", alpha, 0, num_experts, "weight.shape[0] (E)")
+        require_dtype("alpha", alpha, FLOAT_DTYPES)
+
+
+def check_moe_mlp(x, w1, w2, prob, group_sizes, b1) -> None:
+    require_rank("x", x, 2, "(m, d)")
+    require_rank("w1", w1, 3, "(E, d, f)")
+    require_rank("w2", w2, 3, "(E, f, d)")
+    require_rank("prob", prob, 1, "(m,)")
+    require_rank("group_sizes", group_sizes, 1, "(E,)")
+    num_rows, d = x.shape
+    num_experts, _, f = w1.shape
+    require_dim("w1", w1, 1, d, "x.shape[1] (d)")
+    require_dim("w2", w2, 0, num_experts, "w1.shape[0] (E)")
+    require_dim("w2", w2, 1, f, "w1.shape[2] (f)")
+    require_dim("w2", w2, 2, d, "x.shape[1] (d)")
+    require_dim("prob", prob, 0, num_rows, "x.shape[0] (m)")
+    require_dim("group_sizes", group_sizes, 0, num_experts, "w1.shape[0] (E)")
+    require_dtype("x", x, OPERAND_DTYPES)
+    for name, array in (("w1", w1), ("w2", w2)):
+        if np.dtype(array.dtype) != np.dtype(x.dtype):
+            raise TypeError(
+                f"{name}.dtype must equal x.dtype={np.dtype(x.dtype).name}, "
+                f"got {name}.dtype={np.dtype(array.dtype).name}"
+            )
+    require_dtype("prob", prob, FLOAT_DTYPES)
+    require_integer("group_sizes", group_sizes)
+    if b1 is not None:
+        require_rank("b1", b1, 2, "(E, f)")
+        require_dim("b1", b1, 0, num_experts, "w1.shape[0] (E)")
+        require_dim("b1", b1, 1, f, "w1.shape[2] (f)")
+        require_dtype("b1", b1, FLOAT_DTYPES)
+
+
+def backend_name(value: Any) -> str:
+    if value not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKEND_NAMES))}, got {value!r}")
+    return value
