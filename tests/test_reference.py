@@ -1,0 +1,154 @@
+"""The XLA backend against the float64 NumPy contract."""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import contract_numpy
+import jax_dsrelu
+
+
+def make_inputs(rng, num_rows, k, n, group_sizes, dtype, prob_dtype=jnp.float32):
+    """Fresh random inputs: normal operands, preact straddling 0, prob in (0, 1]."""
+    num_experts = len(group_sizes)
+    grad = jnp.asarray(rng.standard_normal((num_rows, k)), dtype)
+    weight = jnp.asarray(rng.standard_normal((num_experts, n, k)) / np.sqrt(k), dtype)
+    preact = jnp.asarray(rng.standard_normal((num_rows, n)), dtype)
+    prob = jnp.asarray(rng.uniform(0.05, 1.0, num_rows), prob_dtype)
+    return grad, weight, preact, prob, jnp.asarray(group_sizes, jnp.int32)
+
+
+def assert_matches_contract(out, inputs, alpha=None, out_dtype=jnp.bfloat16, with_dbias=True, with_act=True):
+    grad, weight, preact, prob, group_sizes = inputs
+    expected = contract_numpy.grouped_gemm_dsrelu(grad, weight, preact, prob, group_sizes, alpha)
+    k, n = grad.shape[1], preact.shape[1]
+    num_rows = grad.shape[0]
+
+    np.testing.assert_array_less(
+        np.abs(np.asarray(out.dh, np.float64) - expected.dh),
+        contract_numpy.tolerance(expected.dh_terms, k, out_dtype)
+    )
+    np.testing.assert_array_less(
+        np.abs(np.asarray(out.dprob, np.float64) - expected.dprob),
+        contract_numpy.tolerance(expected.dprob_terms, n * k),
+    )
+    if with_dbias:
+        np.testing.assert_array_less(
+            np.abs(np.asarray(out.dbias, np.float64) - expected.dbias),
+            contract_numpy.tolerance(expected.dbias_terms, num_rows * k),
+        )
+    else:
+        assert out.dbias is None
+    if with_act:
+        # act is r^2 p: two float32 roundings, then one to out_dtype.
+        act_terms = np.abs(expected.act)
+        np.testing.assert_array_less(
+            np.abs(np.asarray(out.act, np.float64) - expected.act),
+            contract_numpy.tolerance(act_terms, 2, out_dtype)
+        )
+    else:
+        assert out.act is None
+    amax_terms = np.array(
+        [expected.dh_terms[expected.row_expert == e].max(initial=0.0) for e in range(len(group_sizes))]
+    )
+    np.testing.assert_array_less(
+        np.abs(np.asarray(out.amax, np.float64) - expected.amax),
+        contract_numpy.tolerance(amax_terms, k)
+    )
+    # Rows owned by no expert are exactly zero.
+    unowned = expected.row_expert < 0
+    assert not np.any(np.asarray(out.dh, np.float32)[unowned])
+    assert not np.any(np.asarray(out.dprob)[unowned])
+
+
+GROUPINGS = {
+    "ragged_with_empty": [13, 0, 70, 1, 0, 44],
+    "all_empty": [0, 0, 0],
+    "short_of_m": [5, 17, 9],  # rows past the total belong to no expert
+    "past_m": [60, 90, 40],  # the running total is capped at m
+    "negative": [30, -7, 50, -1],  # negative sizes count as 0
+    "one_expert": [128],
+}
+
+
+@pytest.mark.parametrize("grouping", sorted(GROUPINGS))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+def test_matches_float64_contract(grouping, dtype):
+    rng = np.random.default_rng(zlib.crc32(f"{grouping}{np.dtype(dtype).name}".encode()))
+    inputs = make_inputs(rng, 128, 48, 40, GROUPINGS[grouping], dtype)
+    out = jax_dsrelu.grouped_gemm_dsrelu(
+        *inputs, with_dbias=True, with_act=True, out_dtype=dtype, backend="xla"
+    )
+    assert_matches_contract(out, inputs, out_dtype=dtype)
+
+
+@pytest.mark.parametrize("with_dbias", [False, True])
+@pytest.mark.parametrize("with_act", [False, True])
+def test_optional_outputs_and_alpha(with_dbias, with_act):
+    rng = np.random.default_rng(7 + 2 * with_dbias + with_act)
+    inputs = make_inputs(rng, 96, 32, 24, [20, 0, 50, 26], jnp.bfloat16, prob_dtype=jnp.bfloat16)
+    alpha = jnp.asarray(rng.uniform(-2.0, 2.0, 4), jnp.float32)
+    out = jax.jit(
+        lambda *a: jax_dsrelu.grouped_gemm_dsrelu(
+            *a[:5], alpha=a[5], with_dbias=with_dbias, with_act=with_act, deterministic=True
+        )
+    )(*inputs, alpha)
+    assert_matches_contract(out, inputs, alpha=alpha, with_dbias=with_dbias, with_act=with_act)
+
+
+def test_zero_rows():
+    rng = np.random.default_rng(3)
+    inputs = make_inputs(rng, 0, 16, 8, [0, 0], jnp.bfloat16)
+    out = jax_dsrelu.grouped_gemm_dsrelu(*inputs, with_dbias=True, with_act=True)
+    assert out.dh.shape == (0, 8) and out.dprob.shape == (0,) and out.act.shape == (0, 8)
+    np.testing.assert_array_equal(out.dbias, np.zeros((2, 8)))
+    np.testing.assert_array_equal(out.amax, np.zeros(2))
+
+
+def test_output_dtypes_and_shapes():
+    rng = np.random.default_rng(4)
+    inputs = make_inputs(rng, 32, 16, 8, [10, 22], jnp.float16)
+    out = jax_dsrelu.grouped_gemm_dsrelu(
+        *inputs, with_dbias=True, with_act=True, out_dtype=jnp.float32
+    )
+    assert (out.dh.dtype, out.act.dtype) == (jnp.float32, jnp.float32)
+    assert (out.dprob.dtype, out.dbias.dtype, out.amax.dtype) == (jnp.float32,) * 3
+    assert out.dbias.shape == (2, 8) and out.amax.shape == (2,)
+
+
+def test_nan_and_inf_propagate_within_their_expert():
+    rng = np.random.default_rng(5)
+    grad, weight, preact, prob, group_sizes = make_inputs(rng, 40, 16, 8, [10, 20, 10], jnp.float32)
+    preact = preact.at[3, 2].set(jnp.nan)  # expert 0
+    grad = grad.at[15].set(jnp.inf)  # expert 1
+    out = jax_dsrelu.grouped_gemm_dsrelu(
+        grad, weight, preact, prob, group_sizes, with_dbias=True, with_act=True
+    )
+    assert np.isnan(np.asarray(out.dh, np.float32)[3, 2]) and np.isnan(out.dprob[3])
+    assert np.isnan(out.dbias[0, 2]) and np.isnan(out.amax[0]) and np.isnan(np.asarray(out.act, np.float32)[3, 2])
+    dh_row = np.asarray(out.dh, np.float32)[15]
+    assert not np.all(np.isfinite(dh_row))
+    assert not np.isfinite(out.amax[1])
+    # Nothing leaks into the expert that saw neither.
+    assert np.all(np.isfinite(out.dbias[2])) and np.isfinite(out.amax[2])
+    assert np.all(np.isfinite(np.asarray(out.dh, np.float32)[30:]))
+
+
+def test_deterministic_xla_is_bitwise_stable():
+    rng = np.random.default_rng(6)
+    inputs = make_inputs(rng, 512, 64, 96, [100, 0, 250, 150], jnp.bfloat16)
+    run = jax.jit(
+        lambda *a: jax_dsrelu.grouped_gemm_dsrelu(
+            *a, with_dbias=True, with_act=True, deterministic=True, backend="xla"
+        )
+    )
+    first = jax.device_get(run(*inputs))
+    for _ in range(5):
+        again = jax.device_get(run(*inputs))
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
