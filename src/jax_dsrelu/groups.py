@@ -31,6 +31,19 @@ def clamped_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
     return jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
 
 
+def local_group_sizes(
+    group_sizes: jax.Array, num_rows: int, row_offset: jax.Array, local_rows: int
+) -> jax.Array:
+    """Group sizes seen by the shard of rows [row_offset, row_offset + local_rows).
+
+    Cut from the clamped global layout, so a shard owns exactly the rows the whole
+    array assigns to each expert, and rows past the global total stay unowned.
+    """
+    ends = clamped_group_ends(group_sizes, num_rows)
+    local_ends = jnp.clip(ends - row_offset, 0, local_rows)
+    return jnp.diff(local_ends, prepend=jnp.zeros((1,), jnp.int32))
+
+
 def row_experts(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
     """(expert of each row int32 (m,), whether the row belongs to an expert bool (m,)).
 

@@ -1,17 +1,20 @@
 """The `grouped_gemm_dsrelu` primitive: abstract evaluation, lowering per platform, batching.
 
 Operands, in order: grad (m, k), weight (E, n, k), preact (m, n), prob (m,) float32,
-group_sizes (E,) int32, alpha (E,) float32. Results, in order: dh, dprob, [dbias], [act],
-amax, the bracketed ones only when asked for.
+group_sizes (E,) int32, alpha (E,) float32, and for MXFP8 operands two more: grad_scale
+(m, k/32) and weight_scale (E, n, k/32) float8_e8m0fnu. Results, in order: dh, dprob,
+[dbias], [act], amax, the bracketed ones only when asked for.
 
 Every platform lowers "xla" (and "auto", off CUDA) through the reference. On CUDA the
 backend is resolved when lowering, and a kernel backend's implementation is lowered in
 its place: it emits one custom call that runs the kernel and, in deterministic mode, the
-fixed-order reduction pass.
+fixed-order reduction pass. Either way the computation is wrapped for the SPMD
+partitioner (`jax_dsrelu.sharding`), so sharded operands are not gathered.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -19,9 +22,10 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import dispatch as jax_dispatch
 from jax.interpreters import batching, mlir
 
-from jax_dsrelu import dispatch
+from jax_dsrelu import dispatch, sharding
 from jax_dsrelu.reference import grouped_gemm_dsrelu_reference
 
 grouped_gemm_dsrelu_p = jax.extend.core.Primitive("grouped_gemm_dsrelu")
@@ -35,6 +39,8 @@ def bind(
     prob: jax.Array,
     group_sizes: jax.Array,
     alpha: jax.Array,
+    grad_scale: jax.Array | None = None,
+    weight_scale: jax.Array | None = None,
     *,
     with_dbias: bool,
     with_act: bool,
@@ -42,6 +48,7 @@ def bind(
     deterministic: bool,
     backend: str,
 ) -> list[jax.Array]:
+    scales = () if grad_scale is None else (grad_scale, weight_scale)
     return grouped_gemm_dsrelu_p.bind(
         grad,
         weight,
@@ -49,6 +56,7 @@ def bind(
         prob,
         group_sizes,
         alpha,
+        *scales,
         with_dbias=with_dbias,
         with_act=with_act,
         out_dtype=np.dtype(out_dtype),
@@ -57,7 +65,7 @@ def bind(
     )
 
 
-def _abstract_eval(grad, weight, preact, prob, group_sizes, alpha, *, with_dbias, with_act, out_dtype, **_):
+def _abstract_eval(grad, weight, preact, prob, group_sizes, alpha, *scales, with_dbias, with_act, out_dtype, **_):
     num_rows, num_cols = preact.shape
     num_experts = weight.shape[0]
     results = [
@@ -90,35 +98,50 @@ def _eager_impl(*operands, **params):
 
 grouped_gemm_dsrelu_p.def_impl(_eager_impl)
 
-_lower_reference = mlir.lower_fun(_reference_impl, multiple_results=True)
+def _local_implementation(platforms: Sequence[str], params: dict[str, Any]):
+    """For operands of the given shapes on one device: the function computing the outputs."""
+
+    def for_shapes(operand_avals):
+        if "cuda" in platforms:
+            request = dispatch.request_from_avals(
+                operand_avals,
+                block_scaled=len(operand_avals) == 8,
+                out_dtype=params["out_dtype"],
+                with_dbias=params["with_dbias"],
+                with_act=params["with_act"],
+                deterministic=params["deterministic"],
+            )
+            _, implementation = dispatch.cuda_implementation(params["backend"], request)
+            if implementation is not None:
+                return implementation
+        elif params["backend"] not in ("xla", "auto"):
+            raise NotImplementedError(
+                f"backend={params['backend']!r} runs only on CUDA GPUs, but this computation "
+                f"is lowered for {', '.join(platforms)}. Use backend='xla' or 'auto' there."
+            )
+        return functools.partial(_reference_impl, **params)
+
+    return for_shapes
 
 
-def _lower_any_platform(ctx: mlir.LoweringRuleContext, *operands: Any, **params: Any) -> Sequence[Any]:
-    if params["backend"] not in ("xla", "auto"):
-        platforms = ", ".join(ctx.module_context.platforms)
-        raise NotImplementedError(
-            f"backend={params['backend']!r} runs only on CUDA GPUs, but this computation is "
-            f"lowered for {platforms}. Use backend='xla' or 'auto' there."
-        )
-    return _lower_reference(ctx, *operands, **params)
-
-
-def _lower_cuda(ctx: mlir.LoweringRuleContext, *operands: Any, **params: Any) -> Sequence[Any]:
-    request = dispatch.request_from_avals(
+def _lower(ctx: mlir.LoweringRuleContext, *operands: Any, platform: str | None, **params: Any):
+    platforms = (platform,) if platform else tuple(ctx.module_context.platforms)
+    computation = sharding.partitioned(
+        _local_implementation(platforms, params),
         ctx.avals_in,
-        out_dtype=params["out_dtype"],
         with_dbias=params["with_dbias"],
         with_act=params["with_act"],
-        deterministic=params["deterministic"],
     )
-    _, implementation = dispatch.cuda_implementation(params["backend"], request)
-    if implementation is None:
-        return _lower_reference(ctx, *operands, **params)
-    return mlir.lower_fun(implementation, multiple_results=True)(ctx, *operands)
+    return mlir.lower_fun(computation, multiple_results=True)(ctx, *operands)
 
 
-mlir.register_lowering(grouped_gemm_dsrelu_p, _lower_any_platform)
-mlir.register_lowering(grouped_gemm_dsrelu_p, _lower_cuda, platform="cuda")
+# The lowering wraps the computation in custom_partitioning, which needs the device
+# assignment; JAX supplies it while lowering only to computations that contain a
+# primitive in this set, and custom_partitioning's own equation appears only inside our
+# lowering, too late to be seen.
+jax_dispatch.prim_requires_devices_during_lowering.add(grouped_gemm_dsrelu_p)
+mlir.register_lowering(grouped_gemm_dsrelu_p, functools.partial(_lower, platform=None))
+mlir.register_lowering(grouped_gemm_dsrelu_p, functools.partial(_lower, platform="cuda"), platform="cuda")
 
 
 def _batch(batched_operands, batch_dims, **params):
