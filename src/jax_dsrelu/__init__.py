@@ -5,20 +5,24 @@ Public API:
     moe_mlp                              the differentiable expert MLP built on it
     backends                             what each backend can do on this machine
     check_group_sizes                    opt-in runtime check, under checkify
+    quantize_mx, dequantize_mx           MXFP8 block scaling of operands (OCP MX v1.0)
 """
 
 from jax_dsrelu.api import DsreluOutputs, grouped_gemm_dsrelu
 from jax_dsrelu.checks import check_group_sizes
 from jax_dsrelu.dispatch import BackendStatus, backends
 from jax_dsrelu.layer import moe_mlp
+from jax_dsrelu.mx import dequantize_mx, quantize_mx
 
 __all__ = [
     "BackendStatus",
     "DsreluOutputs",
     "backends",
     "check_group_sizes",
+    "dequantize_mx",
     "grouped_gemm_dsrelu",
     "moe_mlp",
+    "quantize_mx",
 ]
 
 __version__ = "0.1.0"

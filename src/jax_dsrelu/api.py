@@ -28,6 +28,8 @@ def grouped_gemm_dsrelu(
     group_sizes: jax.Array,  # (E,) int32 rows per expert, in row order
     *,
     alpha: jax.Array | None = None,  # (E,) per-expert scale of the GEMM result
+    grad_scale: jax.Array | None = None,  # (m, k/32) float8_e8m0fnu, MXFP8 operands only
+    weight_scale: jax.Array | None = None,  # (E, n, k/32) float8_e8m0fnu
     with_dbias: bool = False,
     with_act: bool = False,
     out_dtype=jnp.bfloat16,
@@ -45,6 +47,10 @@ def grouped_gemm_dsrelu(
         act[i, j] = r^2 prob[i]                                         (with_act)
         amax[e]   = max |dh| over expert e's rows, 0 for an empty expert
 
+    MXFP8 operands: grad and weight as float8_e4m3fn or float8_e5m2 with grad_scale and
+    weight_scale, one power-of-two scale per 32 elements along k (see `quantize_mx`); the
+    values above are then those of the dequantized operands.
+
     Rows past sum(group_sizes) belong to no expert and get 0. Negative group sizes count as
     0 and rows past m are ignored, so no group_sizes value reads or writes out of bounds.
 
@@ -53,7 +59,9 @@ def grouped_gemm_dsrelu(
     change the last bits of dprob and dbias. backend is "auto", "xla", "sm90" or "sm100";
     see `jax_dsrelu.backends()` for what runs here.
     """
-    validation.check_grouped_gemm_dsrelu(grad, weight, preact, prob, group_sizes, alpha)
+    validation.check_grouped_gemm_dsrelu(
+        grad, weight, preact, prob, group_sizes, alpha, grad_scale, weight_scale
+    )
     for name, flag in (
         ("with_dbias", with_dbias),
         ("with_act", with_act),
@@ -71,7 +79,9 @@ def grouped_gemm_dsrelu(
         out_dtype=dtype,
         deterministic=bool(deterministic),
     )
-    request = dispatch.request_from_avals((grad, weight, preact, prob), **params)
+    request = dispatch.request_from_avals(
+        (grad, weight, preact, prob), block_scaled=grad_scale is not None, **params
+    )
     dispatch.check_explicit_backend(backend, request)
 
     results = iter(
@@ -82,6 +92,8 @@ def grouped_gemm_dsrelu(
             prob,
             group_sizes.astype(jnp.int32),
             alpha.astype(jnp.float32),
+            grad_scale,
+            weight_scale,
             backend=backend,
             **params,
         )

@@ -184,7 +184,7 @@ def describe(statuses: list[BackendStatus] | None = None) -> str:
     )
 
 
-def request_from_avals(avals: Any, **params: Any) -> Request:
+def request_from_avals(avals: Any, *, block_scaled: bool = False, **params: Any) -> Request:
     grad, weight, preact, prob = avals[:4]
     return Request(
         num_experts=weight.shape[0],
@@ -193,5 +193,6 @@ def request_from_avals(avals: Any, **params: Any) -> Request:
         operand_dtype=np.dtype(grad.dtype),
         preact_dtype=np.dtype(preact.dtype),
         prob_dtype=np.dtype(prob.dtype),
+        block_scaled=block_scaled,
         **params,
     )

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_dsrelu import groups
+from jax_dsrelu import groups, mx
 
 
 def grouped_gemm_dsrelu_reference(
@@ -22,12 +22,21 @@ def grouped_gemm_dsrelu_reference(
     prob: jax.Array,  # (m,)
     group_sizes: jax.Array,  # (E,) int32
     alpha: jax.Array,  # (E,) float32
+    grad_scale: jax.Array | None = None,  # (m, k/32) float8_e8m0fnu, MXFP8 operands only
+    weight_scale: jax.Array | None = None,  # (E, n, k/32) float8_e8m0fnu
     *,
     with_dbias: bool,
     with_act: bool,
     out_dtype: jnp.dtype,
 ) -> tuple[jax.Array, ...]:
-    """Returns (dh, dprob, [dbias], [act], amax), the optional ones when asked for."""
+    """Returns (dh, dprob, [dbias], [act], amax), the optional ones when asked for.
+
+    Block-scaled (MXFP8) operands are dequantized to float32 first, so every backend is
+    held to the contract on the values the operands represent.
+    """
+    if grad_scale is not None:
+        grad = mx.dequantize_mx(grad, grad_scale)
+        weight = mx.dequantize_mx(weight, weight_scale)
     num_rows = grad.shape[0]
     num_experts = weight.shape[0]
     sizes = groups.clamped_group_sizes(group_sizes, num_rows)

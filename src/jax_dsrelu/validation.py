@@ -12,6 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jax_dsrelu import mx
 from jax_dsrelu.dispatch import BACKEND_NAMES
 
 OPERAND_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -63,7 +64,9 @@ def out_dtype(value: Any) -> np.dtype:
     return dtype
 
 
-def check_grouped_gemm_dsrelu(grad, weight, preact, prob, group_sizes, alpha) -> None:
+def check_grouped_gemm_dsrelu(
+    grad, weight, preact, prob, group_sizes, alpha, grad_scale=None, weight_scale=None
+) -> None:
     require_rank("grad", grad, 2, "(m, k)")
     require_rank("weight", weight, 3, "(E, n, k)")
     require_rank("preact", preact, 2, "(m, n)")
@@ -77,7 +80,16 @@ def check_grouped_gemm_dsrelu(grad, weight, preact, prob, group_sizes, alpha) ->
     require_dim("prob", prob, 0, num_rows, "grad.shape[0] (m)")
     require_dim("group_sizes", group_sizes, 0, num_experts, "weight.shape[0] (E)")
 
-    require_dtype("grad", grad, OPERAND_DTYPES)
+    if grad_scale is None and weight_scale is None:
+        if np.dtype(grad.dtype) in mx.ELEMENT_DTYPES:
+            raise TypeError(
+                f"grad.dtype={np.dtype(grad.dtype).name} is an MXFP8 element type: pass grad_scale "
+                f"(m, k/32) and weight_scale (E, n, k/32) as float8_e8m0fnu, e.g. from "
+                f"jax_dsrelu.quantize_mx"
+            )
+        require_dtype("grad", grad, OPERAND_DTYPES)
+    else:
+        check_block_scales(grad, weight, grad_scale, weight_scale)
     if np.dtype(weight.dtype) != np.dtype(grad.dtype):
         raise TypeError(
             f"weight.dtype must equal grad.dtype={np.dtype(grad.dtype).name}, "
@@ -90,6 +102,35 @@ def check_grouped_gemm_dsrelu(grad, weight, preact, prob, group_sizes, alpha) ->
         require_rank("alpha", alpha, 1, "(E,)")
         require_dim("alpha", alpha, 0, num_experts, "weight.shape[0] (E)")
         require_dtype("alpha", alpha, FLOAT_DTYPES)
+
+
+def check_block_scales(grad, weight, grad_scale, weight_scale) -> None:
+    """MXFP8 operands: float8 grad/weight with one float8_e8m0fnu scale per 32 along k."""
+    for name, scale, other in (
+        ("grad_scale", grad_scale, "weight_scale"),
+        ("weight_scale", weight_scale, "grad_scale"),
+    ):
+        if scale is None:
+            raise ValueError(
+                f"{name} and {other} go together: got {other} but {name}=None"
+            )
+    require_dtype("grad", grad, mx.ELEMENT_DTYPES)
+    num_rows, k = grad.shape
+    num_experts, n, _ = weight.shape
+    if k % mx.BLOCK_SIZE:
+        raise ValueError(
+            f"grad.shape[1] (k) must be a multiple of the MX block size {mx.BLOCK_SIZE} for "
+            f"block-scaled operands, got grad.shape={tuple(grad.shape)}"
+        )
+    require_rank("grad_scale", grad_scale, 2, "(m, k/32)")
+    require_dim("grad_scale", grad_scale, 0, num_rows, "grad.shape[0] (m)")
+    require_dim("grad_scale", grad_scale, 1, k // mx.BLOCK_SIZE, "k/32")
+    require_rank("weight_scale", weight_scale, 3, "(E, n, k/32)")
+    require_dim("weight_scale", weight_scale, 0, num_experts, "weight.shape[0] (E)")
+    require_dim("weight_scale", weight_scale, 1, n, "weight.shape[1] (n)")
+    require_dim("weight_scale", weight_scale, 2, k // mx.BLOCK_SIZE, "k/32")
+    require_dtype("grad_scale", grad_scale, (mx.SCALE_DTYPE,))
+    require_dtype("weight_scale", weight_scale, (mx.SCALE_DTYPE,))
 
 
 def check_moe_mlp(x, w1, w2, prob, group_sizes, b1) -> None:
