@@ -7,8 +7,15 @@ A `gpu` test is skipped only when JAX sees no CUDA device; any other failure is 
 from __future__ import annotations
 
 import functools
+import os
 
-import jax
+# Eight host devices, so that sharded computations run on a CPU-only machine. It must be
+# set before JAX starts its CPU backend; unsharded tests simply use the first device.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
+).strip()
+
+import jax  # noqa: E402
 import pytest
 
 

@@ -22,10 +22,9 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import dispatch as jax_dispatch
 from jax.interpreters import batching, mlir
 
-from jax_dsrelu import dispatch, sharding
+from jax_dsrelu import dispatch, jax_internals, sharding
 from jax_dsrelu.reference import grouped_gemm_dsrelu_reference
 
 grouped_gemm_dsrelu_p = jax.extend.core.Primitive("grouped_gemm_dsrelu")
@@ -65,18 +64,20 @@ def bind(
     )
 
 
-def _abstract_eval(grad, weight, preact, prob, group_sizes, alpha, *scales, with_dbias, with_act, out_dtype, **_):
+def _abstract_eval(grad, weight, preact, prob, group_sizes, alpha, *, with_dbias, with_act, out_dtype, **_):
     num_rows, num_cols = preact.shape
     num_experts = weight.shape[0]
-    results = [
-        jax.core.ShapedArray((num_rows, num_cols), out_dtype),
-        jax.core.ShapedArray((num_rows,), jnp.float32),
-    ]
+    operands = (grad, weight, preact, prob, group_sizes, alpha)
+
+    def result(shape, dtype):
+        return jax_internals.result_aval(shape, dtype, operands)
+
+    results = [result((num_rows, num_cols), out_dtype), result((num_rows,), jnp.float32)]
     if with_dbias:
-        results.append(jax.core.ShapedArray((num_experts, num_cols), jnp.float32))
+        results.append(result((num_experts, num_cols), jnp.float32))
     if with_act:
-        results.append(jax.core.ShapedArray((num_rows, num_cols), out_dtype))
-    results.append(jax.core.ShapedArray((num_experts,), jnp.float32))
+        results.append(result((num_rows, num_cols), out_dtype))
+    results.append(result((num_experts,), jnp.float32))
     return results
 
 
@@ -139,7 +140,7 @@ def _lower(ctx: mlir.LoweringRuleContext, *operands: Any, platform: str | None, 
 # assignment; JAX supplies it while lowering only to computations that contain a
 # primitive in this set, and custom_partitioning's own equation appears only inside our
 # lowering, too late to be seen.
-jax_dispatch.prim_requires_devices_during_lowering.add(grouped_gemm_dsrelu_p)
+jax_internals.require_devices_while_lowering(grouped_gemm_dsrelu_p)
 mlir.register_lowering(grouped_gemm_dsrelu_p, functools.partial(_lower, platform=None))
 mlir.register_lowering(grouped_gemm_dsrelu_p, functools.partial(_lower, platform="cuda"), platform="cuda")
 
