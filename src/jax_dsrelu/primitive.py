@@ -64,10 +64,9 @@ def bind(
     )
 
 
-def _abstract_eval(grad, weight, preact, prob, group_sizes, alpha, *, with_dbias, with_act, out_dtype, **_):
-    num_rows, num_cols = preact.shape
-    num_experts = weight.shape[0]
-    operands = (grad, weight, preact, prob, group_sizes, alpha)
+def _abstract_eval(*operands, with_dbias, with_act, out_dtype, **_):
+    num_rows, num_cols = operands[2].shape  # preact
+    num_experts = operands[1].shape[0]  # weight
 
     def result(shape, dtype):
         return jax_internals.result_aval(shape, dtype, operands)

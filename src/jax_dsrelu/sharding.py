@@ -36,9 +36,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax_dsrelu import groups
 
 # Dimension names of the operands, in operand order; "m" rows, "n" columns, "k" the
-# contraction, "e" experts.
+# contraction, "e" experts, "b" the k/32 scale blocks of MXFP8 operands.
 OPERAND_DIMS = ("m k", "e n k", "m n", "m", "e", "e")
-_KEPT_WHOLE = ("k", "e")
+SCALE_DIMS = ("m b", "e n b")
+_KEPT_WHOLE = ("k", "e", "b")  # see the module docstring
 
 
 def result_dims(with_dbias: bool, with_act: bool) -> list[str]:
@@ -67,6 +68,7 @@ def partitioned(
     so a backend can decide on the shapes it really gets.
     """
     num_rows = operand_avals[0].shape[0]
+    operand_dims = OPERAND_DIMS + (SCALE_DIMS if len(operand_avals) > len(OPERAND_DIMS) else ())
     outputs = result_dims(with_dbias, with_act)
     dbias_index = 2 if with_dbias else None
 
@@ -83,16 +85,15 @@ def partitioned(
         def sharding_of(dims: str) -> NamedSharding:
             return NamedSharding(mesh, PartitionSpec(*(factor_axes.get(d) for d in dims.split())))
 
-        arg_shardings = tuple(sharding_of(dims) for dims in OPERAND_DIMS)
+        arg_shardings = tuple(sharding_of(dims) for dims in operand_dims)
         result_shardings = tuple(sharding_of(dims) for dims in outputs)
 
         def lower_fn(*operands):
-            grad, weight, preact, prob, group_sizes, alpha = operands
-            local_rows = grad.shape[0]
+            local = list(operands)
+            local_rows = local[0].shape[0]
             if row_axes:
                 offset = lax.axis_index(row_axes) * local_rows
-                group_sizes = groups.local_group_sizes(group_sizes, num_rows, offset, local_rows)
-            local = (grad, weight, preact, prob, group_sizes, alpha)
+                local[4] = groups.local_group_sizes(local[4], num_rows, offset, local_rows)
             results = list(local_implementation([jax.typeof(x) for x in local])(*local))
             if col_axes:
                 results[1] = _sum_in_shard_order(results[1], col_axes)
@@ -106,8 +107,8 @@ def partitioned(
 
     computation.def_partition(
         partition=partition,
-        sharding_rule=", ".join(OPERAND_DIMS) + " -> " + ", ".join(outputs),
-        need_replication_factors=_KEPT_WHOLE,
+        sharding_rule=", ".join(operand_dims) + " -> " + ", ".join(outputs),
+        need_replication_factors=tuple(f for f in _KEPT_WHOLE if f in " ".join(operand_dims).split()),
     )
     return computation
 
