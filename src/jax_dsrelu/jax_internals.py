@@ -36,3 +36,23 @@ def result_aval(shape: tuple[int, ...], dtype: Any, operands: Sequence[Any]) -> 
         sharding=NamedSharding(mesh, PartitionSpec(*([None] * len(shape)))),
         manual_axis_type=jax_core.ManualAxisType(varying=axes),
     )
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes `x` varies over inside `jax.shard_map` (empty outside)."""
+    return getattr(getattr(jax.typeof(x), "mat", None), "varying", None) or frozenset()
+
+
+def vary_alike(arrays: Sequence[Any]) -> list[Any]:
+    """Makes every array vary over the union of the manual axes any of them varies over.
+
+    A custom VJP must return each cotangent with its primal's type; casting the inputs
+    first lets JAX's own transpose of the cast (a psum) reduce weight gradients over the
+    axes the weights are repeated along, as a plain autodiff would.
+    """
+    union = frozenset().union(*(varying_axes(x) for x in arrays if x is not None))
+    return [
+        x if x is None or varying_axes(x) == union
+        else jax.lax.pcast(x, tuple(sorted(union - varying_axes(x))), to="varying")
+        for x in arrays
+    ]

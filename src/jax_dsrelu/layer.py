@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_dsrelu import api, groups, validation
+from jax_dsrelu import api, groups, jax_internals, validation
 
 
 def moe_mlp(
@@ -34,6 +34,7 @@ def moe_mlp(
     validation.check_moe_mlp(x, w1, w2, prob, group_sizes, b1)
     validation.require_bool("deterministic", deterministic)
     backend = validation.backend_name(backend)
+    x, w1, w2, prob, b1 = jax_internals.vary_alike([x, w1, w2, prob, b1])
     return _moe_mlp(bool(deterministic), backend, x, w1, w2, prob, group_sizes.astype(jnp.int32), b1)
 
 
