@@ -1,0 +1,60 @@
+#!/bin/bash
+# One batch of GPU work for the sm90 backend, run on the H200 from the repository root:
+#
+#   bash benchmarks/device_run.sh STAGES COMMIT
+#
+# STAGES is a comma-separated list of:
+#   smoke     one small case with a hard time limit (a hang stops everything here)
+#   tests     the GPU tier of tests/test_sm90.py
+#   sass      disassembles the benchmark kernels' cubins: HGMMA present, no LDL/STL
+#   bench     benchmarks/bench_dsrelu.py
+#   sanitize  a small subset of the GPU tests under compute-sanitizer (memcheck)
+#
+# Kernels come precompiled from benchmarks/prebuild_kernels.py in .kernels/ (carried along),
+# so device time goes to running them. Logs go to $OUT.
+set -o pipefail
+stages=",$1,"
+commit="$2"
+source .gpu/activate.sh
+export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+export JAX_DSRELU_KERNEL_CACHE="$PWD/.kernels/cache"
+export PYTHONUNBUFFERED=1
+log="$OUT/run.log"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee -a "$log"
+
+if [[ $stages == *,smoke,* ]]; then
+  timeout 180 python3 -m pytest -x -q -p no:cacheprovider tests/test_sm90.py -m gpu \
+    -k "test_matches_float64_contract and one_row and bf16 and False" 2>&1 | tee -a "$log"
+  status=$?
+  echo "smoke exit $status" | tee -a "$log"
+  [[ $status == 0 ]] || exit $status
+fi
+
+if [[ $stages == *,tests,* ]]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rs --durations=8 -m gpu \
+    tests/test_sm90.py 2>&1 | tee -a "$log"
+  echo "tests exit $?" | tee -a "$log"
+fi
+
+if [[ $stages == *,sass,* ]]; then
+  for cubin in .kernels/cubin/*.cubin; do
+    sass=$(cuobjdump --dump-sass "$cubin")
+    echo "$(basename "$cubin"): HGMMA $(grep -c HGMMA <<<"$sass") LDL $(grep -c 'LDL' <<<"$sass")" \
+      "STL $(grep -c 'STL' <<<"$sass") instructions $(grep -cE '^\s+/\*[0-9a-f]{4}\*/' <<<"$sass")" \
+      | tee -a "$OUT/sass_summary.txt"
+  done
+  cuobjdump --dump-sass .kernels/cubin/k4096_n2048_e8_det.cubin > "$OUT/sass_k4096_n2048_e8_det.txt"
+fi
+
+if [[ $stages == *,bench,* ]]; then
+  timeout 240 python3 benchmarks/bench_dsrelu.py --commit "$commit" --out "$OUT" 2>&1 | tee -a "$log"
+  echo "bench exit $?" | tee -a "$log"
+fi
+
+if [[ $stages == *,sanitize,* ]]; then
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 compute-sanitizer --tool memcheck \
+    --target-processes all --print-limit 20 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/test_sm90.py -k "test_matches_float64_contract and bf16 and (negative or past_m or one_row or all_empty)" \
+    2>&1 | tail -40 | tee -a "$log"
+  echo "sanitize exit $?" | tee -a "$log"
+fi

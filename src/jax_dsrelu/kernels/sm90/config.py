@@ -1,0 +1,148 @@
+"""Tile configuration of the SM90 kernel, its constraints, and the heuristic that picks one.
+
+Imports no CuTe DSL: dispatch asks `cannot_implement` without loading the kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from jax_dsrelu.dispatch import Request
+
+# Largest expert count: the per-CTA expert tables (two int32 prefix sums of E + 1 entries)
+# live in shared memory next to the pipelines, and one warp builds them in E / 32 steps.
+MAX_EXPERTS = 256
+# Usable shared memory per CTA on sm_90 (227 KiB), as the driver grants it with the opt-in.
+SMEM_CAPACITY = 232_448
+# Rows per work tile: two consumer warpgroups of 64 rows each (wgmma's M is 64).
+TILE_M = 128
+# Dynamic-shared-memory bytes reserved for barriers and alignment padding.
+_SMEM_RESERVE = 2048
+_SIXTEEN_BIT = (np.dtype("bfloat16"), np.dtype("float16"))
+# H100 and H200 SXM have 132 multiprocessors; used when no GPU is visible at lowering.
+DEFAULT_SM_COUNT = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Static tile configuration of the kernel; `__post_init__` is the one validity check.
+
+    The consumer mode is cooperative: both consumer warpgroups work on the same
+    (tile_m, tile_n) tile, 64 rows each, and run the epilogue together. The cluster is
+    1x1: a cluster along M could span two experts, whose B tiles differ, so multicast of B
+    would be wrong; along N it would save L2 traffic for A only.
+    """
+
+    tile_n: int  # columns per work tile (the N extent of each wgmma)
+    tile_k: int  # k per pipeline stage
+    ab_stages: int  # grad/weight shared-memory stages
+    epi_n: int  # columns per epilogue subtile (preact load, dh/act store)
+    preact_stages: int  # preact subtiles in flight
+    store_stages: int  # dh/act subtile buffers, each a TMA store in flight
+    max_ctas: int  # persistent grid size: one CTA per multiprocessor
+    tile_m: int = TILE_M
+
+    def __post_init__(self) -> None:
+        if self.tile_m != TILE_M:
+            raise ValueError(f"tile_m must be {TILE_M} (two 64-row consumer warpgroups), got {self.tile_m}")
+        if self.tile_n not in (64, 128, 192, 256):
+            raise ValueError(f"tile_n must be 64, 128, 192 or 256 (a wgmma N), got {self.tile_n}")
+        if self.tile_k not in (32, 64):
+            raise ValueError(f"tile_k must be 32 or 64 (a 64- or 128-byte swizzle row), got {self.tile_k}")
+        # Each thread holds epi_n / 4 columns of a subtile; the column reduction scatters
+        # them over the 8 row groups of a warp, so it needs at least 8.
+        if self.epi_n not in (32, 64) or self.tile_n % self.epi_n:
+            raise ValueError(f"epi_n must be 32 or 64 and divide tile_n={self.tile_n}, got {self.epi_n}")
+        for name in ("ab_stages", "preact_stages", "store_stages", "max_ctas"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.ab_stages < 2:
+            raise ValueError(f"ab_stages must be at least 2 to overlap loads and wgmma, got {self.ab_stages}")
+
+    @property
+    def subtiles(self) -> int:
+        return self.tile_n // self.epi_n
+
+    def smem_bytes(self, num_experts: int, with_act: bool, with_dbias: bool) -> int:
+        """Shared memory the kernel allocates for this config (16-bit operands and outputs)."""
+        ab = self.ab_stages * (self.tile_m + self.tile_n) * self.tile_k * 2
+        subtile = self.tile_m * self.epi_n * 2
+        preact = self.preact_stages * subtile
+        stores = self.store_stages * subtile * (2 if with_act else 1)
+        # Per-warp column partials of the tile (8 consumer warps), float32.
+        dbias = 8 * self.tile_n * 4 if with_dbias else 0
+        tables = 2 * (num_experts + 1) * 4
+        return ab + preact + stores + dbias + tables + _SMEM_RESERVE
+
+    def check_fits(self, num_experts: int, with_act: bool, with_dbias: bool) -> None:
+        need = self.smem_bytes(num_experts, with_act, with_dbias)
+        if need > SMEM_CAPACITY:
+            raise ValueError(
+                f"{self} needs {need} bytes of shared memory with E={num_experts}, "
+                f"with_act={with_act}, with_dbias={with_dbias}; sm_90 has {SMEM_CAPACITY}"
+            )
+
+
+def num_n_tiles(n: int, config: TileConfig) -> int:
+    return math.ceil(n / config.tile_n)
+
+
+def max_m_tiles(num_rows: int, num_experts: int, tile_m: int = TILE_M) -> int:
+    """Upper bound on the scheduler's expert M-tiles: sum_e ceil(size_e / tile_m).
+
+    With clamped sizes summing to at most num_rows, each expert adds at most one partial
+    tile, so the count is at most ceil(num_rows / tile_m) + E. The dbias slot workspace
+    has exactly this many rows.
+    """
+    return math.ceil(num_rows / tile_m) + num_experts
+
+
+def cannot_implement(request: Request) -> str | None:
+    """Why the SM90 kernel cannot serve `request`, or None when it can."""
+    if request.block_scaled:
+        return "block-scaled (MXFP8) operands need the sm100 backend; the sm90 kernel takes bf16/fp16"
+    for name, dtype in (
+        ("grad/weight dtype", request.operand_dtype),
+        ("preact dtype", request.preact_dtype),
+        ("out_dtype", request.out_dtype),
+    ):
+        if np.dtype(dtype) not in _SIXTEEN_BIT:
+            return f"the sm90 kernel needs {name} bfloat16 or float16, got {np.dtype(dtype).name}"
+    if request.num_experts < 1 or request.num_experts > MAX_EXPERTS:
+        return f"the sm90 kernel takes 1 to {MAX_EXPERTS} experts, got E={request.num_experts}"
+    for name, extent in (("n", request.n), ("k", request.k)):
+        # TMA needs every row stride to be a multiple of 16 bytes: 8 elements of 16 bits.
+        if extent < 8 or extent % 8:
+            return f"the sm90 kernel needs {name} to be a positive multiple of 8 (16-byte TMA rows), got {name}={extent}"
+    return None
+
+
+def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
+    """The tile configuration for `request`: widest N tile that the problem fills, then
+    as many grad/weight stages as shared memory holds.
+
+    A 128x256 tile issues m64n256k16 wgmma (the highest operand reuse per shared-memory
+    byte); narrower problems use tile_n = 128 so that the last N tile is not mostly empty.
+    """
+    reason = cannot_implement(request)
+    if reason is not None:
+        raise ValueError(reason)
+    tile_n = 256 if request.n >= 256 and request.n % 256 in (0, 192) else 128
+    if request.n < 128:
+        tile_n = 64
+    base = dict(tile_n=tile_n, tile_k=64, epi_n=32, preact_stages=4, store_stages=2, max_ctas=sm_count)
+    stages = 2
+    while (
+        TileConfig(ab_stages=stages + 1, **base).smem_bytes(
+            request.num_experts, request.with_act, request.with_dbias
+        )
+        <= SMEM_CAPACITY
+        and stages < 8
+    ):
+        stages += 1
+    config = TileConfig(ab_stages=stages, **base)
+    config.check_fits(request.num_experts, request.with_act, request.with_dbias)
+    return config

@@ -1,0 +1,789 @@
+"""Fused grouped GEMM + squared-ReLU backward for Hopper (sm_90a), in CuTe DSL.
+
+Math, with e(i) the expert owning row i (rows are contiguous per expert, in expert order):
+
+    acc[i, j] = grad[i, :] . weight[e(i), j, :]       float32 accumulation, bf16/fp16 operands
+    g = alpha[e] * acc,   r = relu(preact[i, j])      (r keeps NaN: relu is a select, not fmax)
+    dh[i, j]  = 2 g r prob[i]          rounded once to out_dtype
+    act[i, j] = r^2 prob[i]            (with_act)
+    dprob[i]  = sum_j r^2 g
+    dbias[e, j] = sum over e's rows of the unrounded dh   (with_dbias)
+    amax[e]   = max |dh| over e's rows, 0 for an empty expert
+    rows owned by no expert: dh = act = 0, dprob = 0
+
+Features:
+    - Persistent, warp-specialized: warp 0 loads grad/weight tiles with TMA into a multi-stage
+      shared-memory pipeline, warp 1 loads preact subtiles with TMA into a second pipeline,
+      two consumer warpgroups (cooperative, 64 rows each) issue wgmma with fp32 accumulators.
+    - Ragged groups read from device memory, no host synchronisation and no padding: every
+      CTA builds the clamped expert tables (`jax_dsrelu.kernels.group_tables`) in shared
+      memory and walks a linear work index w = bid, bid + grid, ... over (M-tile, N-tile),
+      N fastest. M-tiles never mix experts; a boundary tile loads the next expert's rows
+      (harmless: those accumulator rows are masked) and stores through a TMA descriptor
+      whose row extent ends at the expert's last row (the ragged-tensor trick below), so
+      no other expert's rows are written. Work items past the expert tiles store zeros to
+      the rows owned by no expert.
+    - Epilogue in accumulator registers, one (128 x epi_n) subtile at a time, in fixed
+      order: preact from shared memory (ldmatrix), dh and act converted and stored through
+      shared memory (stmatrix) with TMA, per-row dprob partials (thread sums in subtile
+      order, then a fixed butterfly over the 4 lanes sharing a row), per-column dbias
+      partials (a fixed reduce-scatter over the 8 row groups of each warp, then the 8
+      consumer warps summed in warp order), amax as an integer max of |dh|'s bits.
+    - deterministic=False: dprob and dbias partials are atomically added to zero-filled
+      outputs (the order across CTAs follows the schedule, so the last bits vary).
+      deterministic=True: every dprob partial is written to its own (N-tile, row) slot and
+      every dbias partial to its own (M-tile, column) slot, each with exactly one writer;
+      `SlotReduction` then sums the slots in a fixed order on the same stream.
+      amax uses an atomic max in both modes: max is exact, so its result is the same
+      whatever order the atomics land in.
+
+Ragged TMA store: for an expert owning rows [offset, offset + length), dh is viewed as a
+rank-4 tensor of shape (2^30, n, 2^31 - 1, 2^31 - 1) and strides (n, 1, 2^34 - n, n)
+elements over dh's own base pointer. Row coordinate 2^30 - length + r together with the
+fixed coordinates (2^30, offset + length) in the last two modes addresses
+base + ((2^30 - length + r) n + 2^30 (2^34 - n) + (offset + length) n) elements
+= base + (offset + r) n + 2^64 / element-size ... which wraps to base + (offset + r) n:
+the 2^30 * 2^34 * 2-byte term is 2^65 bytes, a multiple of 2^64. Rows r >= length have a
+coordinate >= 2^30, outside the first mode, and TMA drops them: the box is clipped at the
+expert's end. (This is the ragged-TMA construction of Triton's ragged_tma and QuACK.)
+
+Constraints:
+    - grad and weight bfloat16 or float16 (same type), preact and out_dtype 16-bit float
+    - n and k multiples of 8 (16-byte TMA row strides); 1 <= E <= 256
+    - fewer than 2^30 rows (ragged store coordinates stay in int32)
+"""
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass.tensor_utils import LayoutEnum
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Boolean, Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+
+from jax_dsrelu.kernels.group_tables import build_expert_tables
+from jax_dsrelu.kernels.sm90.config import TileConfig
+from jax_dsrelu.kernels.slot_reduction import SlotReduction
+
+# Ragged-store constants: see the module docstring.
+_RAGGED_ROWS = 2**30
+_RAGGED_EXTRA = 2**31 - 1
+_WRAP_STRIDE = 2**64 // _RAGGED_ROWS  # 2^34: 2^30 of these steps wrap 64-bit addresses
+
+_ABS_MASK = 0x7FFFFFFF
+
+# Named barriers (0 is __syncthreads): the consumer warpgroups' epilogue syncs.
+_EPILOGUE_BARRIER = 1
+_DBIAS_BARRIER = 2
+
+
+class GroupedGemmDsreluSm90:
+    """The kernel for one static configuration. `__call__` is the host function that the
+    JAX bridge runs: (stream, *inputs, *outputs) in the order documented on `__call__`."""
+
+    producer_warps = 4  # warpgroup 0: warp 0 grad/weight TMA, warp 1 preact TMA
+    consumer_warps = 8  # warpgroups 1 and 2
+    threads = 128 * 3
+    producer_registers = 40
+    consumer_registers = 232
+
+    def __init__(
+        self,
+        config: TileConfig,
+        *,
+        num_experts: int,
+        n: int,
+        k: int,
+        with_dbias: bool,
+        with_act: bool,
+        deterministic: bool,
+    ):
+        self.config = config
+        self.num_experts = num_experts
+        self.n = n
+        self.k = k
+        self.with_dbias = with_dbias
+        self.with_act = with_act
+        self.deterministic = deterministic
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+        self.tile_k = config.tile_k
+        self.epi_n = config.epi_n
+        self.subtiles = config.subtiles
+        self.n_tiles = (n + config.tile_n - 1) // config.tile_n
+        self.k_tiles = (k + config.tile_k - 1) // config.tile_k
+        self.consumer_threads = 32 * self.consumer_warps
+
+    # ------------------------------------------------------------------ host side
+
+    @cute.jit
+    def __call__(self, stream: cuda.CUstream, *tensors: cute.Tensor):
+        """Launches the GEMM and, in deterministic mode, the slot reduction, on `stream`.
+
+        tensors, in order (see lowering.py, which builds the same list):
+            grad (m, k), weight as (n, k, E), preact (m, n), prob (m,) f32,
+            group_sizes (E,) i32, alpha (E,) f32, amax bits (E,) i32 (zero-filled, updated),
+            [deterministic=False: dprob (m,) f32, [dbias (E, n) f32], zero-filled, updated]
+            dh (m, n), [act (m, n)],
+            [deterministic=True: dprob (m,), [dbias (E, n)], dprob slots (n_tiles, m),
+             [dbias slots (max M-tiles, n)]]
+        """
+        grad, weight, preact, prob, group_sizes, alpha, amax = tensors[:7]
+        rest = list(tensors[7:])
+        dprob = None
+        dbias = None
+        if cutlass.const_expr(not self.deterministic):
+            dprob = rest.pop(0)
+            if cutlass.const_expr(self.with_dbias):
+                dbias = rest.pop(0)
+        dh = rest.pop(0)
+        act = rest.pop(0) if cutlass.const_expr(self.with_act) else None
+        dprob_out = None
+        dbias_out = None
+        if cutlass.const_expr(self.deterministic):
+            dprob_out = rest.pop(0)
+            if cutlass.const_expr(self.with_dbias):
+                dbias_out = rest.pop(0)
+            dprob = rest.pop(0)  # the GEMM writes the slots; the reduction writes dprob_out
+            if cutlass.const_expr(self.with_dbias):
+                dbias = rest.pop(0)
+
+        self.ab_dtype = grad.element_type
+        self.preact_dtype = preact.element_type
+        self.out_dtype = dh.element_type
+
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
+            Float32,
+            (2, 1, 1),
+            tiler_mn=(64, self.tile_n),
+        )
+        tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
+        a_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, tile_mnk, self.ab_dtype, self.config.ab_stages
+        )
+        b_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, tile_mnk, self.ab_dtype, self.config.ab_stages
+        )
+        epi_tile = (self.tile_m, self.epi_n)
+        p_layout = sm90_utils.make_smem_layout_epi(
+            self.preact_dtype, LayoutEnum.ROW_MAJOR, epi_tile, self.config.preact_stages
+        )
+        d_layout = sm90_utils.make_smem_layout_epi(
+            self.out_dtype, LayoutEnum.ROW_MAJOR, epi_tile, self.config.store_stages
+        )
+
+        tma_a, tma_grad = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(),
+            grad,
+            cute.slice_(a_layout, (None, None, 0)),
+            (self.tile_m, self.tile_k),
+        )
+        tma_b, tma_weight = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(),
+            weight,
+            cute.slice_(b_layout, (None, None, 0)),
+            (self.tile_n, self.tile_k),
+        )
+        tma_p, tma_preact = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(),
+            preact,
+            cute.slice_(p_layout, (None, None, 0)),
+            epi_tile,
+        )
+        tma_d, tma_dh = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(),
+            self._ragged_rows(dh),
+            cute.slice_(d_layout, (None, None, 0)),
+            epi_tile,
+        )
+        tma_act = None
+        tma_act_tensor = None
+        if cutlass.const_expr(self.with_act):
+            tma_act, tma_act_tensor = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(),
+                self._ragged_rows(act),
+                cute.slice_(d_layout, (None, None, 0)),
+                epi_tile,
+            )
+
+        self.shared_storage = self._shared_storage(a_layout, b_layout, p_layout, d_layout)
+
+        num_rows = cute.size(prob, mode=[0])
+        m_tiles = (num_rows + (self.tile_m - 1)) // self.tile_m
+        # Expert tiles are at most m_tiles + E and the zero-fill tiles at most m_tiles.
+        max_work = (2 * m_tiles + self.num_experts) * self.n_tiles
+        grid = cutlass.min(max_work, Int32(self.config.max_ctas))
+
+        self.kernel(
+            tma_a,
+            tma_grad,
+            tma_b,
+            tma_weight,
+            tma_p,
+            tma_preact,
+            tma_d,
+            tma_dh,
+            tma_act,
+            tma_act_tensor,
+            prob,
+            group_sizes,
+            alpha,
+            amax,
+            dprob,
+            dbias,
+            tiled_mma,
+            a_layout,
+            b_layout,
+            p_layout,
+            d_layout,
+        ).launch(
+            grid=[grid, 1, 1],
+            block=[self.threads, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+        if cutlass.const_expr(self.deterministic):
+            SlotReduction(num_experts=self.num_experts, tile_m=self.tile_m)(
+                dprob, dbias, group_sizes, dprob_out, dbias_out, stream
+            )
+
+    def _ragged_rows(self, tensor: cute.Tensor) -> cute.Tensor:
+        """The (m, n) row-major output seen through the ragged-store construction."""
+        row_stride = tensor.stride[0]  # a 64-bit value: the wrapping stride needs the width
+        # The extents are passed as run-time values: a static layout of this size overflows
+        # the DSL's static size arithmetic.
+        return cute.make_tensor(
+            tensor.iterator,
+            cute.make_layout(
+                (Int32(_RAGGED_ROWS), tensor.shape[1], Int32(_RAGGED_EXTRA), Int32(_RAGGED_EXTRA)),
+                stride=(row_stride, 1, _WRAP_STRIDE - row_stride, row_stride),
+            ),
+        )
+
+    def _shared_storage(self, a_layout, b_layout, p_layout, d_layout):
+        experts = self.num_experts + 1
+        ab_stages = self.config.ab_stages
+        preact_stages = self.config.preact_stages
+        ab_dtype = self.ab_dtype
+        preact_dtype = self.preact_dtype
+        out_dtype = self.out_dtype
+        act_elems = cute.cosize(d_layout) if self.with_act else 1
+        dbias_elems = self.consumer_warps * self.tile_n if self.with_dbias else 1
+
+        @cute.struct
+        class SharedStorage:
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, ab_stages * 2]
+            preact_barriers: cute.struct.MemRange[cutlass.Int64, preact_stages * 2]
+            row_start: cute.struct.MemRange[Int32, experts]
+            tile_start: cute.struct.MemRange[Int32, experts]
+            dbias_partials: cute.struct.Align[cute.struct.MemRange[Float32, dbias_elems], 16]
+            sA: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(a_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(b_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[preact_dtype, cute.cosize(p_layout)], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[out_dtype, cute.cosize(d_layout)], 1024]
+            sAct: cute.struct.Align[cute.struct.MemRange[out_dtype, act_elems], 1024]
+
+        return SharedStorage
+
+    # ---------------------------------------------------------------- device side
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_p: cute.CopyAtom,
+        mP: cute.Tensor,
+        tma_d: cute.CopyAtom,
+        mD: cute.Tensor,
+        tma_act: Optional[cute.CopyAtom],
+        mAct: Optional[cute.Tensor],
+        mProb: cute.Tensor,
+        mGroupSizes: cute.Tensor,
+        mAlpha: cute.Tensor,
+        mAmax: cute.Tensor,
+        mDprob: cute.Tensor,
+        mDbias: Optional[cute.Tensor],
+        tiled_mma: cute.TiledMma,
+        a_layout: cute.ComposedLayout,
+        b_layout: cute.ComposedLayout,
+        p_layout: cute.ComposedLayout,
+        d_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        num_rows = cute.size(mProb, mode=[0])
+
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_p)
+            cpasync.prefetch_descriptor(tma_d)
+            if cutlass.const_expr(self.with_act):
+                cpasync.prefetch_descriptor(tma_act)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        one_cta = cute.make_layout((1, 1, 1, 1))
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_barriers.data_ptr(),
+            num_stages=self.config.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_warps),
+            tx_count=cute.size_in_bytes(self.ab_dtype, cute.slice_(a_layout, (None, None, 0)))
+            + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_layout, (None, None, 0))),
+            cta_layout_vmnk=one_cta,
+            defer_sync=True,
+        )
+        preact_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.preact_barriers.data_ptr(),
+            num_stages=self.config.preact_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_warps),
+            tx_count=cute.size_in_bytes(self.preact_dtype, cute.slice_(p_layout, (None, None, 0))),
+            cta_layout_vmnk=one_cta,
+            defer_sync=True,
+        )
+
+        row_start = storage.row_start.get_tensor(cute.make_layout(self.num_experts + 1))
+        tile_start = storage.tile_start.get_tensor(cute.make_layout(self.num_experts + 1))
+        if warp_idx == self.producer_warps:
+            build_expert_tables(
+                mGroupSizes, num_rows, row_start, tile_start, self.num_experts, self.tile_m
+            )
+        # Publishes the barrier initialisation and the expert tables to every warp.
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+
+        expert_work = tile_start[self.num_experts] * self.n_tiles
+
+        if warp_idx < self.producer_warps:
+            cute.arch.setmaxregister_decrease(self.producer_registers)
+            if warp_idx == 0:
+                self.load_operands(
+                    tma_a, mA, tma_b, mB, sA, sB, ab_pipeline, row_start, tile_start,
+                    expert_work, bidx, grid,
+                )
+            if warp_idx == 1:
+                self.load_preact(
+                    tma_p, mP, sP, preact_pipeline, row_start, tile_start, expert_work, bidx, grid
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_registers)
+            sD = storage.sD.get_tensor(d_layout.outer, swizzle=d_layout.inner)
+            sAct = None
+            if cutlass.const_expr(self.with_act):
+                sAct = storage.sAct.get_tensor(d_layout.outer, swizzle=d_layout.inner)
+            sDbias = None
+            if cutlass.const_expr(self.with_dbias):
+                sDbias = storage.dbias_partials.get_tensor(
+                    cute.make_layout((self.consumer_warps, self.tile_n), stride=(self.tile_n, 1))
+                )
+            self.consume(
+                tiled_mma, sA, sB, sP, sD, sAct, sDbias, ab_pipeline, preact_pipeline,
+                tma_d, mD, tma_act, mAct, mProb, mAlpha, mAmax, mDprob, mDbias,
+                row_start, tile_start, expert_work, num_rows, tidx - 128, bidx, grid,
+            )
+
+    @cute.jit
+    def load_operands(
+        self, tma_a, mA, tma_b, mB, sA, sB, ab_pipeline, row_start, tile_start,
+        expert_work: Int32, bidx: Int32, grid: Int32,
+    ):
+        """Warp 0: grad and weight k-tiles of every expert work item, in schedule order."""
+        state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Producer, self.config.ab_stages
+        )
+        work = bidx
+        expert = Int32(0)
+        while work < expert_work:
+            m_tile = work // self.n_tiles
+            n_tile = work - m_tile * self.n_tiles
+            while tile_start[expert + 1] <= m_tile:
+                expert = expert + 1
+            row0 = row_start[expert] + (m_tile - tile_start[expert]) * self.tile_m
+            # (tile_m, tile_k, k_tiles) starting at the tile's first row, any row offset.
+            gA = cute.local_tile(
+                cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None)
+            )
+            gB = cute.local_tile(
+                mB[None, None, expert], (self.tile_n, self.tile_k), (n_tile, None)
+            )
+            tAsA, tAgA = cpasync.tma_partition(
+                tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+            )
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+            )
+            for k_tile in range(self.k_tiles):
+                ab_pipeline.producer_acquire(state)
+                barrier = ab_pipeline.producer_get_barrier(state)
+                cute.copy(tma_a, tAgA[None, k_tile], tAsA[None, state.index], tma_bar_ptr=barrier)
+                cute.copy(tma_b, tBgB[None, k_tile], tBsB[None, state.index], tma_bar_ptr=barrier)
+                ab_pipeline.producer_commit(state)
+                state.advance()
+            work = work + grid
+        ab_pipeline.producer_tail(state)
+
+    @cute.jit
+    def load_preact(
+        self, tma_p, mP, sP, preact_pipeline, row_start, tile_start,
+        expert_work: Int32, bidx: Int32, grid: Int32,
+    ):
+        """Warp 1: the preact subtiles of every expert work item, in epilogue order.
+
+        A warp of its own, so that waiting for a free preact buffer (freed only by the
+        epilogue) never holds back the grad/weight loads of the next tile."""
+        state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Producer, self.config.preact_stages
+        )
+        work = bidx
+        expert = Int32(0)
+        while work < expert_work:
+            m_tile = work // self.n_tiles
+            n_tile = work - m_tile * self.n_tiles
+            while tile_start[expert + 1] <= m_tile:
+                expert = expert + 1
+            row0 = row_start[expert] + (m_tile - tile_start[expert]) * self.tile_m
+            # (tile_m, epi_n, n / epi_n): subtile s of N-tile t is column block t * subtiles + s.
+            gP = cute.local_tile(
+                cute.domain_offset((row0, 0), mP), (self.tile_m, self.epi_n), (0, None)
+            )
+            tPsP, tPgP = cpasync.tma_partition(
+                tma_p, 0, cute.make_layout(1), cute.group_modes(sP, 0, 2), cute.group_modes(gP, 0, 2)
+            )
+            for subtile in cutlass.range_constexpr(self.subtiles):
+                preact_pipeline.producer_acquire(state)
+                cute.copy(
+                    tma_p,
+                    tPgP[None, n_tile * self.subtiles + subtile],
+                    tPsP[None, state.index],
+                    tma_bar_ptr=preact_pipeline.producer_get_barrier(state),
+                )
+                preact_pipeline.producer_commit(state)
+                state.advance()
+            work = work + grid
+        preact_pipeline.producer_tail(state)
+
+    @cute.jit
+    def consume(
+        self, tiled_mma, sA, sB, sP, sD, sAct, sDbias, ab_pipeline, preact_pipeline,
+        tma_d, mD, tma_act, mAct, mProb, mAlpha, mAmax, mDprob, mDbias,
+        row_start, tile_start, expert_work: Int32, num_rows: Int32, ctid: Int32,
+        bidx: Int32, grid: Int32,
+    ):
+        """Consumer warpgroups: wgmma mainloop, then the fused epilogue, per work item."""
+        warp_c = ctid // 32  # consumer warp 0..7, rows [16 warp_c, 16 warp_c + 16) of the tile
+        lane = ctid % 32
+        # wgmma fragments are per warpgroup: slice the tiled MMA by warpgroup for A/B/C.
+        thr_mma_wg = tiled_mma.get_slice(
+            cute.make_layout(2, stride=128)(ctid // 128)
+        )
+        tCrA = tiled_mma.make_fragment_A(thr_mma_wg.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma_wg.partition_B(sB))
+        # (tile_m, tile_n) coordinates of this thread's accumulator values, and the values.
+        tCcAcc = tiled_mma.get_slice(ctid).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.tile_n))
+        )
+        acc = cute.make_rmem_tensor(tCcAcc.shape, Float32)
+        k_blocks = cute.size(tCrA, mode=[2])
+
+        # Epilogue copies: stmatrix for dh/act, ldmatrix for preact, both in the layout of
+        # the accumulator fragment (value v of a subtile is accumulator value 16 s + v).
+        copy_atom_c = cute.make_copy_atom(
+            warp.StMatrix8x8x16bOp(False, 4), self.out_dtype
+        )
+        tiled_copy_c = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
+        tiled_r2s = cute.make_tiled_copy_S(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.out_dtype), tiled_copy_c
+        )
+        thr_r2s = tiled_r2s.get_slice(ctid)
+        tRS_sD = thr_r2s.partition_D(sD)
+        tRS_sAct = None
+        if cutlass.const_expr(self.with_act):
+            tRS_sAct = thr_r2s.partition_D(sAct)
+        sub_shape = thr_r2s.partition_S(
+            cute.make_identity_tensor((self.tile_m, self.epi_n))
+        ).shape
+        tRS_rD = cute.make_rmem_tensor(sub_shape, Float32)
+        tRS_rDout = cute.make_rmem_tensor(sub_shape, self.out_dtype)
+        tRS_rAct = cute.make_rmem_tensor(sub_shape, Float32)
+        tRS_rActOut = cute.make_rmem_tensor(sub_shape, self.out_dtype)
+        tiled_s2r = cute.make_tiled_copy_S(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), self.preact_dtype), tiled_copy_c
+        )
+        thr_s2r = tiled_s2r.get_slice(ctid)
+        tSR_sP = thr_s2r.partition_S(sP)
+        tRS_rP = cute.make_rmem_tensor(sub_shape, self.preact_dtype)
+        tSR_rP = thr_s2r.retile(tRS_rP)
+        tRS_rPf = cute.make_rmem_tensor(sub_shape, Float32)
+        sub_values = cute.size(tRS_rD)  # 2 rows x epi_n / 4 columns
+
+        store_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=self.config.store_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
+        )
+        read_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Consumer, self.config.ab_stages
+        )
+        release_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Consumer, self.config.ab_stages
+        )
+        preact_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Consumer, self.config.preact_stages
+        )
+        store_count = Int32(0)
+
+        # This thread's two rows in the tile (h = 0, 1: accumulator values 0 and 2). The wgmma
+        # fragment holds value v = c + 2 h + 4 j at column 8 j + 2 (lane % 4) + c, row + 8 h.
+        tile_row = [tCcAcc[0][0], tCcAcc[2][0]]
+
+        total_rows = row_start[self.num_experts]
+        zero_tiles = (num_rows - total_rows + (self.tile_m - 1)) // self.tile_m
+        all_work = expert_work + zero_tiles * self.n_tiles
+        work = bidx
+        expert = Int32(0)
+        while work < all_work:
+            if work < expert_work:
+                m_tile = work // self.n_tiles
+                n_tile = work - m_tile * self.n_tiles
+                while tile_start[expert + 1] <= m_tile:
+                    expert = expert + 1
+                local_tile = m_tile - tile_start[expert]
+                first_row = row_start[expert]
+                expert_rows = row_start[expert + 1] - first_row
+                row0 = first_row + local_tile * self.tile_m
+                rows_valid = expert_rows - local_tile * self.tile_m
+
+                # -------- mainloop: keep one wgmma batch in flight, release a stage late.
+                acc.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                ab_pipeline.consumer_wait(read_state)
+                for k_block in cutlass.range_constexpr(k_blocks):
+                    coord = (None, None, k_block, read_state.index)
+                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                warpgroup.commit_group()
+                read_state.advance()
+                for k_tile in range(1, self.k_tiles):
+                    ab_pipeline.consumer_wait(read_state)
+                    for k_block in cutlass.range_constexpr(k_blocks):
+                        coord = (None, None, k_block, read_state.index)
+                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                    read_state.advance()
+                warpgroup.wait_group(0)
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
+
+                # -------- epilogue
+                alpha = mAlpha[expert]
+                valid = [tile_row[0] < rows_valid, tile_row[1] < rows_valid]
+                prob = []
+                for h in cutlass.range_constexpr(2):
+                    # Rows past the expert may be past m: read row 0 for them, then drop it.
+                    safe_row = Int32(cutlass.select_(valid[h], row0 + tile_row[h], Int32(0)))
+                    prob.append(Float32(cutlass.select_(valid[h], mProb[safe_row], Float32(0.0))))
+                row_sum = [Float32(0.0), Float32(0.0)]
+                amax_bits = Int32(0)
+                gD, gAct = self._store_tiles(mD, mAct, first_row, expert_rows, local_tile)
+
+                for subtile in cutlass.range_constexpr(self.subtiles):
+                    preact_pipeline.consumer_wait(preact_state)
+                    cute.copy(tiled_s2r, tSR_sP[None, None, None, preact_state.index], tSR_rP)
+                    preact_pipeline.consumer_release(preact_state)
+                    preact_state.advance()
+                    tRS_rPf.store(tRS_rP.load().to(Float32))
+
+                    columns = []
+                    for v in cutlass.range_constexpr(sub_values):
+                        h = (v // 2) % 2
+                        g = alpha * acc[subtile * sub_values + v]
+                        pre = tRS_rPf[v]
+                        # A select keeps NaN (NaN < 0 is false); fmax would drop it.
+                        r = Float32(cutlass.select_(pre < Float32(0.0), Float32(0.0), pre))
+                        r2 = r * r
+                        dh = (g + g) * r * prob[h]
+                        tRS_rD[v] = dh
+                        tRS_rAct[v] = r2 * prob[h]
+                        row_sum[h] = row_sum[h] + r2 * g
+                        bits = dh.bitcast(Int32) & Int32(_ABS_MASK)
+                        amax_bits = cutlass.max(
+                            amax_bits, Int32(cutlass.select_(valid[h], bits, Int32(0)))
+                        )
+                        if cutlass.const_expr(h == 0):
+                            columns.append(Float32(cutlass.select_(valid[0], dh, Float32(0.0))))
+                        else:
+                            # Column q = (v % 2) + 2 (v // 4): rows h = 0 then h = 1.
+                            q = (v % 2) + 2 * (v // 4)
+                            columns[q] = columns[q] + Float32(
+                                cutlass.select_(valid[1], dh, Float32(0.0))
+                            )
+                    self._store_subtile(
+                        tiled_r2s, tRS_rD, tRS_rDout, tRS_sD, tRS_rAct, tRS_rActOut, tRS_sAct,
+                        tma_d, gD, tma_act, gAct, sD, sAct, store_pipeline, store_count,
+                        n_tile * self.subtiles + subtile, ctid,
+                    )
+                    store_count = store_count + 1
+                    if cutlass.const_expr(self.with_dbias):
+                        self._scatter_columns(columns, lane, warp_c, sDbias, subtile)
+
+                self._finish_rows(
+                    row_sum, valid, row0, tile_row, lane, n_tile, mDprob
+                )
+                self._finish_amax(amax_bits, lane, expert, mAmax)
+                if cutlass.const_expr(self.with_dbias):
+                    self._finish_columns(sDbias, ctid, n_tile, m_tile, expert, mDbias)
+            else:
+                # Rows owned by no expert: dh and act are stored as zeros.
+                zero_tile = (work - expert_work) // self.n_tiles
+                n_tile = (work - expert_work) - zero_tile * self.n_tiles
+                gD, gAct = self._store_tiles(mD, mAct, total_rows, num_rows - total_rows, zero_tile)
+                tRS_rD.fill(0.0)
+                tRS_rAct.fill(0.0)
+                for subtile in cutlass.range_constexpr(self.subtiles):
+                    self._store_subtile(
+                        tiled_r2s, tRS_rD, tRS_rDout, tRS_sD, tRS_rAct, tRS_rActOut, tRS_sAct,
+                        tma_d, gD, tma_act, gAct, sD, sAct, store_pipeline, store_count,
+                        n_tile * self.subtiles + subtile, ctid,
+                    )
+                    store_count = store_count + 1
+            work = work + grid
+        if ctid == 0:
+            store_pipeline.producer_tail()
+
+    def _store_tiles(self, mD, mAct, offset, length, local_tile):
+        """(tile_m, epi_n, n / epi_n) store views of rows [offset, offset + length), tile
+        `local_tile` of them, clipped at offset + length (the ragged construction)."""
+
+        def view(tensor):
+            rows = cute.domain_offset(
+                (_RAGGED_ROWS - length, 0),
+                tensor[None, None, _RAGGED_ROWS, offset + length],
+            )
+            return cute.local_tile(rows, (self.tile_m, self.epi_n), (local_tile, None))
+
+        gAct = view(mAct) if cutlass.const_expr(self.with_act) else None
+        return view(mD), gAct
+
+    @cute.jit
+    def _store_subtile(
+        self, tiled_r2s, tRS_rD, tRS_rDout, tRS_sD, tRS_rAct, tRS_rActOut, tRS_sAct,
+        tma_d, gD, tma_act, gAct, sD, sAct, store_pipeline, store_count: Int32,
+        column_block: Int32, ctid: Int32,
+    ):
+        """Rounds the subtile once, stages it in shared memory, and stores it with TMA."""
+        buffer = store_count % self.config.store_stages
+        tRS_rDout.store(tRS_rD.load().to(self.out_dtype))
+        cute.copy(tiled_r2s, tRS_rDout, tRS_sD[None, None, None, buffer])
+        if cutlass.const_expr(self.with_act):
+            tRS_rActOut.store(tRS_rAct.load().to(self.out_dtype))
+            cute.copy(tiled_r2s, tRS_rActOut, tRS_sAct[None, None, None, buffer])
+        # stmatrix writes are generic-proxy; the TMA engine reads through the async proxy.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.consumer_threads)
+        if ctid == 0:
+            bSG_sD, bSG_gD = cpasync.tma_partition(
+                tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), cute.group_modes(gD, 0, 2)
+            )
+            cute.copy(tma_d, bSG_sD[None, buffer], bSG_gD[None, column_block])
+            if cutlass.const_expr(self.with_act):
+                bSG_sAct, bSG_gAct = cpasync.tma_partition(
+                    tma_act, 0, cute.make_layout(1), cute.group_modes(sAct, 0, 2),
+                    cute.group_modes(gAct, 0, 2),
+                )
+                cute.copy(tma_act, bSG_sAct[None, buffer], bSG_gAct[None, column_block])
+            store_pipeline.producer_commit()
+            # The next subtile reuses buffer + 1: wait until its store has read it.
+            store_pipeline.producer_acquire()
+        cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.consumer_threads)
+
+    def _scatter_columns(self, columns, lane: Int32, warp_c: Int32, sDbias, subtile: cutlass.Constexpr):
+        """Sums one subtile's column partials over the warp's 16 rows in a fixed tree.
+
+        Reduce-scatter over lane bits 2, 3, 4 (the 8 row groups): at each step a lane keeps
+        one half of its values, adds its partner's copy of that half, and hands over the
+        other half. A lane ends with columns q = 4 b2 + 2 b3 + b4 (+ 8 i), q being the
+        value's index in (v % 2) + 2 (v // 4) order, summed over all 16 rows."""
+        values = columns
+        for step in range(3):
+            bit = 4 << step
+            upper = (lane & bit) != 0
+            half = len(values) // 2
+            kept = []
+            for i in range(half):
+                low = values[i]
+                high = values[half + i]
+                send = Float32(cutlass.select_(upper, low, high))
+                keep = Float32(cutlass.select_(upper, high, low))
+                kept.append(keep + cute.arch.shuffle_sync_bfly(send, offset=bit))
+            values = kept
+        lane_q = 4 * ((lane >> 2) & 1) + 2 * ((lane >> 3) & 1) + ((lane >> 4) & 1)
+        per_lane = len(values)
+        for i in range(per_lane):
+            q = lane_q * per_lane + i
+            column = 8 * (q // 2) + 2 * (lane % 4) + (q % 2)
+            sDbias[warp_c, subtile * self.epi_n + column] = values[i]
+
+    @cute.jit
+    def _finish_rows(self, row_sum, valid, row0: Int32, tile_row, lane: Int32, n_tile: Int32, mDprob):
+        """dprob partials of the tile: the 4 lanes sharing a row combine in a fixed butterfly,
+        then lane h of the quad writes row h (a slot, or an atomic add)."""
+        for h in cutlass.range_constexpr(2):
+            total = row_sum[h]
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            if lane % 4 == h:
+                if valid[h]:
+                    row = row0 + tile_row[h]
+                    if cutlass.const_expr(self.deterministic):
+                        mDprob[n_tile, row] = total
+                    else:
+                        cute.arch.atomic_add(mDprob.iterator + row, total)
+
+    @cute.jit
+    def _finish_amax(self, amax_bits: Int32, lane: Int32, expert: Int32, mAmax):
+        """Integer max of |dh|'s bits over the warp, then one atomic max per warp.
+
+        Non-negative floats order like their bit patterns, and a NaN's bits (sign cleared)
+        exceed +Inf's, so NaN wins as it does in jnp.max."""
+        bits = amax_bits
+        for step in cutlass.range_constexpr(5):
+            bits = cutlass.max(bits, cute.arch.shuffle_sync_bfly(bits, offset=1 << step))
+        if lane == 0:
+            cute.arch.atomic_max(mAmax.iterator + expert, bits)
+
+    @cute.jit
+    def _finish_columns(self, sDbias, ctid: Int32, n_tile: Int32, m_tile: Int32, expert: Int32, mDbias):
+        """dbias partials of the tile: the 8 consumer warps' column sums, added in warp order,
+        to the (M-tile, column) slot or atomically to dbias[expert, column]."""
+        cute.arch.barrier(barrier_id=_DBIAS_BARRIER, number_of_threads=self.consumer_threads)
+        if ctid < self.tile_n:
+            total = sDbias[0, ctid]
+            for w in cutlass.range_constexpr(1, self.consumer_warps):
+                total = total + sDbias[w, ctid]
+            column = n_tile * self.tile_n + ctid
+            if column < self.n:
+                if cutlass.const_expr(self.deterministic):
+                    mDbias[m_tile, column] = total
+                else:
+                    cute.arch.atomic_add(mDbias.iterator + (expert * self.n + column), total)
+        # The partials buffer is rewritten by the next tile's first subtile.
+        cute.arch.barrier(barrier_id=_DBIAS_BARRIER, number_of_threads=self.consumer_threads)
