@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import hashlib
 import os
+import sys
 import tempfile
 from typing import Callable, Hashable, Mapping, Sequence
 
@@ -148,7 +149,7 @@ def compile_function(
         cached = _cache.get(full_key)
         if cached is not None:
             return cached
-        disk_path = None if keep else _disk_path(full_key)
+        disk_path = None if keep else _disk_path(full_key, host_function.__module__)
         if disk_path is not None and os.path.exists(disk_path):
             with open(disk_path, "rb") as file:
                 module = file.read()
@@ -172,31 +173,32 @@ def compile_function(
         return result
 
 
-def _disk_path(full_key: Hashable) -> str | None:
+def _disk_path(full_key: Hashable, module: str) -> str | None:
     """Where the object code for `full_key` is cached on disk, None when no cache is set.
 
     The file name hashes the key's repr (every static fact is a dataclass, tuple or
-    string with a deterministic repr), the CuTe DSL version, and the source of every
-    kernel module, so editing a kernel never reuses stale code."""
+    string with a deterministic repr), the CuTe DSL version, and the source of the shared
+    kernel modules and of the package that defines the host function (`module`), so
+    editing a kernel never reuses stale code."""
     directory = os.environ.get(CACHE_DIR_VARIABLE)
     if not directory:
         return None
     digest = hashlib.sha256(repr(full_key).encode())
     digest.update(cutlass.__version__.encode())
-    digest.update(_kernel_source_digest())
+    digest.update(_source_digest(os.path.dirname(os.path.abspath(__file__))))
+    digest.update(_source_digest(os.path.dirname(os.path.abspath(sys.modules[module].__file__))))
     os.makedirs(directory, exist_ok=True)
     return os.path.join(directory, digest.hexdigest() + ".o")
 
 
 @functools.cache
-def _kernel_source_digest() -> bytes:
+def _source_digest(folder: str) -> bytes:
+    """Digest of the Python files directly in `folder`."""
     digest = hashlib.sha256()
-    root = os.path.dirname(os.path.abspath(__file__))
-    for folder, _, files in sorted(os.walk(root)):
-        for name in sorted(files):
-            if name.endswith(".py"):
-                with open(os.path.join(folder, name), "rb") as file:
-                    digest.update(name.encode() + file.read())
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as file:
+                digest.update(name.encode() + file.read())
     return digest.digest()
 
 
