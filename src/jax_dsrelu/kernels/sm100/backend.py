@@ -6,6 +6,7 @@ from typing import Callable
 
 import jax
 
+from jax_dsrelu import dispatch
 from jax_dsrelu.dispatch import Request
 from jax_dsrelu.kernels import software
 
@@ -18,14 +19,28 @@ def software_missing() -> str | None:
 
 
 def supports_compute_capability(capability: tuple[int, int]) -> bool:
+    # tcgen05 block-scaled MMA and 2-SM clusters exist from SM100 on.
     return capability >= (10, 0)
 
 
 def cannot_implement(request: Request) -> str | None:
-    if not request.block_scaled:
-        return "cuDNN's Blackwell kernel takes MXFP8 (block-scaled float8) operands only"
-    return "the sm100 adapter is not part of this build"
+    from jax_dsrelu.kernels.sm100 import config
+
+    return config.cannot_implement(request)
 
 
 def implementation(request: Request) -> Callable[..., tuple[jax.Array, ...]]:
-    raise NotImplementedError(cannot_implement(request))
+    """The kernel for lowering; refuses when a visible GPU is older than SM100.
+
+    Without a visible GPU the kernel is still compiled and lowered (for sm_100a, from
+    CUTE_DSL_ARCH): that is how it is built and inspected on machines without one.
+    """
+    capability = dispatch.cuda_compute_capability()
+    if capability is not None and not supports_compute_capability(capability):
+        raise NotImplementedError(
+            f"backend={NAME!r} runs on {DEVICE_DESCRIPTION}; the visible GPU has compute "
+            f"capability {capability[0]}.{capability[1]}. {dispatch._who_can(request, exclude=NAME)}"
+        )
+    from jax_dsrelu.kernels.sm100 import lowering
+
+    return lowering.implementation(request)
