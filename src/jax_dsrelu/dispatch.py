@@ -105,15 +105,21 @@ def cuda_implementation(
     """(resolved backend name, its implementation) for lowering on CUDA.
 
     The implementation is None for "xla": the caller lowers the reference. An explicit
-    kernel backend whose GPU is not the visible one is still lowered (that is how the
-    kernels are compiled and lowered on a machine without a GPU); running it on the
-    wrong device fails there, at load time, not silently.
+    kernel backend is refused when the visible GPU is of another generation; with no GPU
+    visible it is still lowered, which is how the kernels are compiled and lowered on a
+    machine without one.
     """
     if name == "xla":
         return "xla", None
-    if name != "auto":
-        return name, kernel_backend(name).implementation(request)
     capability = cuda_compute_capability()
+    if name != "auto":
+        backend = kernel_backend(name)
+        if capability is not None and not backend.supports_compute_capability(capability):
+            raise NotImplementedError(
+                f"backend={name!r} runs on {backend.DEVICE_DESCRIPTION}; the visible GPU has "
+                f"compute capability {capability[0]}.{capability[1]}. {_who_can(request, exclude=name)}"
+            )
+        return name, backend.implementation(request)
     for candidate in _KERNEL_BACKENDS:
         if capability is None:
             break

@@ -6,7 +6,6 @@ from typing import Callable
 
 import jax
 
-from jax_dsrelu import dispatch
 from jax_dsrelu.dispatch import Request
 from jax_dsrelu.kernels import software
 
@@ -30,17 +29,6 @@ def cannot_implement(request: Request) -> str | None:
 
 
 def implementation(request: Request) -> Callable[..., tuple[jax.Array, ...]]:
-    """The kernel for lowering; refuses when a visible GPU is older than SM100.
-
-    Without a visible GPU the kernel is still compiled and lowered (for sm_100a, from
-    CUTE_DSL_ARCH): that is how it is built and inspected on machines without one.
-    """
-    capability = dispatch.cuda_compute_capability()
-    if capability is not None and not supports_compute_capability(capability):
-        raise NotImplementedError(
-            f"backend={NAME!r} runs on {DEVICE_DESCRIPTION}; the visible GPU has compute "
-            f"capability {capability[0]}.{capability[1]}. {dispatch._who_can(request, exclude=NAME)}"
-        )
     from jax_dsrelu.kernels.sm100 import lowering
 
     return lowering.implementation(request)
