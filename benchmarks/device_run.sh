@@ -8,6 +8,7 @@
 #   tests     the GPU tier of tests/test_sm90.py
 #   sass      disassembles the benchmark kernels' cubins: HGMMA present, no LDL/STL
 #   bench     benchmarks/bench_dsrelu.py
+#   sweep     benchmarks/sweep_configs.py (tile configurations at the benchmark shapes)
 #   sanitize  a small subset of the GPU tests under compute-sanitizer (memcheck)
 #
 # Kernels come precompiled from benchmarks/prebuild_kernels.py in .kernels/ (carried along),
@@ -16,7 +17,7 @@ set -o pipefail
 stages=",$1,"
 commit="$2"
 source .gpu/activate.sh
-export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/src:$PWD/tests:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 export JAX_DSRELU_KERNEL_CACHE="$PWD/.kernels/cache"
 export PYTHONUNBUFFERED=1
 log="$OUT/run.log"
@@ -49,6 +50,11 @@ fi
 if [[ $stages == *,bench,* ]]; then
   timeout 240 python3 benchmarks/bench_dsrelu.py --commit "$commit" --out "$OUT" 2>&1 | tee -a "$log"
   echo "bench exit $?" | tee -a "$log"
+fi
+
+if [[ $stages == *,sweep,* ]]; then
+  timeout 120 python3 benchmarks/sweep_configs.py --out "$OUT" 2>&1 | tee -a "$log"
+  echo "sweep exit $?" | tee -a "$log"
 fi
 
 if [[ $stages == *,sanitize,* ]]; then

@@ -1,4 +1,4 @@
-"""Compiles, on a machine without a GPU, every sm90 kernel the GPU tests and the benchmark use.
+"""Compiles, on a machine without a GPU, every sm90 kernel the GPU tests and benchmarks use.
 
 The object code goes to the on-disk cache named by JAX_DSRELU_KERNEL_CACHE (see
 jax_dsrelu.kernels.cutlass_bridge), which the GPU machine then reads instead of compiling:
@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import sweep_configs  # noqa: E402
 import test_sm90  # noqa: E402
 from bench_dsrelu import SHAPES  # noqa: E402
 from jax_dsrelu.kernels import cutlass_bridge  # noqa: E402
@@ -64,6 +65,11 @@ def main():
         lowering.compile_kernel(request, config, outputs_in_place=in_place)
         print("built", request.k, request.n, request.num_experts, request.operand_dtype,
               "det" if request.deterministic else "atomic", "in-place" if in_place else "", flush=True)
+    for _, k, n, num_experts in SHAPES:
+        for config in sweep_configs.candidates(sm90_config.DEFAULT_SM_COUNT).values():
+            request = sweep_configs.request_for(k, n, num_experts)
+            lowering.compile_kernel(request, config)
+            seen.add((lowering.kernel_request(request), config, False))
     if options.cubins:
         os.makedirs(options.cubins, exist_ok=True)
         for _, k, n, num_experts in SHAPES:

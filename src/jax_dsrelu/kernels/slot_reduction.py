@@ -112,7 +112,8 @@ class SlotReduction:
                 total = Float32(0.0)
                 if row < row_start[self.num_experts]:
                     # Slot order 0, 1, ..., S_p - 1: the documented order.
-                    for slot in range(cute.size(dprob_slots, mode=[0])):
+                    # Unrolled so that the slots' loads are in flight together.
+                    for slot in cutlass.range(cute.size(dprob_slots, mode=[0]), unroll=8):
                         total = total + dprob_slots[slot, row].to(Float32)
                 dprob[row] = total
         else:
@@ -127,6 +128,6 @@ class SlotReduction:
                     stop = cutlass.min(tile_start[expert + 1], cute.size(dbias_slots, mode=[0]))
                     total = Float32(0.0)
                     # Tile order T_e, T_e + 1, ...: the documented order.
-                    for tile in range(first, stop):
+                    for tile in cutlass.range(first, stop, unroll=8):
                         total = total + dbias_slots[tile, col].to(Float32)
                     dbias[expert, col] = total

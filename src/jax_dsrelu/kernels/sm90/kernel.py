@@ -568,6 +568,15 @@ class GroupedGemmDsreluSm90:
                 expert_rows = row_start[expert + 1] - first_row
                 row0 = first_row + local_tile * self.tile_m
                 rows_valid = expert_rows - local_tile * self.tile_m
+                # The epilogue's per-row and per-expert scalars, loaded before the mainloop
+                # so that their latency hides behind it.
+                alpha = mAlpha[expert]
+                valid = [tile_row[0] < rows_valid, tile_row[1] < rows_valid]
+                prob = []
+                for h in cutlass.range_constexpr(2):
+                    # Rows past the expert may be past m: read row 0 for them, then drop it.
+                    safe_row = Int32(cutlass.select_(valid[h], row0 + tile_row[h], Int32(0)))
+                    prob.append(Float32(cutlass.select_(valid[h], mProb[safe_row], Float32(0.0))))
 
                 # -------- mainloop: keep one wgmma batch in flight, release a stage late.
                 acc.fill(0.0)
@@ -594,15 +603,13 @@ class GroupedGemmDsreluSm90:
                 release_state.advance()
 
                 # -------- epilogue
-                alpha = mAlpha[expert]
-                valid = [tile_row[0] < rows_valid, tile_row[1] < rows_valid]
-                prob = []
-                for h in cutlass.range_constexpr(2):
-                    # Rows past the expert may be past m: read row 0 for them, then drop it.
-                    safe_row = Int32(cutlass.select_(valid[h], row0 + tile_row[h], Int32(0)))
-                    prob.append(Float32(cutlass.select_(valid[h], mProb[safe_row], Float32(0.0))))
+                # dh = 2 alpha acc r prob = (2 alpha prob) acc r: one factor per row.
+                two_alpha = alpha + alpha
+                row_scale = [two_alpha * prob[0], two_alpha * prob[1]]
+                # sum_j r^2 acc per row; alpha multiplies the row's total once at the end.
                 row_sum = [Float32(0.0), Float32(0.0)]
-                amax_bits = Int32(0)
+                # Largest |dh| bit pattern per row, masked by the row's validity at the end.
+                row_max = [Int32(0), Int32(0)]
                 gD, gAct = self._store_tiles(mD, mAct, first_row, expert_rows, local_tile)
 
                 for subtile in cutlass.range_constexpr(self.subtiles):
@@ -615,19 +622,16 @@ class GroupedGemmDsreluSm90:
                     columns = []
                     for v in cutlass.range_constexpr(sub_values):
                         h = (v // 2) % 2
-                        g = alpha * acc[subtile * sub_values + v]
+                        a = acc[subtile * sub_values + v]
                         pre = tRS_rPf[v]
                         # A select keeps NaN (NaN < 0 is false); fmax would drop it.
                         r = Float32(cutlass.select_(pre < Float32(0.0), Float32(0.0), pre))
                         r2 = r * r
-                        dh = (g + g) * r * prob[h]
+                        dh = (row_scale[h] * a) * r
                         tRS_rD[v] = dh
                         tRS_rAct[v] = r2 * prob[h]
-                        row_sum[h] = row_sum[h] + r2 * g
-                        bits = dh.bitcast(Int32) & Int32(_ABS_MASK)
-                        amax_bits = cutlass.max(
-                            amax_bits, Int32(cutlass.select_(valid[h], bits, Int32(0)))
-                        )
+                        row_sum[h] = row_sum[h] + r2 * a
+                        row_max[h] = cutlass.max(row_max[h], dh.bitcast(Int32) & Int32(_ABS_MASK))
                         if cutlass.const_expr(h == 0):
                             columns.append(Float32(cutlass.select_(valid[0], dh, Float32(0.0))))
                         else:
@@ -646,7 +650,11 @@ class GroupedGemmDsreluSm90:
                         self._scatter_columns(columns, lane, warp_c, sDbias, subtile)
 
                 self._finish_rows(
-                    row_sum, valid, row0, tile_row, lane, n_tile, mDprob
+                    row_sum, alpha, valid, row0, tile_row, lane, n_tile, mDprob
+                )
+                amax_bits = cutlass.max(
+                    Int32(cutlass.select_(valid[0], row_max[0], Int32(0))),
+                    Int32(cutlass.select_(valid[1], row_max[1], Int32(0))),
                 )
                 self._finish_amax(amax_bits, lane, expert, mAmax)
                 if cutlass.const_expr(self.with_dbias):
@@ -743,13 +751,17 @@ class GroupedGemmDsreluSm90:
             sDbias[warp_c, subtile * self.epi_n + column] = values[i]
 
     @cute.jit
-    def _finish_rows(self, row_sum, valid, row0: Int32, tile_row, lane: Int32, n_tile: Int32, mDprob):
+    def _finish_rows(
+        self, row_sum, alpha: Float32, valid, row0: Int32, tile_row, lane: Int32, n_tile: Int32, mDprob
+    ):
         """dprob partials of the tile: the 4 lanes sharing a row combine in a fixed butterfly,
-        then lane h of the quad writes row h (a slot, or an atomic add)."""
+        the total is scaled by alpha, then lane h of the quad writes row h (a slot, or an
+        atomic add)."""
         for h in cutlass.range_constexpr(2):
             total = row_sum[h]
             total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
             total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            total = alpha * total
             if lane % 4 == h:
                 if valid[h]:
                     row = row0 + tile_row[h]
