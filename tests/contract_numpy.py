@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 
 
@@ -79,7 +80,7 @@ def grouped_gemm_dsrelu(grad, weight, preact, prob, group_sizes, alpha=None) -> 
 
 def unit_roundoff(dtype) -> float:
     """2^-p for the dtype's p significand bits: the relative error of one rounding."""
-    return float(np.finfo(np.dtype(dtype)).eps) / 2
+    return float(ml_dtypes.finfo(np.dtype(dtype)).eps) / 2
 
 
 def tolerance(terms: np.ndarray, num_summed: int, out_dtype=np.float32) -> np.ndarray:
@@ -91,5 +92,5 @@ def tolerance(terms: np.ndarray, num_summed: int, out_dtype=np.float32) -> np.nd
     slack covers the epilogue's few multiplications.
     """
     u32 = unit_roundoff(np.float32)
-    subnormal_step = float(np.finfo(np.dtype(out_dtype)).smallest_subnormal)
+    subnormal_step = float(ml_dtypes.finfo(np.dtype(out_dtype)).smallest_subnormal)
     return 2.0 * (num_summed * u32 + unit_roundoff(out_dtype)) * terms + subnormal_step
