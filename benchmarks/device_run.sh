@@ -58,9 +58,16 @@ if [[ $stages == *,sweep,* ]]; then
 fi
 
 if [[ $stages == *,sanitize,* ]]; then
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 compute-sanitizer --tool memcheck \
-    --target-processes all --print-limit 20 python3 -m pytest -q -p no:cacheprovider -m gpu \
-    tests/test_sm90.py -k "test_matches_float64_contract and bf16 and (negative or past_m or one_row or all_empty)" \
-    2>&1 | tail -40 | tee -a "$log"
-  echo "sanitize exit $?" | tee -a "$log"
+  # Small cases: every boundary situation in both modes, under memcheck, then racecheck.
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  for check in \
+      "memcheck|bf16 and (negative or past_m or one_row or all_empty)" \
+      "memcheck|ragged_with_empty or short_of_m or negative" \
+      "racecheck|bf16 and (short_of_m or one_row)"; do
+    tool=${check%%|*}
+    timeout 200 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -rs \
+      -p no:cacheprovider -m gpu tests/test_sm90.py \
+      -k "test_matches_float64_contract and (${check#*|})" 2>&1 | tail -20 | tee -a "$log"
+    echo "$tool exit $?" | tee -a "$log"
+  done
 fi

@@ -85,7 +85,7 @@ def lower_for_cuda(m, k, n, num_experts, deterministic, **options):
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("shape", BENCHMARK_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_compiles_for_sm90a_at_benchmark_shapes(shape, deterministic):
-    m, k, n, num_experts = shape
+    _, k, n, num_experts = shape
     request = request_for(k, n, num_experts, deterministic=deterministic)
     config = sm90_config.choose_config(request)
     assert config.smem_bytes(num_experts, True, True) <= sm90_config.SMEM_CAPACITY

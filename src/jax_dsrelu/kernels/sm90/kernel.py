@@ -4,6 +4,7 @@ Math, with e(i) the expert owning row i (rows are contiguous per expert, in expe
 
     acc[i, j] = grad[i, :] . weight[e(i), j, :]       float32 accumulation, bf16/fp16 operands
     g = alpha[e] * acc,   r = relu(preact[i, j])      (r keeps NaN: relu is a select, not fmax)
+    computed as dh = ((2 alpha prob) acc) r and dprob = alpha sum_j r^2 acc: one scale per row
     dh[i, j]  = 2 g r prob[i]          rounded once to out_dtype
     act[i, j] = r^2 prob[i]            (with_act)
     dprob[i]  = sum_j r^2 g
@@ -38,14 +39,19 @@ Features:
       whatever order the atomics land in.
 
 Ragged TMA store: for an expert owning rows [offset, offset + length), dh is viewed as a
-rank-4 tensor of shape (2^30, n, 2^31 - 1, 2^31 - 1) and strides (n, 1, 2^34 - n, n)
-elements over dh's own base pointer. Row coordinate 2^30 - length + r together with the
-fixed coordinates (2^30, offset + length) in the last two modes addresses
-base + ((2^30 - length + r) n + 2^30 (2^34 - n) + (offset + length) n) elements
-= base + (offset + r) n + 2^64 / element-size ... which wraps to base + (offset + r) n:
-the 2^30 * 2^34 * 2-byte term is 2^65 bytes, a multiple of 2^64. Rows r >= length have a
-coordinate >= 2^30, outside the first mode, and TMA drops them: the box is clipped at the
-expert's end. (This is the ragged-TMA construction of Triton's ragged_tma and QuACK.)
+rank-4 tensor of shape (2^30, n, 2^31 - 1, 2^31 - 1) and element strides
+(n, 1, 2^34 - n, n) over dh's own base pointer. Row coordinate 2^30 - length + r, with
+the fixed coordinates (2^30, offset + length) in the last two modes, is element
+    (2^30 - length + r) n + 2^30 (2^34 - n) + (offset + length) n = (offset + r) n + 2^64,
+that is byte 2 (offset + r) n + 2^65 past the base: 64-bit address arithmetic drops the
+2^65, leaving exactly row offset + r of dh. Rows r >= length have a coordinate >= 2^30,
+outside the first mode, and TMA does not write them: the box is clipped at the expert's
+last row, and one descriptor serves every expert. (The construction is the ragged TMA of
+Triton's ragged_tma and of QuACK.) Loads need no clipping (the next expert's rows are
+masked, rows past m read as zeros), so grad and preact use plain descriptors.
+
+Usage: through `jax_dsrelu.grouped_gemm_dsrelu(..., backend="sm90")` (or "auto" on an
+H100/H200); `lowering.py` builds the buffers and the call.
 
 Constraints:
     - grad and weight bfloat16 or float16 (same type), preact and out_dtype 16-bit float
@@ -59,10 +65,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass.tensor_utils import LayoutEnum
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Boolean, Float32, Int32
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
 from jax_dsrelu.kernels.group_tables import build_expert_tables
 from jax_dsrelu.kernels.sm90.config import TileConfig
