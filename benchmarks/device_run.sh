@@ -5,7 +5,9 @@
 #
 # STAGES is a comma-separated list of:
 #   smoke     one small case with a hard time limit (a hang stops everything here)
-#   tests     the GPU tier of tests/test_sm90.py
+#   tests     the whole GPU tier: python -m pytest -m gpu tests/
+#   examples  examples/train_moe.py and expert_parallel.py in bfloat16 on the GPU, each run
+#             twice with --deterministic (the digests must agree)
 #   sass      disassembles the benchmark kernels' cubins: HGMMA present, no LDL/STL
 #   bench     benchmarks/bench_dsrelu.py
 #   sweep     benchmarks/sweep_configs.py (tile configurations at the benchmark shapes)
@@ -32,9 +34,20 @@ if [[ $stages == *,smoke,* ]]; then
 fi
 
 if [[ $stages == *,tests,* ]]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -rs --durations=8 -m gpu \
-    tests/test_sm90.py 2>&1 | tee -a "$log"
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -rs --durations=8 -m gpu \
+    tests/ 2>&1 | tee -a "$log"
   echo "tests exit $?" | tee -a "$log"
+fi
+
+if [[ $stages == *,examples,* ]]; then
+  for example in train_moe expert_parallel; do
+    for run in 1 2; do
+      echo "== $example run $run" >> "$OUT/examples.log"
+      timeout 120 python3 "examples/$example.py" --dtype bfloat16 --deterministic 2>&1 \
+        | tee -a "$OUT/examples.log" | tail -3 | tee -a "$log"
+      echo "$example run $run exit $?" | tee -a "$log"
+    done
+  done
 fi
 
 if [[ $stages == *,sass,* ]]; then
