@@ -16,19 +16,15 @@ With --deterministic the digest of the final parameters is identical from run to
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_dsrelu
-from train_moe import digest, init_moe, moe_layer
+from train_moe import train, training_arguments
 
 TOKENS = P(("data", "expert"))  # tokens split over every device
 EXPERTS = P("expert")  # expert weights split over the expert axis, repeated over data
@@ -121,51 +117,16 @@ def shard_params(params, mesh):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--d-ff", type=int, default=128)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--deterministic", action="store_true", help="bitwise reproducible gradients")
-    args = parser.parse_args()
-
+    args = training_arguments(__doc__.splitlines()[0], steps=200).parse_args()
     mesh = make_mesh(args.experts)
-    k_teacher, k_student, k_data = jax.random.split(jax.random.key(args.seed), 3)
-    teacher = init_moe(k_teacher, args.d_model, args.d_ff, args.experts, jnp.float32)
-    params = shard_params(init_moe(k_student, args.d_model, args.d_ff, args.experts, jnp.dtype(args.dtype)), mesh)
-    optimizer = optax.adam(args.lr)
-    opt_state = optimizer.init(params)
-    layer = functools.partial(
-        expert_parallel_layer, mesh=mesh, top_k=args.top_k, deterministic=args.deterministic
-    )
-
-    @jax.jit
-    def train_step(params, opt_state, key):
-        x = jax.random.normal(key, (args.tokens, args.d_model), jnp.float32)
-        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, TOKENS))
-        target = moe_layer(teacher, x, args.top_k, True)
-        loss, grads = jax.value_and_grad(lambda p: jnp.mean((layer(p, x) - target) ** 2))(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
     print(f"mesh: {dict(mesh.shape)} over {jax.devices()[0].platform} devices; "
           f"{args.experts // mesh.shape['expert']} experts per device")
-    keys = jax.random.split(k_data, args.steps)
-    start, first_loss = time.perf_counter(), None
-    for step in range(args.steps):
-        params, opt_state, loss = train_step(params, opt_state, keys[step])
-        if step % 25 == 0 or step == args.steps - 1:
-            loss = float(loss)
-            first_loss = loss if first_loss is None else first_loss
-            print(f"step {step:4d}  loss {loss:.6f}  ({time.perf_counter() - start:.1f} s)")
-    print(f"loss {first_loss:.6f} -> {loss:.6f} in {args.steps} steps")
-    if args.deterministic:
-        print(f"parameter digest: {digest(params)}")
+    train(
+        args,
+        functools.partial(expert_parallel_layer, mesh=mesh, top_k=args.top_k, deterministic=args.deterministic),
+        place_params=functools.partial(shard_params, mesh=mesh),
+        place_tokens=lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, TOKENS)),
+    )
 
 
 if __name__ == "__main__":

@@ -70,9 +70,9 @@ def digest(tree) -> str:
     return h.hexdigest()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=500)
+def training_arguments(description: str, steps: int) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--d-ff", type=int, default=128)
@@ -82,27 +82,29 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deterministic", action="store_true", help="bitwise reproducible gradients")
-    args = parser.parse_args()
+    return parser
 
-    dtype = jnp.dtype(args.dtype)
+
+def train(args, layer, place_params=lambda params: params, place_tokens=lambda x: x) -> None:
+    """Fits `layer(params, x)` to a teacher MoE with Adam, printing the loss as it goes.
+
+    place_params and place_tokens put the student's parameters and each batch where the
+    layer wants them (on one device by default).
+    """
     k_teacher, k_student, k_data = jax.random.split(jax.random.key(args.seed), 3)
     teacher = init_moe(k_teacher, args.d_model, args.d_ff, args.experts, jnp.float32)
-    params = init_moe(k_student, args.d_model, args.d_ff, args.experts, dtype)
+    params = place_params(init_moe(k_student, args.d_model, args.d_ff, args.experts, jnp.dtype(args.dtype)))
     optimizer = optax.adam(args.lr)
     opt_state = optimizer.init(params)
 
-    def loss_fn(params, x, target):
-        return jnp.mean((moe_layer(params, x, args.top_k, args.deterministic) - target) ** 2)
-
     @jax.jit
     def train_step(params, opt_state, key):
-        x = jax.random.normal(key, (args.tokens, args.d_model), jnp.float32)
+        x = place_tokens(jax.random.normal(key, (args.tokens, args.d_model), jnp.float32))
         target = moe_layer(teacher, x, args.top_k, True)
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, target)
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((layer(p, x) - target) ** 2))(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    print("backends:\n" + jax_dsrelu.dispatch.describe())
     print(f"devices: {jax.devices()}  dtype: {args.dtype}  deterministic: {args.deterministic}")
     start = time.perf_counter()
     keys = jax.random.split(k_data, args.steps)
@@ -116,6 +118,12 @@ def main() -> None:
     print(f"loss {first_loss:.6f} -> {loss:.6f} in {args.steps} steps")
     if args.deterministic:
         print(f"parameter digest: {digest(params)}")
+
+
+def main() -> None:
+    args = training_arguments(__doc__.splitlines()[0], steps=500).parse_args()
+    print("backends:\n" + jax_dsrelu.dispatch.describe())
+    train(args, lambda params, x: moe_layer(params, x, args.top_k, args.deterministic))
 
 
 if __name__ == "__main__":
