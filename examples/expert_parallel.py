@@ -11,7 +11,8 @@ all-to-alls; JAX sums the replicated weights' gradients over "data".
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/expert_parallel.py
     python examples/expert_parallel.py --deterministic     # on however many GPUs there are
 
-With --deterministic the digest of the final parameters is identical from run to run.
+With --deterministic the digest of the final parameters is identical from run to run on
+CPU devices; across processes on a GPU it is not yet (see the README's Determinism section).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ custom VJP, on whichever backend `backend="auto"` picks here.
 
     python examples/train_moe.py                    # a few hundred steps, loss printed
     python examples/train_moe.py --deterministic    # also prints a digest of the final
-                                                    # parameters, identical across runs
+                                                    # parameters, identical across runs on
+                                                    # the CPU (on a GPU: see the README)
 """
 
 from __future__ import annotations
