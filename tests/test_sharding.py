@@ -85,9 +85,7 @@ def test_sharded_jit_partitions_and_matches_one_device(mesh_shape, names, specs)
     for line in all_gathers(compiled):
         assert "bf16" not in line, line
     dh, dprob, dbias, act, amax = run(*sharded_args)
-    assert dh.sharding.spec[:2] == P(rows, cols)[:2] or dh.sharding.is_equivalent_to(
-        NamedSharding(m, P(rows, cols)), 2
-    )
+    assert dh.sharding.is_equivalent_to(NamedSharding(m, P(rows, cols)), 2)
 
     single = jax_dsrelu.DsreluOutputs(*run_primitive(*one_device((grad, weight, preact, prob, group_sizes)), deterministic=True))
     sharded = jax_dsrelu.DsreluOutputs(dh, dprob, dbias, act, amax)

@@ -98,6 +98,7 @@ def _eager_impl(*operands, **params):
 
 grouped_gemm_dsrelu_p.def_impl(_eager_impl)
 
+
 def _local_implementation(platforms: Sequence[str], params: dict[str, Any]):
     """For operands of the given shapes on one device: the function computing the outputs."""
 
@@ -105,7 +106,7 @@ def _local_implementation(platforms: Sequence[str], params: dict[str, Any]):
         if "cuda" in platforms:
             request = dispatch.request_from_avals(
                 operand_avals,
-                block_scaled=len(operand_avals) == 8,
+                block_scaled=len(operand_avals) > len(sharding.OPERAND_DIMS),
                 out_dtype=params["out_dtype"],
                 with_dbias=params["with_dbias"],
                 with_act=params["with_act"],
