@@ -1,7 +1,7 @@
 """Compiles, on a machine without a GPU, every sm90 kernel the GPU tests and benchmarks use.
 
 The object code goes to the on-disk cache named by JAX_DSRELU_KERNEL_CACHE (see
-jax_dsrelu.kernels.cutlass_bridge), which the GPU machine then reads instead of compiling:
+jax_dsrelu.ffi.cutlass_bridge), which the GPU machine then reads instead of compiling:
 the same static facts give the same code on either machine. With --cubins DIR it also
 writes the benchmark kernels' cubins there, for disassembly on the GPU machine.
 
@@ -19,13 +19,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 import sweep_configs  # noqa: E402
 import test_sm90  # noqa: E402
 from bench_dsrelu import SHAPES  # noqa: E402
-from jax_dsrelu.kernels import cutlass_bridge  # noqa: E402
+
+from jax_dsrelu.ffi import cutlass_bridge  # noqa: E402
+from jax_dsrelu.ffi import sm90 as lowering  # noqa: E402
 from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
-from jax_dsrelu.kernels.sm90 import lowering  # noqa: E402
 
 
 def requests():

@@ -21,8 +21,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
-import jax_dsrelu  # noqa: E402
 import train_moe  # noqa: E402
+
+import jax_dsrelu  # noqa: E402
 
 SIZES = [1500, 700, 0, 1024, 1200, 900, 1024, 1844]
 

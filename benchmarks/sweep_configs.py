@@ -14,11 +14,11 @@ import os
 
 import jax
 import jax.numpy as jnp
-
 from bench_dsrelu import SHAPES, cupti_ms, make_inputs
-from jax_dsrelu import dispatch
+
+from jax_dsrelu import request as request_facts
+from jax_dsrelu.ffi import sm90 as lowering
 from jax_dsrelu.kernels.sm90 import config as sm90_config
-from jax_dsrelu.kernels.sm90 import lowering
 
 
 def candidates(sm_count):
@@ -38,7 +38,7 @@ def candidates(sm_count):
 
 def request_for(k, n, num_experts):
     bf16 = jnp.dtype(jnp.bfloat16)
-    return dispatch.Request(
+    return request_facts.Request(
         num_experts=num_experts, n=n, k=k, operand_dtype=bf16, preact_dtype=bf16,
         prob_dtype=jnp.dtype(jnp.float32), out_dtype=bf16, with_dbias=True, with_act=True,
         deterministic=False,

@@ -22,10 +22,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from train_moe import train, training_arguments
 
 import jax_dsrelu
-from train_moe import train, training_arguments
 
 TOKENS = P(("data", "expert"))  # tokens split over every device
 EXPERTS = P("expert")  # expert weights split over the expert axis, repeated over data

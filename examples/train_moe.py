@@ -123,7 +123,7 @@ def train(args, layer, place_params=lambda params: params, place_tokens=lambda x
 
 def main() -> None:
     args = training_arguments(__doc__.splitlines()[0], steps=500).parse_args()
-    print("backends:\n" + jax_dsrelu.dispatch.describe())
+    print("backends:\n" + jax_dsrelu.describe_backends())
     train(args, lambda params, x: moe_layer(params, x, args.top_k, args.deterministic))
 
 

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jax_dsrelu
 from test_layer import make_layer_inputs
 from test_reference import assert_matches_contract, make_inputs
+
+import jax_dsrelu
 
 pytestmark = pytest.mark.gpu
 

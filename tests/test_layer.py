@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from contract_numpy import expert_rows
 from jax.test_util import check_grads
 
 import jax_dsrelu
-from contract_numpy import expert_rows
 
 
 def plain_moe_mlp(x, w1, w2, prob, group_sizes, b1=None):

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_reference import assert_matches_contract, make_inputs
 
 import jax_dsrelu
-from test_reference import assert_matches_contract, make_inputs
 
 
 def quantized_inputs(rng, num_rows, k, n, group_sizes, element_dtype, preact_dtype=jnp.bfloat16):

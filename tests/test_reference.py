@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import zlib
 
+import contract_numpy
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import contract_numpy
 import jax_dsrelu
 
 

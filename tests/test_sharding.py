@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-
-import jax_dsrelu
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_layer import make_layer_inputs
 from test_reference import assert_matches_contract, make_inputs
+
+import jax_dsrelu
 
 NUM_DEVICES = 8
 

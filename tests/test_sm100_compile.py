@@ -49,14 +49,14 @@ def _probe(cases: dict) -> dict:
 
     import jax
     import jax.numpy as jnp
-
     import numpy as np
 
     import jax_dsrelu
-    from jax_dsrelu import dispatch
-    from jax_dsrelu.kernels.sm100 import adapter, lowering
-
-    from jax_dsrelu.kernels import cutlass_bridge
+    from jax_dsrelu import backend_choice
+    from jax_dsrelu import request as request_facts
+    from jax_dsrelu.ffi import cutlass_bridge
+    from jax_dsrelu.ffi import sm100 as lowering
+    from jax_dsrelu.kernels.sm100 import adapter
 
     report = {"cases": {}, "scale_offsets": []}
     compiles = []
@@ -94,7 +94,7 @@ def _probe(cases: dict) -> dict:
         if m:
             # The shared memory cuDNN's kernel will request at launch: compiling does not
             # check it against the device, so a variant could build and then fail to launch.
-            request = dispatch.request_from_avals(
+            request = request_facts.request_from_avals(
                 args[:4], block_scaled=True, out_dtype=np.dtype(out), with_dbias=dbias,
                 with_act=act, deterministic=det,
             )
@@ -103,7 +103,7 @@ def _probe(cases: dict) -> dict:
 
     report["compiles"] = compiles
 
-    dispatch.cuda_compute_capability = lambda: (10, 0)
+    backend_choice.cuda_compute_capability = lambda: (10, 0)
     # The occupancy query needs the GPU; the compile-only figure stands in for it.
     adapter.max_active_clusters = lambda config: adapter.COMPILE_ONLY_MAX_ACTIVE_CLUSTERS
     for name, dtype in AUTO_CASES.items():
@@ -208,7 +208,6 @@ def test_no_rows_launch_nothing(compiled):
 @pytest.mark.compile
 def test_scale_atom_formula_is_cute_dsls_layout(compiled):
     import numpy as np
-
     from test_sm100_layout import scale_atom_offset
 
     for (rows, k, experts), offsets in zip(SCALE_SHAPES, compiled["scale_offsets"]):

@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_mx_reference import quantized_inputs
 
 import jax_dsrelu
 from jax_dsrelu import groups
-from jax_dsrelu.kernels.sm100 import layout
+from jax_dsrelu.ffi import sm100_layout as layout
 from jax_dsrelu.kernels.sm100.config import CONFIG
-from test_mx_reference import quantized_inputs
 
 
 def scale_atom_offset(row, col, num_rows, num_cols, expert=0):

@@ -30,14 +30,16 @@ import pytest  # noqa: E402
 
 pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
 
-import jax_dsrelu  # noqa: E402
-from jax_dsrelu import dispatch  # noqa: E402
-from jax_dsrelu.kernels import cutlass_bridge  # noqa: E402
-from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
-from jax_dsrelu.kernels.sm90 import lowering  # noqa: E402
 from test_gpu_xla import distinct_results  # noqa: E402
 from test_layer import make_layer_inputs  # noqa: E402
 from test_reference import assert_matches_contract, make_inputs  # noqa: E402
+
+import jax_dsrelu  # noqa: E402
+from jax_dsrelu import backend_choice  # noqa: E402
+from jax_dsrelu import request as request_facts  # noqa: E402
+from jax_dsrelu.ffi import cutlass_bridge  # noqa: E402
+from jax_dsrelu.ffi import sm90 as lowering  # noqa: E402
+from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
 
 # (m, k, n, E) of issue 3's benchmark.
 BENCHMARK_SHAPES = [(16384, 4096, 2048, 8), (32768, 7168, 2048, 8), (65536, 2048, 1024, 32)]
@@ -47,8 +49,8 @@ FLOAT_ATOMIC = re.compile(r"\b(atom|red)(\.\w+)*\.add(\.\w+)*\.f32\b")
 
 
 def request_for(k, n, num_experts, *, dtype=np.dtype(jnp.bfloat16), deterministic=False,
-                with_dbias=True, with_act=True, out_dtype=None) -> dispatch.Request:
-    return dispatch.Request(
+                with_dbias=True, with_act=True, out_dtype=None) -> request_facts.Request:
+    return request_facts.Request(
         num_experts=num_experts,
         n=n,
         k=k,
@@ -154,7 +156,7 @@ def test_cannot_implement_names_the_value(case):
     reason = sm90_config.cannot_implement(request)
     assert reason is not None and message in reason
     with pytest.raises(NotImplementedError, match="sm90"):
-        dispatch.check_explicit_backend("sm90", request)
+        backend_choice.check_explicit_backend("sm90", request)
 
 
 @pytest.mark.compile
@@ -179,7 +181,7 @@ def test_tile_config_validates_in_one_place():
 
 @pytest.fixture(scope="module")
 def hopper():
-    capability = dispatch.cuda_compute_capability()
+    capability = backend_choice.cuda_compute_capability()
     if capability != (9, 0):
         pytest.skip(f"the sm90 kernel runs on compute capability 9.0; this GPU has {capability}")
 
@@ -187,7 +189,7 @@ def hopper():
 def run_in_place(inputs, alpha, *, deterministic, with_dbias=True, with_act=True, out_dtype=None):
     """Runs the kernel with every output buffer NaN-filled first (aliased in and out)."""
     grad, weight, preact, prob, group_sizes = inputs
-    request = dispatch.request_from_avals(
+    request = request_facts.request_from_avals(
         (grad, weight, preact, prob),
         out_dtype=np.dtype(out_dtype or grad.dtype),
         with_dbias=with_dbias,

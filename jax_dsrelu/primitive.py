@@ -24,7 +24,8 @@ import numpy as np
 from jax import lax
 from jax.interpreters import batching, mlir
 
-from jax_dsrelu import dispatch, jax_internals, sharding
+from jax_dsrelu import backend_choice, jax_internals, sharding
+from jax_dsrelu import request as request_facts
 from jax_dsrelu.reference import grouped_gemm_dsrelu_reference
 
 grouped_gemm_dsrelu_p = jax.extend.core.Primitive("grouped_gemm_dsrelu")
@@ -104,7 +105,7 @@ def _local_implementation(platforms: Sequence[str], params: dict[str, Any]):
 
     def for_shapes(operand_avals):
         if "cuda" in platforms:
-            request = dispatch.request_from_avals(
+            request = request_facts.request_from_avals(
                 operand_avals,
                 block_scaled=len(operand_avals) > len(sharding.OPERAND_DIMS),
                 out_dtype=params["out_dtype"],
@@ -112,7 +113,7 @@ def _local_implementation(platforms: Sequence[str], params: dict[str, Any]):
                 with_act=params["with_act"],
                 deterministic=params["deterministic"],
             )
-            _, implementation = dispatch.cuda_implementation(params["backend"], request)
+            _, implementation = backend_choice.cuda_implementation(params["backend"], request)
             if implementation is not None:
                 return implementation
         elif params["backend"] not in ("xla", "auto"):

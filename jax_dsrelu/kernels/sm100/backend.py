@@ -1,4 +1,4 @@
-"""How the sm100 backend presents itself to dispatch. Imports neither CuTe DSL nor cuDNN."""
+"""How the sm100 backend presents itself to backend_choice. Imports neither CuTe DSL nor cuDNN."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from typing import Callable
 
 import jax
 
-from jax_dsrelu.dispatch import Request
 from jax_dsrelu.kernels import software
+from jax_dsrelu.request import AnyRequest, Request
 
 NAME = "sm100"
 DEVICE_DESCRIPTION = "Blackwell GPUs (compute capability 10.0 and newer: B200, GB200)"
@@ -22,13 +22,17 @@ def supports_compute_capability(capability: tuple[int, int]) -> bool:
     return capability >= (10, 0)
 
 
-def cannot_implement(request: Request) -> str | None:
+def cannot_implement(request: AnyRequest) -> str | None:
+    if not isinstance(request, Request):
+        # Only the fused dsReLU backward has a Blackwell kernel; the plain grouped GEMMs
+        # run on XLA there.
+        return "the sm100 backend has a kernel for grouped_gemm_dsrelu only"
     from jax_dsrelu.kernels.sm100 import config
 
     return config.cannot_implement(request)
 
 
-def implementation(request: Request) -> Callable[..., tuple[jax.Array, ...]]:
-    from jax_dsrelu.kernels.sm100 import lowering
+def implementation(request: AnyRequest) -> Callable[..., tuple[jax.Array, ...]]:
+    from jax_dsrelu.ffi import sm100 as lowering
 
     return lowering.implementation(request)

@@ -14,54 +14,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from typing import Any, Callable, Protocol
+from typing import Callable
 
 import jax
-import numpy as np
+
+from jax_dsrelu.request import AnyRequest, KernelBackend, cuda_compute_capability
 
 BACKEND_NAMES = ("auto", "xla", "sm90", "sm100")
 # Preference order for "auto" on a CUDA device; "xla" is always last.
 _KERNEL_BACKENDS = ("sm100", "sm90")
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """The static facts of one call: everything a backend may decide on, nothing dynamic.
-
-    The row count m and the group sizes are deliberately absent: they may change from
-    step to step without changing which backend serves the call or what it compiles.
-    """
-
-    num_experts: int
-    n: int
-    k: int
-    operand_dtype: np.dtype
-    preact_dtype: np.dtype
-    prob_dtype: np.dtype
-    out_dtype: np.dtype
-    with_dbias: bool
-    with_act: bool
-    deterministic: bool
-    block_scaled: bool = False
-
-
-class KernelBackend(Protocol):
-    """What `jax_dsrelu.kernels.<name>.backend` provides."""
-
-    NAME: str
-    DEVICE_DESCRIPTION: str  # which GPUs it runs on, in words
-
-    def software_missing(self) -> str | None:
-        """Why the backend's packages cannot be imported here, or None."""
-
-    def supports_compute_capability(self, capability: tuple[int, int]) -> bool:
-        """Whether the kernel runs on a device of this compute capability."""
-
-    def cannot_implement(self, request: Request) -> str | None:
-        """Why this request is outside the kernel's constraints, or None."""
-
-    def implementation(self, request: Request) -> Callable[..., tuple[jax.Array, ...]]:
-        """A function of the primitive's operands returning its outputs, for lowering."""
 
 
 @functools.cache
@@ -69,20 +30,7 @@ def kernel_backend(name: str) -> KernelBackend:
     return importlib.import_module(f"jax_dsrelu.kernels.{name}.backend")
 
 
-@functools.cache
-def cuda_compute_capability() -> tuple[int, int] | None:
-    """Compute capability of the first visible CUDA device, None when there is none."""
-    try:
-        devices = jax.devices("cuda")
-    except RuntimeError:
-        return None
-    if not devices:
-        return None
-    major, minor = str(devices[0].compute_capability).split(".")
-    return int(major), int(minor)
-
-
-def check_explicit_backend(name: str, request: Request) -> None:
+def check_explicit_backend(name: str, request: AnyRequest) -> None:
     """Raises NotImplementedError, at trace time, when an explicit backend cannot serve.
 
     Whether the target platform has the right GPU is known only when lowering, so that
@@ -100,7 +48,7 @@ def check_explicit_backend(name: str, request: Request) -> None:
 
 
 def cuda_implementation(
-    name: str, request: Request
+    name: str, request: AnyRequest
 ) -> tuple[str, Callable[..., tuple[jax.Array, ...]] | None]:
     """(resolved backend name, its implementation) for lowering on CUDA.
 
@@ -133,7 +81,7 @@ def cuda_implementation(
     return "xla", None
 
 
-def _who_can(request: Request, exclude: str) -> str:
+def _who_can(request: AnyRequest, exclude: str) -> str:
     able = [
         name
         for name in _KERNEL_BACKENDS
@@ -182,23 +130,9 @@ def backends() -> list[BackendStatus]:
     return statuses
 
 
-def describe(statuses: list[BackendStatus] | None = None) -> str:
+def describe_backends(statuses: list[BackendStatus] | None = None) -> str:
     """backends() as a short table, for humans."""
     rows = statuses if statuses is not None else backends()
     return "\n".join(
         f"{s.name:6} {'yes' if s.usable_here else 'no ':3}  {s.detail}" for s in rows
-    )
-
-
-def request_from_avals(avals: Any, *, block_scaled: bool = False, **params: Any) -> Request:
-    grad, weight, preact, prob = avals[:4]
-    return Request(
-        num_experts=weight.shape[0],
-        n=weight.shape[1],
-        k=weight.shape[2],
-        operand_dtype=np.dtype(grad.dtype),
-        preact_dtype=np.dtype(preact.dtype),
-        prob_dtype=np.dtype(prob.dtype),
-        block_scaled=block_scaled,
-        **params,
     )

@@ -31,16 +31,15 @@ import sys
 import tempfile
 from typing import Callable, Hashable, Mapping, Sequence
 
-import jax
-import numpy as np
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import jax
+import numpy as np
+from cutlass.cutlass_dsl.cutlass import CuTeDSL
 from cutlass.jax import TensorSpec
 from cutlass.jax import compile as cutlass_jax_compile
 from cutlass.jax import ffi as cutlass_jax_ffi
-from cutlass.cutlass_dsl.cutlass import CuTeDSL
 
 
 @dataclasses.dataclass(frozen=True)

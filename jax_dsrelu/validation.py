@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dsrelu import mx
-from jax_dsrelu.dispatch import BACKEND_NAMES
+from jax_dsrelu.backend_choice import BACKEND_NAMES
 
 OPERAND_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)

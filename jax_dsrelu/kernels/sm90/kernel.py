@@ -71,8 +71,8 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_dsrelu.kernels.group_tables import build_expert_tables
-from jax_dsrelu.kernels.sm90.config import TileConfig
 from jax_dsrelu.kernels.slot_reduction import SlotReduction
+from jax_dsrelu.kernels.sm90.config import TileConfig
 
 # Ragged-store constants: see the module docstring.
 _RAGGED_ROWS = 2**30

@@ -3,7 +3,7 @@
 The kernel is `BlockScaledMoEGroupedGemmQuantBwdKernel` from nvidia-cudnn-frontend 1.32
 (`cudnn.gemm.cutedsl.grouped.dsrelu`), a CuTe DSL class; this module constructs it and
 calls it from our own `@cute.jit` host function (`Sm100Call`) through the project's JAX
-bridge (`jax_dsrelu.kernels.cutlass_bridge`, built on CuTe DSL's `cutlass.jax`), with no
+bridge (`jax_dsrelu.ffi.cutlass_bridge`, built on CuTe DSL's `cutlass.jax`), with no
 torch and none of cuDNN's framework wrappers. Per call, on XLA's stream:
 
 1. cuDNN's kernel: D = 2 relu(C) (alpha acc) prob (our dh), d_srelu = relu(C)^2 prob (our
@@ -48,11 +48,11 @@ from cudnn.gemm.cutedsl.grouped.dsrelu.moe_blockscaled_grouped_gemm_dsrelu_quant
 from cudnn.gemm.cutedsl.grouped.moe_utils import MoEWeightMode
 from cutlass.cute.nvgpu import OperandMajorMode
 
-from jax_dsrelu import dispatch
-from jax_dsrelu.dispatch import Request
+from jax_dsrelu import request as request_facts
+from jax_dsrelu.ffi import sm100_slots as slots
 from jax_dsrelu.kernels.slot_reduction import SlotReduction
-from jax_dsrelu.kernels.sm100 import slots
 from jax_dsrelu.kernels.sm100.config import Sm100Config
+from jax_dsrelu.request import Request
 
 # Persistent clusters to launch when no GPU is visible (compile-only lowering). B200 has 148
 # SMs and this kernel fits one CTA per SM, so 74 two-CTA clusters. The number only sizes the
@@ -82,7 +82,7 @@ def max_active_clusters(config: Sm100Config) -> int:
     device is visible; otherwise (compile-only use) the B200 figure above, since the
     driver cannot be asked without a device.
     """
-    if dispatch.cuda_compute_capability() is None:
+    if request_facts.cuda_compute_capability() is None:
         return COMPILE_ONLY_MAX_ACTIVE_CLUSTERS
     cluster_size = config.cluster_shape_mn[0] * config.cluster_shape_mn[1]
     return cutlass.utils.HardwareInfo().get_max_active_clusters(cluster_size)

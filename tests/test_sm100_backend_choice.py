@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 import jax_dsrelu
-from jax_dsrelu import dispatch
+from jax_dsrelu import backend_choice
+from jax_dsrelu import request as request_facts
 
 
 def mx_args(m=256, k=64, n=128, e=3, element=jnp.float8_e4m3fn):
@@ -54,16 +55,16 @@ def test_bf16_operands_are_refused_with_the_backends_that_can():
 
 
 def test_a_visible_gpu_older_than_sm100_is_refused(monkeypatch):
-    monkeypatch.setattr(dispatch, "cuda_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(backend_choice, "cuda_compute_capability", lambda: (9, 0))
     with pytest.raises(NotImplementedError, match=r"compute capability 9\.0.*Backends that can: .*'xla'"):
         lower_sm100(mx_args())
 
 
 def test_the_sm90_backend_does_not_claim_mxfp8():
     # So "auto" on Hopper falls back to the reference for MXFP8 instead of a wrong kernel.
-    request = dispatch.request_from_avals(
+    request = request_facts.request_from_avals(
         mx_args()[:4], block_scaled=True, with_dbias=True, with_act=True,
         out_dtype=jnp.dtype(jnp.bfloat16), deterministic=True,
     )
-    assert dispatch.kernel_backend("sm90").cannot_implement(request) is not None
-    assert dispatch.kernel_backend("sm100").cannot_implement(request) is None
+    assert backend_choice.kernel_backend("sm90").cannot_implement(request) is not None
+    assert backend_choice.kernel_backend("sm100").cannot_implement(request) is None

@@ -58,6 +58,16 @@ def row_experts(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.A
     return jnp.where(owned, expert, 0), owned
 
 
+def ragged_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
+    """Row i of expert e is lhs[i] @ rhs[e]: (m, k), (E, k, n) -> (m, n) float32.
+
+    `sizes` must already be clamped. Rows owned by no expert are 0.
+    """
+    return lax.ragged_dot(
+        lhs, rhs, sizes, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST
+    )
+
+
 _RAGGED_ROWS_CONTRACTED = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((0,), (0,)), ((), ())),
     lhs_ragged_dimensions=[0],

@@ -1,4 +1,4 @@
-"""How the sm90 backend presents itself to dispatch. Imports no CuTe DSL."""
+"""How the sm90 backend presents itself to backend_choice. Imports no CuTe DSL."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from typing import Callable
 
 import jax
 
-from jax_dsrelu.dispatch import Request
 from jax_dsrelu.kernels import software
+from jax_dsrelu.request import AnyRequest, Request
 
 NAME = "sm90"
 DEVICE_DESCRIPTION = "Hopper GPUs (compute capability 9.0: H100, H200)"
@@ -23,13 +23,15 @@ def supports_compute_capability(capability: tuple[int, int]) -> bool:
     return capability == (9, 0)
 
 
-def cannot_implement(request: Request) -> str | None:
+def cannot_implement(request: AnyRequest) -> str | None:
+    if not isinstance(request, Request):
+        return "the sm90 grouped-GEMM kernels for this request are not built yet"
     from jax_dsrelu.kernels.sm90 import config
 
     return config.cannot_implement(request)
 
 
-def implementation(request: Request) -> Callable[..., tuple[jax.Array, ...]]:
-    from jax_dsrelu.kernels.sm90 import lowering
+def implementation(request: AnyRequest) -> Callable[..., tuple[jax.Array, ...]]:
+    from jax_dsrelu.ffi import sm90 as lowering
 
     return lowering.implementation(request)

@@ -7,7 +7,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_dsrelu import dispatch, primitive, validation
+from jax_dsrelu import backend_choice, primitive, validation
+from jax_dsrelu import request as request_facts
 
 
 class DsreluOutputs(NamedTuple):
@@ -79,10 +80,10 @@ def grouped_gemm_dsrelu(
         out_dtype=dtype,
         deterministic=bool(deterministic),
     )
-    request = dispatch.request_from_avals(
+    request = request_facts.request_from_avals(
         (grad, weight, preact, prob), block_scaled=grad_scale is not None, **params
     )
-    dispatch.check_explicit_backend(backend, request)
+    backend_choice.check_explicit_backend(backend, request)
 
     results = iter(
         primitive.bind(

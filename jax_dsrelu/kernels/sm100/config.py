@@ -1,7 +1,7 @@
 """The one tile configuration of cuDNN's Blackwell kernel that this backend drives, and what
 follows from it: row padding, slot counts, and which requests the kernel can serve.
 
-Pure Python (no CuTe DSL, no cuDNN), so dispatch, the layout bridge and the CPU tests can
+Pure Python (no CuTe DSL, no cuDNN), so backend choice, the layout bridge and the CPU tests can
 all ask it. It is the single source of truth for these numbers: the bridge pads with them,
 the adapter sizes the slot workspaces with them, and `cannot_implement` states the
 constraints that cuDNN's `BlockScaledMoEGroupedGemmQuantBwdKernel.can_implement` checks for
@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 
 from jax_dsrelu import mx
-from jax_dsrelu.dispatch import Request
+from jax_dsrelu.request import Request
 
 _MXFP8_DTYPES = tuple(np.dtype(d) for d in mx.ELEMENT_DTYPES)
 # D, the regenerated activation and C (preact) may be any of these in the kernel; float8 D

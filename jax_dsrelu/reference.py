@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-
 from jax_dsrelu import groups, mx
 
 
@@ -44,13 +42,7 @@ def grouped_gemm_dsrelu_reference(
 
     # ragged_dot leaves rows past sum(sizes) at zero; the float32 accumulation is the
     # contract's, whatever the operand dtype.
-    acc = lax.ragged_dot(
-        grad,
-        jnp.swapaxes(weight, 1, 2),
-        sizes,
-        preferred_element_type=jnp.float32,
-        precision=lax.Precision.HIGHEST,
-    )
+    acc = groups.ragged_matmul(grad, jnp.swapaxes(weight, 1, 2), sizes)
     g = acc * alpha.astype(jnp.float32)[expert][:, None]
     r = jnp.maximum(preact.astype(jnp.float32), 0.0)
     p = prob.astype(jnp.float32)[:, None]

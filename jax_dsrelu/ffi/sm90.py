@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_dsrelu.dispatch import Request
-from jax_dsrelu.kernels import cutlass_bridge
-from jax_dsrelu.kernels.cutlass_bridge import Operand
+from jax_dsrelu.ffi import cutlass_bridge
+from jax_dsrelu.ffi.cutlass_bridge import Operand
 from jax_dsrelu.kernels.sm90 import config as sm90_config
 from jax_dsrelu.kernels.sm90.kernel import GroupedGemmDsreluSm90
+from jax_dsrelu.request import Request
 
 # wgmma and setmaxnreg exist only on the architecture-specific sm_90a target.
 ARCH = "sm_90a"

@@ -10,7 +10,7 @@ Public API:
 
 from jax_dsrelu.api import DsreluOutputs, grouped_gemm_dsrelu
 from jax_dsrelu.checks import check_group_sizes
-from jax_dsrelu.dispatch import BackendStatus, backends
+from jax_dsrelu.backend_choice import BackendStatus, backends, describe_backends
 from jax_dsrelu.layer import moe_mlp
 from jax_dsrelu.mx import dequantize_mx, quantize_mx
 
@@ -18,6 +18,7 @@ __all__ = [
     "BackendStatus",
     "DsreluOutputs",
     "backends",
+    "describe_backends",
     "check_group_sizes",
     "dequantize_mx",
     "grouped_gemm_dsrelu",

@@ -1,6 +1,6 @@
 """Tile configuration of the SM90 kernel, its constraints, and the heuristic that picks one.
 
-Imports no CuTe DSL: dispatch asks `cannot_implement` without loading the kernel.
+Imports no CuTe DSL: backend choice asks `cannot_implement` without loading the kernel.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from jax_dsrelu.dispatch import Request
+from jax_dsrelu.request import Request
 
 # Largest expert count: the per-CTA expert tables (two int32 prefix sums of E + 1 entries)
 # live in shared memory next to the pipelines, and one warp builds them in E / 32 steps.

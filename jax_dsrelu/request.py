@@ -1,0 +1,128 @@
+"""The static facts of one call, and what a kernel backend provides: a leaf module.
+
+Kernels, their FFI layer and `jax_dsrelu.backend_choice` all import from here, and this module
+imports none of them, so no import cycle runs through backend choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Protocol
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """The static facts of one call: everything a backend may decide on, nothing dynamic.
+
+    The row count m and the group sizes are deliberately absent: they may change from
+    step to step without changing which backend serves the call or what it compiles.
+    """
+
+    num_experts: int
+    n: int
+    k: int
+    operand_dtype: np.dtype
+    preact_dtype: np.dtype
+    prob_dtype: np.dtype
+    out_dtype: np.dtype
+    with_dbias: bool
+    with_act: bool
+    deterministic: bool
+    block_scaled: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedMatmulRequest:
+    """Static facts of a ragged-M grouped GEMM: row i of expert e is lhs[i] @ rhs[e].
+
+    lhs (m, k); rhs stored (E, k, n) (rhs_layout "kn", as W1 and W2 are for the forward)
+    or (E, n, k) ("nk", a weight read transposed in place, as for dx = dh @ W1[e]^T).
+    Accumulation in float32. Rows owned by no expert come out 0.
+
+    epilogue "none":  out (m, n) = acc in out_dtype.
+                      implementation: (lhs, rhs, group_sizes) -> (out,)
+    epilogue "srelu": h = acc (+ bias[e]) rounded to out_dtype, and
+                      act = relu(h)**2 * prob computed from the rounded h, in out_dtype.
+                      implementation: (lhs, rhs, group_sizes, prob f32 (m,),
+                      bias f32 (E, n) or None) -> (h, act)
+    """
+
+    num_experts: int
+    k: int
+    n: int
+    rhs_layout: str  # "kn" | "nk"
+    operand_dtype: np.dtype
+    out_dtype: np.dtype
+    epilogue: str = "none"  # "none" | "srelu"
+    with_bias: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedContractRequest:
+    """Static facts of a ragged-contraction GEMM (weight gradients):
+    out[e] (a, b) = sum over expert e's rows i of lhs[i]^T rhs[i]; lhs (m, a), rhs (m, b).
+
+    Accumulation in float32; an expert with no rows gets zeros; rows owned by no expert
+    are never read into a sum. implementation: (lhs, rhs, group_sizes) -> (out,)
+    """
+
+    num_experts: int
+    a: int
+    b: int
+    operand_dtype: np.dtype
+    out_dtype: np.dtype
+
+
+# Every kind of request a kernel backend may be asked to serve.
+AnyRequest = Request | RaggedMatmulRequest | RaggedContractRequest
+
+
+class KernelBackend(Protocol):
+    """What `jax_dsrelu.kernels.<name>.backend` provides."""
+
+    NAME: str
+    DEVICE_DESCRIPTION: str  # which GPUs it runs on, in words
+
+    def software_missing(self) -> str | None:
+        """Why the backend's packages cannot be imported here, or None."""
+
+    def supports_compute_capability(self, capability: tuple[int, int]) -> bool:
+        """Whether the kernel runs on a device of this compute capability."""
+
+    def cannot_implement(self, request: AnyRequest) -> str | None:
+        """Why this request is outside the kernel's constraints, or None. A backend that
+        has no kernel for a kind of request says so here."""
+
+    def implementation(self, request: AnyRequest) -> Callable[..., tuple[jax.Array, ...]]:
+        """A function of the primitive's operands returning its outputs, for lowering."""
+
+
+@functools.cache
+def cuda_compute_capability() -> tuple[int, int] | None:
+    """Compute capability of the first visible CUDA device, None when there is none."""
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return None
+    if not devices:
+        return None
+    major, minor = str(devices[0].compute_capability).split(".")
+    return int(major), int(minor)
+
+
+def request_from_avals(avals: Any, *, block_scaled: bool = False, **params: Any) -> Request:
+    grad, weight, preact, prob = avals[:4]
+    return Request(
+        num_experts=weight.shape[0],
+        n=weight.shape[1],
+        k=weight.shape[2],
+        operand_dtype=np.dtype(grad.dtype),
+        preact_dtype=np.dtype(preact.dtype),
+        prob_dtype=np.dtype(prob.dtype),
+        block_scaled=block_scaled,
+        **params,
+    )
