@@ -8,7 +8,7 @@
 # autotuning off; logs go to $OUT/determinism.log.
 set -o pipefail
 source .gpu/activate.sh
-export PYTHONPATH="$PWD/src:$PWD/tests:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD:$PWD/tests:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 export JAX_DSRELU_KERNEL_CACHE="$PWD/.kernels/cache"
 log="$OUT/determinism.log"
 for flags in "" "--xla_gpu_autotune_level=0"; do

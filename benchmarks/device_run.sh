@@ -19,7 +19,7 @@ set -o pipefail
 stages=",$1,"
 commit="$2"
 source .gpu/activate.sh
-export PYTHONPATH="$PWD/src:$PWD/tests:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD:$PWD/tests:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 export JAX_DSRELU_KERNEL_CACHE="$PWD/.kernels/cache"
 export PYTHONUNBUFFERED=1
 log="$OUT/run.log"
