@@ -79,6 +79,9 @@ class Compiled:
 CACHE_DIR_VARIABLE = "JAX_DSRELU_KERNEL_CACHE"
 
 
+# The device code every kernel shares (expert tables, the slot reduction).
+_SHARED_KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+
 _cache: dict[Hashable, Compiled] = {}
 _compile_count = 0
 
@@ -177,13 +180,14 @@ def _disk_path(full_key: Hashable, module: str) -> str | None:
 
     The file name hashes the key's repr (every static fact is a dataclass, tuple or
     string with a deterministic repr), the CuTe DSL version, and the source of the shared
-    kernel modules and of the package that defines the host function (`module`), so
-    editing a kernel never reuses stale code."""
+    kernel modules (`jax_dsrelu/kernels/*.py`), of this FFI layer and of the package that
+    defines the host function (`module`), so editing a kernel never reuses stale code."""
     directory = os.environ.get(CACHE_DIR_VARIABLE)
     if not directory:
         return None
     digest = hashlib.sha256(repr(full_key).encode())
     digest.update(cutlass.__version__.encode())
+    digest.update(_source_digest(_SHARED_KERNEL_DIR))
     digest.update(_source_digest(os.path.dirname(os.path.abspath(__file__))))
     digest.update(_source_digest(os.path.dirname(os.path.abspath(sys.modules[module].__file__))))
     os.makedirs(directory, exist_ok=True)
