@@ -7,7 +7,7 @@ from typing import Callable
 import jax
 
 from jax_dsrelu.kernels import software
-from jax_dsrelu.request import AnyRequest, Request
+from jax_dsrelu.request import AnyRequest, RaggedContractRequest, RaggedMatmulRequest, Request
 
 NAME = "sm90"
 DEVICE_DESCRIPTION = "Hopper GPUs (compute capability 9.0: H100, H200)"
@@ -24,14 +24,20 @@ def supports_compute_capability(capability: tuple[int, int]) -> bool:
 
 
 def cannot_implement(request: AnyRequest) -> str | None:
-    if not isinstance(request, Request):
-        return "the sm90 grouped-GEMM kernels for this request are not built yet"
     from jax_dsrelu.kernels.sm90 import config
 
+    if isinstance(request, RaggedMatmulRequest):
+        return config.cannot_implement_gemm(request)
+    if isinstance(request, RaggedContractRequest):
+        return config.cannot_implement_contract(request)
     return config.cannot_implement(request)
 
 
 def implementation(request: AnyRequest) -> Callable[..., tuple[jax.Array, ...]]:
-    from jax_dsrelu.ffi import sm90 as lowering
+    if isinstance(request, Request):
+        from jax_dsrelu.ffi import sm90 as lowering
 
-    return lowering.implementation(request)
+        return lowering.implementation(request)
+    from jax_dsrelu.ffi import sm90_gemm
+
+    return sm90_gemm.implementation(request)

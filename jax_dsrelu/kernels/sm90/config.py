@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from jax_dsrelu.request import Request
+from jax_dsrelu.request import RaggedContractRequest, RaggedMatmulRequest, Request
 
 # Largest expert count: the per-CTA expert tables (two int32 prefix sums of E + 1 entries)
 # live in shared memory next to the pipelines, and one warp builds them in E / 32 steps.
@@ -149,3 +149,141 @@ def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileCon
     config = TileConfig(ab_stages=stages, **base)
     config.check_fits(request.num_experts, request.with_act, request.with_dbias)
     return config
+
+
+# ---------------------------------------------------------------- the grouped-GEMM family
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Static tile configuration of the ragged-M GEMM (`ragged_gemm.py`); `__post_init__`
+    is the one validity check. Cooperative consumers and a 1x1 cluster, as TileConfig."""
+
+    tile_n: int
+    tile_k: int
+    ab_stages: int
+    epi_n: int
+    store_stages: int
+    max_ctas: int
+    tile_m: int = TILE_M
+
+    def __post_init__(self) -> None:
+        if self.tile_m != TILE_M:
+            raise ValueError(f"tile_m must be {TILE_M} (two 64-row consumer warpgroups), got {self.tile_m}")
+        if self.tile_n not in (64, 128, 192, 256):
+            raise ValueError(f"tile_n must be 64, 128, 192 or 256 (a wgmma N), got {self.tile_n}")
+        if self.tile_k not in (32, 64):
+            raise ValueError(f"tile_k must be 32 or 64 (a 64- or 128-byte swizzle row), got {self.tile_k}")
+        if self.epi_n not in (32, 64) or self.tile_n % self.epi_n:
+            raise ValueError(f"epi_n must be 32 or 64 and divide tile_n={self.tile_n}, got {self.epi_n}")
+        if self.ab_stages < 2:
+            raise ValueError(f"ab_stages must be at least 2 to overlap loads and wgmma, got {self.ab_stages}")
+        for name in ("store_stages", "max_ctas"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    @property
+    def subtiles(self) -> int:
+        return self.tile_n // self.epi_n
+
+    def smem_bytes(self, num_experts: int, outputs: int) -> int:
+        """Shared memory for this config with `outputs` 16-bit output tensors."""
+        ab = self.ab_stages * (self.tile_m + self.tile_n) * self.tile_k * 2
+        stores = self.store_stages * self.tile_m * self.epi_n * 2 * outputs
+        tables = 2 * (num_experts + 1) * 4
+        return ab + stores + tables + _SMEM_RESERVE
+
+
+@dataclasses.dataclass(frozen=True)
+class ContractConfig:
+    """Static tile configuration of the ragged contraction (`ragged_contract.py`): an
+    output tile of tile_m x tile_n, tile_k rows of the expert per pipeline stage."""
+
+    tile_n: int
+    tile_k: int
+    ab_stages: int
+    tile_m: int = TILE_M
+
+    def __post_init__(self) -> None:
+        if self.tile_m != TILE_M:
+            raise ValueError(f"tile_m must be {TILE_M} (two 64-row consumer warpgroups), got {self.tile_m}")
+        if self.tile_n not in (64, 128, 192, 256):
+            raise ValueError(f"tile_n must be 64, 128, 192 or 256 (a wgmma N), got {self.tile_n}")
+        # MN-major operands: a k-tile is tile_k rows of 16-bit values, any multiple of the
+        # wgmma K of 16 that keeps the TMA box within 256 rows.
+        if self.tile_k not in (32, 64):
+            raise ValueError(f"tile_k must be 32 or 64, got {self.tile_k}")
+        if self.ab_stages < 2:
+            raise ValueError(f"ab_stages must be at least 2 to overlap loads and wgmma, got {self.ab_stages}")
+
+    def smem_bytes(self, num_experts: int) -> int:
+        ab = self.ab_stages * (self.tile_m + self.tile_n) * self.tile_k * 2
+        return ab + 2 * (num_experts + 1) * 4 + _SMEM_RESERVE
+
+
+def _common_reason(num_experts: int, operand_dtype, extents: dict[str, int]) -> str | None:
+    if np.dtype(operand_dtype) not in _SIXTEEN_BIT:
+        return f"the sm90 kernels need bfloat16 or float16 operands, got {np.dtype(operand_dtype).name}"
+    if num_experts < 1 or num_experts > MAX_EXPERTS:
+        return f"the sm90 kernels take 1 to {MAX_EXPERTS} experts, got E={num_experts}"
+    for name, extent in extents.items():
+        if extent < 8 or extent % 8:
+            return f"the sm90 kernels need {name} to be a positive multiple of 8 (16-byte TMA rows), got {name}={extent}"
+    return None
+
+
+def cannot_implement_gemm(request: RaggedMatmulRequest) -> str | None:
+    """Why the ragged-M GEMM cannot serve `request`, or None when it can."""
+    reason = _common_reason(request.num_experts, request.operand_dtype, {"n": request.n, "k": request.k})
+    if reason is not None:
+        return reason
+    if np.dtype(request.out_dtype) not in _SIXTEEN_BIT:
+        return f"the sm90 ragged GEMM writes bfloat16 or float16, got out_dtype={np.dtype(request.out_dtype).name}"
+    if request.rhs_layout not in ("kn", "nk"):
+        return f"rhs_layout must be 'kn' or 'nk', got {request.rhs_layout!r}"
+    if request.epilogue not in ("none", "srelu"):
+        return f"the sm90 ragged GEMM has epilogues 'none' and 'srelu', got {request.epilogue!r}"
+    return None
+
+
+def cannot_implement_contract(request: RaggedContractRequest) -> str | None:
+    """Why the ragged contraction cannot serve `request`, or None when it can."""
+    reason = _common_reason(request.num_experts, request.operand_dtype, {"a": request.a, "b": request.b})
+    if reason is not None:
+        return reason
+    if np.dtype(request.out_dtype) not in _SIXTEEN_BIT + (np.dtype(np.float32),):
+        return f"the sm90 ragged contraction writes float32, bfloat16 or float16, got {np.dtype(request.out_dtype).name}"
+    return None
+
+
+def _widest_tile_n(n: int) -> int:
+    """A 256-wide tile when the problem fills it (most operand reuse per byte), else 128,
+    so that the last N tile is not mostly empty; 64 for narrow problems."""
+    if n < 128:
+        return 64
+    return 256 if n >= 256 and n % 256 in (0, 192) else 128
+
+
+def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_COUNT) -> GemmConfig:
+    """Widest N tile the problem fills, then as many stages as shared memory holds."""
+    reason = cannot_implement_gemm(request)
+    if reason is not None:
+        raise ValueError(reason)
+    outputs = 2 if request.epilogue == "srelu" else 1
+    base = dict(tile_n=_widest_tile_n(request.n), tile_k=64, epi_n=32, store_stages=2, max_ctas=sm_count)
+    stages = 2
+    while stages < 8 and GemmConfig(ab_stages=stages + 1, **base).smem_bytes(request.num_experts, outputs) <= SMEM_CAPACITY:
+        stages += 1
+    return GemmConfig(ab_stages=stages, **base)
+
+
+def choose_contract_config(request: RaggedContractRequest) -> ContractConfig:
+    """128 x (widest tile b fills) output tiles, 64 rows per stage, as many stages as fit."""
+    reason = cannot_implement_contract(request)
+    if reason is not None:
+        raise ValueError(reason)
+    tile_n = _widest_tile_n(request.b)
+    stages = 2
+    while stages < 8 and ContractConfig(tile_n=tile_n, tile_k=64, ab_stages=stages + 1).smem_bytes(request.num_experts) <= SMEM_CAPACITY:
+        stages += 1
+    return ContractConfig(tile_n=tile_n, tile_k=64, ab_stages=stages)

@@ -1,0 +1,138 @@
+"""The pieces every Hopper kernel of the family shares: the TMA/wgmma mainloop and ragged views.
+
+Mainloop. A producer warp streams k-tiles of A (tile_m x tile_k) and B (tile_n x tile_k)
+into a multi-stage shared-memory ring (`load_k_tiles`); the consumer warpgroups wait for
+each stage, issue its wgmma batch, keep one batch in flight and release a stage one batch
+late (`mma_k_tiles`). Both take the k-tile count at run time, so the same code serves a
+fixed K (the ragged-M kernels) and an expert's row count (the ragged contraction). The
+pipeline states are passed in and returned, as the DSL carries them through loops.
+
+Ragged views. For a tensor whose mode `ragged_mode` is a row index (expert e's rows
+[offset, offset + length) of an (m, x) array), `ragged_view` presents it as a tensor with
+two more modes, and `expert_rows` slices expert e out of it: rows past the expert's last
+row have a coordinate >= 2^30, outside the first mode's extent, so a TMA box that reaches
+them is clipped (stores write nothing there, loads read zeros), with one descriptor for
+every expert. Element arithmetic of row coordinate 2^30 - length + r, with the fixed
+coordinates (2^30, offset + length) in the two extra modes and row stride s:
+
+    (2^30 - length + r) s + 2^30 (2^34 - s) + (offset + length) s = (offset + r) s + 2^64,
+
+and 64-bit address arithmetic drops the 2^64 (the construction of Triton's ragged TMA and
+of QuACK). The extents are run-time values: a static layout of this size overflows the
+DSL's static size arithmetic.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+RAGGED_ROWS = 2**30
+_RAGGED_EXTRA = 2**31 - 1
+_WRAP_STRIDE = 2**64 // RAGGED_ROWS  # 2^34: 2^30 of these steps wrap 64-bit addresses
+# Row coordinates stay below 2^30 + 2^30: int32.
+MAX_ROWS = RAGGED_ROWS - 1
+
+
+def ragged_view(tensor: cute.Tensor, ragged_mode: int) -> cute.Tensor:
+    """`tensor` (rank 2) with its row mode `ragged_mode` made ragged (see the module doc)."""
+    row_stride = tensor.stride[ragged_mode]  # 64-bit: the wrapping stride needs the width
+    other = 1 - ragged_mode
+    shape = [None, None]
+    stride = [None, None]
+    shape[ragged_mode] = Int32(RAGGED_ROWS)
+    stride[ragged_mode] = row_stride
+    shape[other] = tensor.shape[other]
+    stride[other] = tensor.stride[other]
+    return cute.make_tensor(
+        tensor.iterator,
+        cute.make_layout(
+            (shape[0], shape[1], Int32(_RAGGED_EXTRA), Int32(_RAGGED_EXTRA)),
+            stride=(stride[0], stride[1], _WRAP_STRIDE - row_stride, row_stride),
+        ),
+    )
+
+
+def expert_rows(view: cute.Tensor, ragged_mode: int, offset: Int32, length: Int32) -> cute.Tensor:
+    """Rows [offset, offset + length) of a `ragged_view`, as a rank-2 tensor whose row
+    mode ends at the expert's last row."""
+    rows = view[None, None, RAGGED_ROWS, offset + length]
+    start = [0, 0]
+    start[ragged_mode] = RAGGED_ROWS - length
+    return cute.domain_offset((start[0], start[1]), rows)
+
+
+@cute.jit
+def load_k_tiles(
+    tma_a: cute.CopyAtom,
+    tAgA: cute.Tensor,  # (TMA box, k-tiles) of A in global memory
+    tAsA: cute.Tensor,  # (TMA box, stages) in shared memory
+    tma_b: cute.CopyAtom,
+    tBgB: cute.Tensor,
+    tBsB: cute.Tensor,
+    ab_pipeline: pipeline.PipelineTmaAsync,
+    state: pipeline.PipelineState,
+    k_tiles: Int32,
+) -> pipeline.PipelineState:
+    """Producer: k-tiles 0 .. k_tiles - 1 of one work tile into the ring, in order."""
+    for k_tile in range(k_tiles):
+        ab_pipeline.producer_acquire(state)
+        barrier = ab_pipeline.producer_get_barrier(state)
+        cute.copy(tma_a, tAgA[None, k_tile], tAsA[None, state.index], tma_bar_ptr=barrier)
+        cute.copy(tma_b, tBgB[None, k_tile], tBsB[None, state.index], tma_bar_ptr=barrier)
+        ab_pipeline.producer_commit(state)
+        state.advance()
+    return state
+
+
+@cute.jit
+def mma_k_tiles(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    ab_pipeline: pipeline.PipelineTmaAsync,
+    read_state: pipeline.PipelineState,
+    release_state: pipeline.PipelineState,
+    k_tiles: Int32,
+):
+    """Consumers: acc = sum over the tile's k-tiles of A B^T (acc = 0 for none).
+
+    One wgmma batch stays in flight; a stage is released once the batch after the one
+    reading it has been issued, so the producer refills it while the tensor cores work.
+    Returns (read_state, release_state)."""
+    k_blocks = cute.size(tCrA, mode=[2])
+    acc.fill(0.0)
+    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.fence()
+    if k_tiles > 0:
+        ab_pipeline.consumer_wait(read_state)
+        for k_block in cutlass.range_constexpr(k_blocks):
+            coord = (None, None, k_block, read_state.index)
+            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+        warpgroup.commit_group()
+        read_state.advance()
+        for k_tile in range(1, k_tiles):
+            ab_pipeline.consumer_wait(read_state)
+            for k_block in cutlass.range_constexpr(k_blocks):
+                coord = (None, None, k_block, read_state.index)
+                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+            read_state.advance()
+        warpgroup.wait_group(0)
+        ab_pipeline.consumer_release(release_state)
+        release_state.advance()
+    return read_state, release_state
+
+
+def tma_partition(tma: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor):
+    """(shared, global) TMA partitions of a tile-by-tile copy in a 1x1 cluster."""
+    return cpasync.tma_partition(
+        tma, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2), cute.group_modes(gmem, 0, 2)
+    )
