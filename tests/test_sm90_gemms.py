@@ -1,0 +1,364 @@
+"""The sm90 grouped-GEMM family: compile-only checks (CPU, CI) and correctness on a Hopper GPU.
+
+Kernels: the ragged-M GEMM (`kernels/sm90/ragged_gemm.py`: rhs stored (E, k, n) or
+(E, n, k), plain or squared-ReLU epilogue, with or without bias) and the ragged
+contraction (`kernels/sm90/ragged_contract.py`: per-expert lhs^T rhs, float32 or 16-bit
+out), reached through the backend protocol exactly as the primitives reach them.
+
+Compile tier (marked `compile`, no GPU): every variant compiles for sm_90a into wgmma code
+with no local-memory spills and no atomics; refusals name the value.
+
+GPU tier (marked `gpu`): against an independent float64 NumPy computation, with ragged,
+empty, negative and past-m group sizes, m from 0 to 64k, every output buffer NaN-filled
+before the kernel runs; the contraction bitwise identical over 20 runs. Tolerances come
+from the arithmetic (see `matmul_bound`) and are shown to reject wrong answers.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before anything imports CuTe DSL: on a machine without a GPU it cannot detect one.
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import re  # noqa: E402
+import zlib  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+
+from jax_dsrelu import backend_choice  # noqa: E402
+from jax_dsrelu.ffi import sm90_gemm  # noqa: E402
+from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
+from jax_dsrelu.request import RaggedContractRequest, RaggedMatmulRequest  # noqa: E402
+
+BF16 = np.dtype(jnp.bfloat16)
+FP16 = np.dtype(jnp.float16)
+F32 = np.dtype(np.float32)
+
+# An atomic or reduction instruction in PTX, predicated or not.
+ATOMIC = re.compile(r"^\s*(@!?%p\d+\s+)?(atom|red)\.", re.M)
+
+# Variants of the ragged-M GEMM the MoE layer uses: (rhs_layout, epilogue, with_bias).
+MATMUL_VARIANTS = {
+    "down_kn": ("kn", "none", False),  # y = act @ W2[e]
+    "dx_nk": ("nk", "none", False),  # dx = dh @ W1[e]^T, W1 read in place
+    "up_srelu": ("kn", "srelu", False),  # h, act = up-projection and its activation
+    "up_srelu_bias": ("kn", "srelu", True),
+}
+
+# Shapes (E, k, n) share one compiled kernel per variant; the group sizes vary freely.
+SMALL = (8, 520, 320)
+GROUPINGS = {
+    # name: (shape, m, group sizes)
+    "ragged_with_empty": (SMALL, 4096, [0, 700, 1, 0, 1500, 129, 1766, 0]),
+    "short_of_m": (SMALL, 3000, [500, 0, 1200, 3, 0, 0, 0, 0]),
+    "past_m": (SMALL, 2000, [900, 800, 700, 0, 0, 0, 0, 5]),
+    "negative": (SMALL, 2500, [-5, 1000, -1, 1300, 7, 0, 0, 0]),
+    "all_empty": (SMALL, 700, [0] * 8),
+    "one_row": (SMALL, 1, [1, 0, 0, 0, 0, 0, 0, 0]),
+    "no_rows": (SMALL, 0, [0] * 8),
+    "tile_n_256": ((8, 1024, 2048), 16384, [3000, 0, 2500, 128, 4000, 1, 3755, 3000]),
+    "rows_64k": ((32, 256, 512), 65536, None),  # Dirichlet-sized experts
+}
+FP16_GROUPINGS = ("ragged_with_empty", "negative")
+
+
+def grouping(name):
+    shape, m, sizes = GROUPINGS[name]
+    if sizes is None:
+        rng = np.random.default_rng(5)
+        sizes = np.floor(rng.dirichlet(np.ones(shape[0])) * m).astype(int)
+        sizes[-1] += m - sizes.sum()
+        sizes = sizes.tolist()
+    return shape, m, sizes
+
+
+def clamped_bounds(sizes, m):
+    """(start, end) rows of each expert after clamping, as the contract says."""
+    bounds, end = [], 0
+    for size in sizes:
+        start = end
+        end = min(end + max(size, 0), m)
+        bounds.append((start, end))
+    return bounds
+
+
+# The kernels accumulate in float32; tensor cores may round each addition toward zero, so
+# the unit roundoff of the accumulation is taken as 2^-23 rather than 2^-24.
+_ACC_UNIT = 2.0**-23
+
+
+def out_unit(dtype) -> float:
+    """Unit roundoff of one rounding to `dtype`."""
+    return float(np.finfo(np.dtype(dtype)).eps) / 2 if np.dtype(dtype) != BF16 else 2.0**-8
+
+
+def subnormal_step(dtype) -> float:
+    """Spacing of dtype's subnormals: the absolute error a rounding can make near 0."""
+    return 2.0**-133 if np.dtype(dtype) == BF16 else float(np.finfo(np.dtype(dtype)).smallest_subnormal)
+
+
+def matmul_bound(abs_dot: np.ndarray, terms, ref: np.ndarray, dtype) -> np.ndarray:
+    """Per-entry error bound of a float32-accumulated dot of `terms` products, rounded once
+    to `dtype`: gamma(terms) * sum |a||b| (the accumulation; products of 16-bit values are
+    exact in float32) plus u(dtype) |ref| (the final rounding) and the smallest subnormal
+    step of dtype."""
+    terms = np.asarray(terms, np.float64)
+    gamma = terms * _ACC_UNIT / (1.0 - terms * _ACC_UNIT)
+    return gamma * abs_dot * (1.0 + out_unit(dtype)) + out_unit(dtype) * np.abs(ref) + subnormal_step(dtype)
+
+
+def reference_matmul(lhs, rhs_kn, bounds, m):
+    """float64 (ref, |lhs| @ |rhs|) of a ragged matmul; rows owned by no expert are 0."""
+    n = rhs_kn.shape[2]
+    ref = np.zeros((m, n))
+    abs_dot = np.zeros((m, n))
+    for e, (start, end) in enumerate(bounds):
+        if end > start:
+            ref[start:end] = lhs[start:end] @ rhs_kn[e]
+            abs_dot[start:end] = np.abs(lhs[start:end]) @ np.abs(rhs_kn[e])
+    return ref, abs_dot
+
+
+def check_matmul(out, lhs, rhs_kn, sizes, dtype):
+    m, k = lhs.shape
+    bounds = clamped_bounds(sizes, m)
+    ref, abs_dot = reference_matmul(lhs, rhs_kn, bounds, m)
+    got = np.asarray(out, np.float64)
+    assert np.isfinite(got).all(), "an output element was not written (NaN poison left)"
+    err = np.abs(got - ref)
+    bound = matmul_bound(abs_dot, k, ref, dtype)
+    assert (err <= bound).all(), f"max error {err.max()} at {np.unravel_index(np.argmax(err - bound), err.shape)}"
+    return ref
+
+
+# ------------------------------------------------------------------------ CPU: the bounds
+
+
+def test_matmul_bound_rejects_wrong_answers():
+    rng = np.random.default_rng(0)
+    m, k, n, sizes = 512, 520, 320, [100, 0, 250, 162]
+    lhs = rng.standard_normal((m, k)).astype(jnp.bfloat16).astype(np.float64)
+    rhs = rng.standard_normal((4, k, n)).astype(jnp.bfloat16).astype(np.float64)
+    ref, _ = reference_matmul(lhs, rhs, clamped_bounds(sizes, m), m)
+    check_matmul(ref.astype(jnp.bfloat16), lhs, rhs, sizes, BF16)  # the exact answer passes
+    wrong_expert = ref.copy()
+    wrong_expert[100:350] = lhs[100:350] @ rhs[0]
+    last_k_tile_dropped = ref.copy()
+    last_k_tile_dropped[:350] -= lhs[:350, 512:] @ rhs[0, 512:]
+    shifted = np.roll(ref, 1, axis=0)
+    few_ulp = ref.astype(jnp.bfloat16).astype(np.float64)
+    few_ulp[10, 7] *= 1 + 4 * 2.0**-8
+    unowned_written = ref.copy()
+    unowned_written[400] = 1.0
+    for wrong in (wrong_expert, last_k_tile_dropped, shifted, few_ulp, unowned_written):
+        with pytest.raises(AssertionError):
+            check_matmul(wrong.astype(jnp.bfloat16), lhs, rhs, sizes, BF16)
+
+
+# ------------------------------------------------------------------------- compile tier
+
+
+def matmul_request(shape, variant, dtype=BF16):
+    num_experts, k, n = shape
+    rhs_layout, epilogue, with_bias = MATMUL_VARIANTS[variant]
+    return RaggedMatmulRequest(
+        num_experts=num_experts, k=k, n=n, rhs_layout=rhs_layout, operand_dtype=dtype,
+        out_dtype=dtype, epilogue=epilogue, with_bias=with_bias,
+    )
+
+
+def contract_request(shape, out_dtype, dtype=BF16):
+    num_experts, a, b = shape
+    return RaggedContractRequest(num_experts=num_experts, a=a, b=b, operand_dtype=dtype, out_dtype=np.dtype(out_dtype))
+
+
+def prebuild_requests():
+    """Every (request, outputs_in_place) the GPU tier below runs, for the kernel cache."""
+    built = []
+    for name in GROUPINGS:
+        shape = GROUPINGS[name][0]
+        dtypes = (BF16, FP16) if name in FP16_GROUPINGS else (BF16,)
+        for dtype in dtypes:
+            built += [matmul_request(shape, variant, dtype) for variant in MATMUL_VARIANTS]
+            built += [contract_request(shape, F32, dtype), contract_request(shape, dtype, dtype)]
+    return [(request, True) for request in sorted(set(built), key=repr)] + [
+        (contract_request(GROUPINGS["tile_n_256"][0], F32), False)
+    ]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("variant", sorted(MATMUL_VARIANTS))
+def test_ragged_matmul_compiles_for_sm90a(variant):
+    compiled = sm90_gemm.compile_kernel(matmul_request((8, 4096, 2048), variant), keep=True)
+    assert "wgmma.mma_async" in compiled.ptx
+    assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
+    assert not ATOMIC.search(compiled.ptx)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("out_dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_ragged_contraction_compiles_for_sm90a(out_dtype):
+    compiled = sm90_gemm.compile_kernel(contract_request((8, 4096, 2048), out_dtype), keep=True)
+    assert "wgmma.mma_async" in compiled.ptx
+    assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
+    # One writer per element and no split-K: no atomics of any kind.
+    assert not ATOMIC.search(compiled.ptx)
+
+
+@pytest.mark.compile
+def test_backend_serves_the_gemm_requests():
+    backend = backend_choice.kernel_backend("sm90")
+    assert backend.cannot_implement(matmul_request((8, 4096, 2048), "up_srelu_bias")) is None
+    assert backend.cannot_implement(contract_request((8, 4096, 2048), F32)) is None
+    refusals = {
+        RaggedMatmulRequest(num_experts=4, k=60, n=64, rhs_layout="kn", operand_dtype=BF16, out_dtype=BF16): "k=60",
+        RaggedMatmulRequest(num_experts=4, k=64, n=64, rhs_layout="kn", operand_dtype=F32, out_dtype=F32): "float32",
+        RaggedContractRequest(num_experts=300, a=64, b=64, operand_dtype=BF16, out_dtype=F32): "E=300",
+        RaggedContractRequest(num_experts=4, a=64, b=12, operand_dtype=BF16, out_dtype=F32): "b=12",
+    }
+    for request, message in refusals.items():
+        reason = backend.cannot_implement(request)
+        assert reason is not None and message in reason, (request, reason)
+    assert "grouped_gemm_dsrelu only" in backend_choice.kernel_backend("sm100").cannot_implement(
+        contract_request((8, 64, 64), F32)
+    )
+
+
+@pytest.mark.compile
+def test_configs_validate_in_one_place():
+    good = dict(tile_n=256, tile_k=64, ab_stages=4, epi_n=32, store_stages=2, max_ctas=132)
+    sm90_config.GemmConfig(**good)
+    for field, value in [("tile_n", 96), ("epi_n", 16), ("ab_stages", 1), ("tile_k", 128)]:
+        with pytest.raises(ValueError, match=field):
+            sm90_config.GemmConfig(**dict(good, **{field: value}))
+    for field, value in [("tile_n", 100), ("ab_stages", 1), ("tile_k", 16)]:
+        with pytest.raises(ValueError, match=field):
+            sm90_config.ContractConfig(**dict(dict(tile_n=256, tile_k=64, ab_stages=4), **{field: value}))
+    # The chosen configs fit in shared memory at the largest expert count.
+    for variant in MATMUL_VARIANTS:
+        request = matmul_request((256, 4096, 2048), variant)
+        config = sm90_config.choose_gemm_config(request)
+        outputs = 2 if request.epilogue == "srelu" else 1
+        assert config.smem_bytes(256, outputs) <= sm90_config.SMEM_CAPACITY
+    config = sm90_config.choose_contract_config(contract_request((256, 4096, 2048), F32))
+    assert config.smem_bytes(256) <= sm90_config.SMEM_CAPACITY
+
+
+# ----------------------------------------------------------------------------- GPU tier
+
+
+@pytest.fixture(scope="module")
+def hopper():
+    capability = backend_choice.cuda_compute_capability()
+    if capability != (9, 0):
+        pytest.skip(f"the sm90 kernels run on compute capability 9.0; this GPU has {capability}")
+
+
+def random_operands(rng, m, k, n, num_experts, dtype):
+    lhs = rng.standard_normal((m, k)).astype(np.float32)
+    rhs_kn = (rng.standard_normal((num_experts, k, n)) / np.sqrt(k)).astype(np.float32)
+    return np.asarray(jnp.asarray(lhs, dtype)), np.asarray(jnp.asarray(rhs_kn, dtype))
+
+
+def run_poisoned(request, *arrays):
+    """The kernel with every output buffer NaN-filled first (aliased in and out)."""
+    run = sm90_gemm.implementation(request, outputs_in_place=True)
+    _, out_shapes = sm90_gemm._shapes(request, arrays[0].shape[0])
+    _, outputs = sm90_gemm.matmul_operands(request) if isinstance(request, RaggedMatmulRequest) else sm90_gemm.contract_operands(request)
+    filled = [jnp.full(shape, jnp.nan, operand.dtype) for operand, shape in zip(outputs, out_shapes)]
+    return jax.jit(lambda *a: run(*a, filled=filled))(*arrays)
+
+
+def gpu_cases():
+    cases = []
+    for name in sorted(GROUPINGS):
+        dtypes = (BF16, FP16) if name in FP16_GROUPINGS else (BF16,)
+        cases += [pytest.param(name, dtype, id=f"{name}-{dtype.name}") for dtype in dtypes]
+    return cases
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", sorted(MATMUL_VARIANTS))
+@pytest.mark.parametrize("name, dtype", gpu_cases())
+def test_ragged_matmul_matches_float64(hopper, name, dtype, variant):
+    (num_experts, k, n), m, sizes = grouping(name)
+    rng = np.random.default_rng(zlib.crc32(f"{name}{dtype.name}{variant}".encode()))
+    lhs, rhs_kn = random_operands(rng, m, k, n, num_experts, dtype)
+    request = matmul_request((num_experts, k, n), variant, dtype)
+    rhs = rhs_kn if request.rhs_layout == "kn" else np.ascontiguousarray(np.swapaxes(rhs_kn, 1, 2))
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    lhs64, rhs64 = lhs.astype(np.float64), rhs_kn.astype(np.float64)
+    if request.epilogue == "none":
+        (out,) = run_poisoned(request, jnp.asarray(lhs), jnp.asarray(rhs), group_sizes)
+        check_matmul(out, lhs64, rhs64, sizes, dtype)
+        return
+    prob = rng.uniform(0.05, 1.0, m).astype(np.float32)
+    bias = rng.standard_normal((num_experts, n)).astype(np.float32) if request.with_bias else None
+    h, act = run_poisoned(
+        request, jnp.asarray(lhs), jnp.asarray(rhs), group_sizes, jnp.asarray(prob),
+        None if bias is None else jnp.asarray(bias),
+    )
+    # h against float64: the bias enters the exact sum, one more float32 addition.
+    bounds = clamped_bounds(sizes, m)
+    ref, abs_dot = reference_matmul(lhs64, rhs64, bounds, m)
+    owned = np.zeros(m, bool)
+    for e, (start, end) in enumerate(bounds):
+        owned[start:end] = True
+        if bias is not None:
+            ref[start:end] += bias[e]
+            abs_dot[start:end] += np.abs(bias[e])
+    h64 = np.asarray(h, np.float64)
+    act64 = np.asarray(act, np.float64)
+    assert np.isfinite(h64).all() and np.isfinite(act64).all(), "an output element was not written"
+    assert (np.abs(h64 - ref) <= matmul_bound(abs_dot, k + 1, ref, dtype)).all()
+    # act from the kernel's own rounded h, as the contract says: relu, square, times prob,
+    # three float32 roundings and one to dtype.
+    r = np.maximum(h64, 0.0)
+    expected = np.where(owned[:, None], r * r * prob[:, None].astype(np.float64), 0.0)
+    bound = (3 * 2.0**-24 + out_unit(dtype)) * np.abs(expected) + subnormal_step(dtype)
+    assert (np.abs(act64 - expected) <= bound).all()
+    assert (h64[~owned] == 0).all() and (act64[~owned] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [F32, "same"], ids=["f32", "operand_dtype"])
+@pytest.mark.parametrize("name, dtype", gpu_cases())
+def test_ragged_contraction_matches_float64(hopper, name, dtype, out_dtype):
+    (num_experts, a, b), m, sizes = grouping(name)
+    out_dtype = dtype if out_dtype == "same" else out_dtype
+    rng = np.random.default_rng(zlib.crc32(f"contract{name}{dtype.name}{np.dtype(out_dtype).name}".encode()))
+    lhs = np.asarray(jnp.asarray(rng.standard_normal((m, a)), dtype))
+    rhs = np.asarray(jnp.asarray(rng.standard_normal((m, b)), dtype))
+    request = contract_request((num_experts, a, b), out_dtype, dtype)
+    (out,) = run_poisoned(request, jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes, jnp.int32))
+    got = np.asarray(out, np.float64)
+    assert got.shape == (num_experts, a, b)
+    assert np.isfinite(got).all(), "an output element was not written (NaN poison left)"
+    lhs64, rhs64 = lhs.astype(np.float64), rhs.astype(np.float64)
+    for e, (start, end) in enumerate(clamped_bounds(sizes, m)):
+        if end == start:
+            assert (got[e] == 0).all(), f"empty expert {e} must be exactly 0"
+            continue
+        ref = lhs64[start:end].T @ rhs64[start:end]
+        abs_dot = np.abs(lhs64[start:end]).T @ np.abs(rhs64[start:end])
+        err = np.abs(got[e] - ref)
+        assert (err <= matmul_bound(abs_dot, end - start, ref, out_dtype)).all(), f"expert {e}: max error {err.max()}"
+
+
+@pytest.mark.gpu
+def test_ragged_contraction_is_bitwise_reproducible(hopper):
+    (num_experts, a, b), m, sizes = grouping("tile_n_256")
+    rng = np.random.default_rng(9)
+    lhs = jnp.asarray(rng.standard_normal((m, a)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((m, b)), jnp.bfloat16)
+    run = jax.jit(sm90_gemm.implementation(contract_request((num_experts, a, b), F32)))
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    first = np.asarray(run(lhs, rhs, group_sizes)[0])
+    for _ in range(19):
+        assert np.array_equal(np.asarray(run(lhs, rhs, group_sizes)[0]), first)
