@@ -38,17 +38,14 @@ Features:
       amax uses an atomic max in both modes: max is exact, so its result is the same
       whatever order the atomics land in.
 
-Ragged TMA store: for an expert owning rows [offset, offset + length), dh is viewed as a
-rank-4 tensor of shape (2^30, n, 2^31 - 1, 2^31 - 1) and element strides
-(n, 1, 2^34 - n, n) over dh's own base pointer. Row coordinate 2^30 - length + r, with
-the fixed coordinates (2^30, offset + length) in the last two modes, is element
-    (2^30 - length + r) n + 2^30 (2^34 - n) + (offset + length) n = (offset + r) n + 2^64,
-that is byte 2 (offset + r) n + 2^65 past the base: 64-bit address arithmetic drops the
-2^65, leaving exactly row offset + r of dh. Rows r >= length have a coordinate >= 2^30,
-outside the first mode, and TMA does not write them: the box is clipped at the expert's
-last row, and one descriptor serves every expert. (The construction is the ragged TMA of
-Triton's ragged_tma and of QuACK.) Loads need no clipping (the next expert's rows are
-masked, rows past m read as zeros), so grad and preact use plain descriptors.
+Ragged TMA store: dh and act are stored through `mainloop.ragged_view`, one descriptor
+whose row mode ends at each expert's last row (the arithmetic is in mainloop.py's
+docstring). Loads need no clipping (the next expert's rows are masked, rows past m read
+as zeros), so grad and preact use plain descriptors.
+
+The tile schedule (`schedule.py`) and the TMA/wgmma mainloop (`mainloop.py`) are the ones
+every kernel of the Hopper family shares; this kernel adds the preact producer warp and
+the fused epilogue.
 
 Usage: through `jax_dsrelu.grouped_gemm_dsrelu(..., backend="sm90")` (or "auto" on an
 H100/H200); `lowering.py` builds the buffers and the call.
@@ -67,22 +64,17 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_dsrelu.kernels.group_tables import build_expert_tables
 from jax_dsrelu.kernels.slot_reduction import SlotReduction
+from jax_dsrelu.kernels.sm90 import epilogue_store, mainloop, schedule
 from jax_dsrelu.kernels.sm90.config import TileConfig
-
-# Ragged-store constants: see the module docstring.
-_RAGGED_ROWS = 2**30
-_RAGGED_EXTRA = 2**31 - 1
-_WRAP_STRIDE = 2**64 // _RAGGED_ROWS  # 2^34: 2^30 of these steps wrap 64-bit addresses
 
 _ABS_MASK = 0x7FFFFFFF
 
-# Named barriers (0 is __syncthreads): the consumer warpgroups' epilogue syncs.
-_EPILOGUE_BARRIER = 1
+# Named barrier (0 is __syncthreads; 1 is the epilogue store's): the dbias partials.
 _DBIAS_BARRIER = 2
 
 
@@ -205,7 +197,7 @@ class GroupedGemmDsreluSm90:
         )
         tma_d, tma_dh = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(),
-            self._ragged_rows(dh),
+            mainloop.ragged_view(dh, 0),
             cute.slice_(d_layout, (None, None, 0)),
             epi_tile,
         )
@@ -214,7 +206,7 @@ class GroupedGemmDsreluSm90:
         if cutlass.const_expr(self.with_act):
             tma_act, tma_act_tensor = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(),
-                self._ragged_rows(act),
+                mainloop.ragged_view(act, 0),
                 cute.slice_(d_layout, (None, None, 0)),
                 epi_tile,
             )
@@ -259,19 +251,6 @@ class GroupedGemmDsreluSm90:
             SlotReduction(num_experts=self.num_experts, tile_m=self.tile_m)(
                 dprob, dbias, group_sizes, dprob_out, dbias_out, stream
             )
-
-    def _ragged_rows(self, tensor: cute.Tensor) -> cute.Tensor:
-        """The (m, n) row-major output seen through the ragged-store construction."""
-        row_stride = tensor.stride[0]  # a 64-bit value: the wrapping stride needs the width
-        # The extents are passed as run-time values: a static layout of this size overflows
-        # the DSL's static size arithmetic.
-        return cute.make_tensor(
-            tensor.iterator,
-            cute.make_layout(
-                (Int32(_RAGGED_ROWS), tensor.shape[1], Int32(_RAGGED_EXTRA), Int32(_RAGGED_EXTRA)),
-                stride=(row_stride, 1, _WRAP_STRIDE - row_stride, row_stride),
-            ),
-        )
 
     def _shared_storage(self, a_layout, b_layout, p_layout, d_layout):
         experts = self.num_experts + 1
@@ -417,11 +396,10 @@ class GroupedGemmDsreluSm90:
         work = bidx
         expert = Int32(0)
         while work < expert_work:
-            m_tile = work // self.n_tiles
-            n_tile = work - m_tile * self.n_tiles
-            while tile_start[expert + 1] <= m_tile:
-                expert = expert + 1
-            row0 = row_start[expert] + (m_tile - tile_start[expert]) * self.tile_m
+            expert, m_tile, n_tile, local_tile, first_row, expert_rows = schedule.locate(
+                row_start, tile_start, work, expert, self.n_tiles
+            )
+            row0 = first_row + local_tile * self.tile_m
             # (tile_m, tile_k, k_tiles) starting at the tile's first row, any row offset.
             gA = cute.local_tile(
                 cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None)
@@ -429,19 +407,11 @@ class GroupedGemmDsreluSm90:
             gB = cute.local_tile(
                 mB[None, None, expert], (self.tile_n, self.tile_k), (n_tile, None)
             )
-            tAsA, tAgA = cpasync.tma_partition(
-                tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+            tAsA, tAgA = mainloop.tma_partition(tma_a, sA, gA)
+            tBsB, tBgB = mainloop.tma_partition(tma_b, sB, gB)
+            state = mainloop.load_k_tiles(
+                tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, self.k_tiles
             )
-            tBsB, tBgB = cpasync.tma_partition(
-                tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-            )
-            for k_tile in range(self.k_tiles):
-                ab_pipeline.producer_acquire(state)
-                barrier = ab_pipeline.producer_get_barrier(state)
-                cute.copy(tma_a, tAgA[None, k_tile], tAsA[None, state.index], tma_bar_ptr=barrier)
-                cute.copy(tma_b, tBgB[None, k_tile], tBsB[None, state.index], tma_bar_ptr=barrier)
-                ab_pipeline.producer_commit(state)
-                state.advance()
             work = work + grid
         ab_pipeline.producer_tail(state)
 
@@ -460,18 +430,15 @@ class GroupedGemmDsreluSm90:
         work = bidx
         expert = Int32(0)
         while work < expert_work:
-            m_tile = work // self.n_tiles
-            n_tile = work - m_tile * self.n_tiles
-            while tile_start[expert + 1] <= m_tile:
-                expert = expert + 1
-            row0 = row_start[expert] + (m_tile - tile_start[expert]) * self.tile_m
+            expert, m_tile, n_tile, local_tile, first_row, expert_rows = schedule.locate(
+                row_start, tile_start, work, expert, self.n_tiles
+            )
+            row0 = first_row + local_tile * self.tile_m
             # (tile_m, epi_n, n / epi_n): subtile s of N-tile t is column block t * subtiles + s.
             gP = cute.local_tile(
                 cute.domain_offset((row0, 0), mP), (self.tile_m, self.epi_n), (0, None)
             )
-            tPsP, tPgP = cpasync.tma_partition(
-                tma_p, 0, cute.make_layout(1), cute.group_modes(sP, 0, 2), cute.group_modes(gP, 0, 2)
-            )
+            tPsP, tPgP = mainloop.tma_partition(tma_p, sP, gP)
             for subtile in cutlass.range_constexpr(self.subtiles):
                 preact_pipeline.producer_acquire(state)
                 cute.copy(
@@ -506,7 +473,6 @@ class GroupedGemmDsreluSm90:
             cute.make_identity_tensor((self.tile_m, self.tile_n))
         )
         acc = cute.make_rmem_tensor(tCcAcc.shape, Float32)
-        k_blocks = cute.size(tCrA, mode=[2])
 
         # Epilogue copies: stmatrix for dh/act, ldmatrix for preact, both in the layout of
         # the accumulator fragment (value v of a subtile is accumulator value 16 s + v).
@@ -558,20 +524,16 @@ class GroupedGemmDsreluSm90:
         # fragment holds value v = c + 2 h + 4 j at column 8 j + 2 (lane % 4) + c, row + 8 h.
         tile_row = [tCcAcc[0][0], tCcAcc[2][0]]
 
-        total_rows = row_start[self.num_experts]
-        zero_tiles = (num_rows - total_rows + (self.tile_m - 1)) // self.tile_m
-        all_work = expert_work + zero_tiles * self.n_tiles
+        all_work = schedule.all_work(
+            row_start, tile_start, num_rows, self.num_experts, self.n_tiles, self.tile_m
+        )
         work = bidx
         expert = Int32(0)
         while work < all_work:
             if work < expert_work:
-                m_tile = work // self.n_tiles
-                n_tile = work - m_tile * self.n_tiles
-                while tile_start[expert + 1] <= m_tile:
-                    expert = expert + 1
-                local_tile = m_tile - tile_start[expert]
-                first_row = row_start[expert]
-                expert_rows = row_start[expert + 1] - first_row
+                expert, m_tile, n_tile, local_tile, first_row, expert_rows = schedule.locate(
+                    row_start, tile_start, work, expert, self.n_tiles
+                )
                 row0 = first_row + local_tile * self.tile_m
                 rows_valid = expert_rows - local_tile * self.tile_m
                 # The epilogue's per-row and per-expert scalars, loaded before the mainloop
@@ -584,29 +546,9 @@ class GroupedGemmDsreluSm90:
                     safe_row = Int32(cutlass.select_(valid[h], row0 + tile_row[h], Int32(0)))
                     prob.append(Float32(cutlass.select_(valid[h], mProb[safe_row], Float32(0.0))))
 
-                # -------- mainloop: keep one wgmma batch in flight, release a stage late.
-                acc.fill(0.0)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.fence()
-                ab_pipeline.consumer_wait(read_state)
-                for k_block in cutlass.range_constexpr(k_blocks):
-                    coord = (None, None, k_block, read_state.index)
-                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                warpgroup.commit_group()
-                read_state.advance()
-                for k_tile in range(1, self.k_tiles):
-                    ab_pipeline.consumer_wait(read_state)
-                    for k_block in cutlass.range_constexpr(k_blocks):
-                        coord = (None, None, k_block, read_state.index)
-                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(1)
-                    ab_pipeline.consumer_release(release_state)
-                    release_state.advance()
-                    read_state.advance()
-                warpgroup.wait_group(0)
-                ab_pipeline.consumer_release(release_state)
-                release_state.advance()
+                read_state, release_state = mainloop.mma_k_tiles(
+                    tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles
+                )
 
                 # -------- epilogue
                 # dh = 2 alpha acc r prob = (2 alpha prob) acc r: one factor per row.
@@ -616,7 +558,8 @@ class GroupedGemmDsreluSm90:
                 row_sum = [Float32(0.0), Float32(0.0)]
                 # Largest |dh| bit pattern per row, masked by the row's validity at the end.
                 row_max = [Int32(0), Int32(0)]
-                gD, gAct = self._store_tiles(mD, mAct, first_row, expert_rows, local_tile)
+                outputs = self._outputs(tRS_rD, tRS_rDout, tRS_sD, tma_d, mD, sD, tRS_rAct, tRS_rActOut,
+                                        tRS_sAct, tma_act, mAct, sAct, first_row, expert_rows, local_tile)
 
                 for subtile in cutlass.range_constexpr(self.subtiles):
                     preact_pipeline.consumer_wait(preact_state)
@@ -637,7 +580,14 @@ class GroupedGemmDsreluSm90:
                         tRS_rD[v] = dh
                         tRS_rAct[v] = r2 * prob[h]
                         row_sum[h] = row_sum[h] + r2 * a
-                        row_max[h] = cutlass.max(row_max[h], dh.bitcast(Int32) & Int32(_ABS_MASK))
+                        dh_bits = dh.bitcast(Int32) & Int32(_ABS_MASK)
+                        if cutlass.const_expr(self.n % self.tile_n != 0):
+                            # Padding columns of a partial N-tile: acc = r = 0 there, and an
+                            # infinite row scale would make their dh NaN; amax is over the
+                            # real columns only.
+                            column = n_tile * self.tile_n + tCcAcc[subtile * sub_values + v][1]
+                            dh_bits = Int32(cutlass.select_(column < self.n, dh_bits, Int32(0)))
+                        row_max[h] = cutlass.max(row_max[h], dh_bits)
                         if cutlass.const_expr(h == 0):
                             columns.append(Float32(cutlass.select_(valid[0], dh, Float32(0.0))))
                         else:
@@ -646,10 +596,9 @@ class GroupedGemmDsreluSm90:
                             columns[q] = columns[q] + Float32(
                                 cutlass.select_(valid[1], dh, Float32(0.0))
                             )
-                    self._store_subtile(
-                        tiled_r2s, tRS_rD, tRS_rDout, tRS_sD, tRS_rAct, tRS_rActOut, tRS_sAct,
-                        tma_d, gD, tma_act, gAct, sD, sAct, store_pipeline, store_count,
-                        n_tile * self.subtiles + subtile, ctid,
+                    epilogue_store.store_subtile(
+                        tiled_r2s, outputs, store_pipeline, store_count, n_tile * self.subtiles + subtile, ctid,
+                        self.config.store_stages, self.consumer_threads,
                     )
                     store_count = store_count + 1
                     if cutlass.const_expr(self.with_dbias):
@@ -667,67 +616,34 @@ class GroupedGemmDsreluSm90:
                     self._finish_columns(sDbias, ctid, n_tile, m_tile, expert, mDbias)
             else:
                 # Rows owned by no expert: dh and act are stored as zeros.
-                zero_tile = (work - expert_work) // self.n_tiles
-                n_tile = (work - expert_work) - zero_tile * self.n_tiles
-                gD, gAct = self._store_tiles(mD, mAct, total_rows, num_rows - total_rows, zero_tile)
+                zero_tile, n_tile, first_row, rows = schedule.locate_unowned(
+                    row_start, tile_start, work, num_rows, self.num_experts, self.n_tiles
+                )
+                outputs = self._outputs(tRS_rD, tRS_rDout, tRS_sD, tma_d, mD, sD, tRS_rAct, tRS_rActOut,
+                                        tRS_sAct, tma_act, mAct, sAct, first_row, rows, zero_tile)
                 tRS_rD.fill(0.0)
                 tRS_rAct.fill(0.0)
                 for subtile in cutlass.range_constexpr(self.subtiles):
-                    self._store_subtile(
-                        tiled_r2s, tRS_rD, tRS_rDout, tRS_sD, tRS_rAct, tRS_rActOut, tRS_sAct,
-                        tma_d, gD, tma_act, gAct, sD, sAct, store_pipeline, store_count,
-                        n_tile * self.subtiles + subtile, ctid,
+                    epilogue_store.store_subtile(
+                        tiled_r2s, outputs, store_pipeline, store_count, n_tile * self.subtiles + subtile, ctid,
+                        self.config.store_stages, self.consumer_threads,
                     )
                     store_count = store_count + 1
             work = work + grid
         if ctid == 0:
             store_pipeline.producer_tail()
 
-    def _store_tiles(self, mD, mAct, offset, length, local_tile):
-        """(tile_m, epi_n, n / epi_n) store views of rows [offset, offset + length), tile
-        `local_tile` of them, clipped at offset + length (the ragged construction)."""
-
-        def view(tensor):
-            rows = cute.domain_offset(
-                (_RAGGED_ROWS - length, 0),
-                tensor[None, None, _RAGGED_ROWS, offset + length],
-            )
-            return cute.local_tile(rows, (self.tile_m, self.epi_n), (local_tile, None))
-
-        gAct = view(mAct) if cutlass.const_expr(self.with_act) else None
-        return view(mD), gAct
-
-    @cute.jit
-    def _store_subtile(
-        self, tiled_r2s, tRS_rD, tRS_rDout, tRS_sD, tRS_rAct, tRS_rActOut, tRS_sAct,
-        tma_d, gD, tma_act, gAct, sD, sAct, store_pipeline, store_count: Int32,
-        column_block: Int32, ctid: Int32,
-    ):
-        """Rounds the subtile once, stages it in shared memory, and stores it with TMA."""
-        buffer = store_count % self.config.store_stages
-        tRS_rDout.store(tRS_rD.load().to(self.out_dtype))
-        cute.copy(tiled_r2s, tRS_rDout, tRS_sD[None, None, None, buffer])
+    def _outputs(self, rD, rDout, tRS_sD, tma_d, mD, sD, rAct, rActOut, tRS_sAct, tma_act, mAct, sAct,
+                 offset, length, local_tile):
+        """What `epilogue_store.store_subtile` stores for a tile of rows [offset, offset +
+        length): dh, and act when asked for."""
+        view = lambda tensor: epilogue_store.store_view(  # noqa: E731
+            tensor, offset, length, local_tile, self.tile_m, self.epi_n
+        )
+        outputs = [(rD, rDout, tRS_sD, tma_d, view(mD), sD)]
         if cutlass.const_expr(self.with_act):
-            tRS_rActOut.store(tRS_rAct.load().to(self.out_dtype))
-            cute.copy(tiled_r2s, tRS_rActOut, tRS_sAct[None, None, None, buffer])
-        # stmatrix writes are generic-proxy; the TMA engine reads through the async proxy.
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.consumer_threads)
-        if ctid == 0:
-            bSG_sD, bSG_gD = cpasync.tma_partition(
-                tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), cute.group_modes(gD, 0, 2)
-            )
-            cute.copy(tma_d, bSG_sD[None, buffer], bSG_gD[None, column_block])
-            if cutlass.const_expr(self.with_act):
-                bSG_sAct, bSG_gAct = cpasync.tma_partition(
-                    tma_act, 0, cute.make_layout(1), cute.group_modes(sAct, 0, 2),
-                    cute.group_modes(gAct, 0, 2),
-                )
-                cute.copy(tma_act, bSG_sAct[None, buffer], bSG_gAct[None, column_block])
-            store_pipeline.producer_commit()
-            # The next subtile reuses buffer + 1: wait until its store has read it.
-            store_pipeline.producer_acquire()
-        cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.consumer_threads)
+            outputs.append((rAct, rActOut, tRS_sAct, tma_act, view(mAct), sAct))
+        return outputs
 
     def _scatter_columns(self, columns, lane: Int32, warp_c: Int32, sDbias, subtile: cutlass.Constexpr):
         """Sums one subtile's column partials over the warp's 16 rows in a fixed tree.

@@ -43,11 +43,9 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_dsrelu.kernels.group_tables import build_expert_tables
-from jax_dsrelu.kernels.sm90 import mainloop
+from jax_dsrelu.kernels.sm90 import epilogue_store, mainloop
 from jax_dsrelu.kernels.sm90.config import GemmConfig
 from jax_dsrelu.kernels.sm90 import schedule
-
-_EPILOGUE_BARRIER = 1  # named barrier of the consumer warpgroups (0 is __syncthreads)
 
 
 class RaggedGemmSm90:
@@ -340,8 +338,8 @@ class RaggedGemmSm90:
                     tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles
                 )
 
-                gD = self._store_view(mD, first_row, expert_rows, local_tile)
-                gAct = self._store_view(mAct, first_row, expert_rows, local_tile) if cutlass.const_expr(self.srelu) else None
+                outputs = self._outputs(tRS_rD, tRS_rDout, tRS_sD, tma_d, mD, sD, tRS_rAct, tRS_rActOut,
+                                        tRS_sAct, tma_act, mAct, sAct, first_row, expert_rows, local_tile)
                 for subtile in cutlass.range_constexpr(self.subtiles):
                     for v in cutlass.range_constexpr(sub_values):
                         tRS_rD[v] = acc[subtile * sub_values + v]
@@ -360,10 +358,9 @@ class RaggedGemmSm90:
                             # A select keeps NaN (NaN < 0 is false); fmax would drop it.
                             r = Float32(cutlass.select_(pre < Float32(0.0), Float32(0.0), pre))
                             tRS_rAct[v] = (r * r) * prob[h]
-                    self._store_subtile(
-                        tiled_r2s, tRS_rD, tRS_rDout, tRS_sD, tRS_rAct, tRS_rActOut, tRS_sAct,
-                        tma_d, gD, tma_act, gAct, sD, sAct, store_pipeline, store_count,
-                        n_tile * self.subtiles + subtile, ctid,
+                    epilogue_store.store_subtile(
+                        tiled_r2s, outputs, store_pipeline, store_count, n_tile * self.subtiles + subtile, ctid,
+                        self.config.store_stages, self.consumer_threads,
                     )
                     store_count = store_count + 1
             else:
@@ -371,50 +368,28 @@ class RaggedGemmSm90:
                 tile, n_tile, first_row, rows = schedule.locate_unowned(
                     row_start, tile_start, work, num_rows, self.num_experts, self.n_tiles
                 )
-                gD = self._store_view(mD, first_row, rows, tile)
-                gAct = self._store_view(mAct, first_row, rows, tile) if cutlass.const_expr(self.srelu) else None
+                outputs = self._outputs(tRS_rD, tRS_rDout, tRS_sD, tma_d, mD, sD, tRS_rAct, tRS_rActOut,
+                                        tRS_sAct, tma_act, mAct, sAct, first_row, rows, tile)
                 tRS_rD.fill(0.0)
                 tRS_rAct.fill(0.0)
                 for subtile in cutlass.range_constexpr(self.subtiles):
-                    self._store_subtile(
-                        tiled_r2s, tRS_rD, tRS_rDout, tRS_sD, tRS_rAct, tRS_rActOut, tRS_sAct,
-                        tma_d, gD, tma_act, gAct, sD, sAct, store_pipeline, store_count,
-                        n_tile * self.subtiles + subtile, ctid,
+                    epilogue_store.store_subtile(
+                        tiled_r2s, outputs, store_pipeline, store_count, n_tile * self.subtiles + subtile, ctid,
+                        self.config.store_stages, self.consumer_threads,
                     )
                     store_count = store_count + 1
             work = work + grid
         if ctid == 0:
             store_pipeline.producer_tail()
 
-    def _store_view(self, tensor, offset, length, local_tile):
-        """(tile_m, epi_n, n / epi_n) store view of rows [offset, offset + length), tile
-        `local_tile` of them, clipped at offset + length."""
-        rows = mainloop.expert_rows(tensor, 0, offset, length)
-        return cute.local_tile(rows, (self.tile_m, self.epi_n), (local_tile, None))
-
-    @cute.jit
-    def _store_subtile(
-        self, tiled_r2s, tRS_rD, tRS_rDout, tRS_sD, tRS_rAct, tRS_rActOut, tRS_sAct,
-        tma_d, gD, tma_act, gAct, sD, sAct, store_pipeline, store_count: Int32,
-        column_block: Int32, ctid: Int32,
-    ):
-        """Rounds the subtile once, stages it in shared memory, and stores it with TMA."""
-        buffer = store_count % self.config.store_stages
-        tRS_rDout.store(tRS_rD.load().to(self.out_dtype))
-        cute.copy(tiled_r2s, tRS_rDout, tRS_sD[None, None, None, buffer])
+    def _outputs(self, rD, rDout, tRS_sD, tma_d, mD, sD, rAct, rActOut, tRS_sAct, tma_act, mAct, sAct,
+                 offset, length, local_tile):
+        """What `epilogue_store.store_subtile` stores for a tile of rows [offset, offset +
+        length): out (or h), and act with the srelu epilogue."""
+        view = lambda tensor: epilogue_store.store_view(  # noqa: E731
+            tensor, offset, length, local_tile, self.tile_m, self.epi_n
+        )
+        outputs = [(rD, rDout, tRS_sD, tma_d, view(mD), sD)]
         if cutlass.const_expr(self.srelu):
-            tRS_rActOut.store(tRS_rAct.load().to(self.out_dtype))
-            cute.copy(tiled_r2s, tRS_rActOut, tRS_sAct[None, None, None, buffer])
-        # stmatrix writes are generic-proxy; the TMA engine reads through the async proxy.
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.consumer_threads)
-        if ctid == 0:
-            bSG_sD, bSG_gD = mainloop.tma_partition(tma_d, sD, gD)
-            cute.copy(tma_d, bSG_sD[None, buffer], bSG_gD[None, column_block])
-            if cutlass.const_expr(self.srelu):
-                bSG_sAct, bSG_gAct = mainloop.tma_partition(tma_act, sAct, gAct)
-                cute.copy(tma_act, bSG_sAct[None, buffer], bSG_gAct[None, column_block])
-            store_pipeline.producer_commit()
-            # The next subtile reuses buffer + 1: wait until its store has read it.
-            store_pipeline.producer_acquire()
-        cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.consumer_threads)
+            outputs.append((rAct, rActOut, tRS_sAct, tma_act, view(mAct), sAct))
+        return outputs
