@@ -85,21 +85,16 @@ def grouped_gemm_dsrelu(
     )
     backend_choice.check_explicit_backend(backend, request)
 
-    results = iter(
-        primitive.bind(
-            grad,
-            weight,
-            preact,
-            prob,
-            group_sizes.astype(jnp.int32),
-            alpha.astype(jnp.float32),
-            grad_scale,
-            weight_scale,
-            backend=backend,
-            **params,
-        )
+    results = primitive.bind(
+        grad=grad,
+        weight=weight,
+        preact=preact,
+        prob=prob,
+        group_sizes=group_sizes.astype(jnp.int32),
+        alpha=alpha.astype(jnp.float32),
+        grad_scale=grad_scale,
+        weight_scale=weight_scale,
+        backend=backend,
+        **params,
     )
-    dh, dprob = next(results), next(results)
-    dbias = next(results) if with_dbias else None
-    act = next(results) if with_act else None
-    return DsreluOutputs(dh=dh, dprob=dprob, dbias=dbias, act=act, amax=next(results))
+    return DsreluOutputs(**results)

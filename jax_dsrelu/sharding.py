@@ -1,65 +1,57 @@
-"""How `grouped_gemm_dsrelu` partitions under `jax.jit` with sharded operands.
+"""How the library's primitives partition under `jax.jit` with sharded operands.
 
-Every backend's lowering is wrapped in `jax.experimental.custom_partitioning`, so the SPMD
-partitioner runs the kernel on each device's shard instead of gathering the operands:
+Each primitive's `jax_dsrelu.schema.Schema` names the dimensions of its operands and
+results; the rules below read nothing else, so every primitive partitions the same way:
 
 - rows (m) sharded over any mesh axes (data parallel): each device runs its rows with
-  its local group sizes, cut from the global ones at its row offset; dh, dprob and act stay
-  sharded like the rows; dbias and amax are reduced across the row shards;
-- columns (n, the expert hidden dimension) sharded over other axes (tensor parallel):
-  `weight` and `preact` are split along n; dh, act and dbias stay sharded along n; dprob
-  is reduced across the column shards.
+  its local group sizes, cut from the global ones at its row offset; row-indexed results
+  stay sharded like the rows;
+- any other dimension that is not kept whole (n, the expert hidden dimension; a and b,
+  the sides of a ragged contraction) may be sharded over other axes (tensor parallel);
+  results keep those dimensions sharded;
+- a result that lacks a split dimension (dprob lacks n; dbias, amax and a contraction's
+  (E, a, b) lack m) is combined from the per-shard partials as its schema says: sums
+  gather the partials and add them in shard order, so they are bitwise reproducible
+  whatever the collective's algorithm; max is exact, so it uses pmax.
 
-The contraction dimension k and the expert dimension E are kept whole: splitting k would
-put a cross-device sum before the nonlinear epilogue, and splitting the experts of a
-ragged, row-ordered layout is not a sharding of its rows. Operands sharded that way are
-gathered by the partitioner. Expert parallelism (experts on different devices, tokens
-moved by all-to-all) is expressed with `jax.shard_map`, where each device calls the
-primitive on its own experts' rows; there this wrapper steps aside.
+Dimensions a schema keeps whole (the contraction k before a nonlinear epilogue, the
+experts e of a ragged, row-ordered layout) are gathered when an operand is sharded along
+them. Expert parallelism (experts on different devices, tokens moved by all-to-all) is
+expressed with `jax.shard_map`, where each device calls the primitive on its own experts'
+rows; there these rules step aside.
 
-Cross-shard sums gather the per-shard partials and add them in shard order, so they are
-bitwise reproducible whatever the collective's algorithm; max is exact, so amax uses pmax.
-Outside a multi-device partitioned computation (one device, or inside a fully manual
-shard_map) custom_partitioning runs the local computation as it is.
+Two mechanisms apply the same rules:
+- Auto mesh axes: the lowering is wrapped in `jax.experimental.custom_partitioning`, so
+  the SPMD partitioner runs the computation on each device's shard (`partitioned`).
+  Outside a multi-device partitioned computation (one device, or inside a fully manual
+  shard_map) custom_partitioning runs the local computation as it is.
+- Explicit mesh axes (the default of `jax.make_mesh`): shardings are part of the types,
+  known at trace time, so the primitive is bound inside a `jax.shard_map` over those
+  axes (`explicit_shard_map`), whose out-shardings follow the operands'.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jax_dsrelu import groups
-
-# Dimension names of the operands, in operand order; "m" rows, "n" columns, "k" the
-# contraction, "e" experts, "b" the k/32 scale blocks of MXFP8 operands.
-OPERAND_DIMS = ("m k", "e n k", "m n", "m", "e", "e")
-SCALE_DIMS = ("m b", "e n b")
-_KEPT_WHOLE = ("k", "e", "b")  # see the module docstring
-
-
-def result_dims(with_dbias: bool, with_act: bool) -> list[str]:
-    dims = ["m n", "m"]
-    if with_dbias:
-        dims.append("e n")
-    if with_act:
-        dims.append("m n")
-    dims.append("e")
-    return dims
-
+from jax_dsrelu.schema import GROUP_SIZES, ROWS, Schema
 
 LocalImplementation = Callable[[Sequence[Any]], Callable[..., Sequence[jax.Array]]]
+FactorAxes = dict[str, tuple[str, ...]]
 
 
 def partitioned(
+    schema: Schema,
+    params: Mapping[str, Any],
     local_implementation: LocalImplementation,
     operand_avals: Sequence[Any],
-    with_dbias: bool,
-    with_act: bool,
 ) -> Callable[..., Sequence[jax.Array]]:
     """The primitive's computation, partitionable by the SPMD partitioner.
 
@@ -67,10 +59,12 @@ def partitioned(
     operands of those shapes on one device; it is asked again for each shard's shapes,
     so a backend can decide on the shapes it really gets.
     """
-    num_rows = operand_avals[0].shape[0]
-    operand_dims = OPERAND_DIMS + (SCALE_DIMS if len(operand_avals) > len(OPERAND_DIMS) else ())
-    outputs = result_dims(with_dbias, with_act)
-    dbias_index = 2 if with_dbias else None
+    operand_fields = schema.operand_fields(params)
+    result_fields = schema.result_fields(params)
+    num_rows = schema.dim_sizes([a.shape for a in operand_avals], params)[ROWS]
+    operand_dims = [" ".join(f.letters(params)) for f in operand_fields]
+    result_dims = [" ".join(f.letters(params)) for f in result_fields]
+    letters = " ".join(operand_dims).split()
 
     @custom_partitioning
     def computation(*operands):
@@ -78,39 +72,141 @@ def partitioned(
 
     def partition(mesh, arg_shapes, result_shape):
         del result_shape
-        preact_spec = _spec(arg_shapes[2].sharding, 2)
-        factor_axes = {"m": preact_spec[0], "n": preact_spec[1]}
-        row_axes, col_axes = _axes(factor_axes["m"]), _axes(factor_axes["n"])
+        specs = [_spec(shape.sharding, len(shape.shape)) for shape in arg_shapes]
+        axes = factor_axes(schema, params, specs)
 
-        def sharding_of(dims: str) -> NamedSharding:
-            return NamedSharding(mesh, PartitionSpec(*(factor_axes.get(d) for d in dims.split())))
+        def sharding_of(field) -> NamedSharding:
+            return NamedSharding(mesh, spec_of(field, params, axes))
 
-        arg_shardings = tuple(sharding_of(dims) for dims in operand_dims)
-        result_shardings = tuple(sharding_of(dims) for dims in outputs)
-
-        def lower_fn(*operands):
-            local = list(operands)
-            local_rows = local[0].shape[0]
-            if row_axes:
-                offset = lax.axis_index(row_axes) * local_rows
-                local[4] = groups.local_group_sizes(local[4], num_rows, offset, local_rows)
-            results = list(local_implementation([jax.typeof(x) for x in local])(*local))
-            if col_axes:
-                results[1] = _sum_in_shard_order(results[1], col_axes)
-            if dbias_index is not None and row_axes:
-                results[dbias_index] = _sum_in_shard_order(results[dbias_index], row_axes)
-            if row_axes + col_axes:
-                results[-1] = lax.pmax(results[-1], row_axes + col_axes)
-            return tuple(results)
-
+        arg_shardings = tuple(sharding_of(f) for f in operand_fields)
+        result_shardings = tuple(sharding_of(f) for f in result_fields)
+        lower_fn = local_computation(schema, params, local_implementation, axes, num_rows)
         return mesh, lower_fn, result_shardings, arg_shardings
 
     computation.def_partition(
         partition=partition,
-        sharding_rule=", ".join(operand_dims) + " -> " + ", ".join(outputs),
-        need_replication_factors=tuple(f for f in _KEPT_WHOLE if f in " ".join(operand_dims).split()),
+        sharding_rule=", ".join(operand_dims) + " -> " + ", ".join(result_dims),
+        need_replication_factors=tuple(f for f in schema.kept_whole if f in letters),
     )
     return computation
+
+
+def factor_axes(
+    schema: Schema, params: Mapping[str, Any], specs: Sequence[tuple], usable: frozenset | None = None
+) -> FactorAxes:
+    """The mesh axes each splittable dimension is split over, read from the operands'
+    partition specs (the first operand that splits a dimension decides; an axis serves
+    one dimension only). `usable` limits the axes considered."""
+    axes: FactorAxes = {}
+    taken: set[str] = set()
+    for field, spec in zip(schema.operand_fields(params), specs):
+        for letter, entry in zip(field.letters(params), spec):
+            if letter in schema.kept_whole or axes.get(letter):
+                continue
+            chosen = tuple(
+                a for a in _axes(entry) if a not in taken and (usable is None or a in usable)
+            )
+            if chosen:
+                axes[letter] = chosen
+                taken.update(chosen)
+    return axes
+
+
+def spec_of(field, params: Mapping[str, Any], axes: FactorAxes) -> PartitionSpec:
+    return PartitionSpec(*(_entry(axes.get(letter, ())) for letter in field.letters(params)))
+
+
+def local_computation(
+    schema: Schema,
+    params: Mapping[str, Any],
+    local_implementation: LocalImplementation,
+    axes: FactorAxes,
+    num_rows: int,
+) -> Callable[..., tuple[jax.Array, ...]]:
+    """What each device runs on its shards: cut the group sizes at its row offset, run
+    the local computation, combine the results that lack a split dimension."""
+    operand_fields = schema.operand_fields(params)
+    sizes_index = [f.name for f in operand_fields].index(GROUP_SIZES)
+    rows_index = next(i for i, f in enumerate(operand_fields) if ROWS in f.letters(params))
+    row_axes = axes.get(ROWS, ())
+
+    def run(*operands):
+        local = list(operands)
+        if row_axes:
+            local_rows = local[rows_index].shape[list(operand_fields[rows_index].letters(params)).index(ROWS)]
+            offset = lax.axis_index(row_axes) * local_rows
+            local[sizes_index] = groups.local_group_sizes(
+                local[sizes_index], num_rows, offset, local_rows
+            )
+        results = list(local_implementation([jax.typeof(x) for x in local])(*local))
+        for i, field in enumerate(schema.result_fields(params)):
+            kept = field.letters(params)
+            over = tuple(a for letter, split in axes.items() if letter not in kept for a in split)
+            if not over:
+                continue
+            if field.reduce == "max":
+                results[i] = lax.pmax(results[i], over)
+            else:
+                results[i] = _sum_in_shard_order(results[i], over)
+        return tuple(results)
+
+    return run
+
+
+def explicit_mesh(operands: Sequence[Any]) -> Any | None:
+    """The mesh of the first operand typed with Explicit mesh axes, or None."""
+    for x in operands:
+        mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+        if mesh is not None and not mesh.empty and AxisType.Explicit in mesh.axis_types:
+            return mesh
+    return None
+
+
+def explicit_shard_map(
+    schema: Schema,
+    params: Mapping[str, Any],
+    bind: Callable[..., Sequence[jax.Array]],
+    operands: Sequence[Any],
+    mesh: Any,
+) -> list[jax.Array]:
+    """`bind(*operands)` on each device's shards of operands typed with Explicit axes.
+
+    Over the mesh's Explicit axes the shardings are in the types, so the split is chosen
+    at trace time by the same rules as `partitioned`'s, and the primitive runs inside a
+    shard_map over those axes (Auto axes, if any, are left to `partitioned` inside it).
+    An operand split along a dimension kept whole, or differently from the others, is
+    resharded first, as the partitioner would do.
+    """
+    explicit = frozenset(
+        name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit
+    )
+    specs = [_spec(jax.typeof(x).sharding, jnp.ndim(x)) for x in operands]
+    axes = factor_axes(schema, params, specs, usable=explicit)
+    operand_fields = schema.operand_fields(params)
+    in_specs = [spec_of(f, params, axes) for f in operand_fields]
+    operands = [
+        x if _same_split(spec, want, explicit) else jax.sharding.reshard(x, NamedSharding(mesh, want))
+        for x, spec, want in zip(operands, specs, in_specs)
+    ]
+    num_rows = schema.dim_sizes([jnp.shape(x) for x in operands], params)[ROWS]
+    run = local_computation(schema, params, lambda avals: bind, axes, num_rows)
+    out_specs = tuple(spec_of(f, params, axes) for f in schema.result_fields(params))
+    # check_vma=False: the combined results are equal on every device by construction
+    # (gathered, then summed in one order), which vma cannot see through all_gather.
+    mapped = jax.shard_map(
+        run,
+        mesh=mesh,
+        in_specs=tuple(in_specs),
+        out_specs=out_specs,
+        axis_names=set(explicit),
+        check_vma=False,
+    )
+    return list(mapped(*operands))
+
+
+def _same_split(spec: tuple, want: PartitionSpec, explicit: frozenset) -> bool:
+    have = [tuple(a for a in _axes(entry) if a in explicit) for entry in spec]
+    return have == [_axes(entry) for entry in want]
 
 
 def _spec(sharding: Any, rank: int) -> tuple:
@@ -122,6 +218,12 @@ def _axes(entry: Any) -> tuple[str, ...]:
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _entry(axes: tuple[str, ...]) -> Any:
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
 
 
 def _sum_in_shard_order(partial: jax.Array, axes: tuple[str, ...]) -> jax.Array:

@@ -54,13 +54,13 @@ def require_dim(name: str, array: Any, axis: int, expected: int, meaning: str) -
         )
 
 
-def out_dtype(value: Any) -> np.dtype:
+def out_dtype(value: Any, name: str = "out_dtype") -> np.dtype:
     try:
         dtype = np.dtype(value)
     except TypeError as error:
-        raise TypeError(f"out_dtype must be one of {_names(OUT_DTYPES)}, got {value!r}") from error
+        raise TypeError(f"{name} must be one of {_names(OUT_DTYPES)}, got {value!r}") from error
     if dtype not in [np.dtype(d) for d in OUT_DTYPES]:
-        raise TypeError(f"out_dtype must be one of {_names(OUT_DTYPES)}, got {dtype.name}")
+        raise TypeError(f"{name} must be one of {_names(OUT_DTYPES)}, got {dtype.name}")
     return dtype
 
 
@@ -161,6 +161,23 @@ def check_moe_mlp(x, w1, w2, prob, group_sizes, b1) -> None:
         require_dim("b1", b1, 0, num_experts, "w1.shape[0] (E)")
         require_dim("b1", b1, 1, f, "w1.shape[2] (f)")
         require_dtype("b1", b1, FLOAT_DTYPES)
+
+
+def check_ragged_dot(lhs, rhs, group_sizes) -> None:
+    require_rank("lhs", lhs, 2, "(m, k)")
+    require_rank("rhs", rhs, 3, "(E, k, n)")
+    require_rank("group_sizes", group_sizes, 1, "(E,)")
+    if rhs.shape[0] == 0:
+        raise ValueError(f"rhs.shape[0] (E) must be at least 1, got rhs.shape={tuple(rhs.shape)}")
+    require_dim("rhs", rhs, 1, lhs.shape[1], "lhs.shape[1] (k)")
+    require_dim("group_sizes", group_sizes, 0, rhs.shape[0], "rhs.shape[0] (E)")
+    require_dtype("lhs", lhs, OPERAND_DTYPES)
+    if np.dtype(rhs.dtype) != np.dtype(lhs.dtype):
+        raise TypeError(
+            f"rhs.dtype must equal lhs.dtype={np.dtype(lhs.dtype).name}, "
+            f"got rhs.dtype={np.dtype(rhs.dtype).name}"
+        )
+    require_integer("group_sizes", group_sizes)
 
 
 def backend_name(value: Any) -> str:

@@ -1,0 +1,134 @@
+"""How each of the library's grouped-GEMM primitives is put together, once for all.
+
+A `GroupedPrimitive` is a JAX primitive described by its `Schema`, an XLA reference and a
+function building the backend request from operand shapes. It provides:
+
+- abstract evaluation from the schema's dimensions and result dtypes;
+- lowering: every platform lowers "xla" (and "auto", off CUDA) through the reference; on
+  CUDA the backend is resolved when lowering, and a kernel backend's implementation is
+  lowered in its place; either way the computation is wrapped for the SPMD partitioner
+  (`jax_dsrelu.sharding`), so sharded operands are not gathered;
+- eager calls through that same lowering (a one-equation jit);
+- batching: any subset of operands batched, one grouped problem per batch element;
+- `bind` by operand name, which binds inside a shard_map over Explicit mesh axes.
+
+The reference and the kernel implementations take the schema's positional arguments
+(`Schema.call_arguments`) and return the present results in schema order.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+from jax import lax
+from jax.interpreters import batching, mlir
+
+from jax_dsrelu import backend_choice, jax_internals, sharding
+from jax_dsrelu.schema import Schema
+
+RequestBuilder = Callable[[Sequence[Any], Mapping[str, Any]], Any]
+
+
+class GroupedPrimitive:
+    """reference(*call_arguments, **params) computes the results in plain JAX (params
+    without `backend`); request_of(operand_avals, params) gives the backend request."""
+
+    def __init__(self, schema: Schema, reference: Callable[..., Sequence[jax.Array]], request_of: RequestBuilder):
+        self.schema = schema
+        self.reference = reference
+        self.request_of = request_of
+        self.primitive = jax.extend.core.Primitive(schema.name)
+        self.primitive.multiple_results = True
+        self.primitive.def_abstract_eval(self._abstract_eval)
+        self.primitive.def_impl(self._eager_impl)
+        # The lowering wraps the computation in custom_partitioning, which needs the
+        # device assignment; JAX supplies it while lowering only to computations that
+        # contain a primitive in this set, and custom_partitioning's own equation
+        # appears only inside our lowering, too late to be seen.
+        jax_internals.require_devices_while_lowering(self.primitive)
+        mlir.register_lowering(self.primitive, functools.partial(self._lower, platform=None))
+        mlir.register_lowering(
+            self.primitive, functools.partial(self._lower, platform="cuda"), platform="cuda"
+        )
+        batching.primitive_batchers[self.primitive] = self._batch
+
+    def bind(self, named: Mapping[str, Any], **params: Any) -> dict[str, jax.Array | None]:
+        """Operands by name -> results by name (absent ones None)."""
+        operands = self.schema.bound_operands(named, params)
+        mesh = sharding.explicit_mesh(operands)
+        if mesh is None:
+            results = self.primitive.bind(*operands, **params)
+        else:
+            results = sharding.explicit_shard_map(
+                self.schema, params, functools.partial(self.primitive.bind, **params), operands, mesh
+            )
+        return self.schema.named_results(results, params)
+
+    def _abstract_eval(self, *operands, **params):
+        return [
+            jax_internals.result_aval(shape, dtype, operands)
+            for shape, dtype in self.schema.result_shapes([x.shape for x in operands], params)
+        ]
+
+    def _reference_call(self, *operands, **params):
+        reference_params = {k: v for k, v in params.items() if k != "backend"}
+        return tuple(self.reference(*self.schema.call_arguments(operands, params), **reference_params))
+
+    def _eager_impl(self, *operands, **params):
+        # Outside jit, run the primitive as a one-equation computation so that eager
+        # calls go through exactly the lowering a jitted call uses.
+        return jax.jit(lambda *ops: self.primitive.bind(*ops, **params))(*operands)
+
+    def _local_implementation(self, platforms: Sequence[str], params: Mapping[str, Any]):
+        """For operands of the given shapes on one device: the function computing the outputs."""
+
+        def for_shapes(operand_avals):
+            if "cuda" in platforms:
+                request = self.request_of(operand_avals, params)
+                _, implementation = backend_choice.cuda_implementation(params["backend"], request)
+                if implementation is not None:
+                    return lambda *ops: tuple(implementation(*self.schema.call_arguments(ops, params)))
+            elif params["backend"] not in ("xla", "auto"):
+                raise NotImplementedError(
+                    f"backend={params['backend']!r} runs only on CUDA GPUs, but this computation "
+                    f"is lowered for {', '.join(platforms)}. Use backend='xla' or 'auto' there."
+                )
+            return functools.partial(self._reference_call, **params)
+
+        return for_shapes
+
+    def _lower(self, ctx: mlir.LoweringRuleContext, *operands: Any, platform: str | None, **params: Any):
+        platforms = (platform,) if platform else tuple(ctx.module_context.platforms)
+        computation = sharding.partitioned(
+            self.schema, params, self._local_implementation(platforms, params), ctx.avals_in
+        )
+        return mlir.lower_fun(computation, multiple_results=True)(ctx, *operands)
+
+    def _batch(self, batched_operands, batch_dims, **params):
+        """vmap runs one grouped problem per batch element, in sequence.
+
+        The experts of different batch elements cannot share one launch without a padding
+        expert per element whose rows must still come out exactly 0, so a map is both
+        the simple and the exact choice. Unbatched operands are closed over, not
+        broadcast, so shared weights are read in place by every element.
+        """
+        mapped = [
+            jnp.moveaxis(operand, dim, 0)
+            for operand, dim in zip(batched_operands, batch_dims)
+            if dim is not None
+        ]
+
+        def one(slices):
+            slices = iter(slices)
+            operands = [
+                operand if dim is None else next(slices)
+                for operand, dim in zip(batched_operands, batch_dims)
+            ]
+            return tuple(self.primitive.bind(*operands, **params))
+
+        results = lax.map(one, mapped)
+        return list(results), [0] * len(results)

@@ -1,0 +1,127 @@
+"""The ragged-M grouped GEMM primitives: row i of expert e is lhs[i] @ rhs[e].
+
+Two primitives share the GEMM and differ in their epilogue (`schema.RAGGED_MATMUL` and
+`schema.RAGGED_MATMUL_SRELU`):
+
+- `ragged_matmul`: out (m, n) = acc in out_dtype;
+- `ragged_matmul_srelu`, the up-projection of a squared-ReLU expert MLP with its
+  activation: h = acc (+ bias[e]) rounded to out_dtype, and act = relu(h)**2 * prob
+  computed from the rounded h, exactly as the backward regenerates it.
+
+lhs (m, k); rhs stored (E, k, n) (rhs_layout "kn", as W1 and W2 are for the forward) or
+(E, n, k) ("nk": a weight read transposed, as for dx = dh @ W1[e]^T). Kernels read either
+layout in place; only the XLA reference swaps the axes of an "nk" rhs. Accumulation is
+float32; rows owned by no expert come out 0, and bad group sizes are clamped
+(`jax_dsrelu.groups`). One writer per output element and a fixed summation order make
+every backend bitwise reproducible, so there is no deterministic flag.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dsrelu import backend_choice, groups
+from jax_dsrelu.grouped_primitive import GroupedPrimitive
+from jax_dsrelu.request import RaggedMatmulRequest
+from jax_dsrelu.schema import RAGGED_MATMUL, RAGGED_MATMUL_SRELU
+
+RHS_LAYOUTS = ("kn", "nk")
+
+
+def _accumulate(lhs, rhs, group_sizes, rhs_layout):
+    rhs_kn = rhs if rhs_layout == "kn" else jnp.swapaxes(rhs, 1, 2)
+    return groups.ragged_matmul(lhs, rhs_kn, groups.clamped_group_sizes(group_sizes, lhs.shape[0]))
+
+
+def _plain_reference(lhs, rhs, group_sizes, *, rhs_layout, out_dtype):
+    return (_accumulate(lhs, rhs, group_sizes, rhs_layout).astype(out_dtype),)
+
+
+def _srelu_reference(lhs, rhs, group_sizes, prob, bias, *, rhs_layout, out_dtype, with_bias):
+    del with_bias  # bias is None without it
+    acc = _accumulate(lhs, rhs, group_sizes, rhs_layout)
+    if bias is not None:
+        expert, owned = groups.row_experts(group_sizes, lhs.shape[0])
+        acc = acc + jnp.where(owned[:, None], bias.astype(jnp.float32)[expert], 0.0)
+    h = acc.astype(out_dtype)
+    r = jnp.maximum(h.astype(jnp.float32), 0.0)
+    act = (r * r * prob.astype(jnp.float32)[:, None]).astype(out_dtype)
+    return h, act
+
+
+def _request_of(epilogue: str):
+    def request(operand_avals: Sequence[Any], params: Mapping[str, Any]) -> RaggedMatmulRequest:
+        lhs, rhs = operand_avals[:2]
+        num_experts = rhs.shape[0]
+        n = rhs.shape[2] if params["rhs_layout"] == "kn" else rhs.shape[1]
+        return RaggedMatmulRequest(
+            num_experts=num_experts,
+            k=lhs.shape[1],
+            n=n,
+            rhs_layout=params["rhs_layout"],
+            operand_dtype=np.dtype(lhs.dtype),
+            out_dtype=np.dtype(params["out_dtype"]),
+            epilogue=epilogue,
+            with_bias=bool(params.get("with_bias", False)),
+        )
+
+    return request
+
+
+ragged_matmul_primitive = GroupedPrimitive(RAGGED_MATMUL, _plain_reference, _request_of("none"))
+ragged_matmul_srelu_primitive = GroupedPrimitive(
+    RAGGED_MATMUL_SRELU, _srelu_reference, _request_of("srelu")
+)
+
+
+def _check_layout(rhs_layout: str) -> None:
+    if rhs_layout not in RHS_LAYOUTS:
+        raise ValueError(f"rhs_layout must be one of {RHS_LAYOUTS}, got {rhs_layout!r}")
+
+
+def ragged_matmul(
+    lhs: jax.Array,  # (m, k)
+    rhs: jax.Array,  # (E, k, n) for "kn", (E, n, k) for "nk"
+    group_sizes: jax.Array,  # (E,) int
+    *,
+    rhs_layout: str,
+    out_dtype: Any,
+    backend: str,
+) -> jax.Array:  # (m, n) out_dtype
+    """The plain ragged matmul; shapes and dtypes are the caller's to have checked."""
+    _check_layout(rhs_layout)
+    params = dict(rhs_layout=rhs_layout, out_dtype=np.dtype(out_dtype))
+    backend_choice.check_explicit_backend(backend, _request_of("none")((lhs, rhs), params))
+    named = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes.astype(jnp.int32))
+    return ragged_matmul_primitive.bind(named, backend=backend, **params)["out"]
+
+
+def ragged_matmul_srelu(
+    lhs: jax.Array,  # (m, k)
+    rhs: jax.Array,  # (E, k, n) for "kn", (E, n, k) for "nk"
+    group_sizes: jax.Array,  # (E,) int
+    prob: jax.Array,  # (m,)
+    bias: jax.Array | None,  # (E, n)
+    *,
+    rhs_layout: str,
+    out_dtype: Any,
+    backend: str,
+) -> tuple[jax.Array, jax.Array]:  # h, act: (m, n) out_dtype
+    """The ragged matmul with the squared-ReLU forward epilogue."""
+    _check_layout(rhs_layout)
+    params = dict(rhs_layout=rhs_layout, out_dtype=np.dtype(out_dtype), with_bias=bias is not None)
+    backend_choice.check_explicit_backend(backend, _request_of("srelu")((lhs, rhs), params))
+    named = dict(
+        lhs=lhs,
+        rhs=rhs,
+        group_sizes=group_sizes.astype(jnp.int32),
+        # The kernel's epilogue reads prob and bias as float32 whatever their dtype.
+        prob=prob.astype(jnp.float32),
+        bias=None if bias is None else bias.astype(jnp.float32),
+    )
+    results = ragged_matmul_srelu_primitive.bind(named, backend=backend, **params)
+    return results["h"], results["act"]
