@@ -1,0 +1,189 @@
+"""moe_mlp end to end on the sm90 kernel family: every GEMM of a training step on our kernels.
+
+Compile tier (marked `compile`, no GPU): a whole `value_and_grad` step of moe_mlp with
+backend="sm90", lowered for the cuda platform, is six custom calls (up-projection with its
+activation, down-projection, the fused dsReLU backward, dx, dW1, dW2) and contains no XLA
+ragged dot, no dot at all, no scatter and no transpose of a weight.
+
+GPU tier (marked `gpu`): values and every gradient through the kernels against a float64
+NumPy computation of the same layer and against the XLA backend, bf16 and fp16, ragged and
+empty experts and rows owned by no expert, with and without b1; with deterministic=True
+every gradient bitwise identical over 20 runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import re  # noqa: E402
+import zlib  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+
+import jax_dsrelu  # noqa: E402
+from jax_dsrelu import backend_choice  # noqa: E402
+
+CUSTOM_CALL = re.compile(r"stablehlo\.custom_call @(\w+)")
+KERNEL_TARGET = "CuteDSLRT_NvJaxCutlassCall_v2"
+GRAD_NAMES = ("x", "w1", "w2", "prob", "b1")
+
+# (m, d, f, sizes): ragged, two empty experts, 96 rows owned by no expert.
+LAYER = (4288, 256, 512, [700, 0, 1300, 48, 2048, 0, 1, 95])
+
+
+def layer_inputs(dtype, with_b1, seed):
+    m, d, f, sizes = LAYER
+    rng = np.random.default_rng(seed)
+    num_experts = len(sizes)
+    x = jnp.asarray(rng.standard_normal((m, d)), dtype)
+    w1 = jnp.asarray(rng.standard_normal((num_experts, d, f)) / np.sqrt(d), dtype)
+    w2 = jnp.asarray(rng.standard_normal((num_experts, f, d)) / np.sqrt(f), dtype)
+    prob = jnp.asarray(rng.uniform(0.05, 1.0, m), jnp.float32)
+    b1 = jnp.asarray(0.3 * rng.standard_normal((num_experts, f)), dtype) if with_b1 else None
+    cotangent = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    return (x, w1, w2, prob, b1), jnp.asarray(sizes, jnp.int32), cotangent
+
+
+def step(backend, deterministic, group_sizes, cotangent, with_b1):
+    """jit(value_and_grad) of sum(moe_mlp(...) * cotangent) in every differentiable input."""
+
+    def loss(x, w1, w2, prob, b1):
+        y = jax_dsrelu.moe_mlp(
+            x, w1, w2, prob, group_sizes, b1=b1, deterministic=deterministic, backend=backend
+        )
+        return jnp.sum(y.astype(jnp.float32) * cotangent), y
+
+    argnums = (0, 1, 2, 3, 4) if with_b1 else (0, 1, 2, 3)
+    return jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))
+
+
+def lowered_text(dtype=jnp.bfloat16, deterministic=True, with_b1=True):
+    inputs, group_sizes, cotangent = layer_inputs(dtype, with_b1, 0)
+    fn = step("sm90", deterministic, group_sizes, cotangent, with_b1)
+    return fn.trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# ------------------------------------------------------------------------- compile tier
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_training_step_runs_every_gemm_on_the_kernels(deterministic):
+    text = lowered_text(deterministic=deterministic)
+    assert CUSTOM_CALL.findall(text).count(KERNEL_TARGET) == 6
+    assert "ragged_dot" not in text and "ragged" not in text.replace("jax_dsrelu", "")
+    # No layer-sized GEMM left to XLA: no dot at all, and nothing scattered.
+    assert "stablehlo.dot" not in text and "dot_general" not in text
+    assert "scatter" not in text
+    # Weights are read in place: no transpose of a 3-D (expert) tensor.
+    assert not re.search(r"stablehlo\.transpose[^\n]*tensor<8x", text)
+
+
+# ----------------------------------------------------------------------------- GPU tier
+
+
+@pytest.fixture(scope="module")
+def hopper():
+    capability = backend_choice.cuda_compute_capability()
+    if capability != (9, 0):
+        pytest.skip(f"the sm90 kernels run on compute capability 9.0; this GPU has {capability}")
+
+
+def float64_layer(inputs, sizes, cotangent, round_to):
+    """The layer and its gradients in float64 NumPy, from the contract's formulas, rounding
+    h, act and dh to the operand dtype where the layer stores them (`round_to`)."""
+    x, w1, w2, prob, b1 = (None if a is None else np.asarray(a, np.float64) for a in inputs)
+    # The cotangent of y reaches the backward in y's dtype.
+    g = round_to(cotangent)
+    m, d = x.shape
+    out = {name: np.zeros_like(value) for name, value in zip(GRAD_NAMES, (x, w1, w2, prob, b1)) if value is not None}
+    y = np.zeros((m, d))
+    # Magnitudes for the error bounds: the same sums with absolute values.
+    mag = {name: np.zeros_like(value) for name, value in out.items()}
+    y_mag = np.zeros((m, d))
+    end = 0
+    for e, size in enumerate(sizes):
+        start, end = end, min(end + max(size, 0), m)
+        if end == start:
+            continue
+        rows = slice(start, end)
+        xe, pe = x[rows], prob[rows][:, None]
+        h = round_to(xe @ w1[e] + (0.0 if b1 is None else b1[e]))
+        r = np.maximum(h, 0.0)
+        act = round_to(r * r * pe)
+        y[rows] = act @ w2[e]
+        y_mag[rows] = np.abs(act) @ np.abs(w2[e])
+        da = g[rows] @ w2[e].T
+        da_mag = np.abs(g[rows]) @ np.abs(w2[e].T)
+        dh = round_to(2.0 * r * da * pe)
+        dh_mag = 2.0 * r * da_mag * pe
+        out["prob"][rows] = np.sum(r * r * da, axis=1)
+        mag["prob"][rows] = np.sum(r * r * da_mag, axis=1)
+        out["w2"][e] = act.T @ g[rows]
+        mag["w2"][e] = np.abs(act.T) @ np.abs(g[rows])
+        out["w1"][e] = xe.T @ dh
+        mag["w1"][e] = np.abs(xe.T) @ dh_mag
+        out["x"][rows] = dh @ w1[e].T
+        mag["x"][rows] = dh_mag @ np.abs(w1[e].T)
+        if b1 is not None:
+            out["b1"][e] = dh.sum(axis=0)
+            mag["b1"][e] = dh_mag.sum(axis=0)
+    return y, y_mag, out, mag
+
+
+def assert_close(name, got, ref, mag, dtype):
+    """|got - ref| within a few roundings to dtype of the sum of absolute terms.
+
+    Each gradient is a GEMM over operands the layer rounded to dtype once (h, act, dh), so
+    it carries about two roundings of its inputs and one of its output, relative to the
+    magnitude of the terms it sums; 8 units leave room for the float32 sums inside.
+    """
+    unit = 2.0**-8 if np.dtype(dtype) == np.dtype(jnp.bfloat16) else 2.0**-11
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all(), name
+    bound = 8 * unit * mag + 8 * unit * np.abs(ref) + 1e-30
+    worst = np.max(np.abs(got - ref) - bound)
+    assert worst <= 0, f"{name}: beyond the bound by {worst}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_b1", [False, True], ids=["no_b1", "b1"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_step_matches_float64_and_xla(hopper, dtype, with_b1, deterministic):
+    inputs, group_sizes, cotangent = layer_inputs(dtype, with_b1, zlib.crc32(f"{dtype}{with_b1}{deterministic}".encode()))
+    args = inputs if with_b1 else inputs[:4] + (None,)
+    (_, y), grads = step("sm90", deterministic, group_sizes, cotangent, with_b1)(*args)
+    (_, y_xla), grads_xla = step("xla", deterministic, group_sizes, cotangent, with_b1)(*args)
+
+    def round_to(value):
+        return np.asarray(jnp.asarray(value, dtype), np.float64)
+
+    y_ref, y_mag, ref, mag = float64_layer(inputs, LAYER[3], cotangent, round_to)
+    assert_close("y", y, y_ref, y_mag, dtype)
+    assert_close("y (xla)", y_xla, y_ref, y_mag, dtype)
+    for name, ours, theirs in zip(GRAD_NAMES, grads, grads_xla):
+        assert_close(name, ours, ref[name], mag[name], dtype)
+        assert_close(f"{name} (xla)", theirs, ref[name], mag[name], dtype)
+    # Rows owned by no expert: output and every row gradient exactly 0.
+    owned = int(np.clip(np.asarray(LAYER[3]), 0, None).sum())
+    assert (np.asarray(y[owned:]) == 0).all()
+    assert (np.asarray(grads[0][owned:]) == 0).all() and (np.asarray(grads[3][owned:]) == 0).all()
+
+
+@pytest.mark.gpu
+def test_deterministic_step_is_bitwise_stable(hopper):
+    inputs, group_sizes, cotangent = layer_inputs(jnp.bfloat16, True, 7)
+    fn = step("sm90", True, group_sizes, cotangent, True)
+    first = jax.tree.map(np.asarray, fn(*inputs))
+    for _ in range(19):
+        again = jax.tree.map(np.asarray, fn(*inputs))
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+            assert np.array_equal(a, b)
