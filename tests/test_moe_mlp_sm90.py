@@ -107,7 +107,9 @@ def float64_layer(inputs, sizes, cotangent, round_to):
     y = np.zeros((m, d))
     # Magnitudes for the error bounds: the same sums with absolute values.
     mag = {name: np.zeros_like(value) for name, value in out.items()}
+    floor = {name: np.zeros_like(value) for name, value in out.items()}
     y_mag = np.zeros((m, d))
+    y_floor = np.zeros((m, d))
     end = 0
     for e, size in enumerate(sizes):
         start, end = end, min(end + max(size, 0), m)
@@ -120,6 +122,7 @@ def float64_layer(inputs, sizes, cotangent, round_to):
         act = round_to(r * r * pe)
         y[rows] = act @ w2[e]
         y_mag[rows] = np.abs(act) @ np.abs(w2[e])
+        y_floor[rows] = np.abs(w2[e]).sum(axis=0)
         da = g[rows] @ w2[e].T
         da_mag = np.abs(g[rows]) @ np.abs(w2[e].T)
         dh = round_to(2.0 * r * da * pe)
@@ -128,29 +131,48 @@ def float64_layer(inputs, sizes, cotangent, round_to):
         mag["prob"][rows] = np.sum(r * r * da_mag, axis=1)
         out["w2"][e] = act.T @ g[rows]
         mag["w2"][e] = np.abs(act.T) @ np.abs(g[rows])
+        floor["w2"][e] = np.abs(g[rows]).sum(axis=0)[None, :]
         out["w1"][e] = xe.T @ dh
         mag["w1"][e] = np.abs(xe.T) @ dh_mag
+        floor["w1"][e] = np.abs(xe).sum(axis=0)[:, None]
         out["x"][rows] = dh @ w1[e].T
         mag["x"][rows] = dh_mag @ np.abs(w1[e].T)
+        floor["x"][rows] = np.abs(w1[e]).sum(axis=1)[None, :]
         if b1 is not None:
             out["b1"][e] = dh.sum(axis=0)
             mag["b1"][e] = dh_mag.sum(axis=0)
-    return y, y_mag, out, mag
+            floor["b1"][e] = end - start
+    return y, (y_mag, y_floor), out, mag, floor
 
 
-def assert_close(name, got, ref, mag, dtype):
-    """|got - ref| within a few roundings to dtype of the sum of absolute terms.
+def assert_close(name, got, ref, mag, floor, dtype):
+    """Two checks of one output of the layer against float64.
 
-    Each gradient is a GEMM over operands the layer rounded to dtype once (h, act, dh), so
-    it carries about two roundings of its inputs and one of its output, relative to the
-    magnitude of the terms it sums; 8 units leave room for the float32 sums inside.
+    Entry by entry, a sound worst-case bound: each gradient is a GEMM over operands the
+    layer rounded to dtype once (h, act, dh), so it carries about two roundings of its
+    inputs and one of its output relative to the magnitude of the terms it sums (`mag`;
+    4 units leave room for the float32 sums inside); near zero a rounding errs by up to
+    half the subnormal step instead, once per term (`floor`). It catches a wrong or missing
+    value but is loose where sums cancel. So also, per row (per expert for the weights):
+    the relative error in norm at most 4 units. Rounding errors of independent terms add
+    like a random walk, so a normwise error stays near one unit with overwhelming
+    probability (Higham and Mary's probabilistic rounding analysis); the XLA backend,
+    which rounds the same intermediates, meets it with a wide margin.
     """
-    unit = 2.0**-8 if np.dtype(dtype) == np.dtype(jnp.bfloat16) else 2.0**-11
+    is_bf16 = np.dtype(dtype) == np.dtype(jnp.bfloat16)
+    unit = 2.0**-8 if is_bf16 else 2.0**-11
+    step = 2.0**-133 if is_bf16 else float(np.finfo(np.float16).smallest_subnormal)
     got = np.asarray(got, np.float64)
-    assert np.isfinite(got).all(), name
-    bound = 8 * unit * mag + 8 * unit * np.abs(ref) + 1e-30
+    assert np.isfinite(got).all(), f"{name}: not finite"
+    bound = 4 * unit * (mag + np.abs(ref)) + 4 * step * (floor + 1.0)
     worst = np.max(np.abs(got - ref) - bound)
-    assert worst <= 0, f"{name}: beyond the bound by {worst}"
+    assert worst <= 0, f"{name}: beyond the entry bound by {worst}"
+    axes = tuple(range(1, ref.ndim)) if ref.ndim > 1 else None
+    error = np.sqrt(np.sum((got - ref) ** 2, axis=axes))
+    size = np.sqrt(np.sum(ref**2, axis=axes))
+    limit = 4 * unit * size + 4 * step * np.sqrt(np.sum((floor + 1.0) ** 2, axis=axes))
+    excess = np.max(error - limit)
+    assert excess <= 0, f"{name}: normwise error beyond {4 * unit:.2g} relative by {excess}"
 
 
 @pytest.mark.gpu
@@ -166,12 +188,12 @@ def test_step_matches_float64_and_xla(hopper, dtype, with_b1, deterministic):
     def round_to(value):
         return np.asarray(jnp.asarray(value, dtype), np.float64)
 
-    y_ref, y_mag, ref, mag = float64_layer(inputs, LAYER[3], cotangent, round_to)
-    assert_close("y", y, y_ref, y_mag, dtype)
-    assert_close("y (xla)", y_xla, y_ref, y_mag, dtype)
+    y_ref, (y_mag, y_floor), ref, mag, floor = float64_layer(inputs, LAYER[3], cotangent, round_to)
+    assert_close("y", y, y_ref, y_mag, y_floor, dtype)
+    assert_close("y (xla)", y_xla, y_ref, y_mag, y_floor, dtype)
     for name, ours, theirs in zip(GRAD_NAMES, grads, grads_xla):
-        assert_close(name, ours, ref[name], mag[name], dtype)
-        assert_close(f"{name} (xla)", theirs, ref[name], mag[name], dtype)
+        assert_close(name, ours, ref[name], mag[name], floor[name], dtype)
+        assert_close(f"{name} (xla)", theirs, ref[name], mag[name], floor[name], dtype)
     # Rows owned by no expert: output and every row gradient exactly 0.
     owned = int(np.clip(np.asarray(LAYER[3]), 0, None).sum())
     assert (np.asarray(y[owned:]) == 0).all()
@@ -187,3 +209,37 @@ def test_deterministic_step_is_bitwise_stable(hopper):
         again = jax.tree.map(np.asarray, fn(*inputs))
         for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
             assert np.array_equal(a, b)
+
+
+def test_layer_bound_accepts_the_xla_backend_and_rejects_wrong_gradients():
+    """The bound of the GPU tier, on the CPU: the XLA backend's gradients pass it, and
+    plausible kernel mistakes do not."""
+    dtype = jnp.bfloat16
+    inputs, group_sizes, cotangent = layer_inputs(dtype, True, 3)
+    (_, y), grads = step("xla", True, group_sizes, cotangent, True)(*inputs)
+
+    def round_to(value):
+        return np.asarray(jnp.asarray(value, dtype), np.float64)
+
+    y_ref, (y_mag, y_floor), ref, mag, floor = float64_layer(inputs, LAYER[3], cotangent, round_to)
+    assert_close("y", y, y_ref, y_mag, y_floor, dtype)
+    grads = dict(zip(GRAD_NAMES, (np.asarray(g, np.float64) for g in grads)))
+    for name in GRAD_NAMES:
+        assert_close(name, grads[name], ref[name], mag[name], floor[name], dtype)
+    w1_swapped = grads["w1"].copy()
+    w1_swapped[[0, 2]] = w1_swapped[[2, 0]]
+    x_scaled = grads["x"] * 1.03
+    x_dropped_row = grads["x"].copy()
+    x_dropped_row[1000] = 0.0
+    b1_swapped = grads["b1"].copy()
+    b1_swapped[[2, 4]] = b1_swapped[[4, 2]]
+    prob_shifted = np.roll(grads["prob"], 1)
+    w2_transposed_expert = grads["w2"].copy()
+    w2_transposed_expert[4, :256, :] = grads["w2"][4, :256, :].T
+    wrong = [
+        ("w1", w1_swapped), ("x", x_scaled), ("x", x_dropped_row), ("b1", b1_swapped),
+        ("prob", prob_shifted), ("w2", w2_transposed_expert),
+    ]
+    for name, value in wrong:
+        with pytest.raises(AssertionError, match=name):
+            assert_close(name, value, ref[name], mag[name], floor[name], dtype)
