@@ -16,16 +16,19 @@ Features:
       and no atomics, so the result is bitwise reproducible by construction.
     - The grid is (b blocks, a blocks, E) with b fastest, so CTAs in flight share an
       expert's operand tiles in L2. Tiles of large experts run longer than those of small
-      ones; the hardware block scheduler hands a free multiprocessor the next tile, which
-      balances unequal experts without a host-side plan.
+      ones, so grid slice z takes the expert of z-th largest size (ties to the lower
+      index; every CTA ranks the sizes from the device tables): the longest tiles start
+      first and the hardware block scheduler fills the tail with the short ones, without
+      a host-side plan.
     - Expert e's rows are a ragged view of lhs and rhs (`mainloop.ragged_view` on the row
       mode): the TMA box of the last k-tile is clipped at the expert's last row, so the
       next expert's rows load as zeros and never enter the sum; no row outside every
       expert is ever read into one.
     - An expert with no rows runs no mainloop and stores zeros.
     - Warp 0 streams k-tiles with TMA (`mainloop.load_k_tiles`), two consumer warpgroups
-      issue wgmma (`mainloop.mma_k_tiles`), then store the tile from registers: each
-      element once, predicated on the tile's real extent.
+      issue wgmma (`mainloop.mma_k_tiles`), then store the tile from registers, each
+      element once: vectorized where a and b are whole tiles, else predicated on the
+      tile's real extent.
 
 Constraints:
     - lhs and rhs bfloat16 or float16 (same type); out float32, bfloat16 or float16
@@ -114,6 +117,7 @@ class RaggedContractSm90:
             ab_barriers: cute.struct.MemRange[cutlass.Int64, ab_stages * 2]
             row_start: cute.struct.MemRange[Int32, experts]
             tile_start: cute.struct.MemRange[Int32, experts]
+            expert_order: cute.struct.MemRange[Int32, experts]
             sA: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(a_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(b_layout)], 1024]
 
@@ -134,7 +138,7 @@ class RaggedContractSm90:
         b_layout: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        b_tile, a_tile, expert = cute.arch.block_idx()
+        b_tile, a_tile, position = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_a)
@@ -157,6 +161,18 @@ class RaggedContractSm90:
             build_expert_tables(mGroupSizes, num_rows, row_start, tile_start, self.num_experts, self.tile_k)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        # Largest expert first: thread t ranks expert t among all sizes.
+        expert_order = storage.expert_order.get_tensor(cute.make_layout(self.num_experts + 1))
+        if tidx < self.num_experts:
+            size = row_start[tidx + 1] - row_start[tidx]
+            rank = Int32(0)
+            for other in range(self.num_experts):
+                other_size = row_start[other + 1] - row_start[other]
+                if other_size > size or (other_size == size and other < tidx):
+                    rank = rank + 1
+            expert_order[rank] = tidx
+        cute.arch.sync_threads()
+        expert = expert_order[position]
 
         first_row = row_start[expert]
         expert_rows = row_start[expert + 1] - first_row
@@ -194,10 +210,17 @@ class RaggedContractSm90:
             )
             # Each element once, from registers: the tile is written after its whole sum,
             # so there is nothing for a pipelined store to overlap with.
-            row0 = a_tile * self.tile_m
-            col0 = b_tile * self.tile_n
-            for v in cutlass.range_constexpr(cute.size(acc)):
-                row = row0 + tCcAcc[v][0]
-                col = col0 + tCcAcc[v][1]
-                if row < self.a and col < self.b:
-                    mOut[row, col, expert] = acc[v].to(self.out_dtype)
+            if cutlass.const_expr(self.a % self.tile_m == 0 and self.b % self.tile_n == 0):
+                gOut = cute.local_tile(mOut[None, None, expert], (self.tile_m, self.tile_n), (a_tile, b_tile))
+                tCgOut = tiled_mma.get_slice(ctid).partition_C(gOut)
+                rOut = cute.make_rmem_tensor(tCcAcc.shape, self.out_dtype)
+                rOut.store(acc.load().to(self.out_dtype))
+                cute.autovec_copy(rOut, tCgOut)
+            else:
+                row0 = a_tile * self.tile_m
+                col0 = b_tile * self.tile_n
+                for v in cutlass.range_constexpr(cute.size(acc)):
+                    row = row0 + tCcAcc[v][0]
+                    col = col0 + tCcAcc[v][1]
+                    if row < self.a and col < self.b:
+                        mOut[row, col, expert] = acc[v].to(self.out_dtype)
