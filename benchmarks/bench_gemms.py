@@ -338,7 +338,7 @@ class Variant:
     config: dict | None = None
 
 
-def variants(gemm: str, shapes, out_dtype) -> list[Variant]:
+def gemm_variants(gemm: str, shapes, out_dtype) -> list[Variant]:
     """Every variant of one GEMM, in the order they run."""
     if gemm == "dsrelu":
         return [
@@ -400,7 +400,7 @@ def bench_gemm(gemm, shape, operands, reps, clock, out_dtype, selected) -> dict:
         reference = MATMULS[gemm].reference(operands)
     results: dict[str, dict] = {}
     pallas_tried = []
-    for variant in variants(gemm, operand_shapes(*shape), out_dtype):
+    for variant in gemm_variants(gemm, operand_shapes(*shape), out_dtype):
         if variant.name not in selected:
             continue
         print(f"{shape} {gemm} {variant.name} {variant.config or ''}", flush=True)
@@ -443,14 +443,19 @@ def ratios(results) -> dict:
 # ------------------------------------------------------------------------- prebuild
 
 
-def prebuild(shapes, gemms, out_dtype) -> None:
-    """Lowers every sm90 variant at these shapes for cuda (builds and caches its kernels)."""
+# Variants whose kernels a prebuild compiles (xla: none, but lowering it tests the path).
+PREBUILT_VARIANTS = ("sm90", "sm90_det", "xla")
+
+
+def prebuild(shapes, gemms, variants, out_dtype) -> None:
+    """Lowers the selected sm90 (and xla) variants at these shapes for cuda, which builds
+    and caches the kernels they run."""
     cuda_lowering.prepare()
     for shape in shapes:
         described = operand_shapes(*shape)
         for gemm in gemms:
-            for variant in variants(gemm, described, out_dtype):
-                if not variant.name.startswith("sm90"):
+            for variant in gemm_variants(gemm, described, out_dtype):
+                if variant.name not in variants or variant.name not in PREBUILT_VARIANTS:
                     continue
                 name = f"bench_gemms {gemm} {variant.name} {shape}"
                 try:
@@ -509,7 +514,8 @@ def arguments(argv=None):
     parser.add_argument("--contract-out-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="dtype of dW1 and dW2 (the ragged contraction's output)")
     parser.add_argument("--prebuild", action="store_true",
-                        help="lower the sm90 variants for cuda here (no GPU) to fill JAX_DSRELU_KERNEL_CACHE, then stop")
+                        help="lower the selected sm90 (and xla) variants for cuda here (no GPU) to fill "
+                             "JAX_DSRELU_KERNEL_CACHE, then stop")
     parser.add_argument("--cpu", action="store_true",
                         help="plumbing test on the CPU at tiny shapes, timed by wall clock (not a measurement)")
     options = parser.parse_args(argv)
@@ -528,7 +534,7 @@ def main(argv=None):
     options = arguments(argv)
     out_dtype = np.dtype(options.contract_out_dtype)
     if options.prebuild:
-        prebuild(options.shapes, options.gemms, out_dtype)
+        prebuild(options.shapes, options.gemms, options.variants, out_dtype)
         return
     clock = timing.default_clock()
     if clock != timing.CUPTI and not options.cpu:
