@@ -31,11 +31,16 @@ def git_commit() -> str:
         return "unknown"
 
 
-def header(commit: str | None, timing: str) -> dict:
-    device = jax.devices()[0]
+def header(commit: str | None, timing: str, device: str | None = None) -> dict:
+    """Device, versions, commit and command of this run. A given `device` spares asking
+    JAX, which would initialise the GPU (and take most of its memory) in this process."""
+    platform_name = None
+    if device is None:
+        first = jax.devices()[0]
+        device, platform_name = getattr(first, "device_kind", str(first)), jax.default_backend()
     return dict(
-        device=getattr(device, "device_kind", str(device)),
-        platform=jax.default_backend(),
+        device=device,
+        platform=platform_name or "as the processes saw it",
         commit=commit or git_commit(),
         command=" ".join([os.path.basename(sys.executable)] + sys.argv),
         jax=jax.__version__,
