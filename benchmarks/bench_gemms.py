@@ -544,29 +544,31 @@ def main(argv=None):
         raise SystemExit(f"no GPU here (JAX platform {jax.default_backend()!r}): pass --cpu for a plumbing test")
     started = time.time()
     rows = []
-    for shape in options.shapes:
-        m, d, f, num_experts = shape
-        operands = make_operands(m, d, f, num_experts, options.seed)
-        row = dict(shape=dict(m=m, d=d, f=f, E=num_experts),
-                   group_sizes=np.asarray(operands["group_sizes"]).tolist(), gemms={})
-        for gemm in options.gemms:
-            try:
-                row["gemms"][gemm] = bench_gemm(gemm, shape, operands, options.reps, clock, out_dtype, options.variants)
-            except Exception as error:  # the reference itself failed (out of memory, say)
-                row["gemms"][gemm] = dict(run_record.error_entry(error, "reference"), variants={}, ratios={})
-        rows.append(row)
-        del operands
     result = dict(
         run_record.header(options.commit, timing.DESCRIPTIONS[clock]),
         benchmark="grouped GEMMs of an MoE layer step, bf16",
         clock=clock,
         contract_out_dtype=out_dtype.name,
         flops="2 m d f per GEMM",
-        seconds=time.time() - started,
+        seconds=0.0,
         shapes=rows,
     )
-    path = run_record.write_json(result, options.out, "bench_gemms.json")
-    plot(rows, path.replace(".json", ".png"), f"grouped GEMMs, bf16, {result['device']} ({clock})")
+    for shape in options.shapes:
+        m, d, f, num_experts = shape
+        operands = make_operands(m, d, f, num_experts, options.seed)
+        row = dict(shape=dict(m=m, d=d, f=f, E=num_experts),
+                   group_sizes=np.asarray(operands["group_sizes"]).tolist(), gemms={})
+        rows.append(row)
+        for gemm in options.gemms:
+            try:
+                row["gemms"][gemm] = bench_gemm(gemm, shape, operands, options.reps, clock, out_dtype, options.variants)
+            except Exception as error:  # the reference itself failed (out of memory, say)
+                row["gemms"][gemm] = dict(run_record.error_entry(error, "reference"), variants={}, ratios={})
+            # Written after every GEMM: a run cut short by its time limit keeps what it measured.
+            result["seconds"] = time.time() - started
+            path = run_record.write_json(result, options.out, "bench_gemms.json")
+        del operands
+        plot(rows, path.replace(".json", ".png"), f"grouped GEMMs, bf16, {result['device']} ({clock})")
     summarize(rows)
 
 

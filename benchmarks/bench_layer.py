@@ -206,6 +206,8 @@ def computation(variant, mode, pallas_configs=None):
 
 def memory(compiled) -> dict:
     stats = compiled.memory_analysis()
+    if stats is None:
+        return {"unavailable": "this backend gives no memory analysis"}
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
     entry = {field: int(getattr(stats, field)) for field in fields}
     entry["peak_bytes"] = (
@@ -245,9 +247,9 @@ def compare(outputs, reference) -> dict:
 def run_variant(variant, mode, operands, reference, reps, clock, flops) -> tuple[dict, dict | None]:
     """(entry, named outputs): compiled, checked against `reference`, timed; or an error."""
     configs = PALLAS_CONFIGS if variant == "pallas" else [None]
-    entry: dict = {}
+    failed: list[dict] = []  # earlier block configurations that did not work, and why
     for config in configs:
-        stage = "compile"
+        stage, entry = "compile", {}
         try:
             fn, names = computation(variant, mode, config)
             args = tuple(operands[name] for name in names)
@@ -269,9 +271,15 @@ def run_variant(variant, mode, operands, reference, reps, clock, flops) -> tuple
             stage = "timing"
             entry.update(timing.time_call(compiled, args, reps, clock).record())
             entry["tflops"] = timing.tflops(flops, entry["ms"])
+            if failed:
+                entry["failed_configs"] = failed
             return entry, outputs
         except Exception as error:  # recorded; the next configuration or variant runs
             entry = dict(entry, **run_record.error_entry(error, stage))
+            if config is not None:
+                failed.append(dict(configs=[dict(block) for block in config], error=entry["error"], stage=stage))
+    if failed:
+        entry["failed_configs"] = failed
     return entry, None
 
 
@@ -306,7 +314,8 @@ def ratios(results) -> dict:
                 out[f"{ours}_speedup_vs_{other}"] = ms[other] / ms[ours]
     if "sm90" in ms and "sm90_det" in ms:
         out["det_overhead"] = ms["sm90_det"] / ms["sm90"] - 1.0
-    peaks = {name: entry["memory"]["peak_bytes"] for name, entry in results.items() if "memory" in entry}
+    peaks = {name: entry["memory"]["peak_bytes"] for name, entry in results.items()
+             if "peak_bytes" in entry.get("memory", {})}
     for ours in ("sm90", "sm90_det"):
         if ours in peaks and "xla" in peaks:
             out[f"{ours}_peak_memory_vs_xla"] = peaks[ours] / peaks["xla"]
@@ -374,8 +383,8 @@ def summarize(rows):
             cells = []
             for variant, result in entry["variants"].items():
                 if "ms" in result:
-                    cells.append(f"{variant}={result['ms']:.3f} ({result['tflops']:.0f}) "
-                                 f"{result['memory']['peak_bytes'] / 2**30:.2f} GiB")
+                    peak = result["memory"].get("peak_bytes", float("nan")) / 2**30
+                    cells.append(f"{variant}={result['ms']:.3f} ({result['tflops']:.0f}) {peak:.2f} GiB")
                 else:
                     cells.append(f"{variant}=error")
             print(f"  {mode:<8} " + "  ".join(cells))
@@ -419,10 +428,6 @@ def main(argv=None):
         raise SystemExit(f"no GPU here (JAX platform {jax.default_backend()!r}): pass --cpu for a plumbing test")
     started = time.time()
     rows = []
-    for shape in options.shapes:
-        operands = make_operands(*shape, options.seed)
-        rows.append(bench_shape(shape, operands, options.variants, options.modes, options.reps, clock))
-        del operands
     result = dict(
         run_record.header(options.commit, timing.DESCRIPTIONS[clock]),
         benchmark="moe_mlp layer: value_and_grad step and forward, bf16, with b1",
@@ -430,11 +435,17 @@ def main(argv=None):
         flops="12 m d f per step, 4 m d f per forward",
         memory="XLA memory analysis of the compiled computation: arguments + outputs + temporaries - aliased",
         pallas_in_xla="b1, activation, dsReLU epilogue (dh, dprob), db1 as a one-hot dense dot",
-        seconds=time.time() - started,
+        seconds=0.0,
         shapes=rows,
     )
-    path = run_record.write_json(result, options.out, "bench_layer.json")
-    plot(rows, path.replace(".json", ".png"), f"moe_mlp layer, bf16, {result['device']} ({clock})")
+    for shape in options.shapes:
+        operands = make_operands(*shape, options.seed)
+        rows.append(bench_shape(shape, operands, options.variants, options.modes, options.reps, clock))
+        del operands
+        # Written after every shape: a run cut short by its time limit keeps what it measured.
+        result["seconds"] = time.time() - started
+        path = run_record.write_json(result, options.out, "bench_layer.json")
+        plot(rows, path.replace(".json", ".png"), f"moe_mlp layer, bf16, {result['device']} ({clock})")
     summarize(rows)
 
 

@@ -10,8 +10,8 @@
 #             twice with --deterministic (the digests must agree)
 #   sass      disassembles the benchmark kernels' cubins: HGMMA present, no LDL/STL
 #   bench     benchmarks/bench_dsrelu.py
-#   gemms     benchmarks/bench_gemms.py: the six grouped GEMMs of a layer step (~4 min)
-#   layer     benchmarks/bench_layer.py: moe_mlp's step and forward, every variant (~6 min)
+#   gemms     benchmarks/bench_gemms.py: the six grouped GEMMs of a layer step (estimated 3-5 min)
+#   layer     benchmarks/bench_layer.py: moe_mlp's step and forward, every variant (estimated 5-8 min)
 #   determinism_warm   benchmarks/determinism_across_processes.py, kernels from the cache
 #   determinism_fresh  the same, every kernel compiled in each process
 #   sweep     benchmarks/sweep_configs.py (tile configurations at the benchmark shapes)
@@ -84,12 +84,15 @@ if [[ $stages == *,layer,* ]]; then
   echo "layer exit $?" | tee -a "$log"
 fi
 
-# 4 processes of each script per stage; each process has its own timeout inside.
+# 4 processes of each script per stage, interleaved, each under its own time limit (a fresh
+# process compiles every kernel it runs); the JSON is rewritten after every process, so a
+# stage cut short still leaves what it measured.
 for mode in warm fresh; do
   if [[ $stages == *,determinism_$mode,* ]]; then
+    per_process=$([[ $mode == warm ]] && echo 150 || echo 280)
     timeout 570 python3 benchmarks/determinism_across_processes.py --modes "$mode" --processes 4 \
       --cache "$JAX_DSRELU_KERNEL_CACHE" --commit "$commit" --out "$OUT" --json "determinism_$mode.json" \
-      --timeout 130 $DETERMINISM_ARGS 2> "$OUT/determinism_$mode.err" | tee -a "$log"
+      --timeout "$per_process" $DETERMINISM_ARGS 2> "$OUT/determinism_$mode.err" | tee -a "$log"
     echo "determinism_$mode exit $?" | tee -a "$log"
   fi
 done

@@ -174,7 +174,7 @@ def render_layer(results: dict) -> str:
             step = row["modes"]["step"]
             peaks = [
                 f"{step['variants'][key]['memory']['peak_bytes'] / GIB:.2f}"
-                if "memory" in step["variants"].get(key, {}) else "—"
+                if "peak_bytes" in step["variants"].get(key, {}).get("memory", {}) else "—"
                 for key, _ in LAYER_VARIANTS[:4]
             ]
             r = step["ratios"]
