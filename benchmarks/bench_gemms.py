@@ -129,7 +129,8 @@ class RaggedMatmul:
         extra = ("prob", "b1") if self.epilogue == "srelu" else ()
         return (self.lhs, self.rhs, "group_sizes") + extra
 
-    def request(self, shapes, out_dtype):
+    def request(self, shapes, contract_out_dtype):
+        del contract_out_dtype  # the ragged-M outputs are in the operand dtype, as moe_mlp's are
         lhs, rhs = shapes[self.lhs], shapes[self.rhs]
         k = lhs.shape[1]
         n = rhs.shape[2] if self.rhs_layout == "kn" else rhs.shape[1]
@@ -205,11 +206,11 @@ class RaggedContract:
     def operand_names(self):
         return (self.lhs, self.rhs, "group_sizes")
 
-    def request(self, shapes, out_dtype):
+    def request(self, shapes, contract_out_dtype):
         lhs, rhs = shapes[self.lhs], shapes[self.rhs]
         return RaggedContractRequest(
             num_experts=shapes["group_sizes"].shape[0], a=lhs.shape[1], b=rhs.shape[1],
-            operand_dtype=np.dtype(lhs.dtype), out_dtype=np.dtype(out_dtype),
+            operand_dtype=np.dtype(lhs.dtype), out_dtype=np.dtype(contract_out_dtype),
         )
 
     @staticmethod
