@@ -29,6 +29,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 for folder in ("tests", "examples"):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", folder))
 
+import bench_dsrelu  # noqa: E402
 import bench_gemms  # noqa: E402
 import bench_layer  # noqa: E402
 import cuda_lowering  # noqa: E402
@@ -39,7 +40,7 @@ import process_digests  # noqa: E402
 import sweep_configs  # noqa: E402
 import test_sm90  # noqa: E402
 import train_moe  # noqa: E402
-from bench_dsrelu import SHAPES, fused  # noqa: E402
+from bench_dsrelu import SHAPES  # noqa: E402
 
 from jax_dsrelu.ffi import cutlass_bridge  # noqa: E402
 from jax_dsrelu.ffi import sm90 as lowering  # noqa: E402
@@ -66,16 +67,7 @@ def requests():
 
 def lower_library_users():
     """Lowers for cuda every computation of the GPU runs that goes through the library."""
-    s = jax.ShapeDtypeStruct
-    bf16 = jnp.bfloat16
-    for deterministic in (False, True):
-        for m, k, n, num_experts in SHAPES:  # bench_dsrelu.py
-            cuda_lowering.lower_for_cuda(
-                f"bench_dsrelu {m, k, n, num_experts} deterministic={deterministic}",
-                fused("sm90", deterministic),
-                s((m, k), bf16), s((num_experts, n, k), bf16), s((m, n), bf16), s((m,), jnp.float32),
-                s((num_experts,), jnp.int32),
-            )
+    bench_dsrelu.prebuild(bench_dsrelu.SHAPES)
     bench_gemms.prebuild(bench_gemms.SHAPES, bench_gemms.GEMMS, ("sm90", "sm90_det"), np.dtype(jnp.bfloat16))
     bench_layer.prebuild(bench_layer.SHAPES, ("sm90", "sm90_det"), bench_layer.MODES)
     process_digests.prebuild(("sm90", "xla"))
