@@ -190,8 +190,9 @@ class RaggedMatmul:
         # Rounding scale |acc| + |b1|: covers one rounding of acc + b1 and the two
         # roundings of a GEMM that rounds acc before adding b1.
         checks = dict(h=compare(outputs[0], acc + bias, jnp.abs(acc) + jnp.abs(bias), bound, terms))
-        # act is made from the h the kernel stored, so it is checked against that h.
-        expected = jax.jit(activation)(outputs[0], operands["prob"]).astype(jnp.float32)
+        # act is made from the h the kernel stored, so it is checked against that h: the
+        # float32 value relu(h)^2 prob, which the kernel rounds once.
+        expected = jax.jit(activation_f32)(outputs[0], operands["prob"])
         checks["act"] = compare(outputs[1], expected, jnp.abs(expected), jnp.zeros_like(expected), 0)
         return checks
 
@@ -255,9 +256,14 @@ def bias_rows(b1, group_sizes, num_rows):
     return jnp.where(owned[:, None], b1[expert], 0.0)
 
 
-def activation(h, prob):
+def activation_f32(h, prob):
     r = jnp.maximum(h.astype(jnp.float32), 0.0)
-    return (r * r * prob[:, None]).astype(h.dtype)
+    return r * r * prob[:, None]
+
+
+def activation(h, prob):
+    """act = relu(h)^2 prob from the rounded h, rounded to h's dtype (as moe_mlp makes it)."""
+    return activation_f32(h, prob).astype(h.dtype)
 
 
 MATMULS = {
