@@ -16,6 +16,7 @@ warm-up. Every input is larger than the 50 MB L2, so repeated calls do not run f
 cache. The kernel's outputs are checked against the XLA path before its time is recorded.
 
     python benchmarks/bench_dsrelu.py --commit $(git rev-parse HEAD) --out benchmarks/results
+    JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_dsrelu.py --prebuild   # no GPU
 
 writes bench_dsrelu.json and bench_dsrelu.png there.
 """
@@ -205,6 +206,24 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+def prebuild(shapes):
+    """Lowers both sm90 variants at these shapes for cuda (builds and caches their kernels)."""
+    import cuda_lowering
+
+    cuda_lowering.prepare()
+    for m, k, n, num_experts in shapes:
+        described = (
+            jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((num_experts, n, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((m, n), jnp.bfloat16), jax.ShapeDtypeStruct((m,), jnp.float32),
+            jax.ShapeDtypeStruct((num_experts,), jnp.int32),
+        )
+        for deterministic in (False, True):
+            cuda_lowering.lower_for_cuda(
+                f"bench_dsrelu {m, k, n, num_experts} deterministic={deterministic}",
+                fused("sm90", deterministic), *described,
+            )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results")
@@ -212,10 +231,15 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--shapes", default=None, help="m,k,n,E;... (default: issue 3's three)")
+    parser.add_argument("--prebuild", action="store_true",
+                        help="lower the sm90 variants for cuda here (no GPU) to fill JAX_DSRELU_KERNEL_CACHE, then stop")
     options = parser.parse_args()
     shapes = SHAPES
     if options.shapes:
         shapes = [tuple(int(v) for v in s.split(",")) for s in options.shapes.split(";")]
+    if options.prebuild:
+        prebuild(shapes)
+        return
 
     started = time.time()
     rows = [bench_shape(shape, options.reps, options.seed) for shape in shapes]

@@ -10,11 +10,18 @@
 #             twice with --deterministic (the digests must agree)
 #   sass      disassembles the benchmark kernels' cubins: HGMMA present, no LDL/STL
 #   bench     benchmarks/bench_dsrelu.py
+#   gemms     benchmarks/bench_gemms.py: the six grouped GEMMs of a layer step (estimated 3-5 min)
+#   layer     benchmarks/bench_layer.py: moe_mlp's step and forward, every variant (estimated 5-8 min)
+#   determinism_warm   benchmarks/determinism_across_processes.py, kernels from the cache
+#   determinism_fresh  the same, every kernel compiled in each process
 #   sweep     benchmarks/sweep_configs.py (tile configurations at the benchmark shapes)
 #   sanitize  a small subset of the GPU tests under compute-sanitizer (memcheck)
 #
 # Kernels come precompiled from benchmarks/prebuild_kernels.py in .kernels/ (carried along),
-# so device time goes to running them. Logs go to $OUT.
+# so device time goes to running them. Logs and JSON go to $OUT; each script's tracebacks
+# to $OUT/<script>.err. Extra arguments for a script: GEMMS_ARGS, LAYER_ARGS and
+# DETERMINISM_ARGS (e.g. LAYER_ARGS="--shapes 65536,2048,512,128"). A device call runs at
+# most 10 minutes: give layer and each determinism stage a call of its own.
 set -o pipefail
 stages=",$1,"
 commit="$2"
@@ -64,6 +71,31 @@ if [[ $stages == *,bench,* ]]; then
   timeout 240 python3 benchmarks/bench_dsrelu.py --commit "$commit" --out "$OUT" 2>&1 | tee -a "$log"
   echo "bench exit $?" | tee -a "$log"
 fi
+
+if [[ $stages == *,gemms,* ]]; then
+  timeout 540 python3 benchmarks/bench_gemms.py --commit "$commit" --out "$OUT" $GEMMS_ARGS \
+    2> "$OUT/bench_gemms.err" | tee -a "$log"
+  echo "gemms exit $?" | tee -a "$log"
+fi
+
+if [[ $stages == *,layer,* ]]; then
+  timeout 560 python3 benchmarks/bench_layer.py --commit "$commit" --out "$OUT" $LAYER_ARGS \
+    2> "$OUT/bench_layer.err" | tee -a "$log"
+  echo "layer exit $?" | tee -a "$log"
+fi
+
+# 4 processes of each script per stage, interleaved, each under its own time limit (a fresh
+# process compiles every kernel it runs); the JSON is rewritten after every process, so a
+# stage cut short still leaves what it measured.
+for mode in warm fresh; do
+  if [[ $stages == *,determinism_$mode,* ]]; then
+    per_process=$([[ $mode == warm ]] && echo 150 || echo 280)
+    timeout 570 python3 benchmarks/determinism_across_processes.py --modes "$mode" --processes 4 \
+      --cache "$JAX_DSRELU_KERNEL_CACHE" --commit "$commit" --out "$OUT" --json "determinism_$mode.json" \
+      --timeout "$per_process" $DETERMINISM_ARGS 2> "$OUT/determinism_$mode.err" | tee -a "$log"
+    echo "determinism_$mode exit $?" | tee -a "$log"
+  fi
+done
 
 if [[ $stages == *,sweep,* ]]; then
   timeout 120 python3 benchmarks/sweep_configs.py --out "$OUT" 2>&1 | tee -a "$log"

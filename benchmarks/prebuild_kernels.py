@@ -1,9 +1,20 @@
-"""Compiles, on a machine without a GPU, every sm90 kernel the GPU tests and benchmarks use.
+"""Compiles, on a machine without a GPU, every sm90 kernel the GPU runs need.
 
 The object code goes to the on-disk cache named by JAX_DSRELU_KERNEL_CACHE (see
 jax_dsrelu.ffi.cutlass_bridge), which the GPU machine then reads instead of compiling:
-the same static facts give the same code on either machine. With --cubins DIR it also
-writes the benchmark kernels' cubins there, for disassembly on the GPU machine.
+the same static facts give the same code on either machine. Two sources:
+
+* tests/test_sm90.py's GPU tier calls the dsReLU kernel directly (outputs in place, chosen
+  tile configurations), so those kernels are compiled by request, as are the tile
+  configurations of benchmarks/sweep_configs.py;
+* everything that goes through the library (bench_dsrelu.py, bench_gemms.py,
+  bench_layer.py, process_digests.py, examples/train_moe.py and expert_parallel.py in
+  bfloat16, the GPU tests' moe_mlp) is lowered for cuda at the shapes it runs
+  (benchmarks/cuda_lowering.py, each script's --prebuild), which builds whatever kernels
+  those functions call, including kernels the layer takes up later.
+
+With --cubins DIR it also writes the dsReLU benchmark kernels' cubins there, for
+disassembly on the GPU machine.
 
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/prebuild_kernels.py --cubins .kernels/cubin
 """
@@ -15,12 +26,20 @@ import os
 import sys
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+for folder in ("tests", "examples"):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", folder))
 
+import bench_dsrelu  # noqa: E402
+import bench_gemms  # noqa: E402
+import bench_layer  # noqa: E402
+import cuda_lowering  # noqa: E402
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import process_digests  # noqa: E402
 import sweep_configs  # noqa: E402
 import test_sm90  # noqa: E402
+import train_moe  # noqa: E402
 from bench_dsrelu import SHAPES  # noqa: E402
 
 from jax_dsrelu.ffi import cutlass_bridge  # noqa: E402
@@ -29,7 +48,7 @@ from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
 
 
 def requests():
-    """(request, outputs_in_place) for every kernel the GPU tier and the benchmark run."""
+    """(request, outputs_in_place) for every kernel tests/test_sm90.py runs directly."""
     request_for = test_sm90.request_for
     for name in test_sm90.GROUPINGS:
         _, k, n, sizes = test_sm90.grouping(name)
@@ -43,14 +62,51 @@ def requests():
                     256, 512, 5, deterministic=deterministic, with_dbias=with_dbias, with_act=with_act
                 ), False
         yield request_for(512, 2048, len(test_sm90.DETERMINISM_SIZES), deterministic=deterministic), False
-        yield request_for(256, 512, 5, deterministic=deterministic), False  # moe_mlp
-        for _, k, n, num_experts in SHAPES:
-            yield request_for(k, n, num_experts, deterministic=deterministic), False
     yield request_for(128, 256, 2), False  # NaN/Inf propagation
-    # examples/train_moe.py and expert_parallel.py in bfloat16 with their default sizes
-    # (d_model 64 is k, d_ff 128 is n, 8 experts), in both modes.
+
+
+def lower_library_users():
+    """Lowers for cuda every computation of the GPU runs that goes through the library."""
+    bench_dsrelu.prebuild(bench_dsrelu.SHAPES)
+    bench_gemms.prebuild(bench_gemms.SHAPES, bench_gemms.GEMMS, ("sm90", "sm90_det"), np.dtype(jnp.bfloat16))
+    bench_layer.prebuild(bench_layer.SHAPES, ("sm90", "sm90_det"), bench_layer.MODES)
+    process_digests.prebuild(("sm90", "xla"))
     for deterministic in (False, True):
-        yield request_for(64, 128, 8, deterministic=deterministic), False
+        # tests/test_sm90.py's moe_mlp test: d 256, f 512, 5 experts, bf16 with b1, backend "auto".
+        rows, d, f, num_experts = 4192, 256, 512, 5
+        described = bench_layer.operand_shapes(rows, d, f, num_experts)
+        cuda_lowering.lower_for_cuda(
+            f"tests moe_mlp grads deterministic={deterministic}",
+            jax.grad(bench_layer.loss_of(bench_layer.moe_mlp_with("auto", deterministic)), argnums=tuple(range(5))),
+            *(described[name] for name in ("x", "w1", "w2", "prob", "b1", "group_sizes", "cotangent")),
+        )
+        cuda_lowering.lower_for_cuda(
+            f"examples train step bfloat16 deterministic={deterministic}", example_gradients(deterministic),
+            *example_shapes(),
+        )
+
+
+def example_gradients(deterministic):
+    """The gradients of examples/train_moe.py's training step (its loss against the
+    float32 teacher). expert_parallel.py on one GPU runs moe_mlp at these same static
+    facts (all 8 experts local), so the same kernels serve it."""
+
+    def loss(params, teacher, tokens):
+        target = train_moe.moe_layer(teacher, tokens, TOP_K, True)
+        return jnp.mean((train_moe.moe_layer(params, tokens, TOP_K, deterministic) - target) ** 2)
+
+    return jax.grad(loss)
+
+
+# examples/train_moe.py's defaults: 2048 tokens, d_model 64, d_ff 128, 8 experts, top-2.
+TOKENS, D_MODEL, D_FF, EXPERTS, TOP_K = 2048, 64, 128, 8, 2
+
+
+def example_shapes():
+    def params(dtype):
+        return jax.eval_shape(lambda: train_moe.init_moe(jax.random.key(0), D_MODEL, D_FF, EXPERTS, dtype))
+
+    return params(jnp.bfloat16), params(jnp.float32), jax.ShapeDtypeStruct((TOKENS, D_MODEL), jnp.float32)
 
 
 def main():
@@ -84,7 +140,9 @@ def main():
                 name = f"k{k}_n{n}_e{num_experts}_{'det' if deterministic else 'atomic'}.cubin"
                 with open(os.path.join(options.cubins, name), "wb") as file:
                     file.write(compiled.cubin)
-    print(f"{len(seen)} kernels in {os.environ[cutlass_bridge.CACHE_DIR_VARIABLE]}")
+    lower_library_users()
+    print(f"{len(os.listdir(os.environ[cutlass_bridge.CACHE_DIR_VARIABLE]))} kernels in "
+          f"{os.environ[cutlass_bridge.CACHE_DIR_VARIABLE]}")
 
 
 if __name__ == "__main__":

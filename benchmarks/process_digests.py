@@ -1,10 +1,22 @@
-"""Digests of outputs computed from fixed inputs, to compare bit for bit across processes.
+"""Digests of results computed from fixed inputs, to compare bit for bit across processes.
 
-Each process compiles anew, so comparing two processes' digests shows whether anything
-chosen at compile time (XLA's GEMM autotuning, a kernel's tile configuration) changes the
-bits. Run it twice and compare the JSON lines:
+From fixed inputs, one process computes, --runs times each:
+
+    primitive_<backend>      grouped_gemm_dsrelu(..., deterministic=True), every output
+    moe_mlp_grads_<backend>  every gradient (x, w1, w2, prob, b1) of a loss through
+                             moe_mlp(..., deterministic=True)
+    example_layer_grads      the gradients of examples/train_moe.py's layer in bfloat16
+                             (backend="auto", deterministic=True)
+    router_dot_f32           a float32 GEMM of XLA's own (its algorithm is XLA's choice)
+
+and prints one JSON line: for each, the digest of every output, and how many distinct
+results its --runs calls gave (1 means bitwise identical within the process). Comparing
+the lines of several processes shows whether anything chosen at compile time (XLA's GEMM
+autotuning, a kernel's configuration) changes the bits; benchmarks/
+determinism_across_processes.py runs the processes and compares them.
 
     python benchmarks/process_digests.py --label run1
+    JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/process_digests.py --prebuild
 """
 
 from __future__ import annotations
@@ -21,11 +33,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
+import cuda_lowering  # noqa: E402
 import train_moe  # noqa: E402
 
 import jax_dsrelu  # noqa: E402
 
 SIZES = [1500, 700, 0, 1024, 1200, 900, 1024, 1844]
+GRADIENTS = ("x", "w1", "w2", "prob", "b1")
 
 
 def digest(tree) -> str:
@@ -35,11 +49,8 @@ def digest(tree) -> str:
     return h.hexdigest()[:16]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--label", required=True)
-    parser.add_argument("--backends", default="sm90,xla", help="comma-separated")
-    args = parser.parse_args()
+def computations(backends):
+    """(name, jitted function, operands, names of its outputs) for everything digested."""
     rng = np.random.default_rng(0)
     m, k, n = sum(SIZES), 512, 2048
     grad = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -47,15 +58,13 @@ def main() -> None:
     preact = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
     prob = jnp.asarray(rng.uniform(0.05, 1.0, m), jnp.float32)
     sizes = jnp.asarray(SIZES, jnp.int32)
-    results = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", "")}
-    backends = args.backends.split(",")
     for backend in backends:
         run = jax.jit(
             lambda *a, backend=backend: jax_dsrelu.grouped_gemm_dsrelu(
                 *a, with_dbias=True, with_act=True, deterministic=True, backend=backend
             )
         )
-        results[f"primitive_{backend}"] = digest(run(grad, weight, preact, prob, sizes))
+        yield f"primitive_{backend}", run, (grad, weight, preact, prob, sizes), jax_dsrelu.DsreluOutputs._fields
 
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w1 = jnp.asarray(rng.standard_normal((len(SIZES), k, 1024)) / np.sqrt(k), jnp.bfloat16)
@@ -64,27 +73,80 @@ def main() -> None:
     for backend in backends:
         grads = jax.jit(
             jax.grad(
-                lambda *a, backend=backend: jnp.sum(
-                    jax_dsrelu.moe_mlp(*a[:4], sizes, b1=a[4], deterministic=True, backend=backend).astype(
-                        jnp.float32
-                    )
-                    ** 2
+                lambda x, w1, w2, prob, b1, sizes, backend=backend: jnp.sum(
+                    jax_dsrelu.moe_mlp(x, w1, w2, prob, sizes, b1=b1, deterministic=True, backend=backend)
+                    .astype(jnp.float32) ** 2
                 ),
                 argnums=(0, 1, 2, 3, 4),
             )
-        )(x, w1, w2, prob, b1)
-        results[f"moe_mlp_grads_{backend}"] = digest(grads)
+        )
+        yield f"moe_mlp_grads_{backend}", grads, (x, w1, w2, prob, b1, sizes), GRADIENTS
 
     params = train_moe.init_moe(jax.random.key(1), 64, 128, 8, jnp.bfloat16)
     tokens = jax.random.normal(jax.random.key(2), (2048, 64), jnp.float32)
     target = jax.random.normal(jax.random.key(3), (2048, 64), jnp.float32)
     step_grads = jax.jit(
-        jax.grad(lambda p: jnp.mean((train_moe.moe_layer(p, tokens, 2, True) - target) ** 2))
-    )(params)
-    results["example_layer_grads"] = digest(step_grads)
-    router = jax.jit(lambda t, r: t @ r)(tokens, params["router"])
-    results["router_dot_f32"] = digest(router)
-    print(json.dumps(results), flush=True)
+        jax.grad(lambda p, tokens, target: jnp.mean((train_moe.moe_layer(p, tokens, 2, True) - target) ** 2))
+    )
+    yield "example_layer_grads", step_grads, (params, tokens, target), sorted(params)
+    yield "router_dot_f32", jax.jit(lambda t, r: t @ r), (tokens, params["router"]), ("logits",)
+
+
+def digests_of(fn, operands, output_names, runs) -> dict:
+    """Digests of one computation's outputs, and how many distinct results `runs` calls gave."""
+    whole, outputs = set(), None
+    for _ in range(runs):
+        outputs = fn(*operands)
+        whole.add(digest(outputs))
+    leaves = jax.tree.leaves(outputs)
+    if isinstance(outputs, dict):  # a parameter tree: its leaves in sorted key order
+        leaves = [outputs[name] for name in output_names]
+    named = {name: digest(leaf) for name, leaf in zip(output_names, leaves)}
+    return dict(digest=sorted(whole)[0], outputs=named, runs=runs, distinct_in_process=len(whole))
+
+
+def prebuild(backends) -> None:
+    """Lowers every computation for cuda (builds and caches the kernels they call); the
+    operands are small, so they are made here and passed as shapes."""
+    cuda_lowering.prepare()
+    for name, fn, operands, _ in computations(backends):
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), operands)
+        cuda_lowering.lower_for_cuda(f"process_digests {name}", fn, *shapes)
+
+
+def kernel_compiles() -> int | None:
+    """CuTe DSL kernels compiled (not read from the disk cache) in this process so far."""
+    bridge = sys.modules.get("jax_dsrelu.ffi.cutlass_bridge")
+    return None if bridge is None else bridge.compile_count()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--label", default="")
+    parser.add_argument("--backends", default="sm90,xla", help="comma-separated")
+    parser.add_argument("--runs", type=int, default=20, help="calls of each computation in this process")
+    parser.add_argument("--prebuild", action="store_true",
+                        help="lower every computation for cuda here (no GPU) to fill JAX_DSRELU_KERNEL_CACHE, then stop")
+    args = parser.parse_args()
+    backends = args.backends.split(",")
+    if args.prebuild:
+        prebuild(backends)
+        return
+    results = {}
+    for name, fn, operands, output_names in computations(backends):
+        try:
+            results[name] = digests_of(fn, operands, output_names, args.runs)
+        except Exception as error:  # recorded; the other computations still run
+            results[name] = dict(error=f"{type(error).__name__}: {str(error)[:400]}")
+    line = dict(
+        label=args.label,
+        device=jax.devices()[0].device_kind,
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        kernel_cache=os.environ.get(cuda_lowering.CACHE_VARIABLE, ""),
+        kernels_compiled_in_process=kernel_compiles(),
+        results=results,
+    )
+    print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

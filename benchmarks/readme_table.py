@@ -1,6 +1,11 @@
-"""Writes the README's Hopper results from the recorded benchmark JSON; no figure by hand.
+"""Writes the README's benchmark results from the recorded JSON; no figure by hand.
 
-    python benchmarks/readme_table.py            # rewrites README.md between the sm90 markers
+Each table sits between its markers in README.md and is generated from its JSON in
+benchmarks/results/: `<!-- sm90:start -->` from bench_dsrelu.json, `<!-- gemms:start -->`
+from bench_gemms.json, `<!-- layer:start -->` from bench_layer.json. A table whose JSON
+has not been recorded yet is left as it is.
+
+    python benchmarks/readme_table.py            # rewrites README.md between the markers
     python benchmarks/readme_table.py --check    # fails if README.md is out of date
 """
 
@@ -10,11 +15,11 @@ import argparse
 import json
 import pathlib
 import sys
+from typing import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "bench_dsrelu.json"
+RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
-START, END = "<!-- sm90:start -->", "<!-- sm90:end -->"
 VARIANTS = [
     ("xla", "XLA backend"),
     ("pallas+xla", "Pallas ragged_dot_mgpu + XLA epilogue"),
@@ -22,15 +27,65 @@ VARIANTS = [
     ("sm90_det", "sm90, deterministic"),
     ("cublas_dense", "dense cuBLAS GEMM, same FLOPs"),
 ]
+GEMM_VARIANTS = [
+    ("sm90", "sm90"),
+    ("pallas", "Pallas"),
+    ("xla", "XLA ragged_dot"),
+    ("cublas_dense", "dense cuBLAS, same FLOPs"),
+]
+GEMM_ROWS = {
+    "up": "up: x @ W1[e], squared-ReLU epilogue",
+    "down": "down: act @ W2[e]",
+    "dsrelu": "dsReLU backward (fused)",
+    "dx": "dx: dh @ W1[e]^T",
+    "dw1": "dW1: x^T dh per expert",
+    "dw2": "dW2: act^T dy per expert",
+}
+LAYER_VARIANTS = [
+    ("xla", "XLA backend"),
+    ("sm90", "sm90"),
+    ("sm90_det", "sm90, deterministic"),
+    ("pallas", "Pallas MLP"),
+    ("dense_xla", "XLA dense MLP, same FLOPs"),
+]
+# Kernel names in the breakdown: enough to tell the kernels apart.
+KERNEL_NAME_CHARS = 48
+GIB = 2**30
 
 
-def render(results: dict) -> str:
-    lines = [
+def provenance(results: dict, json_name: str, what: str) -> str:
+    return (
         f"Measured on an {results['device']} (JAX {results['jax']}), commit `{results['commit']}`, "
-        f"bf16, ragged (Dirichlet) group sizes, all variants on the same inputs in one process: "
-        f"`{results['command']}` ({results['timing']}). Raw results: "
-        "`benchmarks/results/bench_dsrelu.json`; this table is generated from them by "
-        "`benchmarks/readme_table.py`.",
+        f"{what}, all variants on the same inputs in one process: `{results['command']}` "
+        f"({results['timing']}). Raw results: `benchmarks/results/{json_name}`; this table is generated "
+        "from them by `benchmarks/readme_table.py`."
+    )
+
+
+def shape_text(shape: dict, keys: str) -> str:
+    return ", ".join(str(shape[key]) for key in keys)
+
+
+def cell(entry: dict | None, with_tflops: bool = True) -> str:
+    """One variant's time, or why there is none."""
+    if entry is None:
+        return "not run"
+    if "ms" in entry:
+        return f"{entry['ms']:.3f} ms ({entry['tflops']:.0f})" if with_tflops else f"{entry['ms']:.3f} ms"
+    if entry.get("stage") == "build" and entry.get("error", "").startswith("NotImplementedError"):
+        return "not built"
+    return f"failed ({entry.get('stage', 'error')})"
+
+
+def ratio(value: float | None, style: str) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.1%}" if style == "percent" else f"{value:.2f}x"
+
+
+def render_dsrelu(results: dict) -> str:
+    lines = [
+        provenance(results, "bench_dsrelu.json", "bf16, ragged (Dirichlet) group sizes"),
         "",
         "| shape (m, k, n, E) | " + " | ".join(name for _, name in VARIANTS) + " |",
         "| --- |" + " --- |" * len(VARIANTS),
@@ -58,17 +113,125 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
+def render_gemms(results: dict) -> str:
+    lines = [
+        provenance(results, "bench_gemms.json",
+                   f"bf16 operands, ragged (Dirichlet) group sizes, dW in {results['contract_out_dtype']}"),
+        "Each cell: time per GEMM (TFLOP/s at 2 m d f). Pallas: ragged_dot_mgpu, or "
+        "transposed_ragged_dot_mgpu for dW1 and dW2, best of its block configurations; the up "
+        "and dsReLU rows add their epilogue in XLA. The dsReLU row's sm90 is "
+        "`deterministic=False`.",
+        "",
+        "| shape (m, d, f, E) | GEMM | " + " | ".join(name for _, name in GEMM_VARIANTS)
+        + " | sm90 / cuBLAS throughput | sm90 vs Pallas |",
+        "| --- | --- |" + " --- |" * (len(GEMM_VARIANTS) + 2),
+    ]
+    for row in results["shapes"]:
+        shape = shape_text(row["shape"], "mdfE")
+        for gemm, entry in row["gemms"].items():
+            variants, ratios = entry.get("variants", {}), entry.get("ratios", {})
+            cells = [cell(variants.get(key)) for key, _ in GEMM_VARIANTS]
+            if "error" in entry:  # the XLA reference itself failed
+                cells = [f"failed ({entry['stage']})"] * len(GEMM_VARIANTS)
+            lines.append(
+                f"| {shape} | {GEMM_ROWS.get(gemm, gemm)} | " + " | ".join(cells)
+                + f" | {ratio(ratios.get('sm90_vs_cublas_throughput'), 'percent')}"
+                + f" | {ratio(ratios.get('sm90_speedup_vs_pallas'), 'times')} |"
+            )
+    lines += ["", "![grouped GEMM benchmark](benchmarks/results/bench_gemms.png)"]
+    return "\n".join(lines)
+
+
+def render_layer(results: dict) -> str:
+    lines = [
+        provenance(results, "bench_layer.json",
+                   "bf16 with b1, ragged (Dirichlet) group sizes; a step is `jax.value_and_grad` in "
+                   "x, w1, b1, w2 and prob"),
+        f"Throughput counts {results['flops']}. Peak memory: {results['memory']}. The Pallas MLP "
+        f"runs its GEMMs on Pallas kernels and these parts in XLA: {results['pallas_in_xla']}.",
+    ]
+    modes = list(results["shapes"][0]["modes"]) if results["shapes"] else []
+    for mode in modes:
+        lines += [
+            "",
+            f"| {mode}: shape (m, d, f, E) | " + " | ".join(name for _, name in LAYER_VARIANTS) + " |",
+            "| --- |" + " --- |" * len(LAYER_VARIANTS),
+        ]
+        for row in results["shapes"]:
+            variants = row["modes"][mode]["variants"]
+            lines.append(
+                f"| {shape_text(row['shape'], 'mdfE')} | "
+                + " | ".join(cell(variants.get(key)) for key, _ in LAYER_VARIANTS) + " |"
+            )
+    if "step" in modes:
+        lines += [
+            "",
+            "| step: shape | peak memory (GiB): " + " / ".join(name for _, name in LAYER_VARIANTS[:4])
+            + " | sm90 vs XLA | sm90 vs dense MLP | cost of determinism |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for row in results["shapes"]:
+            step = row["modes"]["step"]
+            peaks = [
+                f"{step['variants'][key]['memory']['peak_bytes'] / GIB:.2f}"
+                if "peak_bytes" in step["variants"].get(key, {}).get("memory", {}) else "—"
+                for key, _ in LAYER_VARIANTS[:4]
+            ]
+            r = step["ratios"]
+            det = r.get("det_overhead")
+            lines.append(
+                f"| {shape_text(row['shape'], 'mdfE')} | {' / '.join(peaks)} "
+                f"| {ratio(r.get('sm90_speedup_vs_xla'), 'times')} "
+                f"| {ratio(r.get('sm90_speedup_vs_dense_xla'), 'times')} "
+                f"| {'—' if det is None else f'{det:+.1%}'} |"
+            )
+        breakdown = []
+        for row in results["shapes"]:
+            entry = row["modes"]["step"]["variants"].get("sm90", {})
+            if entry.get("kernel_summary"):
+                parts = [f"`{name[:KERNEL_NAME_CHARS]}` {ms:.3f} ms" for name, ms in entry["kernel_summary"][:5]]
+                breakdown.append(f"- {shape_text(row['shape'], 'mdfE')} ({entry['ms']:.3f} ms): " + ", ".join(parts))
+        if breakdown:
+            lines += ["", "Where the sm90 step's time goes (CUPTI, per kernel name, largest first):", "", *breakdown]
+    lines += ["", "![layer benchmark](benchmarks/results/bench_layer.png)"]
+    return "\n".join(lines)
+
+
+# (marker name, recorded JSON, how its table is written)
+TABLES: list[tuple[str, str, Callable[[dict], str]]] = [
+    ("sm90", "bench_dsrelu.json", render_dsrelu),
+    ("gemms", "bench_gemms.json", render_gemms),
+    ("layer", "bench_layer.json", render_layer),
+]
+
+
+def updated_readme(readme: str, results_dir: pathlib.Path = RESULTS) -> str:
+    """README text with every table whose JSON exists regenerated between its markers."""
+    for marker, json_name, render in TABLES:
+        path = results_dir / json_name
+        if not path.exists():
+            continue
+        start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
+        if readme.count(start) != 1 or readme.count(end) != 1:
+            raise SystemExit(
+                f"{path} is recorded but README.md does not hold exactly one {start} ... {end} pair "
+                "to put its table between"
+            )
+        head, rest = readme.split(start)
+        _, tail = rest.split(end)
+        readme = f"{head}{start}\n{render(json.loads(path.read_text()))}\n{end}{tail}"
+    return readme
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
     readme = README.read_text()
-    head, rest = readme.split(START)
-    _, tail = rest.split(END)
-    updated = f"{head}{START}\n{render(json.loads(RESULTS.read_text()))}\n{END}{tail}"
+    updated = updated_readme(readme)
     if args.check:
         if updated != readme:
-            sys.exit("README.md's sm90 results differ from benchmarks/results: run benchmarks/readme_table.py")
+            sys.exit("README.md's results differ from benchmarks/results: run benchmarks/readme_table.py")
         return
     README.write_text(updated)
 

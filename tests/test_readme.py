@@ -2,14 +2,89 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import readme_table  # noqa: E402
+
+RUN = dict(device="NVIDIA H200", jax="0.11.2", commit="abc1234", command="python3 bench.py",
+           timing="CUPTI kernel time")
+README = "intro\n<!-- gemms:start -->\nold\n<!-- gemms:end -->\nmiddle\n<!-- layer:start -->\nold\n<!-- layer:end -->\n"
 
 
 def test_readme_results_match_the_recorded_json():
     subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "readme_table.py"), "--check"], check=True
     )
+
+
+def gemms_results():
+    not_built = dict(error="NotImplementedError: backend 'sm90' does not serve it", stage="build")
+    return dict(RUN, contract_out_dtype="bfloat16", shapes=[dict(
+        shape=dict(m=1024, d=256, f=512, E=4),
+        gemms={
+            "up": dict(variants=dict(sm90=not_built, pallas=dict(error="ValueError: smem", stage="run"),
+                                     xla=dict(ms=2.0, tflops=100.0), cublas_dense=dict(ms=0.5, tflops=400.0)),
+                       ratios={}),
+            "dw1": dict(variants=dict(sm90=dict(ms=1.0, tflops=200.0), pallas=dict(ms=2.0, tflops=100.0),
+                                      cublas_dense=dict(ms=0.9, tflops=222.2)),
+                        ratios=dict(sm90_vs_cublas_throughput=0.9, sm90_speedup_vs_pallas=2.0)),
+        },
+    )])
+
+
+def layer_results():
+    def timed(ms, tflops, peak):
+        return dict(ms=ms, tflops=tflops, memory=dict(peak_bytes=peak * 2**30),
+                    kernel_summary=[["gemm_kernel", ms * 0.75], ["2 other kernels", ms * 0.25]])
+
+    step = dict(variants=dict(xla=timed(8.0, 100.0, 6.0), sm90=timed(2.0, 400.0, 3.0),
+                              sm90_det=timed(2.1, 381.0, 3.0),
+                              pallas=dict(error="ValueError: smem", stage="compile"),
+                              dense_xla=timed(4.0, 200.0, 2.5)),
+                ratios=dict(sm90_speedup_vs_xla=4.0, sm90_speedup_vs_dense_xla=2.0, det_overhead=0.05))
+    return dict(RUN, flops="12 m d f per step", memory="XLA memory analysis", pallas_in_xla="the epilogues",
+                shapes=[dict(shape=dict(m=1024, d=256, f=512, E=4), modes=dict(step=step))])
+
+
+def write_results(directory, **results):
+    for name, value in results.items():
+        (directory / name).write_text(json.dumps(value))
+
+
+def test_gemm_and_layer_tables_come_from_their_json(tmp_path):
+    write_results(tmp_path, **{"bench_gemms.json": gemms_results(), "bench_layer.json": layer_results()})
+    text = readme_table.updated_readme(README, tmp_path)
+    assert "old" not in text and text.startswith("intro\n<!-- gemms:start -->\n")
+    assert (
+        "| 1024, 256, 512, 4 | up: x @ W1[e], squared-ReLU epilogue | not built | failed (run) "
+        "| 2.000 ms (100) | 0.500 ms (400) | — | — |"
+    ) in text
+    assert "| 1024, 256, 512, 4 | dW1: x^T dh per expert | 1.000 ms (200) | 2.000 ms (100) | not run " \
+           "| 0.900 ms (222) | 90.0% | 2.00x |" in text
+    assert "| 1024, 256, 512, 4 | 8.000 ms (100) | 2.000 ms (400) | 2.100 ms (381) | failed (compile) " \
+           "| 4.000 ms (200) |" in text
+    assert "| 1024, 256, 512, 4 | 6.00 / 3.00 / 3.00 / — | 4.00x | 2.00x | +5.0% |" in text
+    assert "- 1024, 256, 512, 4 (2.000 ms): `gemm_kernel` 1.500 ms, `2 other kernels` 0.500 ms" in text
+    # Generating again from the same JSON changes nothing: what --check relies on.
+    assert readme_table.updated_readme(text, tmp_path) == text
+
+
+def test_a_table_without_its_json_is_left_alone(tmp_path):
+    write_results(tmp_path, **{"bench_layer.json": layer_results()})
+    text = readme_table.updated_readme(README, tmp_path)
+    assert text.split("<!-- gemms:end -->")[0] == "intro\n<!-- gemms:start -->\nold\n"
+    assert "2.000 ms (400)" in text
+
+
+def test_recorded_json_without_markers_is_an_error(tmp_path):
+    write_results(tmp_path, **{"bench_gemms.json": gemms_results()})
+    with pytest.raises(SystemExit, match="gemms:start"):
+        readme_table.updated_readme("no markers here\n", tmp_path)

@@ -1,0 +1,597 @@
+"""Times the six grouped GEMMs of an MoE layer step against their alternatives, on one GPU.
+
+At each layer shape (m, d, f, E), with ragged Dirichlet group sizes and one set of bf16
+inputs shared by every variant:
+
+    up      h, act = srelu(x (m, d) @ W1[e] (E, d, f) + b1[e])   forward, epilogue fused
+    down    y = act (m, f) @ W2[e] (E, f, d)                       forward
+    dsrelu  grouped_gemm_dsrelu(dy, W2, h, prob): dh, dprob, db1, act   backward, fused
+    dx      dx = dh (m, f) @ W1[e]^T, W1 read in place as (E, n=d, k=f)
+    dw1     dW1[e] = x_e^T dh_e  -> (E, d, f)                      ragged contraction
+    dw2     dW2[e] = act_e^T dy_e -> (E, f, d)                     ragged contraction
+
+each GEMM 2 m d f FLOPs, timed as
+
+    sm90          our kernel, through the backend protocol (dsrelu: grouped_gemm_dsrelu,
+                  backend="sm90"; also sm90_det, deterministic=True)
+    xla           jax.lax.ragged_dot / ragged_dot_general (and the epilogue in XLA)
+    pallas        jaxlib's Pallas ragged_dot_mgpu (transposed_ragged_dot_mgpu for dw1 and
+                  dw2), best of a few block configurations; up and dsrelu with their
+                  epilogue in XLA
+    cublas_dense  one dense jnp.dot of the same FLOPs (same operand layouts, no groups)
+
+Every input is larger than the 50 MB L2. Each variant's output is checked against XLA's
+float32 result before its time is recorded (tolerances from the arithmetic: `check_matmul`);
+a variant that fails (not built yet, a configuration that does not fit, a wrong result)
+is recorded as an error and the script goes on.
+
+    python benchmarks/bench_gemms.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
+    JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_gemms.py --prebuild
+    python benchmarks/bench_gemms.py --cpu --out /tmp/gemms     # plumbing test, wall clock
+
+writes bench_gemms.json and bench_gemms.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import cuda_lowering
+import run_record
+import timing
+from bench_dsrelu import PALLAS_CONFIGS, dirichlet_sizes, fused, pallas_then_xla
+import jax_dsrelu
+from jax_dsrelu import backend_choice, groups
+from jax_dsrelu.request import RaggedContractRequest, RaggedMatmulRequest
+
+SHAPES = [(16384, 4096, 2048, 8), (32768, 7168, 2048, 8), (65536, 2048, 1024, 32)]  # (m, d, f, E)
+CPU_SHAPES = [(512, 128, 256, 4)]
+GEMMS = ("up", "down", "dsrelu", "dx", "dw1", "dw2")
+VARIANTS = ("sm90", "sm90_det", "xla", "pallas", "cublas_dense")
+# The two fastest of bench_dsrelu.py's block configurations at these shapes (the third,
+# 128x256, was 2x slower everywhere).
+RAGGED_PALLAS_CONFIGS = [PALLAS_CONFIGS[0], PALLAS_CONFIGS[2]]
+TRANSPOSED_PALLAS_CONFIGS = [
+    dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
+    dict(block_m=128, block_n=128, block_k=128, max_concurrent_steps=2, grid_block_n=2),
+]
+BF16 = np.dtype(jnp.bfloat16)
+# Unit roundoff (half an ulp at 1) of each output dtype, and of the float32 accumulator.
+UNIT_ROUNDOFF = {np.dtype(jnp.bfloat16): 2.0**-8, np.dtype(jnp.float16): 2.0**-11, np.dtype(jnp.float32): 2.0**-24}
+F32_ROUNDOFF = 2.0**-24
+# dsrelu is checked normwise against the XLA backend (as bench_dsrelu.py does): outputs
+# rounded to bf16 on both sides differ by at most two roundings plus the effect of the
+# float32 summation order, so 4 units of bf16 roundoff; float32 sums differ only by their
+# summation order, about sqrt(n) 2^-24 relative, far below 2^-10.
+DSRELU_TOLERANCE = {"dh": 2.0**-6, "act": 2.0**-6, "dprob": 2.0**-10, "dbias": 2.0**-10, "amax": 2.0**-6}
+RAGGED_ROWS_CONTRACTED = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[],
+)
+
+
+# ------------------------------------------------------------------------------ operands
+
+
+def operand_shapes(m, d, f, num_experts) -> dict[str, jax.ShapeDtypeStruct]:
+    s = jax.ShapeDtypeStruct
+    return dict(
+        x=s((m, d), BF16), dy=s((m, d), BF16), h=s((m, f), BF16), act=s((m, f), BF16),
+        dh=s((m, f), BF16), w1=s((num_experts, d, f), BF16), w2=s((num_experts, f, d), BF16),
+        w1_dense=s((d, f), BF16), w2_dense=s((f, d), BF16),
+        b1=s((num_experts, f), jnp.float32), prob=s((m,), jnp.float32),
+        group_sizes=s((num_experts,), jnp.int32),
+    )
+
+
+def make_operands(m, d, f, num_experts, seed) -> dict[str, jax.Array]:
+    keys = iter(jax.random.split(jax.random.key(seed), 16))
+    normal = lambda shape, scale=1.0: (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(BF16)  # noqa: E731
+    h = normal((m, f))
+    prob = jax.random.uniform(next(keys), (m,), jnp.float32, 0.05, 1.0)
+    operands = dict(
+        x=normal((m, d)), dy=normal((m, d)), h=h, dh=normal((m, f)),
+        act=(jnp.maximum(h.astype(jnp.float32), 0.0) ** 2 * prob[:, None]).astype(BF16),
+        w1=normal((num_experts, d, f), 1 / np.sqrt(d)), w2=normal((num_experts, f, d), 1 / np.sqrt(f)),
+        b1=0.1 * jax.random.normal(next(keys), (num_experts, f), jnp.float32), prob=prob,
+        group_sizes=jnp.asarray(dirichlet_sizes(np.random.default_rng(seed), m, num_experts)),
+    )
+    # The dense GEMM's weight is its own array, so no slice copy is timed with it.
+    operands["w1_dense"] = jnp.array(operands["w1"][0])
+    operands["w2_dense"] = jnp.array(operands["w2"][0])
+    return operands
+
+
+# --------------------------------------------------------------------- the six GEMMs
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedMatmul:
+    """out = lhs @ rhs[e] row by row; rhs stored (E, k, n) ("kn") or (E, n, k) ("nk")."""
+
+    lhs: str
+    rhs: str
+    rhs_layout: str
+    dense_weight: str  # the dense GEMM's weight of the same FLOPs, stored as rhs[0] is
+    epilogue: str = "none"  # "srelu": h = acc + b1[e] and act = relu(h)^2 prob
+
+    def operand_names(self):
+        extra = ("prob", "b1") if self.epilogue == "srelu" else ()
+        return (self.lhs, self.rhs, "group_sizes") + extra
+
+    def request(self, shapes, contract_out_dtype):
+        del contract_out_dtype  # the ragged-M outputs are in the operand dtype, as moe_mlp's are
+        lhs, rhs = shapes[self.lhs], shapes[self.rhs]
+        k = lhs.shape[1]
+        n = rhs.shape[2] if self.rhs_layout == "kn" else rhs.shape[1]
+        return RaggedMatmulRequest(
+            num_experts=rhs.shape[0], k=k, n=n, rhs_layout=self.rhs_layout,
+            operand_dtype=np.dtype(lhs.dtype), out_dtype=BF16, epilogue=self.epilogue,
+            with_bias=self.epilogue == "srelu",
+        )
+
+    def xla_accumulator(self, lhs, rhs, group_sizes):
+        rhs = rhs if self.rhs_layout == "kn" else jnp.swapaxes(rhs, 1, 2)
+        return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+
+    def finish(self, acc, group_sizes, prob=None, b1=None):
+        """The GEMM's outputs from its float32 (or already rounded) accumulator, in XLA."""
+        if self.epilogue == "none":
+            return (acc.astype(BF16),)
+        h = (acc.astype(jnp.float32) + bias_rows(b1, group_sizes, acc.shape[0])).astype(BF16)
+        return h, activation(h, prob)
+
+    def xla(self, lhs, rhs, group_sizes, *epilogue_operands):
+        return self.finish(self.xla_accumulator(lhs, rhs, group_sizes), group_sizes, *epilogue_operands)
+
+    def pallas(self, config):
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+        def run(lhs, rhs, group_sizes, *epilogue_operands):
+            acc = ragged_dot_mgpu.ragged_dot(
+                lhs, rhs, group_sizes=group_sizes, transpose_rhs=self.rhs_layout == "nk", **config
+            )
+            return self.finish(acc, group_sizes, *epilogue_operands)
+
+        return run
+
+    def dense(self, lhs, weight):
+        contract = 0 if self.rhs_layout == "kn" else 1
+        return lax.dot_general(lhs, weight, (((1,), (contract,)), ((), ())))
+
+    def dense_names(self):
+        return (self.lhs, self.dense_weight)
+
+    def reference(self, operands) -> dict:
+        """XLA's float32 result and |lhs| @ |rhs|, the scale of its summation error."""
+        lhs, rhs, sizes = (operands[n] for n in (self.lhs, self.rhs, "group_sizes"))
+        accumulate = jax.jit(self.xla_accumulator)
+        reference = dict(acc=accumulate(lhs, rhs, sizes), bound=accumulate(jnp.abs(lhs), jnp.abs(rhs), sizes),
+                         terms=lhs.shape[1])
+        if self.epilogue == "srelu":
+            reference["bias"] = jax.jit(bias_rows, static_argnums=2)(operands["b1"], sizes, lhs.shape[0])
+        return reference
+
+    def check(self, outputs, reference, operands):
+        acc, bound, terms = reference["acc"], reference["bound"], reference["terms"]
+        if self.epilogue == "none":
+            return dict(out=compare(outputs[0], acc, jnp.abs(acc), bound, terms))
+        bias = reference["bias"]
+        # Rounding scale |acc| + |b1|: covers one rounding of acc + b1 and the two
+        # roundings of a GEMM that rounds acc before adding b1.
+        checks = dict(h=compare(outputs[0], acc + bias, jnp.abs(acc) + jnp.abs(bias), bound, terms))
+        # act is made from the h the kernel stored, so it is checked against that h: the
+        # float32 value relu(h)^2 prob, which the kernel rounds once.
+        expected = jax.jit(activation_f32)(outputs[0], operands["prob"])
+        checks["act"] = compare(outputs[1], expected, jnp.abs(expected), jnp.zeros_like(expected), 0)
+        return checks
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedContract:
+    """out[e] = lhs_e^T rhs_e over expert e's rows: (m, a), (m, b) -> (E, a, b)."""
+
+    lhs: str
+    rhs: str
+
+    def operand_names(self):
+        return (self.lhs, self.rhs, "group_sizes")
+
+    def request(self, shapes, contract_out_dtype):
+        lhs, rhs = shapes[self.lhs], shapes[self.rhs]
+        return RaggedContractRequest(
+            num_experts=shapes["group_sizes"].shape[0], a=lhs.shape[1], b=rhs.shape[1],
+            operand_dtype=np.dtype(lhs.dtype), out_dtype=np.dtype(contract_out_dtype),
+        )
+
+    @staticmethod
+    def xla_accumulator(lhs, rhs, group_sizes):
+        return lax.ragged_dot_general(
+            lhs, rhs, group_sizes, RAGGED_ROWS_CONTRACTED, preferred_element_type=jnp.float32
+        )
+
+    def xla_with(self, out_dtype):
+        return lambda lhs, rhs, group_sizes: (self.xla_accumulator(lhs, rhs, group_sizes).astype(out_dtype),)
+
+    def pallas(self, config):
+        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+        def run(lhs, rhs, group_sizes):
+            # lhs (K=m, M=a) and rhs (K=m, N=b) are read as stored: no transpose.
+            return (transposed_ragged_dot_mgpu.transposed_ragged_dot(lhs, rhs, group_sizes=group_sizes, **config),)
+
+        return run
+
+    @staticmethod
+    def dense(lhs, rhs):
+        return lax.dot_general(lhs, rhs, (((0,), (0,)), ((), ())))
+
+    def dense_names(self):
+        return (self.lhs, self.rhs)
+
+    def reference(self, operands) -> dict:
+        lhs, rhs, sizes = (operands[n] for n in (self.lhs, self.rhs, "group_sizes"))
+        accumulate = jax.jit(self.xla_accumulator)
+        # The longest float32 sum is over the largest expert's rows.
+        return dict(acc=accumulate(lhs, rhs, sizes), bound=accumulate(jnp.abs(lhs), jnp.abs(rhs), sizes),
+                    terms=int(np.max(np.asarray(sizes))))
+
+    def check(self, outputs, reference, operands):
+        acc = reference["acc"]
+        return dict(out=compare(outputs[0], acc, jnp.abs(acc), reference["bound"], reference["terms"]))
+
+
+def bias_rows(b1, group_sizes, num_rows):
+    expert, owned = groups.row_experts(group_sizes, num_rows)
+    return jnp.where(owned[:, None], b1[expert], 0.0)
+
+
+def activation_f32(h, prob):
+    r = jnp.maximum(h.astype(jnp.float32), 0.0)
+    return r * r * prob[:, None]
+
+
+def activation(h, prob):
+    """act = relu(h)^2 prob from the rounded h, rounded to h's dtype (as moe_mlp makes it)."""
+    return activation_f32(h, prob).astype(h.dtype)
+
+
+MATMULS = {
+    "up": RaggedMatmul("x", "w1", "kn", "w1_dense", epilogue="srelu"),
+    "down": RaggedMatmul("act", "w2", "kn", "w2_dense"),
+    "dx": RaggedMatmul("dh", "w1", "nk", "w1_dense"),
+    "dw1": RaggedContract("x", "dh"),
+    "dw2": RaggedContract("act", "dy"),
+}
+DSRELU_OPERANDS = ("dy", "w2", "h", "prob", "group_sizes")
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def _compare(ours, reference, scale, accumulation_bound, terms, out_dtype):
+    error = jnp.abs(ours.astype(jnp.float32) - reference)
+    tolerance = (
+        2.0 * UNIT_ROUNDOFF[np.dtype(out_dtype)] * scale
+        + 2.0 * terms * F32_ROUNDOFF * accumulation_bound
+        + np.finfo(np.float32).tiny
+    )
+    relative = jnp.linalg.norm(error) / jnp.maximum(jnp.linalg.norm(reference), np.finfo(np.float32).tiny)
+    return jnp.max(error), jnp.max(error / tolerance), relative
+
+
+def compare(ours, reference, scale, accumulation_bound, terms) -> dict:
+    """Elementwise check of a result rounded once from a float32 sum of `terms` products.
+
+    |ours - reference| <= 2 u |scale| + 2 terms 2^-24 (|lhs| @ |rhs|): u, the output
+    dtype's unit roundoff, for the rounding of the result (twice, for a path that rounds
+    twice); the second term bounds how far two float32 sums of the same products in
+    different orders can drift apart. `worst` is the largest error over its bound: <= 1
+    passes.
+    """
+    if ours.shape != reference.shape:
+        raise ValueError(f"result shape {ours.shape} differs from the reference's {reference.shape}")
+    max_error, worst, relative = _compare(
+        ours, reference, scale, accumulation_bound, float(terms), out_dtype=np.dtype(ours.dtype).name
+    )
+    return dict(max_abs_error=float(max_error), worst_error_over_bound=float(worst),
+                relative_frobenius_error=float(relative))
+
+
+def check_passes(checks: dict) -> bool:
+    return all(
+        entry["worst_error_over_bound"] <= 1.0 if "worst_error_over_bound" in entry else entry["passes"]
+        for entry in checks.values()
+    )
+
+
+def check_dsrelu(outputs, reference) -> dict:
+    if not hasattr(outputs, "dh"):  # the Pallas variant returns a plain tuple
+        outputs = jax_dsrelu.DsreluOutputs(*outputs)
+    checks = {}
+    for field, tolerance in DSRELU_TOLERANCE.items():
+        ours, ref = np.asarray(getattr(outputs, field), np.float64), np.asarray(getattr(reference, field), np.float64)
+        relative = float(np.linalg.norm(ours - ref) / max(np.linalg.norm(ref), 1e-30))
+        checks[field] = dict(relative_frobenius_error=relative, max_abs_error=float(np.max(np.abs(ours - ref))),
+                             tolerance=tolerance, passes=relative <= tolerance)
+    return checks
+
+
+# -------------------------------------------------------------------------- variants
+
+
+def sm90_implementation(request):
+    """Our kernel for `request` through the backend protocol, or NotImplementedError why not."""
+    backend = backend_choice.kernel_backend("sm90")
+    reason = backend.software_missing() or backend.cannot_implement(request)
+    if reason is not None:
+        raise NotImplementedError(f"backend 'sm90' does not serve {request}: {reason}")
+    return backend.implementation(request)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way to compute a GEMM: a function of the named operands, and its output check."""
+
+    name: str
+    build: Callable[[], Callable]  # may raise: then the variant is an error entry
+    operands: tuple[str, ...]
+    check: Callable | None  # outputs -> checks dict; None: not comparable (dense)
+    config: dict | None = None
+
+
+def gemm_variants(gemm: str, shapes, out_dtype) -> list[Variant]:
+    """Every variant of one GEMM, in the order they run."""
+    if gemm == "dsrelu":
+        return [
+            Variant("sm90", lambda: fused("sm90", False), DSRELU_OPERANDS, "dsrelu"),
+            Variant("sm90_det", lambda: fused("sm90", True), DSRELU_OPERANDS, "dsrelu"),
+            Variant("xla", lambda: fused("xla"), DSRELU_OPERANDS, None),
+            *[Variant("pallas", functools.partial(pallas_then_xla, c), DSRELU_OPERANDS, "dsrelu", c)
+              for c in RAGGED_PALLAS_CONFIGS],
+            Variant("cublas_dense", lambda: jax.jit(RaggedMatmul("dy", "w2", "nk", "w2_dense").dense),
+                    ("dy", "w2_dense"), None),
+        ]
+    spec = MATMULS[gemm]
+    names = spec.operand_names()
+    contraction = isinstance(spec, RaggedContract)
+    request = spec.request(shapes, out_dtype)
+    ours = lambda: jax.jit(sm90_implementation(request))  # noqa: E731
+    xla = spec.xla_with(out_dtype) if contraction else spec.xla
+    configs = TRANSPOSED_PALLAS_CONFIGS if contraction else RAGGED_PALLAS_CONFIGS
+    return [
+        Variant("sm90", ours, names, "matmul"),
+        Variant("xla", lambda: jax.jit(xla), names, None),
+        *[Variant("pallas", lambda c=c: jax.jit(spec.pallas(c)), names, "matmul", c) for c in configs],
+        Variant("cublas_dense", lambda: jax.jit(spec.dense), spec.dense_names(), None),
+    ]
+
+
+def run_variant(variant, gemm, operands, reference, reps, clock) -> dict:
+    """Builds, checks and times one variant; any failure becomes the entry's error."""
+    stage = "build"
+    try:
+        fn = variant.build()
+        args = tuple(operands[name] for name in variant.operands)
+        stage = "run"
+        outputs = fn(*args)
+        entry = {}
+        if variant.check is not None:
+            stage = "check"
+            if variant.check == "dsrelu":
+                entry["check"] = check_dsrelu(outputs, reference)
+            else:
+                entry["check"] = MATMULS[gemm].check(outputs, reference, operands)
+            if not check_passes(entry["check"]):
+                print(f"  {variant.name} disagrees with XLA: {entry['check']}", flush=True)
+                return dict(entry, error="result outside the tolerance: not timed", stage="check")
+        del outputs
+        stage = "timing"
+        entry.update(timing.time_call(fn, args, reps, clock).record())
+        return entry
+    except Exception as error:  # recorded; the next variant runs
+        return run_record.error_entry(error, stage)
+
+
+def bench_gemm(gemm, shape, operands, reps, clock, out_dtype, selected) -> dict:
+    m, d, f, _ = shape
+    flops = 2.0 * m * d * f
+    if gemm == "dsrelu":
+        reference = fused("xla")(*(operands[n] for n in DSRELU_OPERANDS))
+    else:
+        reference = MATMULS[gemm].reference(operands)
+    results: dict[str, dict] = {}
+    pallas_tried = []
+    for variant in gemm_variants(gemm, operand_shapes(*shape), out_dtype):
+        if variant.name not in selected:
+            continue
+        print(f"{shape} {gemm} {variant.name} {variant.config or ''}", flush=True)
+        entry = run_variant(variant, gemm, operands, reference, reps, clock)
+        if variant.name == "pallas":
+            pallas_tried.append(dict(entry, config=variant.config))
+            continue
+        results[variant.name] = entry
+    if pallas_tried:
+        timed = [entry for entry in pallas_tried if "ms" in entry]
+        best = min(timed, key=lambda entry: entry["ms"]) if timed else pallas_tried[0]
+        results["pallas"] = dict(best, configs=[
+            {"config": e["config"], **({"ms": e["ms"]} if "ms" in e else {"error": e["error"]})}
+            for e in pallas_tried
+        ])
+    cublas = results.get("cublas_dense", {}).get("ms")
+    for entry in results.values():
+        if "ms" in entry:
+            entry["tflops"] = timing.tflops(flops, entry["ms"])
+            if cublas:
+                entry["fraction_of_cublas"] = cublas / entry["ms"]
+    return dict(flops=flops, variants=results, ratios=ratios(results))
+
+
+def ratios(results) -> dict:
+    ms = {name: entry["ms"] for name, entry in results.items() if "ms" in entry}
+    out = {}
+    for ours in ("sm90", "sm90_det"):
+        if ours not in ms:
+            continue
+        for other, key in (("cublas_dense", "vs_cublas_throughput"), ("xla", "speedup_vs_xla"),
+                           ("pallas", "speedup_vs_pallas")):
+            if other in ms:
+                out[f"{ours}_{key}"] = ms[other] / ms[ours]
+    if "sm90" in ms and "sm90_det" in ms:
+        out["det_overhead"] = ms["sm90_det"] / ms["sm90"] - 1.0
+    return out
+
+
+# ------------------------------------------------------------------------- prebuild
+
+
+# Variants whose kernels a prebuild compiles (xla: none, but lowering it tests the path).
+PREBUILT_VARIANTS = ("sm90", "sm90_det", "xla")
+
+
+def prebuild(shapes, gemms, variants, out_dtype) -> None:
+    """Lowers the selected sm90 (and xla) variants at these shapes for cuda, which builds
+    and caches the kernels they run."""
+    cuda_lowering.prepare()
+    for shape in shapes:
+        described = operand_shapes(*shape)
+        for gemm in gemms:
+            for variant in gemm_variants(gemm, described, out_dtype):
+                if variant.name not in variants or variant.name not in PREBUILT_VARIANTS:
+                    continue
+                name = f"bench_gemms {gemm} {variant.name} {shape}"
+                try:
+                    fn = variant.build()
+                except NotImplementedError as error:
+                    print(f"prebuild {name}: not built ({str(error)[:200]})", flush=True)
+                    continue
+                cuda_lowering.lower_for_cuda(name, fn, *(described[n] for n in variant.operands))
+
+
+# ------------------------------------------------------------------------- reporting
+
+
+def plot(rows, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = ("sm90", "pallas", "xla", "cublas_dense")
+    fig, axes = plt.subplots(len(rows), 1, figsize=(10, 3.2 * len(rows)), squeeze=False)
+    width = 0.2
+    for ax, row in zip(axes[:, 0], rows):
+        gemms = list(row["gemms"])
+        for index, variant in enumerate(shown):
+            x = np.arange(len(gemms)) + (index - 1.5) * width
+            values = [row["gemms"][g]["variants"].get(variant, {}).get("tflops", 0.0) for g in gemms]
+            ax.bar(x, values, width, label=variant)
+            for xi, value in zip(x, values):
+                if value == 0.0:
+                    ax.text(xi, 0, "x", ha="center", va="bottom", fontsize=7)
+        s = row["shape"]
+        ax.set_title(f"m={s['m']} d={s['d']} f={s['f']} E={s['E']}", fontsize=9)
+        ax.set_xticks(np.arange(len(gemms)))
+        ax.set_xticklabels(gemms)
+        ax.set_ylabel("TFLOP/s")
+    axes[0, 0].legend(fontsize=8, ncol=4)
+    fig.suptitle(title + "  (x: failed or not built)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_shapes(text):
+    return [tuple(int(v) for v in s.split(",")) for s in text.split(";")]
+
+
+def arguments(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--shapes", type=parse_shapes, default=None, help="m,d,f,E;... (default: the three layer shapes)")
+    parser.add_argument("--gemms", default=",".join(GEMMS), help=f"comma-separated subset of {','.join(GEMMS)}")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--contract-out-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="dtype of dW1 and dW2 (the ragged contraction's output)")
+    parser.add_argument("--prebuild", action="store_true",
+                        help="lower the selected sm90 (and xla) variants for cuda here (no GPU) to fill "
+                             "JAX_DSRELU_KERNEL_CACHE, then stop")
+    parser.add_argument("--cpu", action="store_true",
+                        help="plumbing test on the CPU at tiny shapes, timed by wall clock (not a measurement)")
+    options = parser.parse_args(argv)
+    options.gemms = options.gemms.split(",")
+    options.variants = options.variants.split(",")
+    for name, chosen, allowed in (("--gemms", options.gemms, GEMMS), ("--variants", options.variants, VARIANTS)):
+        unknown = sorted(set(chosen) - set(allowed))
+        if unknown:
+            parser.error(f"{name}: unknown {unknown}; expected a subset of {list(allowed)}")
+    if options.shapes is None:
+        options.shapes = CPU_SHAPES if options.cpu else SHAPES
+    return options
+
+
+def main(argv=None):
+    options = arguments(argv)
+    out_dtype = np.dtype(options.contract_out_dtype)
+    if options.prebuild:
+        prebuild(options.shapes, options.gemms, options.variants, out_dtype)
+        return
+    clock = timing.default_clock()
+    if clock != timing.CUPTI and not options.cpu:
+        raise SystemExit(f"no GPU here (JAX platform {jax.default_backend()!r}): pass --cpu for a plumbing test")
+    started = time.time()
+    rows = []
+    result = dict(
+        run_record.header(options.commit, timing.DESCRIPTIONS[clock]),
+        benchmark="grouped GEMMs of an MoE layer step, bf16",
+        clock=clock,
+        contract_out_dtype=out_dtype.name,
+        flops="2 m d f per GEMM",
+        seconds=0.0,
+        shapes=rows,
+    )
+    for shape in options.shapes:
+        m, d, f, num_experts = shape
+        operands = make_operands(m, d, f, num_experts, options.seed)
+        row = dict(shape=dict(m=m, d=d, f=f, E=num_experts),
+                   group_sizes=np.asarray(operands["group_sizes"]).tolist(), gemms={})
+        rows.append(row)
+        for gemm in options.gemms:
+            try:
+                row["gemms"][gemm] = bench_gemm(gemm, shape, operands, options.reps, clock, out_dtype, options.variants)
+            except Exception as error:  # the reference itself failed (out of memory, say)
+                row["gemms"][gemm] = dict(run_record.error_entry(error, "reference"), variants={}, ratios={})
+            # Written after every GEMM: a run cut short by its time limit keeps what it measured.
+            result["seconds"] = time.time() - started
+            path = run_record.write_json(result, options.out, "bench_gemms.json")
+        del operands
+        plot(rows, path.replace(".json", ".png"), f"grouped GEMMs, bf16, {result['device']} ({clock})")
+    summarize(rows)
+
+
+def summarize(rows):
+    for row in rows:
+        s = row["shape"]
+        print(f"m={s['m']} d={s['d']} f={s['f']} E={s['E']}   ms (TFLOP/s)")
+        for gemm, entry in row["gemms"].items():
+            cells = []
+            for variant, result in entry["variants"].items():
+                cell = f"{result['ms']:.3f} ({result['tflops']:.0f})" if "ms" in result else "error"
+                cells.append(f"{variant}={cell}")
+            print(f"  {gemm:<7} " + "  ".join(cells))
+            if entry["ratios"]:
+                print(f"  {'':<7} " + "  ".join(f"{k}={v:.3f}" for k, v in entry["ratios"].items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""How the benchmarks time one jitted call: CUPTI kernel time on a GPU, wall clock on the CPU.
+
+On a GPU, `time_call` runs the function --reps times under CUPTI
+(jax.experimental.mosaic.gpu.profiler.measure with aggregate=False) after a warm-up, and
+keeps every kernel launch of every call: the time of a call is the sum of its kernels'
+durations (host gaps between launches are not counted), and the breakdown gives each
+launch position's median over the calls. On the CPU there is no CUPTI: the time is the
+wall clock of the call, marked as such everywhere it is recorded, for testing the
+scripts' plumbing only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable
+
+import jax
+
+CUPTI = "cupti"
+WALL_CLOCK = "wall_clock"
+DESCRIPTIONS = {
+    CUPTI: "CUPTI kernel time per call (the sum of the kernels it launches), median of reps after warm-up",
+    WALL_CLOCK: "WALL CLOCK on the CPU: a test of the script's plumbing, not a measurement",
+}
+# Mangled CuTe DSL kernel names run to hundreds of characters; the head identifies them.
+KERNEL_NAME_CHARS = 120
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    ms: float  # median over the calls
+    calls_ms: list[float]  # every call's time
+    kernels: list[tuple[str, float]]  # per launch position in a call: (kernel name, median ms)
+
+    def record(self) -> dict:
+        return dict(
+            ms=self.ms,
+            calls_ms=self.calls_ms,
+            kernels=[[name, ms] for name, ms in self.kernels],
+            kernel_summary=kernel_summary(self.kernels),
+        )
+
+
+def default_clock() -> str:
+    return CUPTI if jax.default_backend() == "gpu" else WALL_CLOCK
+
+
+def time_call(fn: Callable, args: tuple, reps: int, clock: str) -> Timing:
+    """Times fn(*args) (fn jitted or compiled); the first call compiles and warms up."""
+    jax.block_until_ready(fn(*args))
+    if clock == WALL_CLOCK:
+        calls = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            calls.append((time.perf_counter() - start) * 1e3)
+        return Timing(statistics.median(calls), calls, [])
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, launches = profiler.measure(fn, aggregate=False, iterations=reps)(*args)
+    if launches is None:
+        raise RuntimeError("CUPTI recorded no kernel launch for this call")
+    if reps == 1:  # measure returns one call's launches unwrapped
+        launches = [launches]
+    calls = [sum(ms for _, ms in call) for call in launches]
+    kernels = [
+        (name[:KERNEL_NAME_CHARS], statistics.median(call[position][1] for call in launches))
+        for position, (name, _) in enumerate(launches[0])
+    ]
+    return Timing(statistics.median(calls), calls, kernels)
+
+
+def kernel_summary(kernels: list[tuple[str, float]], top: int = 8) -> list[list]:
+    """Time per kernel name (launches of one name added), largest first; the rest as one row."""
+    by_name: dict[str, float] = {}
+    for name, ms in kernels:
+        by_name[name] = by_name.get(name, 0.0) + ms
+    ranked = sorted(by_name.items(), key=lambda item: -item[1])
+    rows = [[name, ms] for name, ms in ranked[:top]]
+    if len(ranked) > top:
+        rows.append([f"{len(ranked) - top} other kernels", sum(ms for _, ms in ranked[top:])])
+    return rows
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
