@@ -109,38 +109,106 @@ def example_shapes():
     return params(jnp.bfloat16), params(jnp.float32), jax.ShapeDtypeStruct((TOKENS, D_MODEL), jnp.float32)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cubins", default=None, help="also write the benchmark kernels' cubins here")
-    options = parser.parse_args()
-    if not os.environ.get(cutlass_bridge.CACHE_DIR_VARIABLE):
-        raise SystemExit(f"set {cutlass_bridge.CACHE_DIR_VARIABLE} to the cache directory")
+def gemm_test_kernels():
+    """The kernels tests/test_sm90_gemms.py runs directly (outputs in place)."""
+    import test_sm90_gemms
+    from jax_dsrelu.ffi import sm90_gemm
+
+    for request, in_place in test_sm90_gemms.prebuild_requests():
+        sm90_gemm.compile_kernel(request, outputs_in_place=in_place)
+
+
+def layer_test_kernels():
+    """The moe_mlp steps tests/test_moe_mlp_sm90.py runs, lowered for cuda."""
+    import test_moe_mlp_sm90
+
+    for dtype in (jnp.bfloat16, jnp.float16):
+        for deterministic in (False, True):
+            for with_b1 in (False, True):
+                test_moe_mlp_sm90.lowered_text(dtype, deterministic, with_b1)
+
+
+def dsrelu_test_kernels():
     seen = set()
     for request, in_place in requests():
         config = sm90_config.choose_config(request, sm90_config.DEFAULT_SM_COUNT)
         key = (lowering.kernel_request(request), config, in_place)
-        if key in seen:
-            continue
-        seen.add(key)
-        lowering.compile_kernel(request, config, outputs_in_place=in_place)
-        print("built", request.k, request.n, request.num_experts, request.operand_dtype,
-              "det" if request.deterministic else "atomic", "in-place" if in_place else "", flush=True)
+        if key not in seen:
+            seen.add(key)
+            lowering.compile_kernel(request, config, outputs_in_place=in_place)
+
+
+def sweep_kernels():
     for _, k, n, num_experts in SHAPES:
         for config in sweep_configs.candidates(sm90_config.DEFAULT_SM_COUNT).values():
-            request = sweep_configs.request_for(k, n, num_experts)
-            lowering.compile_kernel(request, config)
-            seen.add((lowering.kernel_request(request), config, False))
+            lowering.compile_kernel(sweep_configs.request_for(k, n, num_experts), config)
+
+
+def write_cubins(folder):
+    """The benchmark kernels' cubins, for disassembly on the GPU machine."""
+    from jax_dsrelu.ffi import sm90_gemm
+    from jax_dsrelu.request import RaggedContractRequest, RaggedMatmulRequest
+
+    os.makedirs(folder, exist_ok=True)
+
+    def write(name, compiled):
+        with open(os.path.join(folder, name), "wb") as file:
+            file.write(compiled.cubin)
+
+    for _, k, n, num_experts in SHAPES:
+        for deterministic in (False, True):
+            request = test_sm90.request_for(k, n, num_experts, deterministic=deterministic)
+            config = sm90_config.choose_config(request, sm90_config.DEFAULT_SM_COUNT)
+            write(f"k{k}_n{n}_e{num_experts}_{'det' if deterministic else 'atomic'}.cubin",
+                  lowering.compile_kernel(request, config, keep=True))
+    bf16 = np.dtype(jnp.bfloat16)
+    d, f, num_experts = 4096, 2048, 8
+    for name, request in {
+        "up_srelu_bias": RaggedMatmulRequest(num_experts, d, f, "kn", bf16, bf16, "srelu", True),
+        "down_kn": RaggedMatmulRequest(num_experts, f, d, "kn", bf16, bf16),
+        "dx_nk": RaggedMatmulRequest(num_experts, f, d, "nk", bf16, bf16),
+        "contract_bf16": RaggedContractRequest(num_experts, d, f, bf16, bf16),
+    }.items():
+        write(f"gemm_{name}_d{d}_f{f}_e{num_experts}.cubin", sm90_gemm.compile_kernel(request, keep=True))
+
+
+# Independent groups of kernels; with --jobs they are built in parallel processes.
+JOBS = {
+    "dsrelu tests": dsrelu_test_kernels,
+    "sweep": sweep_kernels,
+    "gemm tests": gemm_test_kernels,
+    "layer tests": layer_test_kernels,
+    "library users": lower_library_users,
+}
+
+
+def run_job(name):
+    JOBS[name]()
+    return name
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cubins", default=None, help="also write the benchmark kernels' cubins here")
+    parser.add_argument("--jobs", type=int, default=1, help="parallel processes (one per group of kernels)")
+    options = parser.parse_args()
+    if not os.environ.get(cutlass_bridge.CACHE_DIR_VARIABLE):
+        raise SystemExit(f"set {cutlass_bridge.CACHE_DIR_VARIABLE} to the cache directory")
+    if options.jobs > 1:
+        # Workers only lower and compile: keep their JAX off any GPU.
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(options.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for name in pool.map(run_job, JOBS):
+                print("built", name, flush=True)
+    else:
+        for name in JOBS:
+            run_job(name)
+            print("built", name, flush=True)
     if options.cubins:
-        os.makedirs(options.cubins, exist_ok=True)
-        for _, k, n, num_experts in SHAPES:
-            for deterministic in (False, True):
-                request = test_sm90.request_for(k, n, num_experts, deterministic=deterministic)
-                config = sm90_config.choose_config(request, sm90_config.DEFAULT_SM_COUNT)
-                compiled = lowering.compile_kernel(request, config, keep=True)
-                name = f"k{k}_n{n}_e{num_experts}_{'det' if deterministic else 'atomic'}.cubin"
-                with open(os.path.join(options.cubins, name), "wb") as file:
-                    file.write(compiled.cubin)
-    lower_library_users()
+        write_cubins(options.cubins)
     print(f"{len(os.listdir(os.environ[cutlass_bridge.CACHE_DIR_VARIABLE]))} kernels in "
           f"{os.environ[cutlass_bridge.CACHE_DIR_VARIABLE]}")
 
