@@ -96,3 +96,16 @@ def test_moe_mlp_with_no_experts_names_the_argument():
     words = "w1.shape[0] is the number of experts E and must be at least 1, got w1.shape=(0, 8, 12)"
     with pytest.raises(ValueError, match=re.escape(words)):
         jax.jit(lambda *a: jax_dsrelu.moe_mlp(*a, jnp.zeros((0,), jnp.int32))).trace(x, w1, w2, prob)
+
+
+def test_no_rows_give_empty_row_outputs_and_zero_expert_outputs():
+    weight = jnp.asarray(np.random.default_rng(36).standard_normal((3, 8, 16)), jnp.bfloat16)
+    empty = dict(grad=jnp.zeros((0, 16), jnp.bfloat16), preact=jnp.zeros((0, 8), jnp.bfloat16), prob=jnp.zeros((0,), jnp.float32))
+    out = jax.jit(
+        lambda grad, preact, prob: jax_dsrelu.grouped_gemm_dsrelu(
+            grad, weight, preact, prob, [0, 0, 0], with_dbias=True, with_act=True
+        )
+    )(**empty)
+    assert out.dh.shape == (0, 8) and out.act.shape == (0, 8) and out.dprob.shape == (0,)
+    np.testing.assert_array_equal(out.dbias, np.zeros((3, 8), np.float32))
+    np.testing.assert_array_equal(out.amax, np.zeros((3,), np.float32))
