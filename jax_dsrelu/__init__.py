@@ -9,6 +9,8 @@ Public API:
     quantize_mx, dequantize_mx           MXFP8 block scaling of operands (OCP MX v1.0)
 """
 
+# First, so that an unsupported JAX is refused with its own message before anything else fails.
+from jax_dsrelu import jax_internals  # noqa: F401
 from jax_dsrelu.api import DsreluOutputs, grouped_gemm_dsrelu
 from jax_dsrelu.checks import check_group_sizes
 from jax_dsrelu.backend_choice import BackendStatus, backends, describe_backends

@@ -26,7 +26,7 @@ def grouped_gemm_dsrelu(
     weight: jax.Array,  # (E, n, k) W2 as stored for the forward, contracted on k
     preact: jax.Array,  # (m, n) h, the saved forward pre-activation
     prob: jax.Array,  # (m,) routing probability
-    group_sizes: jax.Array,  # (E,) int32 rows per expert, in row order
+    group_sizes: jax.typing.ArrayLike,  # (E,) integer rows per expert, in row order
     *,
     alpha: jax.Array | None = None,  # (E,) per-expert scale of the GEMM result
     grad_scale: jax.Array | None = None,  # (m, k/32) float8_e8m0fnu, MXFP8 operands only
@@ -60,7 +60,7 @@ def grouped_gemm_dsrelu(
     change the last bits of dprob and dbias. backend is "auto", "xla", "sm90" or "sm100";
     see `jax_dsrelu.backends()` for what runs here.
     """
-    validation.check_grouped_gemm_dsrelu(
+    group_sizes = validation.check_grouped_gemm_dsrelu(
         grad, weight, preact, prob, group_sizes, alpha, grad_scale, weight_scale
     )
     for name, flag in (

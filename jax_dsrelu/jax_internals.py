@@ -1,17 +1,44 @@
-"""The JAX internals the library relies on, in one place (tested for jax 0.10 and 0.11).
+"""The JAX internals the library relies on, in one place, for the JAX versions it knows.
 
 JAX offers no public way yet for a custom primitive to say how its results vary over
-shard_map's manual axes, nor to ask for the device assignment while lowering.
+shard_map's manual axes, nor to ask for the device assignment while lowering. What is
+used here was checked on every JAX release from `OLDEST_KNOWN_JAX` to `NEWEST_KNOWN_JAX`;
+importing the library with any other refuses at once, rather than failing later inside
+a trace with an AttributeError from `jax._src`.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 import jax
-from jax._src import core as jax_core
-from jax._src import dispatch as jax_dispatch
 from jax.sharding import NamedSharding, PartitionSpec
+
+# (major, minor) releases whose internals this module was checked against, both ends
+# included; pyproject's `jax` requirement states the same range.
+OLDEST_KNOWN_JAX = (0, 10)
+NEWEST_KNOWN_JAX = (0, 12)
+
+
+def check_jax_version(version: str) -> None:
+    """Raises ImportError unless `version` (e.g. "0.12.0.1") is a JAX release known here."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    known = "jax {}.{} through {}.{}".format(*OLDEST_KNOWN_JAX, *NEWEST_KNOWN_JAX)
+    if match is None or not OLDEST_KNOWN_JAX <= (int(match[1]), int(match[2])) <= NEWEST_KNOWN_JAX:
+        raise ImportError(
+            f"jax_dsrelu relies on JAX internals that it knows for {known}, but jax=={version} "
+            f"is installed. Install a supported JAX: pip install 'jax>={OLDEST_KNOWN_JAX[0]}."
+            f"{OLDEST_KNOWN_JAX[1]},<{NEWEST_KNOWN_JAX[0]}.{NEWEST_KNOWN_JAX[1] + 1}' "
+            f"(or a jax-dsrelu release that supports jax {version})."
+        )
+
+
+# Before anything from jax._src is imported: on an unknown JAX that import may itself fail.
+check_jax_version(jax.__version__)
+
+from jax._src import core as jax_core  # noqa: E402
+from jax._src import dispatch as jax_dispatch  # noqa: E402
 
 
 def require_devices_while_lowering(primitive: Any) -> None:

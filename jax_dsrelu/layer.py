@@ -39,7 +39,7 @@ def moe_mlp(
     With deterministic=True every gradient is bitwise reproducible from run to run.
     Rows past sum(group_sizes) belong to no expert: their output and gradients are 0.
     """
-    validation.check_moe_mlp(x, w1, w2, prob, group_sizes, b1)
+    group_sizes = validation.check_moe_mlp(x, w1, w2, prob, group_sizes, b1)
     validation.require_bool("deterministic", deterministic)
     backend = validation.backend_name(backend)
     x, w1, w2, prob, b1 = jax_internals.vary_alike([x, w1, w2, prob, b1])

@@ -38,7 +38,7 @@ def ragged_dot(
     """
     if isinstance(group_sizes, (list, tuple, np.ndarray)):
         group_sizes = jnp.asarray(group_sizes)
-    validation.check_ragged_dot(lhs, rhs, group_sizes)
+    group_sizes = validation.check_ragged_dot(lhs, rhs, group_sizes)
     out_dtype = (
         np.dtype(lhs.dtype)
         if preferred_element_type is None

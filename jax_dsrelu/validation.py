@@ -54,6 +54,26 @@ def require_dim(name: str, array: Any, axis: int, expected: int, meaning: str) -
         )
 
 
+def group_sizes_array(group_sizes: Any) -> Any:
+    """group_sizes as a JAX array, so that lists and NumPy arrays work as in lax.ragged_dot."""
+    try:
+        return jnp.asarray(group_sizes)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"group_sizes must be an array-like of E integers, got {group_sizes!r} "
+            f"({type(group_sizes).__name__})"
+        ) from error
+
+
+def require_experts(name: str, array: Any) -> None:
+    """An expert axis of extent 0 has no rows to own and no weights to multiply by."""
+    if array.shape[0] == 0:
+        raise ValueError(
+            f"{name}.shape[0] is the number of experts E and must be at least 1, "
+            f"got {name}.shape={tuple(array.shape)}"
+        )
+
+
 def out_dtype(value: Any, name: str = "out_dtype") -> np.dtype:
     try:
         dtype = np.dtype(value)
@@ -66,12 +86,15 @@ def out_dtype(value: Any, name: str = "out_dtype") -> np.dtype:
 
 def check_grouped_gemm_dsrelu(
     grad, weight, preact, prob, group_sizes, alpha, grad_scale=None, weight_scale=None
-) -> None:
+) -> Any:
+    """Raises on a bad call; returns group_sizes as a JAX array."""
+    group_sizes = group_sizes_array(group_sizes)
     require_rank("grad", grad, 2, "(m, k)")
     require_rank("weight", weight, 3, "(E, n, k)")
     require_rank("preact", preact, 2, "(m, n)")
     require_rank("prob", prob, 1, "(m,)")
     require_rank("group_sizes", group_sizes, 1, "(E,)")
+    require_experts("weight", weight)
     num_rows, k = grad.shape
     num_experts, n, _ = weight.shape
     require_dim("weight", weight, 2, k, "grad.shape[1] (k)")
@@ -102,6 +125,7 @@ def check_grouped_gemm_dsrelu(
         require_rank("alpha", alpha, 1, "(E,)")
         require_dim("alpha", alpha, 0, num_experts, "weight.shape[0] (E)")
         require_dtype("alpha", alpha, FLOAT_DTYPES)
+    return group_sizes
 
 
 def check_block_scales(grad, weight, grad_scale, weight_scale) -> None:
@@ -133,12 +157,15 @@ def check_block_scales(grad, weight, grad_scale, weight_scale) -> None:
     require_dtype("weight_scale", weight_scale, (mx.SCALE_DTYPE,))
 
 
-def check_moe_mlp(x, w1, w2, prob, group_sizes, b1) -> None:
+def check_moe_mlp(x, w1, w2, prob, group_sizes, b1) -> Any:
+    """Raises on a bad call; returns group_sizes as a JAX array."""
+    group_sizes = group_sizes_array(group_sizes)
     require_rank("x", x, 2, "(m, d)")
     require_rank("w1", w1, 3, "(E, d, f)")
     require_rank("w2", w2, 3, "(E, f, d)")
     require_rank("prob", prob, 1, "(m,)")
     require_rank("group_sizes", group_sizes, 1, "(E,)")
+    require_experts("w1", w1)
     num_rows, d = x.shape
     num_experts, _, f = w1.shape
     require_dim("w1", w1, 1, d, "x.shape[1] (d)")
@@ -161,14 +188,16 @@ def check_moe_mlp(x, w1, w2, prob, group_sizes, b1) -> None:
         require_dim("b1", b1, 0, num_experts, "w1.shape[0] (E)")
         require_dim("b1", b1, 1, f, "w1.shape[2] (f)")
         require_dtype("b1", b1, FLOAT_DTYPES)
+    return group_sizes
 
 
-def check_ragged_dot(lhs, rhs, group_sizes) -> None:
+def check_ragged_dot(lhs, rhs, group_sizes) -> Any:
+    """Raises on a bad call; returns group_sizes as a JAX array."""
+    group_sizes = group_sizes_array(group_sizes)
     require_rank("lhs", lhs, 2, "(m, k)")
     require_rank("rhs", rhs, 3, "(E, k, n)")
     require_rank("group_sizes", group_sizes, 1, "(E,)")
-    if rhs.shape[0] == 0:
-        raise ValueError(f"rhs.shape[0] (E) must be at least 1, got rhs.shape={tuple(rhs.shape)}")
+    require_experts("rhs", rhs)
     require_dim("rhs", rhs, 1, lhs.shape[1], "lhs.shape[1] (k)")
     require_dim("group_sizes", group_sizes, 0, rhs.shape[0], "rhs.shape[0] (E)")
     require_dtype("lhs", lhs, OPERAND_DTYPES)
@@ -178,6 +207,7 @@ def check_ragged_dot(lhs, rhs, group_sizes) -> None:
             f"got rhs.dtype={np.dtype(rhs.dtype).name}"
         )
     require_integer("group_sizes", group_sizes)
+    return group_sizes
 
 
 def backend_name(value: Any) -> str:

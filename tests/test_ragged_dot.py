@@ -149,7 +149,7 @@ BAD_CALLS = [
     (lambda a: a | {"lhs": a["lhs"][None]}, ValueError, "lhs must be (m, k), got lhs.shape=(1, 16, 8)"),
     (lambda a: a | {"rhs": a["rhs"][0]}, ValueError, "rhs must be (E, k, n), got rhs.shape=(8, 12)"),
     (lambda a: a | {"rhs": a["rhs"][:, :7]}, ValueError, "rhs.shape[1] must equal lhs.shape[1] (k)=8, got rhs.shape=(3, 7, 12)"),
-    (lambda a: a | {"rhs": a["rhs"][:0]}, ValueError, "rhs.shape[0] (E) must be at least 1, got rhs.shape=(0, 8, 12)"),
+    (lambda a: a | {"rhs": a["rhs"][:0]}, ValueError, "rhs.shape[0] is the number of experts E and must be at least 1, got rhs.shape=(0, 8, 12)"),
     (lambda a: a | {"group_sizes": a["group_sizes"][:2]}, ValueError, "group_sizes.shape[0] must equal rhs.shape[0] (E)=3, got group_sizes.shape=(2,)"),
     (lambda a: a | {"group_sizes": a["group_sizes"][None]}, ValueError, "group_sizes must be (E,), got group_sizes.shape=(1, 3)"),
     (lambda a: a | {"group_sizes": a["group_sizes"].astype(jnp.float32)}, TypeError, "group_sizes.dtype must be an integer type"),

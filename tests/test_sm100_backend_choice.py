@@ -1,5 +1,8 @@
 """What the sm100 backend refuses, and that it says who can serve instead. No CuTe DSL is
-imported here: every refusal happens before the kernel would be built."""
+imported here: every refusal happens before the kernel would be built.
+
+The backend reports missing software before anything else, so the refusals of shapes,
+dtypes and GPUs are seen only where the sm100 extra is installed."""
 
 from __future__ import annotations
 
@@ -32,12 +35,18 @@ def lower_sm100(args, **options):
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
 
 
+needs_sm100_software = pytest.mark.skipif(
+    backend_choice.kernel_backend("sm100").software_missing() is not None,
+    reason=f"{backend_choice.kernel_backend('sm100').software_missing()}: the refusal for missing software comes first",
+)
+
 REFUSED = [
     (dict(n=96), "n=96 must be a multiple of 64"),
     (dict(e=1025, m=64, n=64, k=32), "the kernel takes 1 to 1024 experts, got E=1025"),
 ]
 
 
+@needs_sm100_software
 @pytest.mark.parametrize("shape, words", REFUSED)
 def test_shapes_outside_the_kernel_are_refused_at_trace_time(shape, words):
     with pytest.raises(NotImplementedError, match=re.escape(words) + r".*Backends that can: .*'xla'"):
@@ -46,6 +55,7 @@ def test_shapes_outside_the_kernel_are_refused_at_trace_time(shape, words):
         )).trace(*mx_args(**shape))
 
 
+@needs_sm100_software
 def test_bf16_operands_are_refused_with_the_backends_that_can():
     s = jax.ShapeDtypeStruct
     args = (s((64, 64), jnp.bfloat16), s((2, 128, 64), jnp.bfloat16), s((64, 128), jnp.bfloat16),
@@ -54,6 +64,7 @@ def test_bf16_operands_are_refused_with_the_backends_that_can():
         jax.jit(lambda *a: jax_dsrelu.grouped_gemm_dsrelu(*a, backend="sm100")).trace(*args)
 
 
+@needs_sm100_software
 def test_a_visible_gpu_older_than_sm100_is_refused(monkeypatch):
     monkeypatch.setattr(backend_choice, "cuda_compute_capability", lambda: (9, 0))
     with pytest.raises(NotImplementedError, match=r"compute capability 9\.0.*Backends that can: .*'xla'"):

@@ -29,6 +29,11 @@ import numpy as np
 import pytest
 from test_sm100_compile import child_env
 
+from jax_dsrelu.kernels import software
+
+_MISSING = software.missing("cutlass", "gpu")
+pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"{_MISSING}: the pass is CuTe DSL code")
+
 CASES = {
     # name: (caller rows m, n, group sizes, with dbias)
     "ragged_with_dbias": (3000, 1024, [700, 0, 1, 256, 900, 300, 0, 500], True),

@@ -16,9 +16,10 @@ instead:
   the cached object as an attribute: one custom call in the HLO.
 
 The pieces used from `cutlass.jax` (`compile.jit_wrapper`, `compile.FunctionSpec`,
-`compile.Arg`, the export prefix and the FFI target registration) are internals of
-nvidia-cutlass-dsl, pinned at exactly 4.8.1 by this package's `gpu` extra; a new version
-must be checked against them.
+`compile.Arg`, `compile._compile_lock`, the export prefix and the FFI target registration)
+are internals of nvidia-cutlass-dsl, checked at `KNOWN_CUTLASS_DSL_VERSION` only, the
+version this package's `gpu` and `sm100` extras pin. Importing this module with any other
+version refuses at once: a new version must be checked against them first.
 """
 
 from __future__ import annotations
@@ -40,6 +41,25 @@ from cutlass.cutlass_dsl.cutlass import CuTeDSL
 from cutlass.jax import TensorSpec
 from cutlass.jax import compile as cutlass_jax_compile
 from cutlass.jax import ffi as cutlass_jax_ffi
+
+# The nvidia-cutlass-dsl release whose cutlass.jax internals this module was read against;
+# pyproject's extras pin the same.
+KNOWN_CUTLASS_DSL_VERSION = "4.8.1"
+
+
+def check_cutlass_dsl_version(version: str) -> None:
+    """Raises ImportError unless `version` is the CuTe DSL release this bridge knows."""
+    if version != KNOWN_CUTLASS_DSL_VERSION:
+        raise ImportError(
+            f"jax_dsrelu's kernel bridge relies on internals of cutlass.jax that it knows for "
+            f"nvidia-cutlass-dsl {KNOWN_CUTLASS_DSL_VERSION} only, but {version} is installed. "
+            f"Install that version: pip install 'nvidia-cutlass-dsl[cu13]=="
+            f"{KNOWN_CUTLASS_DSL_VERSION}' (what jax-dsrelu's gpu extra pins), or use "
+            f"backend='xla'."
+        )
+
+
+check_cutlass_dsl_version(cutlass.__version__)
 
 
 @dataclasses.dataclass(frozen=True)
