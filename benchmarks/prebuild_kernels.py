@@ -65,14 +65,9 @@ def requests():
     yield request_for(128, 256, 2), False  # NaN/Inf propagation
 
 
-def lower_library_users():
-    """Lowers for cuda every computation of the GPU runs that goes through the library."""
-    bench_dsrelu.prebuild(bench_dsrelu.SHAPES)
-    bench_gemms.prebuild(bench_gemms.SHAPES, bench_gemms.GEMMS, ("sm90", "sm90_det"), np.dtype(jnp.bfloat16))
-    bench_layer.prebuild(bench_layer.SHAPES, ("sm90", "sm90_det"), bench_layer.MODES)
-    process_digests.prebuild(("sm90", "xla"))
+def lower_tests_and_examples():
+    """Lowers for cuda the GPU tests' moe_mlp case and the examples' training step."""
     for deterministic in (False, True):
-        # tests/test_sm90.py's moe_mlp test: d 256, f 512, 5 experts, bf16 with b1, backend "auto".
         rows, d, f, num_experts = 4192, 256, 512, 5
         described = bench_layer.operand_shapes(rows, d, f, num_experts)
         cuda_lowering.lower_for_cuda(
@@ -109,39 +104,80 @@ def example_shapes():
     return params(jnp.bfloat16), params(jnp.float32), jax.ShapeDtypeStruct((TOKENS, D_MODEL), jnp.float32)
 
 
-def gemm_test_kernels():
-    """The kernels tests/test_sm90_gemms.py runs directly (outputs in place)."""
-    import test_sm90_gemms
-    from jax_dsrelu.ffi import sm90_gemm
-
-    for request, in_place in test_sm90_gemms.prebuild_requests():
-        sm90_gemm.compile_kernel(request, outputs_in_place=in_place)
-
-
-def layer_test_kernels():
-    """The moe_mlp steps tests/test_moe_mlp_sm90.py runs, lowered for cuda."""
-    import test_moe_mlp_sm90
-
-    for dtype in (jnp.bfloat16, jnp.float16):
-        for deterministic in (False, True):
-            for with_b1 in (False, True):
-                test_moe_mlp_sm90.lowered_text(dtype, deterministic, with_b1)
+def job_names() -> list[str]:
+    """Independent pieces of work, each small enough to be one process's job: a kernel by
+    request, or the lowering of one script's functions at one shape."""
+    names = [f"dsrelu test {i}" for i in range(len(_dsrelu_requests()))]
+    names += [f"gemm test {i}" for i in range(len(_gemm_requests()))]
+    names += [f"layer test {i}" for i in range(len(LAYER_TEST_CASES))]
+    names += [f"sweep {i}" for i in range(len(SHAPES))]
+    names += [f"bench_dsrelu {i}" for i in range(len(bench_dsrelu.SHAPES))]
+    names += [f"bench_gemms {i}" for i in range(len(bench_gemms.SHAPES))]
+    names += [f"bench_layer {i}" for i in range(len(bench_layer.SHAPES))]
+    names += ["process_digests", "tests moe_mlp and examples"]
+    return names
 
 
-def dsrelu_test_kernels():
-    seen = set()
+LAYER_TEST_CASES = [
+    (dtype, deterministic, with_b1)
+    for dtype in ("bfloat16", "float16")
+    for deterministic in (False, True)
+    for with_b1 in (False, True)
+]
+
+
+def _dsrelu_requests():
+    """The distinct (request, config, in place) of tests/test_sm90.py's direct calls."""
+    seen = {}
     for request, in_place in requests():
         config = sm90_config.choose_config(request, sm90_config.DEFAULT_SM_COUNT)
-        key = (lowering.kernel_request(request), config, in_place)
-        if key not in seen:
-            seen.add(key)
-            lowering.compile_kernel(request, config, outputs_in_place=in_place)
+        seen.setdefault((lowering.kernel_request(request), config, in_place), (request, config, in_place))
+    return list(seen.values())
 
 
-def sweep_kernels():
-    for _, k, n, num_experts in SHAPES:
+def _gemm_requests():
+    import test_sm90_gemms
+
+    return test_sm90_gemms.prebuild_requests()
+
+
+def run_job(name: str) -> str:
+    kind, _, index = name.rpartition(" ")
+    if not index.isdigit():
+        kind, index = name, "0"
+    index = int(index)
+    if kind == "dsrelu test":
+        request, config, in_place = _dsrelu_requests()[index]
+        lowering.compile_kernel(request, config, outputs_in_place=in_place)
+    elif kind == "gemm test":
+        from jax_dsrelu.ffi import sm90_gemm
+
+        request, in_place = _gemm_requests()[index]
+        sm90_gemm.compile_kernel(request, outputs_in_place=in_place)
+    elif kind == "layer test":
+        import test_moe_mlp_sm90
+
+        dtype, deterministic, with_b1 = LAYER_TEST_CASES[index]
+        test_moe_mlp_sm90.lowered_text(getattr(jnp, dtype), deterministic, with_b1)
+    elif kind == "sweep":
+        _, k, n, num_experts = SHAPES[index]
         for config in sweep_configs.candidates(sm90_config.DEFAULT_SM_COUNT).values():
             lowering.compile_kernel(sweep_configs.request_for(k, n, num_experts), config)
+    elif kind == "bench_dsrelu":
+        bench_dsrelu.prebuild(bench_dsrelu.SHAPES[index:index + 1])
+    elif kind == "bench_gemms":
+        bench_gemms.prebuild(
+            bench_gemms.SHAPES[index:index + 1], bench_gemms.GEMMS, ("sm90", "sm90_det"), np.dtype(jnp.bfloat16)
+        )
+    elif kind == "bench_layer":
+        bench_layer.prebuild(bench_layer.SHAPES[index:index + 1], ("sm90", "sm90_det"), bench_layer.MODES)
+    elif kind == "process_digests":
+        process_digests.prebuild(("sm90", "xla"))
+    elif kind == "tests moe_mlp and examples":
+        lower_tests_and_examples()
+    else:
+        raise ValueError(f"unknown job {name!r}")
+    return name
 
 
 def write_cubins(folder):
@@ -172,21 +208,6 @@ def write_cubins(folder):
         write(f"gemm_{name}_d{d}_f{f}_e{num_experts}.cubin", sm90_gemm.compile_kernel(request, keep=True))
 
 
-# Independent groups of kernels; with --jobs they are built in parallel processes.
-JOBS = {
-    "dsrelu tests": dsrelu_test_kernels,
-    "sweep": sweep_kernels,
-    "gemm tests": gemm_test_kernels,
-    "layer tests": layer_test_kernels,
-    "library users": lower_library_users,
-}
-
-
-def run_job(name):
-    JOBS[name]()
-    return name
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cubins", default=None, help="also write the benchmark kernels' cubins here")
@@ -194,6 +215,7 @@ def main():
     options = parser.parse_args()
     if not os.environ.get(cutlass_bridge.CACHE_DIR_VARIABLE):
         raise SystemExit(f"set {cutlass_bridge.CACHE_DIR_VARIABLE} to the cache directory")
+    names = job_names()
     if options.jobs > 1:
         # Workers only lower and compile: keep their JAX off any GPU.
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -201,10 +223,10 @@ def main():
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(options.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for name in pool.map(run_job, JOBS):
+            for name in pool.map(run_job, names):
                 print("built", name, flush=True)
     else:
-        for name in JOBS:
+        for name in names:
             run_job(name)
             print("built", name, flush=True)
     if options.cubins:
