@@ -4,6 +4,8 @@
 #   bash benchmarks/device_run.sh STAGES COMMIT
 #
 # STAGES is a comma-separated list of:
+#   prebuild  benchmarks/prebuild_kernels.py --jobs 14 on the machine's CPUs, for whatever
+#             the carried cache lacks (kernels and cubins into .kernels/)
 #   smoke     one small case with a hard time limit (a hang stops everything here)
 #   tests     the whole GPU tier: python -m pytest -m gpu tests/
 #   examples  examples/train_moe.py and expert_parallel.py in bfloat16 on the GPU, each run
@@ -31,6 +33,13 @@ export JAX_DSRELU_KERNEL_CACHE="$PWD/.kernels/cache"
 export PYTHONUNBUFFERED=1
 log="$OUT/run.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee -a "$log"
+
+if [[ $stages == *,prebuild,* ]]; then
+  start=$(date +%s)
+  timeout 300 python3 benchmarks/prebuild_kernels.py --jobs 14 --cubins .kernels/cubin 2>&1 \
+    | grep -v -e DSLOptimizationWarning -e "for v in" | tail -5 | tee -a "$log"
+  echo "prebuild exit $? in $(( $(date +%s) - start ))s" | tee -a "$log"
+fi
 
 if [[ $stages == *,smoke,* ]]; then
   timeout 180 python3 -m pytest -x -q -p no:cacheprovider tests/test_sm90.py -m gpu \
@@ -114,5 +123,13 @@ if [[ $stages == *,sanitize,* ]]; then
       -p no:cacheprovider -m gpu tests/test_sm90.py \
       -k "test_matches_float64_contract and (${check#*|})" 2>&1 | tail -20 | tee -a "$log"
     echo "$tool exit $?" | tee -a "$log"
+  done
+  # The grouped-GEMM family at its boundary cases: negative sizes, sums past m, one-row
+  # experts, an expert of exactly one tile, all experts empty.
+  for tool in memcheck racecheck; do
+    timeout 200 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -rs \
+      -p no:cacheprovider -m gpu tests/test_sm90_gemms.py \
+      -k "bfloat16 and (negative or past_m or one_row or exact_tile or all_empty)" 2>&1 | tail -20 | tee -a "$log"
+    echo "$tool gemms exit $?" | tee -a "$log"
   done
 fi

@@ -61,6 +61,7 @@ GROUPINGS = {
     "negative": (SMALL, 2500, [-5, 1000, -1, 1300, 7, 0, 0, 0]),
     "all_empty": (SMALL, 700, [0] * 8),
     "one_row": (SMALL, 1, [1, 0, 0, 0, 0, 0, 0, 0]),
+    "exact_tile": (SMALL, 700, [128, 0, 256, 1, 127, 128, 0, 60]),
     "no_rows": (SMALL, 0, [0] * 8),
     "tile_n_256": ((8, 1024, 2048), 16384, [3000, 0, 2500, 128, 4000, 1, 3755, 3000]),
     "rows_64k": ((32, 256, 512), 65536, None),  # Dirichlet-sized experts
