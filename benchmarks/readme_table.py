@@ -49,7 +49,22 @@ LAYER_VARIANTS = [
     ("dense_xla", "XLA dense MLP, same FLOPs"),
 ]
 # Kernel names in the breakdown: enough to tell the kernels apart.
+# CuTe DSL kernel names carry the class name deep inside a long mangled string.
+KERNEL_CLASSES = {
+    "RaggedGemmSm90": "sm90 ragged GEMM",
+    "RaggedContractSm90": "sm90 ragged contraction",
+    "GroupedGemmDsreluSm90": "sm90 fused dsReLU",
+    "SlotReduction": "slot reduction",
+}
 KERNEL_NAME_CHARS = 48
+
+
+def kernel_label(name: str) -> str:
+    """A kernel's name as a reader knows it: our kernels by class, others by XLA's name."""
+    for cls, label in KERNEL_CLASSES.items():
+        if cls in name:
+            return label
+    return name[:KERNEL_NAME_CHARS]
 GIB = 2**30
 
 
@@ -189,7 +204,7 @@ def render_layer(results: dict) -> str:
         for row in results["shapes"]:
             entry = row["modes"]["step"]["variants"].get("sm90", {})
             if entry.get("kernel_summary"):
-                parts = [f"`{name[:KERNEL_NAME_CHARS]}` {ms:.3f} ms" for name, ms in entry["kernel_summary"][:5]]
+                parts = [f"`{kernel_label(name)}` {ms:.3f} ms" for name, ms in entry["kernel_summary"][:5]]
                 breakdown.append(f"- {shape_text(row['shape'], 'mdfE')} ({entry['ms']:.3f} ms): " + ", ".join(parts))
         if breakdown:
             lines += ["", "Where the sm90 step's time goes (CUPTI, per kernel name, largest first):", "", *breakdown]
