@@ -81,6 +81,17 @@ def lower_tests_and_examples():
         )
 
 
+def lower_determinism_tests():
+    """Lowers for cuda what tests/test_determinism_gpu.py runs."""
+    import test_determinism_gpu as t
+
+    described = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in t.ragged_dot_inputs(0)]
+    t.ragged_dot_value_and_grads("sm90").trace(*described).lower(lowering_platforms=("cuda",))
+    described = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in t.layer_inputs(0)]
+    for deterministic in (False, True):
+        t.layer_grads(deterministic).trace(*described).lower(lowering_platforms=("cuda",))
+
+
 def example_gradients(deterministic):
     """The gradients of examples/train_moe.py's training step (its loss against the
     float32 teacher). expert_parallel.py on one GPU runs moe_mlp at these same static
@@ -114,7 +125,7 @@ def job_names() -> list[str]:
     names += [f"bench_dsrelu {i}" for i in range(len(bench_dsrelu.SHAPES))]
     names += [f"bench_gemms {i}" for i in range(len(bench_gemms.SHAPES))]
     names += [f"bench_layer {i}" for i in range(len(bench_layer.SHAPES))]
-    names += ["process_digests", "tests moe_mlp and examples"]
+    names += ["process_digests", "tests moe_mlp and examples", "determinism tests"]
     return names
 
 
@@ -175,6 +186,8 @@ def run_job(name: str) -> str:
         process_digests.prebuild(("sm90", "xla"))
     elif kind == "tests moe_mlp and examples":
         lower_tests_and_examples()
+    elif kind == "determinism tests":
+        lower_determinism_tests()
     else:
         raise ValueError(f"unknown job {name!r}")
     return name
