@@ -180,7 +180,7 @@ def test_gradients_lower_to_no_scatter():
     ):
         hlo = jax.jit(jax.grad(fn, argnums=tuple(range(len(args))))).lower(*args).as_text()
         assert "scatter" not in hlo, name
-        # The naive form of the same gradient does scatter, so the check can fail.
+    # The naive form of the same gradient does scatter, so the check can fail.
     naive = jax.jit(jax.grad(lambda x: jnp.sum(x[plan.order // 2] ** 2))).lower(x).as_text()
     assert "scatter" in naive
 
