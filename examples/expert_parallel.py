@@ -2,11 +2,12 @@
 
 The mesh has a "data" axis and an "expert" axis. Tokens are split over both; the experts'
 weights are split over "expert" (each device holds E / n_expert of them) and repeated over
-"data". Inside `jax.shard_map` each device routes its tokens (top-k), sends every
-(token, expert) assignment to the device owning that expert with `all_to_all`, sorts what
-it receives by local expert, runs `jax_dsrelu.moe_mlp` on its own experts, and sends the
-results back to be combined by routing weight. Gradients flow back through the same
-all-to-alls; JAX sums the replicated weights' gradients over "data".
+"data". `jax_dsrelu.moe_layer_expert_parallel` does the rest inside `jax.shard_map`: each
+device routes its tokens (top-k), sends every (token, expert) assignment to the device
+owning that expert with `all_to_all`, sorts what it receives by local expert, runs
+`jax_dsrelu.moe_mlp` on its own experts, and sends the results back to be combined by
+routing weight. Gradients flow back through the same all-to-alls; JAX sums the
+replicated weights' gradients over "data".
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/expert_parallel.py
     python examples/expert_parallel.py --deterministic     # on however many GPUs there are
@@ -21,7 +22,6 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from train_moe import train, training_arguments
@@ -44,73 +44,20 @@ def make_mesh(num_experts: int) -> jax.sharding.Mesh:
     )
 
 
-def _dispatch_plan(destination: jax.Array, num_destinations: int, capacity: int):
-    """How assignments travel: (source, used, return_slot).
-
-    Assignments are sorted stably by destination, so each destination's slots hold its
-    assignments in their original order and slots past its count are padding.
-    source (destinations, capacity): which assignment each send slot carries.
-    used (destinations, capacity): whether the slot carries one.
-    return_slot (assignments,): the flat send slot each assignment went to, where its
-    result comes back (gathers only: no scatter, so the backward is deterministic too).
-    """
-    order = jnp.argsort(destination, stable=True)
-    counts = jnp.sum(destination[:, None] == jnp.arange(num_destinations), axis=0)
-    starts = jnp.cumsum(counts) - counts
-    slot = jnp.arange(capacity)
-    used = slot[None, :] < counts[:, None]
-    source = order[jnp.minimum(starts[:, None] + slot[None, :], destination.shape[0] - 1)]
-    rank = jnp.argsort(order)  # each assignment's position in the sorted order
-    return_slot = destination * capacity + rank - starts[destination]
-    return source, used, return_slot
-
-
 def expert_parallel_layer(params, x, *, mesh, top_k: int, deterministic: bool):
     """The MoE layer of train_moe.moe_layer, with experts sharded over mesh axis "expert"."""
-
-    @functools.partial(
-        jax.shard_map,
+    return jax_dsrelu.moe_layer_expert_parallel(
+        x,
+        params["router"],
+        params["w1"],
+        params["w2"],
+        b1=params["b1"],
         mesh=mesh,
-        in_specs=(P(), EXPERTS, EXPERTS, EXPERTS, TOKENS),
-        out_specs=TOKENS,
+        expert_axis="expert",
+        data_axis="data",
+        top_k=top_k,
+        deterministic=deterministic,
     )
-    def layer(router, w1, w2, b1, x):
-        local_tokens, d_model = x.shape
-        local_experts = w1.shape[0]
-        num_shards = jax.lax.axis_size("expert")
-        probs = jax.nn.softmax(x.astype(jnp.float32) @ router, axis=-1)
-        top_prob, top_expert = jax.lax.top_k(probs, top_k)
-
-        # Send: one slot per (destination device, assignment); every assignment fits, so
-        # nothing is dropped (a production layer would bound this with a capacity factor).
-        flat_expert = top_expert.reshape(-1)
-        capacity = flat_expert.shape[0]
-        source, used, return_slot = _dispatch_plan(flat_expert // local_experts, num_shards, capacity)
-        rows = jnp.repeat(x, top_k, axis=0)[source]  # (shards, capacity, d)
-        local_expert = jnp.where(used, flat_expert[source] % local_experts, local_experts)
-        row_prob = jnp.where(used, top_prob.reshape(-1)[source], 0.0)
-        received = [
-            jax.lax.all_to_all(a, "expert", split_axis=0, concat_axis=0, tiled=True)
-            for a in (rows, local_expert, row_prob)
-        ]
-        rows, local_expert, row_prob = (a.reshape(-1, *a.shape[2:]) for a in received)
-
-        # Group what arrived by local expert; padding (index local_experts) sorts last and
-        # belongs to no expert, so moe_mlp leaves it at 0.
-        order = jnp.argsort(local_expert, stable=True)
-        group_sizes = jnp.sum(local_expert[:, None] == jnp.arange(local_experts), axis=0, dtype=jnp.int32)
-        out = jax_dsrelu.moe_mlp(
-            rows[order].astype(w1.dtype), w1, w2, row_prob[order], group_sizes, b1=b1,
-            deterministic=deterministic,
-        )
-        out = out[jnp.argsort(order)].reshape(num_shards, capacity, d_model)
-
-        # Return each result to its token's device and slot, then combine the top-k.
-        out = jax.lax.all_to_all(out, "expert", split_axis=0, concat_axis=0, tiled=True)
-        per_assignment = out.reshape(num_shards * capacity, d_model)[return_slot]
-        return per_assignment.reshape(local_tokens, top_k, d_model).astype(jnp.float32).sum(axis=1)
-
-    return layer(params["router"], params["w1"], params["w2"], params["b1"], x)
 
 
 def shard_params(params, mesh):

@@ -1,9 +1,10 @@
-"""Train a small mixture-of-experts layer with jax-dsrelu's moe_mlp experts.
+"""Train a small mixture-of-experts layer, jax_dsrelu.moe_layer, on synthetic data.
 
 A student MoE (router, top-k dispatch, squared-ReLU experts, weighted combine) learns to
 imitate a randomly drawn teacher MoE on synthetic tokens, with optax's Adam under
 jax.jit. The experts' backward runs on `grouped_gemm_dsrelu` through `moe_mlp`'s
-custom VJP, on whichever backend `backend="auto"` picks here.
+custom VJP, on whichever backend `backend="auto"` picks here. For a whole language
+model built from the same layer, see train_lm.py.
 
     python examples/train_moe.py                    # a few hundred steps, loss printed
     python examples/train_moe.py --deterministic    # also prints a digest of the final
@@ -36,32 +37,21 @@ def init_moe(key, d_model, d_ff, num_experts, dtype):
 
 
 def moe_layer(params, x, top_k, deterministic):
-    """Route each token to its top_k experts, run them, combine by routing weight."""
-    num_tokens, d_model = x.shape
-    num_experts = params["router"].shape[1]
-    probs = jax.nn.softmax(x.astype(jnp.float32) @ params["router"], axis=-1)
-    top_prob, top_expert = jax.lax.top_k(probs, top_k)  # (T, k)
+    """Route each token to its top_k experts, run them, combine by routing weight.
 
-    # Sort the T*k (token, expert) assignments by expert, stably, so every expert owns a
-    # contiguous run of rows. Rows are gathered through a permutation: its transpose
-    # adds into each row exactly once, so the backward is deterministic too.
-    flat_expert = top_expert.reshape(-1)
-    order = jnp.argsort(flat_expert, stable=True)
-    rows = jnp.repeat(x, top_k, axis=0)[order]
-    row_prob = top_prob.reshape(-1)[order]
-    group_sizes = jnp.sum(flat_expert[:, None] == jnp.arange(num_experts), axis=0, dtype=jnp.int32)
-
-    out = jax_dsrelu.moe_mlp(
-        rows.astype(params["w1"].dtype),
+    jax_dsrelu.moe_layer does the sort by expert, the group sizes and the way back;
+    with deterministic=True its gradients, the router's included, are bitwise
+    reproducible.
+    """
+    return jax_dsrelu.moe_layer(
+        x,
+        params["router"],
         params["w1"],
         params["w2"],
-        row_prob,
-        group_sizes,
         b1=params["b1"],
+        top_k=top_k,
         deterministic=deterministic,
     )
-    unsorted = out[jnp.argsort(order)]  # back to (token, slot) order
-    return unsorted.reshape(num_tokens, top_k, d_model).astype(jnp.float32).sum(axis=1)
 
 
 def digest(tree) -> str:

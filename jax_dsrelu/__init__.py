@@ -4,6 +4,9 @@ Public API:
     grouped_gemm_dsrelu, DsreluOutputs   the primitive (see its docstring for the contract)
     moe_mlp                              the differentiable expert MLP built on it
     ragged_dot                           a drop-in for jax.lax.ragged_dot on the grouped GEMMs
+    moe_layer, MoEAux                    a dropless top-k MoE layer: route, dispatch, moe_mlp, combine
+    moe_layer_expert_parallel            the same layer with experts split over a mesh axis
+    route, RoutingPlan, dispatch, combine  the layer's routing steps, for custom layers
     backends                             what each backend can do on this machine
     check_group_sizes                    opt-in runtime check, under checkify
     quantize_mx, dequantize_mx           MXFP8 block scaling of operands (OCP MX v1.0)
@@ -12,23 +15,33 @@ Public API:
 # First, so that an unsupported JAX is refused with its own message before anything else fails.
 from jax_dsrelu import jax_internals  # noqa: F401
 from jax_dsrelu.api import DsreluOutputs, grouped_gemm_dsrelu
-from jax_dsrelu.checks import check_group_sizes
 from jax_dsrelu.backend_choice import BackendStatus, backends, describe_backends
+from jax_dsrelu.checks import check_group_sizes
+from jax_dsrelu.expert_parallel import moe_layer_expert_parallel
 from jax_dsrelu.layer import moe_mlp
+from jax_dsrelu.moe_layer import MoEAux, moe_layer
 from jax_dsrelu.mx import dequantize_mx, quantize_mx
 from jax_dsrelu.ragged_dot import ragged_dot
+from jax_dsrelu.routing import RoutingPlan, combine, dispatch, route
 
 __all__ = [
     "BackendStatus",
     "DsreluOutputs",
+    "MoEAux",
+    "RoutingPlan",
     "backends",
-    "describe_backends",
     "check_group_sizes",
+    "combine",
     "dequantize_mx",
+    "describe_backends",
+    "dispatch",
     "grouped_gemm_dsrelu",
+    "moe_layer",
+    "moe_layer_expert_parallel",
     "moe_mlp",
     "quantize_mx",
     "ragged_dot",
+    "route",
 ]
 
 __version__ = "0.1.0"

@@ -214,3 +214,50 @@ def backend_name(value: Any) -> str:
     if value not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKEND_NAMES))}, got {value!r}")
     return value
+
+
+def check_logits(logits) -> None:
+    require_rank("logits", logits, 2, "(T, E)")
+    require_dtype("logits", logits, FLOAT_DTYPES)
+    if logits.shape[1] == 0:
+        raise ValueError(f"logits must have at least one expert (T, E >= 1), got logits.shape={tuple(logits.shape)}")
+
+
+def require_top_k(top_k: Any, num_experts: int) -> None:
+    if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, (int, np.integer)):
+        raise TypeError(f"top_k must be a Python int, got {top_k!r} ({type(top_k).__name__})")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be between 1 and the number of experts E={num_experts}, got top_k={top_k}")
+
+
+def check_token_rows(name: str, array, expected_rows: int, meaning: str) -> None:
+    require_rank(name, array, 2, "(rows, d)")
+    require_dim(name, array, 0, expected_rows, meaning)
+
+
+def check_moe_layer(x, router, w1, w2, b1) -> None:
+    """The shapes of `moe_layer`, named as its docstring names them."""
+    require_rank("x", x, 2, "(T, d)")
+    require_rank("router", router, 2, "(d, E)")
+    require_rank("w1", w1, 3, "(E, d, f)")
+    require_rank("w2", w2, 3, "(E, f, d)")
+    d = x.shape[1]
+    num_experts, _, f = w1.shape
+    require_dim("router", router, 0, d, "x.shape[1] (d)")
+    require_dim("router", router, 1, num_experts, "w1.shape[0] (E)")
+    require_dim("w1", w1, 1, d, "x.shape[1] (d)")
+    require_dim("w2", w2, 0, num_experts, "w1.shape[0] (E)")
+    require_dim("w2", w2, 1, f, "w1.shape[2] (f)")
+    require_dim("w2", w2, 2, d, "x.shape[1] (d)")
+    require_dtype("x", x, FLOAT_DTYPES)
+    require_dtype("router", router, FLOAT_DTYPES)
+    require_dtype("w1", w1, OPERAND_DTYPES)
+    if np.dtype(w2.dtype) != np.dtype(w1.dtype):
+        raise TypeError(
+            f"w2.dtype must equal w1.dtype={np.dtype(w1.dtype).name}, got w2.dtype={np.dtype(w2.dtype).name}"
+        )
+    if b1 is not None:
+        require_rank("b1", b1, 2, "(E, f)")
+        require_dim("b1", b1, 0, num_experts, "w1.shape[0] (E)")
+        require_dim("b1", b1, 1, f, "w1.shape[2] (f)")
+        require_dtype("b1", b1, FLOAT_DTYPES)

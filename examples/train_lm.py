@@ -1,0 +1,286 @@
+"""Train a small decoder-only transformer language model whose feed-forward layers are MoE.
+
+Character-level (one token per byte) on the Python standard library's own source files,
+which every Python installation has: the top-level `*.py` files of the directory holding
+`os.py`, in sorted order, every tenth file held out for evaluation. Each transformer
+block is causal self-attention followed by `jax_dsrelu.flax.MoE` (top-k routing,
+squared-ReLU experts whose backward runs on `grouped_gemm_dsrelu`), trained with optax's
+AdamW under `nnx.jit`, with the load-balancing and router z-losses added to the loss.
+
+    python examples/train_lm.py                       # the CPU defaults: a few minutes
+    python examples/train_lm.py --dtype bfloat16 --backend sm90 --d-model 512 --layers 4 \\
+        --experts 8 --d-ff 1024 --seq-len 256 --batch 64 --steps 2000    # a Hopper GPU
+
+It prints a progress bar, tokens per second, the training and held-out losses, a short
+sample of generated text, and draws the loss curves into a PNG (--plot; needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jax_dsrelu
+from jax_dsrelu.flax import MoE
+
+VOCAB = 256  # bytes
+
+
+def load_corpus() -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(training bytes, held-out bytes, file names) from the standard library's sources."""
+    library = os.path.dirname(os.__file__)
+    files = sorted(glob.glob(os.path.join(library, "*.py")))
+    if len(files) < 10:
+        raise SystemExit(f"expected the standard library's sources in {library}, found {len(files)} .py files")
+    train, held_out = [], []
+    for index, path in enumerate(files):
+        with open(path, "rb") as source:
+            (held_out if index % 10 == 9 else train).append(source.read())
+    as_array = lambda texts: np.frombuffer(b"\n".join(texts), dtype=np.uint8)  # noqa: E731
+    return as_array(train), as_array(held_out), files
+
+
+class CausalSelfAttention(nnx.Module):
+    def __init__(self, d_model: int, num_heads: int, dtype, rngs: nnx.Rngs):
+        self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, dtype=dtype, rngs=rngs)
+        self.out = nnx.Linear(d_model, d_model, use_bias=False, dtype=dtype, rngs=rngs)
+        self.num_heads = num_heads
+
+    def __call__(self, x):  # (B, S, d)
+        batch, length, d_model = x.shape
+        q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
+        shape = (batch, length, self.num_heads, d_model // self.num_heads)
+        # The XLA implementation on every platform: its gradients have no atomics, which
+        # --deterministic relies on.
+        y = jax.nn.dot_product_attention(
+            q.reshape(shape), k.reshape(shape), v.reshape(shape), is_causal=True, implementation="xla"
+        )
+        return self.out(y.reshape(batch, length, d_model))
+
+
+class Block(nnx.Module):
+    def __init__(self, args, rngs: nnx.Rngs):
+        dtype = jnp.dtype(args.dtype)
+        self.attention_norm = nnx.RMSNorm(args.d_model, rngs=rngs)
+        self.attention = CausalSelfAttention(args.d_model, args.heads, dtype, rngs)
+        self.moe_norm = nnx.RMSNorm(args.d_model, rngs=rngs)
+        self.moe = MoE(
+            args.d_model,
+            args.d_ff,
+            args.experts,
+            top_k=args.top_k,
+            deterministic=args.deterministic,
+            backend=args.backend,
+            dtype=dtype,
+            rngs=rngs,
+        )
+
+    def __call__(self, x):
+        x = x + self.attention(self.attention_norm(x)).astype(x.dtype)
+        y, aux = self.moe(self.moe_norm(x), return_aux=True)
+        return x + y, aux
+
+
+class LanguageModel(nnx.Module):
+    def __init__(self, args, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, args.d_model, rngs=rngs)
+        self.position = nnx.Param(0.02 * jax.random.normal(rngs.params(), (args.seq_len, args.d_model)))
+        self.blocks = nnx.List([Block(args, rngs) for _ in range(args.layers)])
+        self.norm = nnx.RMSNorm(args.d_model, rngs=rngs)
+
+    def __call__(self, tokens):  # (B, S) int32 -> logits (B, S, VOCAB) float32, aux losses
+        x = self.embed(tokens) + self.position[...][: tokens.shape[1]]
+        load_balancing, z_loss = 0.0, 0.0
+        for block in self.blocks:
+            x, aux = block(x)
+            load_balancing += aux.load_balancing_loss
+            z_loss += aux.router_z_loss
+        # The output projection is the embedding, transposed.
+        return self.embed.attend(self.norm(x)).astype(jnp.float32), (load_balancing, z_loss)
+
+
+def loss_fn(model, tokens, targets, args):
+    """(total loss, cross-entropy in nats per byte)."""
+    logits, (load_balancing, z_loss) = model(tokens)
+    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return cross_entropy + args.aux_weight * load_balancing + args.z_weight * z_loss, cross_entropy
+
+
+def batches(data: np.ndarray, rng: np.random.Generator, batch: int, length: int):
+    """(tokens, next tokens), each (batch, length) int32, at random offsets."""
+    starts = rng.integers(0, len(data) - length - 1, size=batch)
+    window = np.stack([data[s : s + length + 1] for s in starts]).astype(np.int32)
+    return jnp.asarray(window[:, :-1]), jnp.asarray(window[:, 1:])
+
+
+class ProgressBar:
+    """One line redrawn in place on a terminal; a line every 10% of the steps otherwise."""
+
+    def __init__(self, total: int, width: int = 30):
+        self.total, self.width = total, width
+        self.interactive = sys.stderr.isatty()
+
+    def update(self, step: int, text: str) -> None:
+        done = step + 1
+        filled = self.width * done // self.total
+        line = f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.total} {text}"
+        if self.interactive:
+            sys.stderr.write("\r" + line + ("\n" if done == self.total else ""))
+            sys.stderr.flush()
+        elif done == self.total or done % max(1, self.total // 10) == 0:
+            print(line, flush=True)
+
+
+def plot_curves(path: str, train_curve, held_out_curve, args) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot drawn (pip install matplotlib)")
+        return
+    figure, axes = plt.subplots(figsize=(7, 4))
+    axes.plot(*zip(*train_curve), label="training batch", alpha=0.6)
+    axes.plot(*zip(*held_out_curve), "o-", label="held-out files")
+    axes.set_xlabel("step")
+    axes.set_ylabel("cross-entropy (nats per byte)")
+    axes.set_title(
+        f"{args.layers}-layer MoE LM, {args.experts} experts, top-{args.top_k}, d_model {args.d_model}, {args.dtype}"
+    )
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"training curve: {path}")
+
+
+def sample(model, prompt: bytes, length: int, context: int) -> bytes:
+    """Greedy continuation of prompt, one byte at a time."""
+
+    @nnx.jit
+    def next_byte(model, window):
+        logits, _ = model(window[None])
+        return jnp.argmax(logits[0], axis=-1)
+
+    text = list(prompt)
+    for _ in range(length):
+        window = text[-context:]
+        padded = jnp.asarray(window + [0] * (context - len(window)), jnp.int32)
+        text.append(int(next_byte(model, padded)[len(window) - 1]))
+    return bytes(text)
+
+
+def digest(model) -> str:
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
+        h.update(np.ascontiguousarray(jax.device_get(leaf)).tobytes())
+    return h.hexdigest()
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--d-ff", type=int, default=128)
+    parser.add_argument("--experts", type=int, default=4)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--aux-weight", type=float, default=1e-2, help="weight of the load-balancing loss")
+    parser.add_argument("--z-weight", type=float, default=1e-3, help="weight of the router z-loss")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
+    parser.add_argument("--backend", choices=["auto", "xla", "sm90", "sm100"], default="auto")
+    parser.add_argument("--deterministic", action="store_true", help="bitwise reproducible gradients")
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--eval-batches", type=int, default=4)
+    parser.add_argument("--plot", default="train_lm.png", help="PNG of the loss curves; '' for none")
+    parser.add_argument("--sample", type=int, default=80, help="bytes of text to generate at the end")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.d_model % args.heads:
+        parser.error(f"--d-model={args.d_model} must be a multiple of --heads={args.heads}")
+    return args
+
+
+def main() -> None:
+    args = arguments()
+    train_data, held_out_data, files = load_corpus()
+    print(
+        f"corpus: {len(files)} files of {os.path.dirname(os.__file__)}; {len(train_data):,} bytes for "
+        f"training, {len(held_out_data):,} held out (every tenth file)"
+    )
+    print(f"devices: {jax.devices()}  dtype: {args.dtype}  backend: {args.backend}  deterministic: {args.deterministic}")
+
+    model = LanguageModel(args, nnx.Rngs(args.seed))
+    parameters = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    print(f"model: {args.layers} blocks, d_model {args.d_model}, {args.experts} experts of d_ff {args.d_ff}, "
+          f"top-{args.top_k}: {parameters:,} parameters")
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(50, args.steps // 10 + 1), args.steps)
+    optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=0.01), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, tokens, targets):
+        (_, cross_entropy), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, tokens, targets, args)
+        optimizer.update(model, grads)
+        return cross_entropy
+
+    @nnx.jit
+    def eval_step(model, tokens, targets):
+        return loss_fn(model, tokens, targets, args)[1]
+
+    eval_rng = np.random.default_rng(args.seed + 1)
+    held_out = [batches(held_out_data, eval_rng, args.batch, args.seq_len) for _ in range(args.eval_batches)]
+
+    def evaluate() -> float:
+        return float(np.mean([eval_step(model, *batch) for batch in held_out]))
+
+    train_rng = np.random.default_rng(args.seed)
+    train_curve, held_out_curve = [], [(0, evaluate())]
+    progress = ProgressBar(args.steps)
+    tokens_per_step = args.batch * args.seq_len
+    start, timed_from, timed_steps = time.perf_counter(), None, 0
+    for step in range(args.steps):
+        loss = float(train_step(model, optimizer, *batches(train_data, train_rng, args.batch, args.seq_len)))
+        train_curve.append((step, loss))
+        if step == 0:  # the first step compiles: time the others
+            timed_from = time.perf_counter()
+        else:
+            timed_steps += 1
+        if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
+            held_out_curve.append((step + 1, evaluate()))
+        rate = tokens_per_step * timed_steps / max(time.perf_counter() - timed_from, 1e-9)
+        progress.update(step, f"loss {loss:.3f}  held-out {held_out_curve[-1][1]:.3f}  {rate:,.0f} tokens/s")
+
+    elapsed = time.perf_counter() - start
+    first = np.mean([loss for _, loss in train_curve[:10]])
+    last = np.mean([loss for _, loss in train_curve[-10:]])
+    print(f"training loss {first:.4f} -> {last:.4f} (mean of the first and last 10 steps)")
+    print(f"held-out loss {held_out_curve[0][1]:.4f} -> {held_out_curve[-1][1]:.4f}")
+    print(f"{args.steps} steps in {elapsed:.1f} s, {rate:,.0f} tokens/s after compilation")
+    if args.sample:
+        prompt = b"def "
+        text = sample(model, prompt, args.sample, args.seq_len).decode("utf-8", errors="replace")
+        print(f"sample: {text!r}")
+    if args.deterministic:
+        print(f"parameter digest: {digest(model)}")
+    if args.plot:
+        plot_curves(args.plot, train_curve, held_out_curve, args)
+    print("backends:\n" + jax_dsrelu.describe_backends())
+
+
+if __name__ == "__main__":
+    main()
