@@ -184,6 +184,11 @@ def test_moe_mlp_runs_every_gemm_on_the_backend(stand_in, with_bias):
     assert (dx.k, dx.n, dw1.a, dw1.b, dw2.a, dw2.b) == (F, D, D, F, F, D)
     bias = ((E, F), f32) if with_bias else None
     assert stand_in.arguments[0] == [((M, D), bf16), ((E, D, F), bf16), ((E,), i32), ((M,), f32), bias]
+    # The fused backward gets (grad, weight, preact, prob, group_sizes, alpha): dy, w2
+    # as stored (E, f, d), h.
+    assert stand_in.arguments[2] == [
+        ((M, D), bf16), ((E, F, D), bf16), ((M, F), bf16), ((M,), f32), ((E,), i32), ((E,), f32)
+    ]
     assert stand_in.arguments[3] == [((M, F), bf16), ((E, D, F), bf16), ((E,), i32)]
     assert stand_in.arguments[4] == [((M, D), bf16), ((M, F), bf16), ((E,), i32)]
     assert stand_in.arguments[5] == [((M, F), bf16), ((M, D), bf16), ((E,), i32)]
