@@ -198,3 +198,35 @@ def test_operand_split_along_the_contraction_is_gathered_and_its_gradient_typed_
         assert d_lhs.sharding.is_equivalent_to(NamedSharding(m, P(None, "data")), 2)
     single = jax.jit(ragged_dot_step)(*one_device((lhs, rhs, group_sizes, cotangent)))
     assert_same_values((out, d_lhs, d_rhs), single, exact=True)
+
+
+def test_ragged_dot_gradients_under_shard_map_with_shared_rhs():
+    # Each device holds its own rows and group sizes and the same rhs: d lhs is each
+    # device's own, d rhs is the sum over devices of their contributions.
+    rng = np.random.default_rng(46)
+    local_sizes = [[20, 30, 0], [0, 64, 0], [64, 0, 0], [1, 2, 3], [33, 31, 0], [0, 0, 0], [50, 10, 4], [7, 50, 7]]
+    lhs = jnp.asarray(rng.standard_normal((NUM_DEVICES * 64, 16)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((3, 16, 24)), jnp.float32)
+    cotangent = jnp.asarray(rng.standard_normal((NUM_DEVICES * 64, 24)), jnp.float32)
+    group_sizes = jnp.asarray(np.concatenate(local_sizes), jnp.int32)
+    m = mesh((NUM_DEVICES,), ("expert",), AxisType.Explicit)
+
+    def loss(lhs, rhs, group_sizes, cotangent):
+        return jnp.sum(jax_dsrelu.ragged_dot(lhs, rhs, group_sizes) * cotangent)
+
+    d_lhs, d_rhs = jax.jit(
+        jax.shard_map(
+            lambda l, r, g, c: jax.grad(loss, argnums=(0, 1))(l, r, g, c),
+            mesh=m,
+            in_specs=(P("expert"), P(), P("expert"), P("expert")),
+            out_specs=(P("expert"), P()),
+        )
+    )(put(lhs, m, P("expert")), put(rhs, m, P()), put(group_sizes, m, P("expert")), put(cotangent, m, P("expert")))
+    d_lhs = np.asarray(d_lhs)
+    want_rhs = np.zeros(rhs.shape)
+    for d, sizes in enumerate(local_sizes):
+        rows = slice(64 * d, 64 * (d + 1))
+        alone = jax.grad(loss, argnums=(0, 1))(lhs[rows], rhs, jnp.asarray(sizes, jnp.int32), cotangent[rows])
+        np.testing.assert_array_equal(d_lhs[rows], np.asarray(alone[0]))
+        want_rhs += np.asarray(alone[1], np.float64)
+    np.testing.assert_allclose(np.asarray(d_rhs), want_rhs, rtol=1e-5, atol=1e-4)
