@@ -63,9 +63,7 @@ class GroupedPrimitive:
         if mesh is None:
             results = self.primitive.bind(*operands, **params)
         else:
-            results = sharding.explicit_shard_map(
-                self.schema, params, functools.partial(self.primitive.bind, **params), operands, mesh
-            )
+            results = sharding.explicit_shard_map(self.schema, params, self.primitive.bind, operands, mesh)
         return self.schema.named_results(results, params)
 
     def _abstract_eval(self, *operands, **params):
@@ -83,10 +81,10 @@ class GroupedPrimitive:
         # calls go through exactly the lowering a jitted call uses.
         return jax.jit(lambda *ops: self.primitive.bind(*ops, **params))(*operands)
 
-    def _local_implementation(self, platforms: Sequence[str], params: Mapping[str, Any]):
+    def _local_implementation(self, platforms: Sequence[str]):
         """For operands of the given shapes on one device: the function computing the outputs."""
 
-        def for_shapes(operand_avals):
+        def for_shapes(operand_avals, params):
             if "cuda" in platforms:
                 request = self.request_of(operand_avals, params)
                 _, implementation = backend_choice.cuda_implementation(params["backend"], request)
@@ -104,7 +102,7 @@ class GroupedPrimitive:
     def _lower(self, ctx: mlir.LoweringRuleContext, *operands: Any, platform: str | None, **params: Any):
         platforms = (platform,) if platform else tuple(ctx.module_context.platforms)
         computation = sharding.partitioned(
-            self.schema, params, self._local_implementation(platforms, params), ctx.avals_in
+            self.schema, params, self._local_implementation(platforms), ctx.avals_in
         )
         return mlir.lower_fun(computation, multiple_results=True)(ctx, *operands)
 

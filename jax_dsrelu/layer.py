@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dsrelu import api, jax_internals, validation
+from jax_dsrelu import api, jax_internals, sharding, validation
 from jax_dsrelu.ragged_contract import ragged_contract
 from jax_dsrelu.ragged_matmul import ragged_matmul, ragged_matmul_srelu
 
@@ -103,6 +103,11 @@ def _moe_mlp_bwd(deterministic, backend, residuals, dy):
     dw2 = ragged_contract(fused.act, dy, group_sizes, out_dtype=w2.dtype, backend=backend)
     db1 = None if b1 is None else fused.dbias.astype(b1.dtype)
     dprob = fused.dprob.astype(prob.dtype)
+    dx, dw1, dw2, dprob = (
+        sharding.like_primal(cotangent, primal)
+        for cotangent, primal in ((dx, x), (dw1, w1), (dw2, w2), (dprob, prob))
+    )
+    db1 = None if b1 is None else sharding.like_primal(db1, b1)
     dgroup_sizes = np.zeros(group_sizes.shape, dtype=jax.dtypes.float0)
     return dx, dw1, dw2, dprob, dgroup_sizes, db1
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dsrelu import jax_internals, validation
+from jax_dsrelu import jax_internals, sharding, validation
 from jax_dsrelu.ragged_contract import ragged_contract
 from jax_dsrelu.ragged_matmul import ragged_matmul
 
@@ -70,6 +70,7 @@ def _ragged_dot_bwd(out_dtype, backend, residuals, d_out):
         d_out, rhs, group_sizes, rhs_layout="nk", out_dtype=lhs.dtype, backend=backend
     )
     d_rhs = ragged_contract(lhs, d_out, group_sizes, out_dtype=rhs.dtype, backend=backend)
+    d_lhs, d_rhs = sharding.like_primal(d_lhs, lhs), sharding.like_primal(d_rhs, rhs)
     return d_lhs, d_rhs, np.zeros(group_sizes.shape, dtype=jax.dtypes.float0)
 
 

@@ -32,10 +32,12 @@ Two mechanisms apply the same rules:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
@@ -43,7 +45,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jax_dsrelu import groups
 from jax_dsrelu.schema import GROUP_SIZES, ROWS, Schema
 
-LocalImplementation = Callable[[Sequence[Any]], Callable[..., Sequence[jax.Array]]]
+# (operand avals, static params) -> the function computing the results on one device.
+LocalImplementation = Callable[[Sequence[Any], Mapping[str, Any]], Callable[..., Sequence[jax.Array]]]
 FactorAxes = dict[str, tuple[str, ...]]
 
 
@@ -55,9 +58,9 @@ def partitioned(
 ) -> Callable[..., Sequence[jax.Array]]:
     """The primitive's computation, partitionable by the SPMD partitioner.
 
-    `local_implementation(avals)` returns the function that computes the outputs for
-    operands of those shapes on one device; it is asked again for each shard's shapes,
-    so a backend can decide on the shapes it really gets.
+    `local_implementation(avals, params)` returns the function that computes the outputs
+    for operands of those shapes on one device; it is asked again for each shard's
+    shapes, so a backend can decide on the shapes it really gets.
     """
     operand_fields = schema.operand_fields(params)
     result_fields = schema.result_fields(params)
@@ -68,7 +71,7 @@ def partitioned(
 
     @custom_partitioning
     def computation(*operands):
-        return tuple(local_implementation([jax.typeof(x) for x in operands])(*operands))
+        return tuple(local_implementation([jax.typeof(x) for x in operands], params)(*operands))
 
     def partition(mesh, arg_shapes, result_shape):
         del result_shape
@@ -124,8 +127,22 @@ def local_computation(
     num_rows: int,
 ) -> Callable[..., tuple[jax.Array, ...]]:
     """What each device runs on its shards: cut the group sizes at its row offset, run
-    the local computation, combine the results that lack a split dimension."""
+    the local computation, combine the results that lack a split dimension.
+
+    Partials that are summed across shards are computed in float32 and rounded to
+    out_dtype once, after the sum, as on one device.
+    """
     operand_fields = schema.operand_fields(params)
+    result_fields = schema.result_fields(params)
+    combined_over = [
+        tuple(a for letter, split in axes.items() if letter not in field.letters(params) for a in split)
+        for field in result_fields
+    ]
+    summed_in_out_dtype = any(
+        over and field.reduce == "sum" and field.dtype == "out_dtype"
+        for field, over in zip(result_fields, combined_over)
+    )
+    local_params = dict(params, out_dtype=np.dtype(np.float32)) if summed_in_out_dtype else params
     sizes_index = [f.name for f in operand_fields].index(GROUP_SIZES)
     rows_index = next(i for i, f in enumerate(operand_fields) if ROWS in f.letters(params))
     row_axes = axes.get(ROWS, ())
@@ -138,16 +155,13 @@ def local_computation(
             local[sizes_index] = groups.local_group_sizes(
                 local[sizes_index], num_rows, offset, local_rows
             )
-        results = list(local_implementation([jax.typeof(x) for x in local])(*local))
-        for i, field in enumerate(schema.result_fields(params)):
-            kept = field.letters(params)
-            over = tuple(a for letter, split in axes.items() if letter not in kept for a in split)
-            if not over:
-                continue
-            if field.reduce == "max":
+        results = list(local_implementation([jax.typeof(x) for x in local], local_params)(*local))
+        for i, (field, over) in enumerate(zip(result_fields, combined_over)):
+            if over and field.reduce == "max":
                 results[i] = lax.pmax(results[i], over)
-            else:
+            elif over:
                 results[i] = _sum_in_shard_order(results[i], over)
+            results[i] = results[i].astype(field.result_dtype(params))
         return tuple(results)
 
     return run
@@ -169,7 +183,7 @@ def explicit_shard_map(
     operands: Sequence[Any],
     mesh: Any,
 ) -> list[jax.Array]:
-    """`bind(*operands)` on each device's shards of operands typed with Explicit axes.
+    """`bind(*operands, **params)` on each device's shards of operands typed with Explicit axes.
 
     Over the mesh's Explicit axes the shardings are in the types, so the split is chosen
     at trace time by the same rules as `partitioned`'s, and the primitive runs inside a
@@ -189,7 +203,9 @@ def explicit_shard_map(
         for x, spec, want in zip(operands, specs, in_specs)
     ]
     num_rows = schema.dim_sizes([jnp.shape(x) for x in operands], params)[ROWS]
-    run = local_computation(schema, params, lambda avals: bind, axes, num_rows)
+    run = local_computation(
+        schema, params, lambda avals, local_params: functools.partial(bind, **local_params), axes, num_rows
+    )
     out_specs = tuple(spec_of(f, params, axes) for f in schema.result_fields(params))
     # check_vma=False: the combined results are equal on every device by construction
     # (gathered, then summed in one order), which vma cannot see through all_gather.
@@ -202,6 +218,24 @@ def explicit_shard_map(
         check_vma=False,
     )
     return list(mapped(*operands))
+
+
+def like_primal(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+    """The cotangent resharded to its primal's sharding over Explicit mesh axes.
+
+    A custom VJP must return each cotangent with its primal's type, sharding included;
+    the primitives split by their own rules (a weight's gradient comes back replicated,
+    an operand split along a dimension kept whole comes back unsplit there).
+    """
+    want = jax.typeof(primal).sharding
+    mesh = getattr(want, "mesh", None)
+    if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+        return cotangent
+    rank = jnp.ndim(primal)
+    have = [_axes(e) for e in _spec(jax.typeof(cotangent).sharding, rank)]
+    if have == [_axes(e) for e in _spec(want, rank)]:
+        return cotangent
+    return jax.sharding.reshard(cotangent, want)
 
 
 def _same_split(spec: tuple, want: PartitionSpec, explicit: frozenset) -> bool:
