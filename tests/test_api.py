@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from contract_numpy import assert_matches_contract
 from jax.experimental import checkify
-from test_reference import assert_matches_contract, make_inputs
+from test_reference import make_inputs
 
 import jax_dsrelu
 

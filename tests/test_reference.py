@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import zlib
 
-import contract_numpy
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from contract_numpy import assert_matches_contract
 
 import jax_dsrelu
 
@@ -21,49 +21,6 @@ def make_inputs(rng, num_rows, k, n, group_sizes, dtype, prob_dtype=jnp.float32)
     preact = jnp.asarray(rng.standard_normal((num_rows, n)), dtype)
     prob = jnp.asarray(rng.uniform(0.05, 1.0, num_rows), prob_dtype)
     return grad, weight, preact, prob, jnp.asarray(group_sizes, jnp.int32)
-
-
-def assert_matches_contract(out, inputs, alpha=None, out_dtype=jnp.bfloat16, with_dbias=True, with_act=True):
-    grad, weight, preact, prob, group_sizes = inputs
-    expected = contract_numpy.grouped_gemm_dsrelu(grad, weight, preact, prob, group_sizes, alpha)
-    k, n = grad.shape[1], preact.shape[1]
-    num_rows = grad.shape[0]
-
-    np.testing.assert_array_less(
-        np.abs(np.asarray(out.dh, np.float64) - expected.dh),
-        contract_numpy.tolerance(expected.dh_terms, k, out_dtype)
-    )
-    np.testing.assert_array_less(
-        np.abs(np.asarray(out.dprob, np.float64) - expected.dprob),
-        contract_numpy.tolerance(expected.dprob_terms, n * k),
-    )
-    if with_dbias:
-        np.testing.assert_array_less(
-            np.abs(np.asarray(out.dbias, np.float64) - expected.dbias),
-            contract_numpy.tolerance(expected.dbias_terms, num_rows * k),
-        )
-    else:
-        assert out.dbias is None
-    if with_act:
-        # act is r^2 p: two float32 roundings, then one to out_dtype.
-        act_terms = np.abs(expected.act)
-        np.testing.assert_array_less(
-            np.abs(np.asarray(out.act, np.float64) - expected.act),
-            contract_numpy.tolerance(act_terms, 2, out_dtype)
-        )
-    else:
-        assert out.act is None
-    amax_terms = np.array(
-        [expected.dh_terms[expected.row_expert == e].max(initial=0.0) for e in range(len(group_sizes))]
-    )
-    np.testing.assert_array_less(
-        np.abs(np.asarray(out.amax, np.float64) - expected.amax),
-        contract_numpy.tolerance(amax_terms, k)
-    )
-    # Rows owned by no expert are exactly zero.
-    unowned = expected.row_expert < 0
-    assert not np.any(np.asarray(out.dh, np.float32)[unowned])
-    assert not np.any(np.asarray(out.dprob)[unowned])
 
 
 GROUPINGS = {
