@@ -7,7 +7,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jax_dsrelu import api, groups, jax_internals, validation
 
@@ -42,7 +41,7 @@ def _forward(x, w1, w2, prob, group_sizes, b1):
     """Returns (y, h); h is the pre-activation rounded to x.dtype, as the backward reads it."""
     num_rows = x.shape[0]
     sizes = groups.clamped_group_sizes(group_sizes, num_rows)
-    h = lax.ragged_dot(x, w1, sizes, preferred_element_type=jnp.float32)
+    h = groups.ragged_matmul(x, w1, sizes)
     if b1 is not None:
         expert, owned = groups.row_experts(group_sizes, num_rows)
         h = h + jnp.where(owned[:, None], b1.astype(jnp.float32)[expert], 0.0)
@@ -50,7 +49,7 @@ def _forward(x, w1, w2, prob, group_sizes, b1):
     # The activation is computed from the rounded h, exactly as the backward regenerates it.
     r = jnp.maximum(h.astype(jnp.float32), 0.0)
     a = (r * r * prob.astype(jnp.float32)[:, None]).astype(x.dtype)
-    y = lax.ragged_dot(a, w2, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+    y = groups.ragged_matmul(a, w2, sizes).astype(x.dtype)
     return y, h
 
 
@@ -81,9 +80,7 @@ def _moe_mlp_bwd(deterministic, backend, residuals, dy):
         backend=backend,
     )
     sizes = groups.clamped_group_sizes(group_sizes, x.shape[0])
-    dx = lax.ragged_dot(
-        fused.dh, jnp.swapaxes(w1, 1, 2), sizes, preferred_element_type=jnp.float32
-    ).astype(x.dtype)
+    dx = groups.ragged_matmul(fused.dh, jnp.swapaxes(w1, 1, 2), sizes).astype(x.dtype)
     dw1 = groups.per_expert_outer(x, fused.dh, sizes).astype(w1.dtype)
     dw2 = groups.per_expert_outer(fused.act, dy.astype(x.dtype), sizes).astype(w2.dtype)
     db1 = None if b1 is None else fused.dbias.astype(b1.dtype)
