@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_dsrelu import jax_internals
+
 
 def clamped_group_ends(group_sizes: jax.Array, num_rows: int) -> jax.Array:
     """Exclusive end row of every expert after clamping, int32 (E,).
@@ -83,7 +85,8 @@ def ragged_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array
         product = jnp.matmul(lhs, weight, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
         return jnp.where((rows >= start) & (rows < end), product, out), None
 
-    out = jnp.zeros((lhs.shape[0], rhs.shape[2]), jnp.float32)
+    # Inside shard_map the carry must vary over the mesh axes its updates vary over.
+    out = jax_internals.vary_alike([jnp.zeros((lhs.shape[0], rhs.shape[2]), jnp.float32), lhs, rhs, sizes])[0]
     return lax.scan(keep_expert_rows, out, (rhs, starts, ends))[0]
 
 
