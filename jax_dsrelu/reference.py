@@ -40,7 +40,7 @@ def grouped_gemm_dsrelu_reference(
     sizes = groups.clamped_group_sizes(group_sizes, num_rows)
     expert, owned = groups.row_experts(group_sizes, num_rows)
 
-    # ragged_dot leaves rows past sum(sizes) at zero; the float32 accumulation is the
+    # ragged_matmul leaves rows past sum(sizes) at zero; the float32 accumulation is the
     # contract's, whatever the operand dtype.
     acc = groups.ragged_matmul(grad, jnp.swapaxes(weight, 1, 2), sizes)
     g = acc * alpha.astype(jnp.float32)[expert][:, None]

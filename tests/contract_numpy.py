@@ -1,9 +1,50 @@
-"""The contract in float64 NumPy, written independently of the library, for tests.
+"""The contract in float64 NumPy, written independently of the library, and error bounds.
 
-A loop over experts with explicit row ranges: nothing is shared with the library's code
-(no ragged_dot, no clamping helpers), so the two cannot make the same mistake.
-Besides the values it returns the magnitude of the terms behind each one, from which
-tests derive tolerances that follow the arithmetic (see `tolerance`).
+`grouped_gemm_dsrelu` is a loop over experts with explicit row ranges: nothing is shared
+with the library's code (no ragged_dot, no clamping helpers), so the two cannot make the
+same mistake. Besides the exact values it returns, for every output entry, a bound on how
+far a correct float32 implementation can land from them; `assert_matches_contract` holds
+a backend's outputs to those bounds.
+
+Derivation of the bounds. u = 2^-24 is float32's unit roundoff, u_o that of out_dtype, and
+gamma(n, v) = n v / (1 - n v) bounds the relative error of n operations that each err by
+at most v (Higham, Accuracy and Stability of Numerical Algorithms, section 3.1; the
+denominator absorbs the higher-order terms). Every bound is a per-entry absolute bound,
+a multiple of a sum of absolute values of that entry's own terms, so it stays as tight at
+m = 65536 as at m = 16.
+
+* The GEMM. acc[i, j] = sum_k grad[i, k] weight[e, j, k] over K = k products. Products of
+  bfloat16 or float16 operands are exact in float32 (8 + 8 and 11 + 11 significand bits
+  fit in 24); float32 operands round each product (u). A float32 sum of K terms in any
+  order errs by at most gamma(K - 1, u) times the sum of the absolute terms. A tensor core
+  adds a block of b products to its accumulator by aligning all b + 1 inputs to the
+  largest exponent and truncating, so each input loses less than one unit in the last
+  place of the largest, 2u relative to the block's sum of absolute values: at most
+  2u (b + 1) / b <= 4u per product. Hence, for every backend,
+      |acc~ - acc| <= gamma(K, 4u) T,   T[i, j] = sum_k |grad[i, k] weight[e, j, k]|.
+  With g = alpha acc, the GEMM part of every output below is scaled by |alpha| T.
+* dh = 2 alpha acc r p: three float32 multiplications (by alpha, r and p, in some order;
+  the factor 2 is exact), then one rounding to out_dtype. The float32 value before that
+  rounding, which dbias and amax use, errs by
+      E32 = gamma(3, u) |dh| + (1 + gamma(3, u)) gamma(K, 4u) 2 r |p| |alpha| T + 3 tiny,
+  and dh itself by E32 + u_o (|dh| + E32) + sub_o. tiny is float32's smallest normal
+  (underflow in a product, flushed or not); sub_o is out_dtype's smallest subnormal, one
+  spacing of its subnormals, which covers the rounding of values below its normal range.
+* act = r r p: two float32 multiplications, one rounding:
+      gamma(2, u) |act| + 2 tiny + u_o (|act| + that) + sub_o.
+* dprob[i] = sum_j r^2 g over n columns: each term carries three roundings (r r, times
+  acc, times alpha, once per term or once for the total) and the n terms are added by
+  n - 1 float32 additions in any order (thread sums, shuffles, slots, atomics):
+      gamma(n + 2, u) P + (1 + gamma(n + 2, u)) gamma(K, 4u) sum_j r^2 |alpha| T + 3 n tiny,
+  P[i] = sum_j r^2 |g|.
+* dbias[e, j] = sum over expert e's m_e rows of the float32 dh: m_e - 1 additions of terms
+  that each err by E32 (adding the 0 of a masked row is exact, so rows of other experts
+  cost nothing):  S + gamma(m_e - 1, u) (B + S),  S = sum_i E32,  B = sum_i |dh|.
+* amax[e] = max |dh| over expert e's entries, on the float32 dh: max is exact and
+  |max a - max b| <= max |a - b|, so the bound is the largest E32 of the expert.
+* Rows owned by no expert and empty experts: exactly 0 (bound 0).
+NaN and Inf: where the exact value is not finite, the output must be the same NaN or the
+same infinity; where it is finite, the output must be finite and within the bound.
 """
 
 from __future__ import annotations
@@ -13,19 +54,29 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
+UNIT_ROUNDOFF_F32 = 2.0**-24
+# Per product of the k-dot: round-to-nearest sums need u (2u with float32 products), a
+# truncating tensor-core accumulator at most 4u (see the module docstring).
+DOT_UNIT = 4 * UNIT_ROUNDOFF_F32
+TINY_F32 = float(np.finfo(np.float32).tiny)
+
 
 @dataclasses.dataclass
 class Expected:
-    dh: np.ndarray  # (m, n) float64
+    """The contract's outputs in float64 (dh and act unrounded) and per-entry error bounds."""
+
+    dh: np.ndarray  # (m, n)
     dprob: np.ndarray  # (m,)
     dbias: np.ndarray  # (E, n)
     act: np.ndarray  # (m, n)
     amax: np.ndarray  # (E,)
-    # Sums of absolute values of the terms behind each output, for tolerances.
-    dh_terms: np.ndarray  # (m, n): 2 r p * sum_k |grad * weight| * |alpha|
-    dprob_terms: np.ndarray  # (m,): sum_j r^2 |g|
-    dbias_terms: np.ndarray  # (E, n): sum over rows of |dh|
+    dh_bound: np.ndarray  # (m, n), for dh rounded to out_dtype
+    dprob_bound: np.ndarray  # (m,)
+    dbias_bound: np.ndarray  # (E, n)
+    act_bound: np.ndarray  # (m, n), for act rounded to out_dtype
+    amax_bound: np.ndarray  # (E,)
     row_expert: np.ndarray  # (m,) expert index, -1 for rows owned by none
+    out_dtype: np.dtype
 
 
 def expert_rows(group_sizes, num_rows: int) -> list[tuple[int, int]]:
@@ -42,19 +93,35 @@ def f64(x) -> np.ndarray:
     return np.asarray(np.asarray(x).astype(np.float32), dtype=np.float64)
 
 
-def grouped_gemm_dsrelu(grad, weight, preact, prob, group_sizes, alpha=None) -> Expected:
+def unit_roundoff(dtype) -> float:
+    """2^-p for the dtype's p significand bits: the relative error of one rounding."""
+    return float(ml_dtypes.finfo(np.dtype(dtype)).eps) / 2
+
+
+def gamma(count, unit: float):
+    """Relative error bound of `count` operations erring by at most `unit` each."""
+    product = np.asarray(count, np.float64) * unit
+    return product / (1.0 - product)
+
+
+def grouped_gemm_dsrelu(
+    grad, weight, preact, prob, group_sizes, alpha=None, out_dtype=np.dtype(ml_dtypes.bfloat16)
+) -> Expected:
     grad, weight, preact, prob = f64(grad), f64(weight), f64(preact), f64(prob)
+    out_dtype = np.dtype(out_dtype)
+    u_out = unit_roundoff(out_dtype)
+    sub_out = float(ml_dtypes.finfo(out_dtype).smallest_subnormal)
     num_rows, num_cols = preact.shape
-    num_experts = weight.shape[0]
+    num_experts, _, k = weight.shape
     alpha = np.ones(num_experts) if alpha is None else f64(alpha)
-    dh = np.zeros((num_rows, num_cols))
-    dh_terms = np.zeros((num_rows, num_cols))
-    dprob = np.zeros(num_rows)
-    dprob_terms = np.zeros(num_rows)
-    act = np.zeros((num_rows, num_cols))
-    dbias = np.zeros((num_experts, num_cols))
-    dbias_terms = np.zeros((num_experts, num_cols))
-    amax = np.zeros(num_experts)
+    gemm = gamma(k, DOT_UNIT)
+    g3, g2, gn = gamma(3, UNIT_ROUNDOFF_F32), gamma(2, UNIT_ROUNDOFF_F32), gamma(num_cols + 2, UNIT_ROUNDOFF_F32)
+
+    dh, dh_bound = np.zeros((num_rows, num_cols)), np.zeros((num_rows, num_cols))
+    act, act_bound = np.zeros((num_rows, num_cols)), np.zeros((num_rows, num_cols))
+    dprob, dprob_bound = np.zeros(num_rows), np.zeros(num_rows)
+    dbias, dbias_bound = np.zeros((num_experts, num_cols)), np.zeros((num_experts, num_cols))
+    amax, amax_bound = np.zeros(num_experts), np.zeros(num_experts)
     row_expert = np.full(num_rows, -1)
     with np.errstate(invalid="ignore", over="ignore"):
         for e, (start, end) in enumerate(expert_rows(group_sizes, num_rows)):
@@ -63,34 +130,97 @@ def grouped_gemm_dsrelu(grad, weight, preact, prob, group_sizes, alpha=None) -> 
             rows = slice(start, end)
             row_expert[rows] = e
             g = alpha[e] * (grad[rows] @ weight[e].T)
-            g_terms = abs(alpha[e]) * (np.abs(grad[rows]) @ np.abs(weight[e]).T)
-            r = np.maximum(preact[rows], 0.0)
+            gemm_error = gemm * abs(alpha[e]) * (np.abs(grad[rows]) @ np.abs(weight[e]).T)
             # np.maximum keeps NaN, like the contract's relu.
+            r = np.maximum(preact[rows], 0.0)
             p = prob[rows, None]
+
             dh[rows] = 2.0 * g * r * p
-            dh_terms[rows] = 2.0 * g_terms * r * np.abs(p)
-            dprob[rows] = np.sum(r * r * g, axis=1)
-            dprob_terms[rows] = np.sum(r * r * np.abs(g), axis=1)
+            dh_f32_error = g3 * np.abs(dh[rows]) + (1 + g3) * 2.0 * r * np.abs(p) * gemm_error + 3 * TINY_F32
+            dh_bound[rows] = dh_f32_error + u_out * (np.abs(dh[rows]) + dh_f32_error) + sub_out
+
             act[rows] = r * r * p
+            act_f32_error = g2 * np.abs(act[rows]) + 2 * TINY_F32
+            act_bound[rows] = act_f32_error + u_out * (np.abs(act[rows]) + act_f32_error) + sub_out
+
+            dprob[rows] = np.sum(r * r * g, axis=1)
+            dprob_bound[rows] = (
+                gn * np.sum(r * r * np.abs(g), axis=1)
+                + (1 + gn) * np.sum(r * r * gemm_error, axis=1)
+                + 3 * num_cols * TINY_F32
+            )
+
             dbias[e] = np.sum(dh[rows], axis=0)
-            dbias_terms[e] = np.sum(np.abs(dh[rows]), axis=0)
+            summed_error = np.sum(dh_f32_error, axis=0)
+            dbias_bound[e] = summed_error + gamma(end - start - 1, UNIT_ROUNDOFF_F32) * (
+                np.sum(np.abs(dh[rows]), axis=0) + summed_error
+            )
             amax[e] = np.max(np.abs(dh[rows]))
-    return Expected(dh, dprob, dbias, act, amax, dh_terms, dprob_terms, dbias_terms, row_expert)
+            amax_bound[e] = np.max(dh_f32_error)
+    return Expected(
+        dh, dprob, dbias, act, amax, dh_bound, dprob_bound, dbias_bound, act_bound, amax_bound,
+        row_expert, out_dtype,
+    )
 
 
-def unit_roundoff(dtype) -> float:
-    """2^-p for the dtype's p significand bits: the relative error of one rounding."""
-    return float(ml_dtypes.finfo(np.dtype(dtype)).eps) / 2
+def assert_within(name: str, got, want: np.ndarray, bound: np.ndarray, dtype) -> None:
+    """got has `dtype` and want's shape; |got - want| <= bound where want is finite, and
+    the same NaN or the same infinity where it is not."""
+    got = np.asarray(got)
+    if got.shape != want.shape or got.dtype != np.dtype(dtype):
+        raise AssertionError(
+            f"{name}: got {got.dtype.name} {got.shape}, expected {np.dtype(dtype).name} {want.shape}"
+        )
+    got = got.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        ok = np.abs(got - want) <= bound  # False wherever either side is NaN or infinite
+        suspects = np.flatnonzero(~ok)
+        g, w = got.ravel()[suspects], want.ravel()[suspects]
+        same_special = ~np.isfinite(w) & ((np.isnan(g) & np.isnan(w)) | (g == w))
+    wrong = suspects[~same_special]
+    if wrong.size:
+        at = np.unravel_index(wrong[0], want.shape)
+        raise AssertionError(
+            f"{name}: {wrong.size} of {want.size} entries outside the bound, the first at {at}: "
+            f"got {got[at]!r}, expected {want[at]!r} within {bound[at]!r}"
+        )
 
 
-def tolerance(terms: np.ndarray, num_summed: int, out_dtype=np.float32) -> np.ndarray:
-    """Absolute error bound for a float32 sum of `num_summed` terms then one rounding.
+def assert_dh(got, expected: Expected) -> None:
+    assert_within("dh", got, expected.dh, expected.dh_bound, expected.out_dtype)
 
-    Recursive float32 summation errs by at most about num_summed * u32 times the sum of
-    the absolute terms; the final rounding to out_dtype adds u_out times the value,
-    bounded here by the same sum, or, among subnormals, half their spacing. A factor 2 of
-    slack covers the epilogue's few multiplications.
+
+def assert_dprob(got, expected: Expected) -> None:
+    assert_within("dprob", got, expected.dprob, expected.dprob_bound, np.float32)
+
+
+def assert_dbias(got, expected: Expected) -> None:
+    assert_within("dbias", got, expected.dbias, expected.dbias_bound, np.float32)
+
+
+def assert_act(got, expected: Expected) -> None:
+    assert_within("act", got, expected.act, expected.act_bound, expected.out_dtype)
+
+
+def assert_amax(got, expected: Expected) -> None:
+    assert_within("amax", got, expected.amax, expected.amax_bound, np.float32)
+
+
+# One check per output, by DsreluOutputs field name.
+CHECKS = {"dh": assert_dh, "dprob": assert_dprob, "dbias": assert_dbias, "act": assert_act, "amax": assert_amax}
+
+
+def assert_matches_contract(
+    out, inputs, alpha=None, out_dtype=np.dtype(ml_dtypes.bfloat16), with_dbias=True, with_act=True
+) -> None:
+    """Every output of a `grouped_gemm_dsrelu` call against the float64 contract.
+
+    `inputs` is (grad, weight, preact, prob, group_sizes); absent optional outputs must be None.
     """
-    u32 = unit_roundoff(np.float32)
-    subnormal_step = float(ml_dtypes.finfo(np.dtype(out_dtype)).smallest_subnormal)
-    return 2.0 * (num_summed * u32 + unit_roundoff(out_dtype)) * terms + subnormal_step
+    expected = grouped_gemm_dsrelu(*inputs, alpha=alpha, out_dtype=out_dtype)
+    for name, check in CHECKS.items():
+        value = getattr(out, name)
+        if (name == "dbias" and not with_dbias) or (name == "act" and not with_act):
+            assert value is None, f"{name} was not asked for, got {type(value).__name__}"
+        else:
+            check(value, expected)

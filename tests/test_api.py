@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from contract_numpy import assert_matches_contract
 from jax.experimental import checkify
-from test_reference import assert_matches_contract, make_inputs
+from test_reference import make_inputs
 
 import jax_dsrelu
 
@@ -19,10 +21,36 @@ def inputs():
     return make_inputs(np.random.default_rng(11), 64, 32, 24, [20, 0, 30, 14], jnp.bfloat16)
 
 
-def test_public_names_match_the_contract():
-    for name in ("grouped_gemm_dsrelu", "DsreluOutputs", "moe_mlp", "backends"):
-        assert hasattr(jax_dsrelu, name)
+# The contract's signatures: positional operands, then keyword-only options and defaults.
+CONTRACT_SIGNATURES = {
+    "grouped_gemm_dsrelu": (
+        ["grad", "weight", "preact", "prob", "group_sizes"],
+        dict(alpha=None, grad_scale=None, weight_scale=None, with_dbias=False, with_act=False,
+             out_dtype=jnp.bfloat16, deterministic=False, backend="auto"),
+    ),
+    "moe_mlp": (
+        ["x", "w1", "w2", "prob", "group_sizes"],
+        dict(b1=None, deterministic=False, backend="auto"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONTRACT_SIGNATURES))
+def test_public_signatures_match_the_contract(name):
+    assert name in jax_dsrelu.__all__
+    positional, keywords = CONTRACT_SIGNATURES[name]
+    parameters = inspect.signature(getattr(jax_dsrelu, name)).parameters.values()
+    assert [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD] == positional
+    assert all(p.default is p.empty for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD)
+    assert {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY} == keywords
+
+
+def test_outputs_are_named_as_in_the_contract(inputs):
+    out = jax_dsrelu.grouped_gemm_dsrelu(*inputs, with_dbias=True, with_act=True)
+    assert isinstance(out, jax_dsrelu.DsreluOutputs)
     assert jax_dsrelu.DsreluOutputs._fields == ("dh", "dprob", "dbias", "act", "amax")
+    # Each field holds the contract's value of that name (swapped fields would fail).
+    assert_matches_contract(out, inputs)
 
 
 BAD_CALLS = [

@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from contract_numpy import assert_matches_contract
 from test_layer import make_layer_inputs
-from test_reference import assert_matches_contract, make_inputs
+from test_reference import make_inputs
 
 import jax_dsrelu
 

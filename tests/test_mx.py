@@ -152,11 +152,21 @@ def test_axis_selects_the_blocked_dimension():
     values, scales = mx.quantize_mx(x, axis=-1)
     np.testing.assert_array_equal(np.asarray(values_t, np.float32).T, np.asarray(values, np.float32))
     np.testing.assert_array_equal(scale_bits(scales_t).T, scale_bits(scales))
+    # A middle axis: the same blocks as with that axis moved last, and back again.
     x3 = random_blocks(np.random.default_rng(6), 6, 1).reshape(2, 3, 32).transpose(0, 2, 1)
     values3, scales3 = mx.quantize_mx(x3, axis=1)
-    assert scales3.shape == (2, 1, 3)
-    restored = mx.dequantize_mx(values3, scales3, axis=1)
-    assert restored.shape == x3.shape
+    values_last, scales_last = mx.quantize_mx(np.moveaxis(x3, 1, -1))
+    assert_matches_oracle(
+        np.moveaxis(x3, 1, -1).reshape(6, 32), "float8_e4m3fn", values_last.reshape(6, 32), scales_last.reshape(6, 1)
+    )
+    np.testing.assert_array_equal(
+        np.moveaxis(np.asarray(values3, np.float32), 1, -1), np.asarray(values_last, np.float32)
+    )
+    np.testing.assert_array_equal(np.moveaxis(scale_bits(scales3), 1, -1), scale_bits(scales_last))
+    np.testing.assert_array_equal(
+        mx.dequantize_mx(values3, scales3, axis=1),
+        np.moveaxis(np.asarray(mx.dequantize_mx(values_last, scales_last)), -1, 1),
+    )
 
 
 def test_bfloat16_and_float16_inputs_quantize_their_float32_values():

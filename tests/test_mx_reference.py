@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_reference import assert_matches_contract, make_inputs
+from contract_numpy import assert_matches_contract
+from test_reference import make_inputs
 
 import jax_dsrelu
 

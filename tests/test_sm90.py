@@ -30,9 +30,11 @@ import pytest  # noqa: E402
 
 pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
 
+from contract_numpy import assert_matches_contract  # noqa: E402
+from kernel_cases import GROUPINGS, grouping  # noqa: E402
 from test_gpu_xla import distinct_results  # noqa: E402
 from test_layer import make_layer_inputs  # noqa: E402
-from test_reference import assert_matches_contract, make_inputs  # noqa: E402
+from test_reference import make_inputs  # noqa: E402
 
 import jax_dsrelu  # noqa: E402
 from jax_dsrelu import backend_choice  # noqa: E402
@@ -209,29 +211,6 @@ def run_in_place(inputs, alpha, *, deterministic, with_dbias=True, with_act=True
     return jax_dsrelu.DsreluOutputs(dh=dh, dprob=dprob, dbias=dbias, act=act, amax=next(results))
 
 
-GROUPINGS = {
-    # name: (m, k, n, group sizes)
-    "ragged_with_empty": (4096, 520, 320, [0, 700, 1, 0, 1500, 129, 1766, 0]),
-    "short_of_m": (3000, 256, 384, [500, 0, 1200, 3]),
-    "past_m": (2000, 128, 256, [900, 800, 700]),
-    "negative": (2500, 192, 264, [-5, 1000, -1, 1300, 7]),
-    "all_empty": (700, 64, 128, [0, 0, 0]),
-    "one_row": (1, 64, 64, [1]),
-    "tile_n_256": (16384, 1024, 2048, [3000, 0, 2500, 128, 4000, 1, 3755, 3000]),
-    "rows_64k": (65536, 256, 1024, None),  # 32 Dirichlet-sized experts
-}
-
-
-def grouping(name):
-    m, k, n, sizes = GROUPINGS[name]
-    if sizes is None:
-        rng = np.random.default_rng(5)
-        sizes = np.floor(rng.dirichlet(np.ones(32)) * m).astype(int)
-        sizes[-1] += m - sizes.sum()
-        sizes = sizes.tolist()
-    return m, k, n, sizes
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
@@ -242,8 +221,9 @@ def test_matches_float64_contract(hopper, name, dtype, deterministic):
     inputs = make_inputs(rng, m, k, n, sizes, dtype)
     alpha = jnp.asarray(rng.uniform(-2.0, 2.0, len(sizes)), jnp.float32)
     out = run_in_place(inputs, alpha, deterministic=deterministic)
-    # Tolerances follow the arithmetic (contract_numpy.tolerance): float32 sums of k
-    # products, one rounding to the output dtype; NaN left in any buffer fails them.
+    # Per-entry bounds derived from the arithmetic (contract_numpy's docstring), shown to
+    # reject wrong outputs at these shapes by test_tolerances.py; NaN left in any buffer
+    # fails them.
     assert_matches_contract(out, inputs, alpha=alpha, out_dtype=dtype)
 
 

@@ -1,0 +1,36 @@
+"""Problem shapes of the kernels' GPU tier, shared with the CPU self-checks of its bounds.
+
+Kept apart from the GPU test modules, which skip without the GPU packages, so that
+`test_tolerances.py` can show on any machine that the bounds reject wrong outputs at
+exactly the shapes the kernels are held to.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+GROUPINGS = {
+    # name: (m, k, n, group sizes)
+    "ragged_with_empty": (4096, 520, 320, [0, 700, 1, 0, 1500, 129, 1766, 0]),
+    "short_of_m": (3000, 256, 384, [500, 0, 1200, 3]),
+    "past_m": (2000, 128, 256, [900, 800, 700]),
+    "negative": (2500, 192, 264, [-5, 1000, -1, 1300, 7]),
+    "all_empty": (700, 64, 128, [0, 0, 0]),
+    "one_row": (1, 64, 64, [1]),
+    "tile_n_256": (16384, 1024, 2048, [3000, 0, 2500, 128, 4000, 1, 3755, 3000]),
+    "rows_64k": (65536, 256, 1024, None),  # 32 Dirichlet-sized experts
+}
+
+# The largest of them: where a bound that grew with the problem would stop rejecting.
+LARGEST = ["ragged_with_empty", "tile_n_256", "rows_64k"]
+
+
+def grouping(name: str) -> tuple[int, int, int, list[int]]:
+    """(m, k, n, group sizes) of a case."""
+    m, k, n, sizes = GROUPINGS[name]
+    if sizes is None:
+        rng = np.random.default_rng(5)
+        sizes = np.floor(rng.dirichlet(np.ones(32)) * m).astype(int)
+        sizes[-1] += m - sizes.sum()
+        sizes = sizes.tolist()
+    return m, k, n, sizes
