@@ -16,6 +16,7 @@
 #   layer     benchmarks/bench_layer.py: moe_mlp's step and forward, every variant (estimated 5-8 min)
 #   determinism_warm   benchmarks/determinism_across_processes.py, kernels from the cache
 #   determinism_fresh  the same, every kernel compiled in each process
+#   determinism_parallel  benchmarks/determinism_parallel.sh: 4 processes of each, side by side
 #   sweep     benchmarks/sweep_configs.py (tile configurations at the benchmark shapes)
 #   sanitize  a small subset of the GPU tests under compute-sanitizer (memcheck)
 #
@@ -106,30 +107,29 @@ for mode in warm fresh; do
   fi
 done
 
+if [[ $stages == *,determinism_parallel,* ]]; then
+  timeout 280 bash benchmarks/determinism_parallel.sh 4 "$commit" 2>&1 | tail -3 | tee -a "$log"
+  echo "determinism_parallel exit $?" | tee -a "$log"
+fi
+
 if [[ $stages == *,sweep,* ]]; then
   timeout 120 python3 benchmarks/sweep_configs.py --out "$OUT" 2>&1 | tee -a "$log"
   echo "sweep exit $?" | tee -a "$log"
 fi
 
 if [[ $stages == *,sanitize,* ]]; then
-  # Small cases: every boundary situation in both modes, under memcheck, then racecheck.
+  # Boundary cases of every kernel, first under memcheck, then racecheck: the fused kernel
+  # in both modes with negative sizes and one row; the grouped-GEMM family with negative
+  # sizes, sums past m, one-row experts and an expert of exactly one tile.
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   for check in \
-      "memcheck|bf16 and (negative or past_m or one_row or all_empty)" \
-      "memcheck|ragged_with_empty or short_of_m or negative" \
-      "racecheck|bf16 and (short_of_m or one_row)"; do
-    tool=${check%%|*}
-    timeout 200 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -rs \
-      -p no:cacheprovider -m gpu tests/test_sm90.py \
-      -k "test_matches_float64_contract and (${check#*|})" 2>&1 | tail -20 | tee -a "$log"
-    echo "$tool exit $?" | tee -a "$log"
-  done
-  # The grouped-GEMM family at its boundary cases: negative sizes, sums past m, one-row
-  # experts, an expert of exactly one tile, all experts empty.
-  for tool in memcheck racecheck; do
-    timeout 200 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -rs \
-      -p no:cacheprovider -m gpu tests/test_sm90_gemms.py \
-      -k "bfloat16 and (negative or past_m or one_row or exact_tile or all_empty)" 2>&1 | tail -20 | tee -a "$log"
-    echo "$tool gemms exit $?" | tee -a "$log"
+      "memcheck|tests/test_sm90_gemms.py|bfloat16 and (negative or exact_tile)" \
+      "racecheck|tests/test_sm90_gemms.py|bfloat16 and exact_tile and (dx_nk or up_srelu_bias or contraction)" \
+      "memcheck|tests/test_sm90.py|test_matches_float64_contract and bf16 and negative" \
+      "racecheck|tests/test_sm90.py|test_matches_float64_contract and bf16 and one_row"; do
+    IFS="|" read -r tool file selection <<<"$check"
+    timeout 75 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -rs \
+      -p no:cacheprovider -m gpu "$file" -k "$selection" 2>&1 | tail -6 | tee -a "$log"
+    echo "$tool $file exit $?" | tee -a "$log"
   done
 fi
