@@ -7,7 +7,7 @@
 # Starts PROCESSES fresh processes of benchmarks/process_digests.py (every output of
 # moe_mlp's deterministic step on the sm90 kernels, 20 calls each) and as many of
 # examples/train_moe.py --dtype bfloat16 --deterministic, kernels from the carried cache,
-# XLA's default flags. Writes their output and $OUT/determinism_parallel.json.
+# with the caller's XLA_FLAGS (none: XLA's defaults). Writes their output and $OUT/determinism_parallel.json.
 processes="$1"
 commit="$2"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -23,7 +23,7 @@ import json, os, re, subprocess, sys
 processes, commit, digests, example = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 out = os.environ["OUT"]
 device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-record = dict(device=device, commit=commit, processes=processes, xla_flags="default",
+record = dict(device=device, commit=commit, processes=processes, xla_flags=os.environ.get("XLA_FLAGS", "") or "default",
               commands=dict(digests=digests, example=example), digests=[], example_digests=[])
 for i in range(1, processes + 1):
     lines = [l for l in open(f"{out}/digests_{i}.txt") if l.startswith("{")]
