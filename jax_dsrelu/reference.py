@@ -59,9 +59,18 @@ def grouped_gemm_dsrelu_reference(
         outputs.append(groups.per_expert_outer(dh_f32, ones, sizes)[:, :, 0])
     if with_act:
         outputs.append(jnp.where(owned_col, r * r * p, 0.0).astype(out_dtype))
-    # max is exact, so any order gives the same bits; NaN wins like jnp.max's.
-    row_amax = jnp.max(jnp.abs(dh_f32), axis=1, initial=0.0)
+    row_amax = _max_with_nan(jnp.abs(dh_f32), axis=1)
     membership = expert[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None]
     membership &= owned[None, :]
-    outputs.append(jnp.max(jnp.where(membership, row_amax[None, :], 0.0), axis=1, initial=0.0))
+    outputs.append(_max_with_nan(jnp.where(membership, row_amax[None, :], 0.0), axis=1))
     return tuple(outputs)
+
+
+def _max_with_nan(x: jax.Array, axis: int) -> jax.Array:
+    """max over `axis` (0 when empty), NaN wherever a NaN is reduced.
+
+    max is exact, so any order gives the same bits. The NaN is made explicit because
+    XLA's CPU max reduction drops it at some shapes (its vectorized min/max is not
+    NaN-propagating), and the contract lets NaN propagate.
+    """
+    return jnp.where(jnp.isnan(x).any(axis=axis), jnp.nan, jnp.max(x, axis=axis, initial=0.0))

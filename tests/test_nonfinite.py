@@ -21,6 +21,9 @@ import jax_dsrelu
 
 SIZES = [9, 0, 23, 1, 15]  # ragged, with an empty expert; rows past the total own none
 NUM_ROWS = 56
+# Columns of dh: wide enough that XLA's CPU max reduction takes its vectorized path, which
+# drops NaN unless amax says otherwise.
+NUM_COLS = 136
 SPECIALS = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
 POISONED = [0, 2, 3]  # the first expert, one in the middle, a one-row expert
 
@@ -52,7 +55,7 @@ def dsrelu(grad, weight, preact, prob, group_sizes, alpha):
 @pytest.mark.parametrize("poisoned", POISONED)
 def test_grouped_gemm_dsrelu_keeps_a_bad_weight_in_its_expert(poisoned, special, dtype):
     rng = np.random.default_rng(100 * poisoned + len(special))
-    grad, weight, preact, prob, group_sizes = make_inputs(rng, NUM_ROWS, 16, 24, SIZES, dtype)
+    grad, weight, preact, prob, group_sizes = make_inputs(rng, NUM_ROWS, 16, NUM_COLS, SIZES, dtype)
     alpha = jnp.asarray(rng.uniform(0.5, 2.0, len(SIZES)), jnp.float32)
     bad_weight = weight.at[poisoned, 5, 3].set(SPECIALS[special])
     out, clean = (dsrelu(grad, w, preact, prob, group_sizes, alpha) for w in (bad_weight, weight))

@@ -30,7 +30,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
 
-from contract_numpy import assert_matches_contract  # noqa: E402
+import contract_numpy  # noqa: E402
+from contract_numpy import assert_matches_contract, expert_rows  # noqa: E402
 from kernel_cases import GROUPINGS, grouping  # noqa: E402
 from test_gpu_xla import distinct_results  # noqa: E402
 from test_layer import make_layer_inputs  # noqa: E402
@@ -116,7 +117,11 @@ def test_lowers_to_one_custom_call_without_scatter(deterministic):
 
 
 @pytest.mark.compile
-def test_new_row_count_does_not_recompile():
+def test_new_row_count_does_not_recompile(monkeypatch):
+    # Whatever this process compiled before and whatever the disk cache holds: with an
+    # empty cache and no disk cache the first lowering compiles, the next two do not.
+    monkeypatch.delenv(cutlass_bridge.CACHE_DIR_VARIABLE, raising=False)
+    monkeypatch.setattr(cutlass_bridge, "_cache", {})
     k, n, num_experts = 512, 384, 5
     before = cutlass_bridge.compile_count()
     texts = [lower_for_cuda(m, k, n, num_experts, True).as_text() for m in (3000, 4097, 70001)]
@@ -132,11 +137,9 @@ def test_zero_rows_need_no_kernel():
     assert not CUSTOM_CALL.findall(text)
     request = request_for(64, 32, 3, deterministic=True)
     inputs = make_inputs(np.random.default_rng(0), 0, 64, 32, [0, 5, -1], jnp.bfloat16)
-    out = lowering.implementation(request)(*inputs, jnp.ones(3, jnp.float32))
-    dh, dprob, dbias, act, amax = out
-    assert dh.shape == (0, 32) and act.shape == (0, 32) and dprob.shape == (0,)
-    np.testing.assert_array_equal(dbias, np.zeros((3, 32)))
-    np.testing.assert_array_equal(amax, np.zeros(3))
+    out = jax_dsrelu.DsreluOutputs(*lowering.implementation(request)(*inputs, jnp.ones(3, jnp.float32)))
+    # Empty dh, dprob and act of the contract's shapes and dtypes; dbias and amax 0.
+    assert_matches_contract(out, inputs)
 
 
 REFUSALS = {
@@ -251,20 +254,54 @@ def test_zero_rows_on_gpu(hopper):
 
 
 @pytest.mark.gpu
-def test_nan_and_inf_propagate(hopper):
+def test_nan_and_inf_propagate_within_their_expert(hopper):
     rng = np.random.default_rng(12)
-    grad, weight, preact, prob, group_sizes = make_inputs(rng, 512, 128, 256, [200, 312], jnp.bfloat16)
-    preact = preact.at[3, 5].set(jnp.nan).at[300, 7].set(jnp.inf)
-    out = jax_dsrelu.grouped_gemm_dsrelu(
-        grad, weight, preact, prob, group_sizes, with_dbias=True, with_act=True, backend="sm90"
+    inputs = make_inputs(rng, 512, 128, 256, [200, 150, 162], jnp.bfloat16)
+    grad, weight, preact, prob, group_sizes = inputs
+    preact = preact.at[3, 5].set(jnp.nan).at[300, 7].set(jnp.inf)  # experts 0 and 1
+    weight = weight.at[2, 17, 3].set(-jnp.inf)  # expert 2's weights, read by no other rows
+    poisoned = (grad, weight, preact, prob, group_sizes)
+    for backend in ("sm90", "xla"):
+        out = jax_dsrelu.grouped_gemm_dsrelu(*poisoned, with_dbias=True, with_act=True, backend=backend)
+        # The float64 contract's NaN and Inf, entry by entry, and its values elsewhere.
+        assert_matches_contract(out, poisoned)
+        assert np.isnan(out.amax[0]) and np.isnan(out.dprob[3]), backend
+
+
+def rows_with_every_product_far_from_zero(inputs) -> list[int]:
+    """In every non-empty expert, the row whose smallest |grad . weight[e, j]| is largest,
+    so that no rounding can change the sign of an infinite dh there."""
+    grad, weight, _, _, group_sizes = inputs
+    chosen = []
+    for e, (start, end) in enumerate(expert_rows(group_sizes, grad.shape[0])):
+        if end > start:
+            g = np.asarray(grad[start:end], np.float64) @ np.asarray(weight[e], np.float64).T
+            chosen.append(start + int(np.argmax(np.min(np.abs(g), axis=1))))
+    return chosen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("n, tile_n", [(448, 256), (320, 128)])
+def test_amax_ignores_the_padding_columns_of_a_partial_n_tile(hopper, n, tile_n, deterministic):
+    """The last N-tile is partial (448 = 256 + 192 real columns of a 256-column tile; 320 =
+    2 x 128 + 64 of a 128-column tile). A row with prob = Inf and relu(preact) > 0 has
+    dh = +-Inf on every real column, so amax = Inf; a padding column (acc = 0, preact = 0)
+    would give Inf * 0 = NaN if it were counted."""
+    rng = np.random.default_rng(13 + n)
+    sizes = [300, 0, 257, 1, 342]
+    inputs = make_inputs(rng, 1000, 128, n, sizes, jnp.bfloat16)
+    assert sm90_config.choose_config(request_for(128, n, len(sizes))).tile_n == tile_n and n % tile_n
+    grad, weight, preact, prob, group_sizes = inputs
+    rows = np.asarray(rows_with_every_product_far_from_zero(inputs))
+    preact = preact.at[rows].set(jnp.abs(preact[rows]) + 0.25)
+    prob = prob.at[rows].set(jnp.inf)
+    poisoned = (grad, weight, preact, prob, group_sizes)
+    np.testing.assert_array_equal(
+        contract_numpy.grouped_gemm_dsrelu(*poisoned).amax, [np.inf, 0.0, np.inf, np.inf, np.inf]
     )
-    ref = jax_dsrelu.grouped_gemm_dsrelu(
-        grad, weight, preact, prob, group_sizes, with_dbias=True, with_act=True, backend="xla"
-    )
-    for name in ("dh", "act", "dprob", "dbias", "amax"):
-        np.testing.assert_array_equal(np.isnan(getattr(out, name)), np.isnan(getattr(ref, name)), err_msg=name)
-        np.testing.assert_array_equal(np.isinf(getattr(out, name)), np.isinf(getattr(ref, name)), err_msg=name)
-    assert np.isnan(out.amax[0]) and np.isnan(out.dprob[3])
+    out = run_in_place(poisoned, jnp.ones(len(sizes), jnp.float32), deterministic=deterministic)
+    assert_matches_contract(out, poisoned)
 
 
 # The configuration at which atomic reductions were seen to vary from run to run (8 experts
