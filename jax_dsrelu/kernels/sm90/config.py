@@ -26,6 +26,30 @@ _SIXTEEN_BIT = (np.dtype("bfloat16"), np.dtype("float16"))
 DEFAULT_SM_COUNT = 132
 
 
+def _check_tile(config, positive: tuple[str, ...]) -> None:
+    """The checks every config of the family shares: the tile shape the cooperative
+    consumers and wgmma allow, a pipeline deep enough to overlap loads and wgmma, and
+    positive counts."""
+    if config.tile_m != TILE_M:
+        raise ValueError(f"tile_m must be {TILE_M} (two 64-row consumer warpgroups), got {config.tile_m}")
+    if config.tile_n not in (64, 128, 192, 256):
+        raise ValueError(f"tile_n must be 64, 128, 192 or 256 (a wgmma N), got {config.tile_n}")
+    if config.tile_k not in (32, 64):
+        raise ValueError(f"tile_k must be 32 or 64 (a 64- or 128-byte swizzle row), got {config.tile_k}")
+    if config.ab_stages < 2:
+        raise ValueError(f"ab_stages must be at least 2 to overlap loads and wgmma, got {config.ab_stages}")
+    for name in positive:
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
+
+
+def _check_subtiles(config) -> None:
+    # Each thread holds epi_n / 4 columns of a subtile; the dsReLU column reduction
+    # scatters them over the 8 row groups of a warp, so it needs at least 8.
+    if config.epi_n not in (32, 64) or config.tile_n % config.epi_n:
+        raise ValueError(f"epi_n must be 32 or 64 and divide tile_n={config.tile_n}, got {config.epi_n}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
     """Static tile configuration of the kernel; `__post_init__` is the one validity check.
@@ -47,21 +71,8 @@ class TileConfig:
     tile_m: int = TILE_M
 
     def __post_init__(self) -> None:
-        if self.tile_m != TILE_M:
-            raise ValueError(f"tile_m must be {TILE_M} (two 64-row consumer warpgroups), got {self.tile_m}")
-        if self.tile_n not in (64, 128, 192, 256):
-            raise ValueError(f"tile_n must be 64, 128, 192 or 256 (a wgmma N), got {self.tile_n}")
-        if self.tile_k not in (32, 64):
-            raise ValueError(f"tile_k must be 32 or 64 (a 64- or 128-byte swizzle row), got {self.tile_k}")
-        # Each thread holds epi_n / 4 columns of a subtile; the column reduction scatters
-        # them over the 8 row groups of a warp, so it needs at least 8.
-        if self.epi_n not in (32, 64) or self.tile_n % self.epi_n:
-            raise ValueError(f"epi_n must be 32 or 64 and divide tile_n={self.tile_n}, got {self.epi_n}")
-        for name in ("ab_stages", "preact_stages", "store_stages", "max_ctas"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.ab_stages < 2:
-            raise ValueError(f"ab_stages must be at least 2 to overlap loads and wgmma, got {self.ab_stages}")
+        _check_tile(self, ("preact_stages", "store_stages", "max_ctas"))
+        _check_subtiles(self)
 
     @property
     def subtiles(self) -> int:
@@ -168,19 +179,8 @@ class GemmConfig:
     tile_m: int = TILE_M
 
     def __post_init__(self) -> None:
-        if self.tile_m != TILE_M:
-            raise ValueError(f"tile_m must be {TILE_M} (two 64-row consumer warpgroups), got {self.tile_m}")
-        if self.tile_n not in (64, 128, 192, 256):
-            raise ValueError(f"tile_n must be 64, 128, 192 or 256 (a wgmma N), got {self.tile_n}")
-        if self.tile_k not in (32, 64):
-            raise ValueError(f"tile_k must be 32 or 64 (a 64- or 128-byte swizzle row), got {self.tile_k}")
-        if self.epi_n not in (32, 64) or self.tile_n % self.epi_n:
-            raise ValueError(f"epi_n must be 32 or 64 and divide tile_n={self.tile_n}, got {self.epi_n}")
-        if self.ab_stages < 2:
-            raise ValueError(f"ab_stages must be at least 2 to overlap loads and wgmma, got {self.ab_stages}")
-        for name in ("store_stages", "max_ctas"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        _check_tile(self, ("store_stages", "max_ctas"))
+        _check_subtiles(self)
 
     @property
     def subtiles(self) -> int:
@@ -205,16 +205,7 @@ class ContractConfig:
     tile_m: int = TILE_M
 
     def __post_init__(self) -> None:
-        if self.tile_m != TILE_M:
-            raise ValueError(f"tile_m must be {TILE_M} (two 64-row consumer warpgroups), got {self.tile_m}")
-        if self.tile_n not in (64, 128, 192, 256):
-            raise ValueError(f"tile_n must be 64, 128, 192 or 256 (a wgmma N), got {self.tile_n}")
-        # MN-major operands: a k-tile is tile_k rows of 16-bit values, any multiple of the
-        # wgmma K of 16 that keeps the TMA box within 256 rows.
-        if self.tile_k not in (32, 64):
-            raise ValueError(f"tile_k must be 32 or 64, got {self.tile_k}")
-        if self.ab_stages < 2:
-            raise ValueError(f"ab_stages must be at least 2 to overlap loads and wgmma, got {self.ab_stages}")
+        _check_tile(self, ())
 
     def smem_bytes(self, num_experts: int) -> int:
         ab = self.ab_stages * (self.tile_m + self.tile_n) * self.tile_k * 2
