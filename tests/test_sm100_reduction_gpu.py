@@ -1,7 +1,7 @@
 """The deterministic reduction pass on the slot layout cuDNN's Blackwell kernel writes.
 
 Runs on any CUDA GPU: the pass (`jax_dsrelu.kernels.slot_reduction`, driven through
-`jax_dsrelu.ffi.sm100_slots`) is plain CuTe DSL, compiled for the visible device, so
+`jax_dsrelu.kernels.sm100.slots`) is plain CuTe DSL, compiled for the visible device, so
 the team's H200 checks what cuDNN's kernel cannot be run here to check. The slots are
 synthetic but laid out exactly as the kernel leaves them: float32 dprob slots (M_pad, S_p)
 with one slot per 256-column N-tile, bfloat16 dbias slots (M_pad / 128, n) with one slot
@@ -54,7 +54,7 @@ def _run_pass(path: str) -> None:
     from cutlass.jax import cutlass_call
 
     from jax_dsrelu.ffi import sm100_layout as layout
-    from jax_dsrelu.ffi import sm100_slots as slots
+    from jax_dsrelu.kernels.sm100 import slots
     from jax_dsrelu.kernels.slot_reduction import SlotReduction
     from jax_dsrelu.kernels.sm100.config import CONFIG
 

@@ -49,7 +49,7 @@ from cudnn.gemm.cutedsl.grouped.moe_utils import MoEWeightMode
 from cutlass.cute.nvgpu import OperandMajorMode
 
 from jax_dsrelu import request as request_facts
-from jax_dsrelu.ffi import sm100_slots as slots
+from jax_dsrelu.kernels.sm100 import slots
 from jax_dsrelu.kernels.slot_reduction import SlotReduction
 from jax_dsrelu.kernels.sm100.config import Sm100Config
 from jax_dsrelu.request import Request
