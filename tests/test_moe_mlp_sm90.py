@@ -78,12 +78,27 @@ def lowered_text(dtype=jnp.bfloat16, deterministic=True, with_b1=True):
 def test_training_step_runs_every_gemm_on_the_kernels(deterministic):
     text = lowered_text(deterministic=deterministic)
     assert CUSTOM_CALL.findall(text).count(KERNEL_TARGET) == 6
-    assert "ragged_dot" not in text and "ragged" not in text.replace("jax_dsrelu", "")
+    assert_no_xla_gemm(text)
+
+
+def assert_no_xla_gemm(text: str) -> None:
+    # The ops outside the custom calls (whose attributes hold the kernels' object code).
+    ops = "\n".join(line for line in text.splitlines() if "stablehlo.custom_call" not in line)
+    assert not re.search(r"\b(stablehlo|chlo|mhlo)\.ragged", ops), "an XLA ragged dot is left"
     # No layer-sized GEMM left to XLA: no dot at all, and nothing scattered.
-    assert "stablehlo.dot" not in text and "dot_general" not in text
-    assert "scatter" not in text
+    assert not re.search(r"\bstablehlo\.(dot|dot_general)\b", ops), "an XLA dot is left"
+    assert not re.search(r"\bstablehlo\.scatter\b", ops), "a scatter is left"
     # Weights are read in place: no transpose of a 3-D (expert) tensor.
-    assert not re.search(r"stablehlo\.transpose[^\n]*tensor<8x", text)
+    assert not re.search(r"stablehlo\.transpose[^\n]*tensor<8x", ops), "a weight is transposed"
+
+
+@pytest.mark.compile
+def test_the_checks_catch_the_xla_step():
+    inputs, group_sizes, cotangent = layer_inputs(jnp.bfloat16, True, 0)
+    fn = step("xla", True, group_sizes, cotangent, True)
+    text = fn.trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(AssertionError, match="XLA dot"):
+        assert_no_xla_gemm(text)
 
 
 # ----------------------------------------------------------------------------- GPU tier
