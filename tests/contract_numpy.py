@@ -104,6 +104,15 @@ def gamma(count, unit: float):
     return product / (1.0 - product)
 
 
+def tolerance(terms: np.ndarray, num_summed, out_dtype=np.float32) -> np.ndarray:
+    """Absolute error bound of a float32-accumulated dot or sum of `num_summed` products,
+    `terms` being the sum of their absolute values, rounded once to out_dtype: the
+    accumulation's gamma (DOT_UNIT per operation, as for the k-dot above), the final
+    rounding, and near zero half the output dtype's subnormal step."""
+    subnormal_step = float(ml_dtypes.finfo(np.dtype(out_dtype)).smallest_subnormal)
+    return (gamma(num_summed, DOT_UNIT) + unit_roundoff(out_dtype)) * terms + subnormal_step
+
+
 def grouped_gemm_dsrelu(
     grad, weight, preact, prob, group_sizes, alpha=None, out_dtype=np.dtype(ml_dtypes.bfloat16)
 ) -> Expected:

@@ -102,11 +102,8 @@ def test_sharded_jit_partitions_and_matches_one_device(mesh_shape, names, specs)
     np.testing.assert_array_equal(np.asarray(sharded.act), np.asarray(single.act))
     np.testing.assert_array_equal(np.asarray(sharded.amax), np.asarray(single.amax))
     exact = contract_numpy.grouped_gemm_dsrelu(grad, weight, preact, prob, group_sizes, None)
-    num_summed = weight.shape[1] * weight.shape[2]  # n columns of k-long dots
-    np.testing.assert_array_less(
-        np.abs(np.asarray(sharded.dprob) - np.asarray(single.dprob)),
-        2 * contract_numpy.tolerance(exact.dprob_terms, num_summed),
-    )
+    # Both are within the contract's bound of the exact value, so within twice it of each other.
+    assert (np.abs(np.asarray(sharded.dprob, np.float64) - np.asarray(single.dprob)) <= 2 * exact.dprob_bound).all()
     np.testing.assert_allclose(sharded.dbias, single.dbias, rtol=1e-5, atol=1e-5)
 
     again = run(*sharded_args)

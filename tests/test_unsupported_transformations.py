@@ -49,5 +49,6 @@ def test_moe_mlp_has_no_forward_mode():
 
 def test_moe_mlp_has_no_second_derivative():
     loss, x = layer_loss()
-    with pytest.raises(NotImplementedError, match="Differentiation rule for 'grouped_gemm_dsrelu' not implemented"):
+    # The backward's first primitive to be differentiated refuses (one of the library's).
+    with pytest.raises(NotImplementedError, match="Differentiation rule for '(grouped_gemm_dsrelu|ragged_\\w+)' not implemented"):
         jax.grad(lambda x: jax.grad(loss)(x).sum())(x)
