@@ -26,26 +26,15 @@ import numpy as np
 
 from jax_dsrelu.ffi import cutlass_bridge
 from jax_dsrelu.ffi.cutlass_bridge import Operand
+from jax_dsrelu.ffi.sm90 import ARCH, sm_count
 from jax_dsrelu.kernels.sm90 import config as sm90_config
 from jax_dsrelu.kernels.sm90.mainloop import MAX_ROWS
 from jax_dsrelu.request import RaggedContractRequest, RaggedMatmulRequest
-
-# wgmma and setmaxnreg exist only on the architecture-specific sm_90a target.
-ARCH = "sm_90a"
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
 # How the kernels see rhs: (n, k, E) whichever way it is stored.
 _RHS_MODES = {"kn": (2, 1, 0), "nk": (1, 2, 0)}
-
-
-def sm_count() -> int:
-    """Multiprocessors of the visible GPU (the persistent grid size), or the H100/H200 count."""
-    try:
-        devices = jax.devices("cuda")
-    except RuntimeError:
-        return sm90_config.DEFAULT_SM_COUNT
-    return int(getattr(devices[0], "core_count", sm90_config.DEFAULT_SM_COUNT))
 
 
 def _rows(dtype, rank: int = 2, mode=None) -> Operand:
