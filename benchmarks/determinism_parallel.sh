@@ -2,28 +2,43 @@
 # Bitwise reproducibility across processes, with the processes run side by side on one GPU
 # (faster than one after another; a process's result does not depend on its neighbours).
 #
-#   bash benchmarks/determinism_parallel.sh PROCESSES COMMIT
+#   bash benchmarks/determinism_parallel.sh PROCESSES COMMIT MODE NAME
 #
 # Starts PROCESSES fresh processes of benchmarks/process_digests.py (every output of
 # moe_mlp's deterministic step on the sm90 kernels, 20 calls each) and as many of
-# examples/train_moe.py --dtype bfloat16 --deterministic, kernels from the carried cache,
-# with the caller's XLA_FLAGS (none: XLA's defaults). Writes their output and $OUT/determinism_parallel.json.
+# examples/train_moe.py --dtype bfloat16 --deterministic, with the caller's XLA_FLAGS
+# (none: XLA's defaults). MODE says where their kernels come from:
+#   warm   the carried disk cache (JAX_DSRELU_KERNEL_CACHE): no process compiles a kernel
+#   fresh  a new empty cache per process: every process compiles every kernel it runs
+# Writes their output under $OUT/NAME/ and the summary to $OUT/NAME.json.
 processes="$1"
 commit="$2"
+mode="$3"
+name="$4"
+[[ $mode == warm || $mode == fresh ]] || { echo "MODE must be warm or fresh, got '$mode'" >&2; exit 2; }
+[[ -n $name ]] || { echo "NAME (the JSON's name) is missing" >&2; exit 2; }
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+logs="$OUT/$name"
+mkdir -p "$logs"
+limit=$([[ $mode == warm ]] && echo 240 || echo 420)
 digests="python3 benchmarks/process_digests.py --backends sm90 --runs 20"
 example="python3 examples/train_moe.py --dtype bfloat16 --deterministic"
 for i in $(seq "$processes"); do
-  timeout 240 $digests --label "process $i" > "$OUT/digests_$i.txt" 2> "$OUT/digests_$i.err" &
-  timeout 240 $example > "$OUT/train_moe_$i.txt" 2> "$OUT/train_moe_$i.err" &
+  for script in digests train_moe; do
+    if [[ $mode == fresh ]]; then
+      export JAX_DSRELU_KERNEL_CACHE="$(mktemp -d)"
+    fi
+    command=$([[ $script == digests ]] && echo "$digests --label process_$i" || echo "$example")
+    timeout $limit $command > "$logs/${script}_$i.txt" 2> "$logs/${script}_$i.err" &
+  done
 done
 wait
-python3 - "$processes" "$commit" "$digests" "$example" <<'PY'
+python3 - "$processes" "$commit" "$digests" "$example" "$mode" "$logs" <<'PY'
 import json, os, re, subprocess, sys
-processes, commit, digests, example = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-out = os.environ["OUT"]
+processes, commit, digests, example, mode, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
 device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-record = dict(device=device, commit=commit, processes=processes, xla_flags=os.environ.get("XLA_FLAGS", "") or "default",
+record = dict(device=device, commit=commit, processes=processes, kernel_cache=mode,
+              xla_flags=os.environ.get("XLA_FLAGS", "") or "default",
               commands=dict(digests=digests, example=example), digests=[], example_digests=[])
 for i in range(1, processes + 1):
     lines = [l for l in open(f"{out}/digests_{i}.txt") if l.startswith("{")]
@@ -34,6 +49,10 @@ def canonical(line):
     return None if line is None else json.dumps(line["results"], sort_keys=True)
 record["digests_distinct_across_processes"] = len({canonical(d) for d in record["digests"]})
 record["example_digests_distinct_across_processes"] = len(set(record["example_digests"]))
-json.dump(record, open(f"{out}/determinism_parallel.json", "w"), indent=1)
-print(json.dumps({k: record[k] for k in ("digests_distinct_across_processes", "example_digests_distinct_across_processes", "example_digests")}))
+names = sorted({name for d in record["digests"] if d for name in d["results"]})
+record["distinct_across_processes_by_computation"] = {
+    name: len({json.dumps(d["results"].get(name), sort_keys=True) for d in record["digests"] if d}) for name in names}
+json.dump(record, open(f"{out}.json", "w"), indent=1)
+print(json.dumps({k: record[k] for k in ("kernel_cache", "xla_flags", "distinct_across_processes_by_computation",
+                                         "example_digests_distinct_across_processes", "example_digests")}))
 PY

@@ -10,13 +10,18 @@
 #   tests     the whole GPU tier: python -m pytest -m gpu tests/
 #   examples  examples/train_moe.py and expert_parallel.py in bfloat16 on the GPU, each run
 #             twice with --deterministic (the digests must agree)
+#   lm        examples/train_lm.py with its docstring's GPU command, --deterministic; Flax,
+#             optax and their imports come from a carried lm_deps.tar.zst of pure-Python
+#             packages (the GPU machine has none of them)
 #   sass      disassembles the benchmark kernels' cubins: HGMMA present, no LDL/STL
 #   bench     benchmarks/bench_dsrelu.py
 #   gemms     benchmarks/bench_gemms.py: the six grouped GEMMs of a layer step (estimated 3-5 min)
 #   layer     benchmarks/bench_layer.py: moe_mlp's step and forward, every variant (estimated 5-8 min)
 #   determinism_warm   benchmarks/determinism_across_processes.py, kernels from the cache
 #   determinism_fresh  the same, every kernel compiled in each process
-#   determinism_parallel  benchmarks/determinism_parallel.sh: 4 processes of each, side by side
+#   determinism_parallel  benchmarks/determinism_parallel.sh: PARALLEL_PROCESSES (4) processes of
+#             each, side by side, kernels from PARALLEL_MODE (warm: the cache; fresh: compiled
+#             in each process), with the caller's XLA_FLAGS; JSON named PARALLEL_NAME
 #   sweep     benchmarks/sweep_configs.py (tile configurations at the benchmark shapes)
 #   sanitize  a small subset of the GPU tests under compute-sanitizer (memcheck)
 #
@@ -33,6 +38,10 @@ export PYTHONPATH="$PWD:$PWD/tests:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 export JAX_DSRELU_KERNEL_CACHE="$PWD/.kernels/cache"
 export PYTHONUNBUFFERED=1
 log="$OUT/run.log"
+# The kernel cache compresses about 20x, and a call carries at most 64 MiB.
+if [[ -f .kernels.tar.zst ]]; then
+  .gpu/zstd -dc .kernels.tar.zst | tar -xf -
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee -a "$log"
 
 if [[ $stages == *,prebuild,* ]]; then
@@ -65,6 +74,15 @@ if [[ $stages == *,examples,* ]]; then
       echo "$example run $run exit $?" | tee -a "$log"
     done
   done
+fi
+
+if [[ $stages == *,lm,* ]]; then
+  mkdir -p /tmp/lm_deps && .gpu/zstd -dc lm_deps.tar.zst | tar -xf - -C /tmp/lm_deps
+  PYTHONPATH="$PYTHONPATH:/tmp/lm_deps" timeout 400 python3 examples/train_lm.py --dtype bfloat16 --backend sm90 \
+    --d-model 512 --layers 4 --experts 8 --d-ff 1024 --seq-len 256 --batch 64 --steps 2000 --deterministic \
+    --plot "$OUT/train_lm_gpu.png" > "$OUT/train_lm_gpu.log" 2>&1
+  echo "lm exit $?" | tee -a "$log"
+  tail -12 "$OUT/train_lm_gpu.log" | tee -a "$log"
 fi
 
 if [[ $stages == *,sass,* ]]; then
@@ -108,7 +126,8 @@ for mode in warm fresh; do
 done
 
 if [[ $stages == *,determinism_parallel,* ]]; then
-  timeout 280 bash benchmarks/determinism_parallel.sh 4 "$commit" 2>&1 | tail -3 | tee -a "$log"
+  timeout 560 bash benchmarks/determinism_parallel.sh "${PARALLEL_PROCESSES:-4}" "$commit" \
+    "${PARALLEL_MODE:-warm}" "${PARALLEL_NAME:-determinism_parallel}" 2>&1 | tail -3 | tee -a "$log"
   echo "determinism_parallel exit $?" | tee -a "$log"
 fi
 
@@ -123,8 +142,8 @@ if [[ $stages == *,sanitize,* ]]; then
   # sizes, sums past m, one-row experts and an expert of exactly one tile.
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   for check in \
-      "memcheck|tests/test_sm90_gemms.py|bfloat16 and (negative or exact_tile)" \
-      "racecheck|tests/test_sm90_gemms.py|bfloat16 and exact_tile and (dx_nk or up_srelu_bias or contraction)" \
+      "memcheck|tests/test_sm90_gemms.py|bfloat16 and (negative or exact_tile or past_m)" \
+      "racecheck|tests/test_sm90_gemms.py|bfloat16 and (exact_tile or past_m) and (dx_nk or up_srelu_bias or contraction)" \
       "memcheck|tests/test_sm90.py|test_matches_float64_contract and bf16 and negative" \
       "racecheck|tests/test_sm90.py|test_matches_float64_contract and bf16 and one_row"; do
     IFS="|" read -r tool file selection <<<"$check"

@@ -42,6 +42,7 @@ import test_sm90  # noqa: E402
 import train_moe  # noqa: E402
 from bench_dsrelu import SHAPES  # noqa: E402
 
+import jax_dsrelu  # noqa: E402
 from jax_dsrelu.ffi import cutlass_bridge  # noqa: E402
 from jax_dsrelu.ffi import sm90 as lowering  # noqa: E402
 from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
@@ -115,6 +116,35 @@ def example_shapes():
     return params(jnp.bfloat16), params(jnp.float32), jax.ShapeDtypeStruct((TOKENS, D_MODEL), jnp.float32)
 
 
+# examples/train_lm.py's GPU command (its docstring): batch 64 x seq-len 256 tokens, d_model
+# 512, d_ff 1024, 8 experts, top-2, bfloat16 experts; its activations reach the layer in float32.
+LM_TOKENS, LM_D_MODEL, LM_D_FF, LM_EXPERTS = 64 * 256, 512, 1024, 8
+
+
+def lower_language_model():
+    """Lowers for cuda the gradients of the layer that examples/train_lm.py's MoE module
+    calls at its GPU command's shapes (the module is a thin wrapper over moe_layer, so
+    the same static facts give the same kernels, without needing Flax here)."""
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    shapes = dict(
+        x=jax.ShapeDtypeStruct((LM_TOKENS, LM_D_MODEL), f32),
+        router=jax.ShapeDtypeStruct((LM_D_MODEL, LM_EXPERTS), f32),
+        w1=jax.ShapeDtypeStruct((LM_EXPERTS, LM_D_MODEL, LM_D_FF), bf16),
+        w2=jax.ShapeDtypeStruct((LM_EXPERTS, LM_D_FF, LM_D_MODEL), bf16),
+        b1=jax.ShapeDtypeStruct((LM_EXPERTS, LM_D_FF), f32),
+    )
+    for deterministic in (False, True):
+        def loss(x, router, w1, w2, b1, deterministic=deterministic):
+            out = jax_dsrelu.moe_layer(x, router, w1, w2, b1=b1, top_k=TOP_K, deterministic=deterministic)
+            return jnp.sum(out.astype(f32))
+
+        cuda_lowering.lower_for_cuda(
+            f"examples/train_lm.py layer deterministic={deterministic}",
+            jax.grad(loss, argnums=tuple(range(5))),
+            *shapes.values(),
+        )
+
+
 def job_names() -> list[str]:
     """Independent pieces of work, each small enough to be one process's job: a kernel by
     request, or the lowering of one script's functions at one shape."""
@@ -125,7 +155,7 @@ def job_names() -> list[str]:
     names += [f"bench_dsrelu {i}" for i in range(len(bench_dsrelu.SHAPES))]
     names += [f"bench_gemms {i}" for i in range(len(bench_gemms.SHAPES))]
     names += [f"bench_layer {i}" for i in range(len(bench_layer.SHAPES))]
-    names += ["process_digests", "tests moe_mlp and examples", "determinism tests"]
+    names += ["process_digests", "tests moe_mlp and examples", "determinism tests", "language model"]
     return names
 
 
@@ -188,6 +218,8 @@ def run_job(name: str) -> str:
         lower_tests_and_examples()
     elif kind == "determinism tests":
         lower_determinism_tests()
+    elif kind == "language model":
+        lower_language_model()
     else:
         raise ValueError(f"unknown job {name!r}")
     return name
@@ -225,10 +257,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cubins", default=None, help="also write the benchmark kernels' cubins here")
     parser.add_argument("--jobs", type=int, default=1, help="parallel processes (one per group of kernels)")
+    parser.add_argument("--only", default=None, help="run only the jobs whose names start with this")
     options = parser.parse_args()
     if not os.environ.get(cutlass_bridge.CACHE_DIR_VARIABLE):
         raise SystemExit(f"set {cutlass_bridge.CACHE_DIR_VARIABLE} to the cache directory")
-    names = job_names()
+    names = [name for name in job_names() if options.only is None or name.startswith(options.only)]
     if options.jobs > 1:
         # Workers only lower and compile: keep their JAX off any GPU.
         os.environ["JAX_PLATFORMS"] = "cpu"
