@@ -6,7 +6,9 @@ From fixed inputs, one process computes, --runs times each:
     moe_mlp_grads_<backend>  every gradient (x, w1, w2, prob, b1) of a loss through
                              moe_mlp(..., deterministic=True)
     example_layer_grads      the gradients of examples/train_moe.py's layer in bfloat16
-                             (backend="auto", deterministic=True)
+                             (backend="auto", deterministic=True), jitted with XLA's defaults
+    example_layer_grads_reproducible  the same, jitted with train_moe.REPRODUCIBLE_COMPILATION
+                             (XLA's GEMM autotuning off), as the example's training step is
     router_dot_f32           a float32 GEMM of XLA's own (its algorithm is XLA's choice)
 
 and prints one JSON line: for each, the digest of every output, and how many distinct
@@ -85,10 +87,10 @@ def computations(backends):
     params = train_moe.init_moe(jax.random.key(1), 64, 128, 8, jnp.bfloat16)
     tokens = jax.random.normal(jax.random.key(2), (2048, 64), jnp.float32)
     target = jax.random.normal(jax.random.key(3), (2048, 64), jnp.float32)
-    step_grads = jax.jit(
-        jax.grad(lambda p, tokens, target: jnp.mean((train_moe.moe_layer(p, tokens, 2, True) - target) ** 2))
-    )
-    yield "example_layer_grads", step_grads, (params, tokens, target), sorted(params)
+    layer_grads = jax.grad(lambda p, tokens, target: jnp.mean((train_moe.moe_layer(p, tokens, 2, True) - target) ** 2))
+    yield "example_layer_grads", jax.jit(layer_grads), (params, tokens, target), sorted(params)
+    reproducible = jax.jit(layer_grads, compiler_options=train_moe.REPRODUCIBLE_COMPILATION)
+    yield "example_layer_grads_reproducible", reproducible, (params, tokens, target), sorted(params)
     yield "router_dot_f32", jax.jit(lambda t, r: t @ r), (tokens, params["router"]), ("logits",)
 
 

@@ -8,13 +8,14 @@ model built from the same layer, see train_lm.py.
 
     python examples/train_moe.py                    # a few hundred steps, loss printed
     python examples/train_moe.py --deterministic    # also prints a digest of the final
-                                                    # parameters, identical across runs on
-                                                    # the CPU (on a GPU: see the README)
+                                                    # parameters, identical across runs
+                                                    # and processes
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import time
 
@@ -24,6 +25,13 @@ import numpy as np
 import optax
 
 import jax_dsrelu
+
+
+# XLA picks the algorithms of its own GEMMs (here the router's) by timing candidates when
+# it compiles, once per process, and candidates add in different orders; with autotuning
+# off every process compiles the same algorithms, so a deterministic run repeats bit for
+# bit across processes as well as within one (README, "Determinism").
+REPRODUCIBLE_COMPILATION = {"xla_gpu_autotune_level": 0}
 
 
 def init_moe(key, d_model, d_ff, num_experts, dtype):
@@ -88,7 +96,7 @@ def train(args, layer, place_params=lambda params: params, place_tokens=lambda x
     optimizer = optax.adam(args.lr)
     opt_state = optimizer.init(params)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=REPRODUCIBLE_COMPILATION if args.deterministic else None)
     def train_step(params, opt_state, key):
         x = place_tokens(jax.random.normal(key, (args.tokens, args.d_model), jnp.float32))
         target = moe_layer(teacher, x, args.top_k, True)
