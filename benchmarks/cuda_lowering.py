@@ -57,9 +57,12 @@ def lower_for_cuda(name: str, fn: Callable, *shapes) -> bool:
     A kernel that its backend does not serve yet is reported and skipped, so one missing
     kernel does not stop the others from being built.
     """
+    # A function jitted already keeps its own jit options (compiler options may only sit
+    # on the outermost jit), so it is lowered as it is.
+    jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
     try:
         with as_on_hopper():
-            jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
+            jitted.trace(*shapes).lower(lowering_platforms=("cuda",))
     except NotImplementedError as error:
         print(f"prebuild {name}: not built ({str(error)[:200]})", flush=True)
         return False
