@@ -8,10 +8,10 @@
 #             the carried cache lacks (kernels and cubins into .kernels/)
 #   smoke     one small case with a hard time limit (a hang stops everything here)
 #   tests     the whole GPU tier: python -m pytest -m gpu tests/
-#   examples  examples/train_moe.py and expert_parallel.py in bfloat16 on the GPU, each run
-#             twice with --deterministic (the digests must agree)
-#   lm        examples/train_lm.py with its docstring's GPU command, --deterministic, run
-#             twice (the digests must agree); Flax and optax from the machine's image, or,
+#   examples  EXAMPLES (examples/train_moe.py and expert_parallel.py) in bfloat16 on the GPU,
+#             each run EXAMPLE_RUNS (2) times with --deterministic (the digests must agree)
+#   lm        examples/train_lm.py with its docstring's GPU command (LM_STEPS steps, 2000),
+#             --deterministic, run LM_RUNS (2) times (the digests must agree); Flax and optax from the machine's image, or,
 #             where it lacks them, from a carried lm_deps.tar.zst of pure-Python packages
 #   sass      disassembles the benchmark kernels' cubins: HGMMA present, no LDL/STL
 #   bench     benchmarks/bench_dsrelu.py
@@ -19,9 +19,11 @@
 #   layer     benchmarks/bench_layer.py: moe_mlp's step and forward, every variant (estimated 5-8 min)
 #   determinism_warm   benchmarks/determinism_across_processes.py, kernels from the cache
 #   determinism_fresh  the same, every kernel compiled in each process
-#   determinism_parallel  benchmarks/determinism_parallel.sh: PARALLEL_PROCESSES (4) processes of
-#             each, side by side, kernels from PARALLEL_MODE (warm: the cache; fresh: compiled
-#             in each process), with the caller's XLA_FLAGS; JSON named PARALLEL_NAME
+#   determinism_parallel  benchmarks/determinism_parallel.sh: for each of PARALLEL_MODES
+#             (default "warm"; "warm fresh" runs both at once), PARALLEL_PROCESSES_<MODE> (4)
+#             processes of each script side by side, kernels from the carried cache (warm) or
+#             compiled in each process (fresh), with the caller's XLA_FLAGS; JSON named
+#             PARALLEL_NAME_<mode>
 #   sweep     benchmarks/sweep_configs.py (tile configurations at the benchmark shapes)
 #   sanitize  a small subset of the GPU tests under compute-sanitizer (memcheck)
 #
@@ -70,8 +72,8 @@ if [[ $stages == *,tests,* ]]; then
 fi
 
 if [[ $stages == *,examples,* ]]; then
-  for example in train_moe expert_parallel; do
-    for run in 1 2; do
+  for example in ${EXAMPLES:-train_moe expert_parallel}; do
+    for run in $(seq "${EXAMPLE_RUNS:-2}"); do
       echo "== $example run $run" >> "$OUT/examples.log"
       timeout 120 python3 "examples/$example.py" --dtype bfloat16 --deterministic 2>&1 \
         | tee -a "$OUT/examples.log" | tail -3 | tee -a "$log"
@@ -86,7 +88,7 @@ if [[ $stages == *,lm,* ]]; then
     mkdir -p /tmp/lm_deps && .gpu/zstd -dc lm_deps.tar.zst | tar -xf - -C /tmp/lm_deps
     lm_path="$PYTHONPATH:/tmp/lm_deps"
   fi
-  for run in 1 2; do
+  for run in $(seq "${LM_RUNS:-2}"); do
     PYTHONPATH="$lm_path" timeout 300 python3 examples/train_lm.py --dtype bfloat16 --backend sm90 \
       --d-model 512 --layers 4 --experts 8 --d-ff 1024 --seq-len 256 --batch 64 --steps ${LM_STEPS:-2000} \
       --deterministic --plot "$OUT/train_lm_gpu.png" > "$OUT/train_lm_gpu_$run.log" 2>&1
@@ -136,9 +138,18 @@ for mode in warm fresh; do
 done
 
 if [[ $stages == *,determinism_parallel,* ]]; then
-  timeout 560 bash benchmarks/determinism_parallel.sh "${PARALLEL_PROCESSES:-4}" "$commit" \
-    "${PARALLEL_MODE:-warm}" "${PARALLEL_NAME:-determinism_parallel}" 2>&1 | tail -3 | tee -a "$log"
-  echo "determinism_parallel exit $?" | tee -a "$log"
+  # Each mode in PARALLEL_MODES runs at the same time as the others (a fresh process spends
+  # most of its time compiling on the CPUs, a warm one on the GPU).
+  for mode in ${PARALLEL_MODES:-warm}; do
+    processes_var="PARALLEL_PROCESSES_${mode^^}"
+    timeout 560 bash benchmarks/determinism_parallel.sh "${!processes_var:-4}" "$commit" "$mode" \
+      "${PARALLEL_NAME:-determinism_parallel}_$mode" > "$OUT/determinism_parallel_$mode.out" 2>&1 &
+  done
+  wait
+  for mode in ${PARALLEL_MODES:-warm}; do
+    tail -3 "$OUT/determinism_parallel_$mode.out" | tee -a "$log"
+  done
+  echo "determinism_parallel done" | tee -a "$log"
 fi
 
 if [[ $stages == *,sweep,* ]]; then
