@@ -43,8 +43,12 @@ record = dict(device=device, commit=commit, processes=processes, kernel_cache=mo
 for i in range(1, processes + 1):
     lines = [l for l in open(f"{out}/digests_{i}.txt") if l.startswith("{")]
     record["digests"].append(json.loads(lines[-1]) if lines else None)
-    found = re.findall(r"parameter digest: (\w+)", open(f"{out}/train_moe_{i}.txt").read())
+    output = open(f"{out}/train_moe_{i}.txt").read()
+    found = re.findall(r"parameter digest: (\w+)", output)
     record["example_digests"].append(found[-1] if found else None)
+    options = re.findall(r"compiler options: (\{.*\})", output)
+    if options:
+        record["example_compiler_options"] = json.loads(options[0])
 def canonical(line):
     return None if line is None else json.dumps(line["results"], sort_keys=True)
 record["digests_distinct_across_processes"] = len({canonical(d) for d in record["digests"]})

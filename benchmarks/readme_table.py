@@ -2,8 +2,9 @@
 
 Each table sits between its markers in README.md and is generated from its JSON in
 benchmarks/results/: `<!-- sm90:start -->` from bench_dsrelu.json, `<!-- gemms:start -->`
-from bench_gemms.json, `<!-- layer:start -->` from bench_layer.json. A table whose JSON
-has not been recorded yet is left as it is.
+from bench_gemms.json, `<!-- layer:start -->` from bench_layer.json, `<!-- determinism:start -->`
+from every determinism/determinism_parallel*.json. A table whose JSON has not been recorded
+yet is left as it is.
 
     python benchmarks/readme_table.py            # rewrites README.md between the markers
     python benchmarks/readme_table.py --check    # fails if README.md is out of date
@@ -212,20 +213,90 @@ def render_layer(results: dict) -> str:
     return "\n".join(lines)
 
 
-# (marker name, recorded JSON, how its table is written)
-TABLES: list[tuple[str, str, Callable[[dict], str]]] = [
+# What benchmarks/process_digests.py digests, as the determinism table names it.
+DIGESTED = {
+    "primitive_sm90": "`grouped_gemm_dsrelu` on sm90, every output",
+    "moe_mlp_grads_sm90": "`moe_mlp` step on the sm90 kernels, every gradient",
+    "example_layer_grads": "train_moe's layer (router, routing, `moe_mlp`, combine), every gradient, XLA's default compile",
+    "example_layer_grads_reproducible": "the same, compiled with `train_moe.REPRODUCIBLE_COMPILATION`",
+    "router_dot_f32": "the router's float32 GEMM alone (XLA's own)",
+}
+EXAMPLE_ROW = "`train_moe.py --dtype bfloat16 --deterministic`: final parameters"
+
+
+def render_determinism(records: list[dict]) -> str:
+    """One column per recorded run of determinism_parallel.sh: for each computation, how
+    many distinct results its processes gave (1: bitwise identical), and whether any
+    process saw its own repeated calls differ."""
+
+    def kernel_source(record):
+        # Runs recorded before the script took a mode say it through their digests alone.
+        if "kernel_cache" in record:
+            return record["kernel_cache"]
+        compiled = [d.get("kernels_compiled_in_process") for d in record["digests"] if d]
+        return "warm" if compiled and not any(compiled) else "fresh"
+
+    def label(record):
+        flags = "XLA's default flags" if record["xla_flags"] == "default" else f"`XLA_FLAGS={record['xla_flags']}`"
+        source = "from the disk cache" if kernel_source(record) == "warm" else "compiled in each process"
+        return f"`{record['commit']}`: kernels {source}, {flags}"
+
+    def across(values, processes):
+        reported = [v for v in values if v is not None]
+        if not reported:
+            return "not run"
+        distinct = len(set(reported))
+        text = f"identical in {len(reported)}" if distinct == 1 else f"**{distinct} distinct** in {len(reported)}"
+        return text + ("" if len(reported) == processes else f" (of {processes} started)")
+
+    def digest_cell(record, name):
+        entries = [(d or {}).get("results", {}).get(name) for d in record["digests"]]
+        values = [e["digest"] if e and "digest" in e else None for e in entries]
+        text = across(values, record["processes"])
+        if any(e and e.get("distinct_in_process", 1) > 1 for e in entries):
+            text += ", varies within a process"
+        return text
+
+    runs = sorted({d["results"][n]["runs"] for r in records for d in r["digests"] if d
+                   for n in d["results"] if "runs" in d["results"][n]})
+    lines = [
+        f"Measured on an {records[0]['device']} by `benchmarks/determinism_parallel.sh`: fresh processes side by "
+        "side, each computing the same inputs' results and its digest (`benchmarks/process_digests.py`, "
+        f"{' or '.join(map(str, runs))} calls per process), and as many whole training runs of "
+        "`examples/train_moe.py`. Each cell: how many distinct digests the processes gave. Raw results: "
+        "`benchmarks/results/determinism/`; this table is generated from them by `benchmarks/readme_table.py`.",
+        "",
+        "| computation | " + " | ".join(label(r) for r in records) + " |",
+        "| --- |" + " --- |" * len(records),
+    ]
+    for name, text in DIGESTED.items():
+        lines.append(f"| {text} | " + " | ".join(digest_cell(r, name) for r in records) + " |")
+    def example_cell(record):
+        options = record.get("example_compiler_options")
+        compiled = f" (its step compiled with `{json.dumps(options)}`)" if options else ""
+        return across(record["example_digests"], record["processes"]) + compiled
+
+    lines.append(f"| {EXAMPLE_ROW} | " + " | ".join(example_cell(r) for r in records) + " |")
+    return "\n".join(lines)
+
+
+# (marker name, recorded JSON, how its table is written); a name with a * takes every
+# matching JSON, in a list.
+TABLES: list[tuple[str, str, Callable]] = [
     ("sm90", "bench_dsrelu.json", render_dsrelu),
     ("gemms", "bench_gemms.json", render_gemms),
     ("layer", "bench_layer.json", render_layer),
+    ("determinism", "determinism/determinism_parallel*.json", render_determinism),
 ]
 
 
 def updated_readme(readme: str, results_dir: pathlib.Path = RESULTS) -> str:
     """README text with every table whose JSON exists regenerated between its markers."""
     for marker, json_name, render in TABLES:
-        path = results_dir / json_name
-        if not path.exists():
+        paths = sorted(results_dir.glob(json_name))
+        if not paths:
             continue
+        path = results_dir / json_name
         start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
         if readme.count(start) != 1 or readme.count(end) != 1:
             raise SystemExit(
@@ -234,7 +305,9 @@ def updated_readme(readme: str, results_dir: pathlib.Path = RESULTS) -> str:
             )
         head, rest = readme.split(start)
         _, tail = rest.split(end)
-        readme = f"{head}{start}\n{render(json.loads(path.read_text()))}\n{end}{tail}"
+        recorded = [json.loads(p.read_text()) for p in paths]
+        table = render(recorded if "*" in json_name else recorded[0])
+        readme = f"{head}{start}\n{table}\n{end}{tail}"
     return readme
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import json
 import time
 
 import jax
@@ -96,7 +97,9 @@ def train(args, layer, place_params=lambda params: params, place_tokens=lambda x
     optimizer = optax.adam(args.lr)
     opt_state = optimizer.init(params)
 
-    @functools.partial(jax.jit, compiler_options=REPRODUCIBLE_COMPILATION if args.deterministic else None)
+    compiler_options = REPRODUCIBLE_COMPILATION if args.deterministic else None
+
+    @functools.partial(jax.jit, compiler_options=compiler_options)
     def train_step(params, opt_state, key):
         x = place_tokens(jax.random.normal(key, (args.tokens, args.d_model), jnp.float32))
         target = moe_layer(teacher, x, args.top_k, True)
@@ -104,7 +107,8 @@ def train(args, layer, place_params=lambda params: params, place_tokens=lambda x
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    print(f"devices: {jax.devices()}  dtype: {args.dtype}  deterministic: {args.deterministic}")
+    print(f"devices: {jax.devices()}  dtype: {args.dtype}  deterministic: {args.deterministic}  "
+          f"compiler options: {json.dumps(compiler_options or {})}")
     start = time.perf_counter()
     keys = jax.random.split(k_data, args.steps)
     first_loss = None

@@ -81,6 +81,37 @@ def test_gemm_and_layer_tables_come_from_their_json(tmp_path):
     assert readme_table.updated_readme(text, tmp_path) == text
 
 
+def determinism_record(commit, kernel_cache, example_digests, layer_digests, in_process=1):
+    def process(layer):
+        return dict(results=dict(
+            primitive_sm90=dict(digest="p", runs=20, distinct_in_process=1),
+            example_layer_grads=dict(digest=layer, runs=20, distinct_in_process=in_process),
+        ))
+
+    return dict(device="NVIDIA H200", commit=commit, processes=len(example_digests), xla_flags="default",
+                kernel_cache=kernel_cache, digests=[process(d) if d else None for d in layer_digests],
+                example_digests=example_digests, example_compiler_options={"xla_gpu_autotune_level": 0})
+
+
+def test_determinism_table_counts_distinct_digests_per_run(tmp_path):
+    (tmp_path / "determinism").mkdir()
+    write_results(tmp_path / "determinism", **{
+        "determinism_parallel_a.json": determinism_record("aaa1111", "warm", ["x", "y", "x"], ["l", "m", "l"]),
+        "determinism_parallel_b.json": determinism_record("bbb2222", "fresh", ["z", "z", None], ["l", None, "l"], 2),
+    })
+    text = readme_table.updated_readme("<!-- determinism:start -->\nold\n<!-- determinism:end -->\n", tmp_path)
+    header = ("| computation | `aaa1111`: kernels from the disk cache, XLA's default flags "
+              "| `bbb2222`: kernels compiled in each process, XLA's default flags |")
+    assert header in text
+    assert "| `grouped_gemm_dsrelu` on sm90, every output | identical in 3 | identical in 2 (of 3 started) |" in text
+    assert ("every gradient, XLA's default compile | **2 distinct** in 3 "
+            "| identical in 2 (of 3 started), varies within a process |") in text
+    assert ("final parameters | **2 distinct** in 3 (its step compiled with `{\"xla_gpu_autotune_level\": 0}`) "
+            "| identical in 2 (of 3 started) (its step compiled") in text
+    assert "`moe_mlp` step on the sm90 kernels, every gradient | not run | not run |" in text
+    assert readme_table.updated_readme(text, tmp_path) == text
+
+
 def test_a_table_without_its_json_is_left_alone(tmp_path):
     write_results(tmp_path, **{"bench_layer.json": layer_results()})
     text = readme_table.updated_readme(README, tmp_path)
