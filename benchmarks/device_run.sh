@@ -17,8 +17,6 @@
 #   bench     benchmarks/bench_dsrelu.py
 #   gemms     benchmarks/bench_gemms.py: the six grouped GEMMs of a layer step (estimated 3-5 min)
 #   layer     benchmarks/bench_layer.py: moe_mlp's step and forward, every variant (estimated 5-8 min)
-#   determinism_warm   benchmarks/determinism_across_processes.py, kernels from the cache
-#   determinism_fresh  the same, every kernel compiled in each process
 #   determinism_parallel  benchmarks/determinism_parallel.sh: for each of PARALLEL_MODES
 #             (default "warm"; "warm fresh" runs both at once), PARALLEL_PROCESSES_<MODE> (4)
 #             processes of each script side by side, kernels from the carried cache (warm) or
@@ -29,9 +27,9 @@
 #
 # Kernels come precompiled from benchmarks/prebuild_kernels.py in .kernels/ (carried along),
 # so device time goes to running them. Logs and JSON go to $OUT; each script's tracebacks
-# to $OUT/<script>.err. Extra arguments for a script: GEMMS_ARGS, LAYER_ARGS and
-# DETERMINISM_ARGS (e.g. LAYER_ARGS="--shapes 65536,2048,512,128"). A device call runs at
-# most 10 minutes: give layer and each determinism stage a call of its own. A call brings
+# to $OUT/<script>.err. Extra arguments for a script: GEMMS_ARGS and LAYER_ARGS (e.g.
+# LAYER_ARGS="--shapes 65536,2048,512,128"). A device call runs at
+# most 10 minutes: give layer and the determinism stage a call of their own. A call brings
 # back at most 8 files, so a call ends by packing $OUT into one archive:
 #
 #   source .gpu/activate.sh && timeout 560 bash benchmarks/device_run.sh STAGES COMMIT;
@@ -123,19 +121,6 @@ if [[ $stages == *,layer,* ]]; then
     2> "$OUT/bench_layer.err" | tee -a "$log"
   echo "layer exit $?" | tee -a "$log"
 fi
-
-# 4 processes of each script per stage, interleaved, each under its own time limit (a fresh
-# process compiles every kernel it runs); the JSON is rewritten after every process, so a
-# stage cut short still leaves what it measured.
-for mode in warm fresh; do
-  if [[ $stages == *,determinism_$mode,* ]]; then
-    per_process=$([[ $mode == warm ]] && echo 150 || echo 280)
-    timeout 570 python3 benchmarks/determinism_across_processes.py --modes "$mode" --processes 4 \
-      --cache "$JAX_DSRELU_KERNEL_CACHE" --commit "$commit" --out "$OUT" --json "determinism_$mode.json" \
-      --timeout "$per_process" $DETERMINISM_ARGS 2> "$OUT/determinism_$mode.err" | tee -a "$log"
-    echo "determinism_$mode exit $?" | tee -a "$log"
-  fi
-done
 
 if [[ $stages == *,determinism_parallel,* ]]; then
   # Each mode in PARALLEL_MODES runs at the same time as the others (a fresh process spends

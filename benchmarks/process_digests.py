@@ -15,7 +15,7 @@ and prints one JSON line: for each, the digest of every output, and how many dis
 results its --runs calls gave (1 means bitwise identical within the process). Comparing
 the lines of several processes shows whether anything chosen at compile time (XLA's GEMM
 autotuning, a kernel's configuration) changes the bits; benchmarks/
-determinism_across_processes.py runs the processes and compares them.
+determinism_parallel.sh runs the processes and compares them.
 
     python benchmarks/process_digests.py --label run1
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/process_digests.py --prebuild
