@@ -99,7 +99,13 @@ class LanguageModel(nnx.Module):
         self.norm = nnx.RMSNorm(args.d_model, rngs=rngs)
 
     def __call__(self, tokens):  # (B, S) int32 -> logits (B, S, VOCAB) float32, aux losses
-        x = self.embed(tokens) + self.position[...][: tokens.shape[1]]
+        # The lookup as a one-hot matmul: a table lookup's gradient adds every token's row
+        # into the table with a scatter-add, which XLA runs on a GPU with atomics in an
+        # order that varies from run to run; a matmul's gradient is a GEMM, summed in a
+        # fixed order. At HIGHEST precision the product is the table's row, exactly.
+        one_hot = jax.nn.one_hot(tokens, VOCAB, dtype=self.embed.embedding.dtype)
+        embedded = jnp.matmul(one_hot, self.embed.embedding[...], precision=jax.lax.Precision.HIGHEST)
+        x = embedded + self.position[...][: tokens.shape[1]]
         load_balancing, z_loss = 0.0, 0.0
         for block in self.blocks:
             x, aux = block(x)

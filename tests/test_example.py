@@ -47,3 +47,44 @@ def test_language_model_learns_and_plots(tmp_path):
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
         assert "matplotlib is not installed" in out
+
+
+def scatter_adds(jaxpr):
+    """The output shapes of every scatter-add in a jaxpr, nested jaxprs included."""
+    from jax.extend import core
+
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scatter-add":
+            yield eqn.outvars[0].aval.shape
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                if isinstance(sub, core.ClosedJaxpr):
+                    yield from scatter_adds(sub.jaxpr)
+                elif isinstance(sub, core.Jaxpr):
+                    yield from scatter_adds(sub)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="needs Flax (pip install 'jax-dsrelu[examples]')")
+def test_language_model_gradient_adds_no_two_tokens_into_one_place(monkeypatch):
+    """--deterministic on a GPU needs every sum over tokens in a fixed order. A scatter-add
+    runs there with atomics, so the only ones allowed are those within one token's own row
+    (the cross-entropy's label pick: one value per place); a table lookup's gradient, which
+    adds every token into the embedding table, would break it."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.setattr(sys, "argv", ["train_lm.py", "--deterministic"])
+    import train_lm
+
+    args = train_lm.arguments()
+    graphdef, state = nnx.split(train_lm.LanguageModel(args, nnx.Rngs(0)))
+    tokens = jnp.zeros((2, args.seq_len), jnp.int32)
+
+    def loss(state, tokens):
+        return train_lm.loss_fn(nnx.merge(graphdef, state), tokens, tokens, args)[0]
+
+    shapes = list(scatter_adds(jax.make_jaxpr(jax.grad(loss))(state, tokens).jaxpr))
+    assert shapes, "the cross-entropy's label pick was expected as a scatter-add: has the check gone blind?"
+    assert all(shape[:2] == tokens.shape for shape in shapes), shapes
