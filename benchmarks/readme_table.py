@@ -213,15 +213,18 @@ def render_layer(results: dict) -> str:
     return "\n".join(lines)
 
 
-# What benchmarks/process_digests.py digests, as the determinism table names it.
+# What benchmarks/process_digests.py digests, as the determinism table names it: its row,
+# and a short name.
 DIGESTED = {
-    "primitive_sm90": "`grouped_gemm_dsrelu` on sm90, every output",
-    "moe_mlp_grads_sm90": "`moe_mlp` step on the sm90 kernels, every gradient",
-    "example_layer_grads": "train_moe's layer (router, routing, `moe_mlp`, combine), every gradient, XLA's default compile",
-    "example_layer_grads_reproducible": "the same, compiled with `train_moe.REPRODUCIBLE_COMPILATION`",
-    "router_dot_f32": "the router's float32 GEMM alone (XLA's own)",
+    "primitive_sm90": ("`grouped_gemm_dsrelu` on sm90, every output", "the primitive"),
+    "moe_mlp_grads_sm90": ("`moe_mlp` step on the sm90 kernels, every gradient", "the `moe_mlp` step"),
+    "example_layer_grads": ("train_moe's layer (router, routing, `moe_mlp`, combine), every gradient, XLA's "
+                            "default compile", "the layer with XLA's default compile"),
+    "example_layer_grads_reproducible": ("the same, compiled with `train_moe.REPRODUCIBLE_COMPILATION`",
+                                         "the layer with autotuning off"),
+    "router_dot_f32": ("the router's float32 GEMM alone (XLA's own)", "the router's GEMM"),
 }
-EXAMPLE_ROW = "`train_moe.py --dtype bfloat16 --deterministic`: final parameters"
+EXAMPLE_ROW = ("`train_moe.py --dtype bfloat16 --deterministic`: final parameters", "train_moe's final parameters")
 
 
 def render_determinism(records: list[dict]) -> str:
@@ -269,14 +272,33 @@ def render_determinism(records: list[dict]) -> str:
         "| computation | " + " | ".join(label(r) for r in records) + " |",
         "| --- |" + " --- |" * len(records),
     ]
-    for name, text in DIGESTED.items():
+    for name, (text, _) in DIGESTED.items():
         lines.append(f"| {text} | " + " | ".join(digest_cell(r, name) for r in records) + " |")
     def example_cell(record):
         options = record.get("example_compiler_options")
         compiled = f" (its step compiled with `{json.dumps(options)}`)" if options else ""
         return across(record["example_digests"], record["processes"]) + compiled
 
-    lines.append(f"| {EXAMPLE_ROW} | " + " | ".join(example_cell(r) for r in records) + " |")
+    lines.append(f"| {EXAMPLE_ROW[0]} | " + " | ".join(example_cell(r) for r in records) + " |")
+
+    # Columns of one commit compared with each other: the same digests in every process?
+    def digests(record, name):
+        if name == EXAMPLE_ROW:
+            return [d for d in record["example_digests"] if d]
+        return [e["digest"] for d in record["digests"] if d
+                for e in [d.get("results", {}).get(name)] if e and "digest" in e]
+
+    for commit in dict.fromkeys(r["commit"] for r in records):
+        group = [r for r in records if r["commit"] == commit]
+        if len(group) < 2:
+            continue
+        rows = [*DIGESTED, EXAMPLE_ROW]
+        agreeing = [name for name in rows
+                    if all(digests(r, name) for r in group) and len({d for r in group for d in digests(r, name)}) == 1]
+        processes = sum(r["processes"] for r in group)
+        named = ", ".join(DIGESTED.get(name, EXAMPLE_ROW)[1] for name in agreeing) or "none"
+        lines += ["", f"At `{commit}` the {len(group)} columns together ({processes} processes) give one digest "
+                      f"for: {named}."]
     return "\n".join(lines)
 
 
