@@ -11,8 +11,9 @@
 #   examples  EXAMPLES (examples/train_moe.py and expert_parallel.py) in bfloat16 on the GPU,
 #             each run EXAMPLE_RUNS (2) times with --deterministic (the digests must agree)
 #   lm        examples/train_lm.py with its docstring's GPU command (LM_STEPS steps, 2000),
-#             --deterministic, run LM_RUNS (2) times (the digests must agree); Flax and optax from the machine's image, or,
-#             where it lacks them, from a carried lm_deps.tar.zst of pure-Python packages
+#             --deterministic, run LM_RUNS (2) times (the digests must agree); Flax and
+#             optax from the machine's image, or, where it lacks them, from a carried
+#             lm_deps.tar.zst of pure-Python packages
 #   sass      disassembles the benchmark kernels' cubins: HGMMA present, no LDL/STL
 #   bench     benchmarks/bench_dsrelu.py
 #   gemms     benchmarks/bench_gemms.py: the six grouped GEMMs of a layer step (estimated 3-5 min)
@@ -28,9 +29,9 @@
 # Kernels come precompiled from benchmarks/prebuild_kernels.py in .kernels/ (carried along),
 # so device time goes to running them. Logs and JSON go to $OUT; each script's tracebacks
 # to $OUT/<script>.err. Extra arguments for a script: GEMMS_ARGS and LAYER_ARGS (e.g.
-# LAYER_ARGS="--shapes 65536,2048,512,128"). A device call runs at
-# most 10 minutes: give layer and the determinism stage a call of their own. A call brings
-# back at most 8 files, so a call ends by packing $OUT into one archive:
+# LAYER_ARGS="--shapes 65536,2048,512,128"). A device call runs at most 10 minutes: give
+# layer and the determinism stage a call of their own. A call brings back at most 8 files,
+# so a call ends by packing $OUT into one archive:
 #
 #   source .gpu/activate.sh && timeout 560 bash benchmarks/device_run.sh STAGES COMMIT;
 #   tar -C "$OUT" -czf /tmp/out.tgz . && find "$OUT" -mindepth 1 -delete && mv /tmp/out.tgz "$OUT/device_output.tgz"

@@ -252,13 +252,26 @@ def render_determinism(records: list[dict]) -> str:
         text = f"identical in {len(reported)}" if distinct == 1 else f"**{distinct} distinct** in {len(reported)}"
         return text + ("" if len(reported) == processes else f" (of {processes} started)")
 
+    def entries(record, name):
+        """Each process's result for one computation (None where it reported none)."""
+        return [(d or {}).get("results", {}).get(name) for d in record["digests"]]
+
+    def digests(record, name):
+        """Each process's digest for one row (None where it reported none)."""
+        if name == EXAMPLE_ROW:
+            return record["example_digests"]
+        return [e["digest"] if e and "digest" in e else None for e in entries(record, name)]
+
     def digest_cell(record, name):
-        entries = [(d or {}).get("results", {}).get(name) for d in record["digests"]]
-        values = [e["digest"] if e and "digest" in e else None for e in entries]
-        text = across(values, record["processes"])
-        if any(e and e.get("distinct_in_process", 1) > 1 for e in entries):
+        text = across(digests(record, name), record["processes"])
+        if any(e and e.get("distinct_in_process", 1) > 1 for e in entries(record, name)):
             text += ", varies within a process"
         return text
+
+    def example_cell(record):
+        options = record.get("example_compiler_options")
+        compiled = f" (its step compiled with `{json.dumps(options)}`)" if options else ""
+        return across(digests(record, EXAMPLE_ROW), record["processes"]) + compiled
 
     runs = sorted({d["results"][n]["runs"] for r in records for d in r["digests"] if d
                    for n in d["results"] if "runs" in d["results"][n]})
@@ -274,27 +287,17 @@ def render_determinism(records: list[dict]) -> str:
     ]
     for name, (text, _) in DIGESTED.items():
         lines.append(f"| {text} | " + " | ".join(digest_cell(r, name) for r in records) + " |")
-    def example_cell(record):
-        options = record.get("example_compiler_options")
-        compiled = f" (its step compiled with `{json.dumps(options)}`)" if options else ""
-        return across(record["example_digests"], record["processes"]) + compiled
-
     lines.append(f"| {EXAMPLE_ROW[0]} | " + " | ".join(example_cell(r) for r in records) + " |")
 
     # Columns of one commit compared with each other: the same digests in every process?
-    def digests(record, name):
-        if name == EXAMPLE_ROW:
-            return [d for d in record["example_digests"] if d]
-        return [e["digest"] for d in record["digests"] if d
-                for e in [d.get("results", {}).get(name)] if e and "digest" in e]
-
     for commit in dict.fromkeys(r["commit"] for r in records):
         group = [r for r in records if r["commit"] == commit]
         if len(group) < 2:
             continue
         rows = [*DIGESTED, EXAMPLE_ROW]
         agreeing = [name for name in rows
-                    if all(digests(r, name) for r in group) and len({d for r in group for d in digests(r, name)}) == 1]
+                    if all(any(digests(r, name)) for r in group)
+                    and len({d for r in group for d in digests(r, name) if d}) == 1]
         processes = sum(r["processes"] for r in group)
         named = ", ".join(DIGESTED.get(name, EXAMPLE_ROW)[1] for name in agreeing) or "none"
         lines += ["", f"At `{commit}` the {len(group)} columns together ({processes} processes) give one digest "
