@@ -39,6 +39,7 @@ from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
 import jax_dsrelu
 from jax_dsrelu import groups
+from jax_dsrelu.primitives import reference
 
 SHAPES = [(16384, 4096, 2048, 8), (32768, 7168, 2048, 8), (65536, 2048, 1024, 32)]
 PALLAS_CONFIGS = [
@@ -74,7 +75,7 @@ def fused(backend, deterministic=False):
 
 
 def pallas_then_xla(config):
-    """Pallas' grouped GEMM, then the same epilogue in XLA (as jax_dsrelu.reference has it)."""
+    """Pallas' grouped GEMM, then the same epilogue in XLA (as jax_dsrelu.primitives.reference has it)."""
 
     @jax.jit
     def run(grad, weight, preact, prob, group_sizes):
@@ -88,7 +89,7 @@ def pallas_then_xla(config):
         p = prob[:, None]
         dh = jnp.where(owned[:, None], 2.0 * acc * r * p, 0.0)
         dprob = jnp.where(owned, jnp.sum(r * r * acc, axis=1), 0.0)
-        dbias = groups.per_expert_outer(dh, jnp.ones((m, 1), jnp.float32), sizes)[:, :, 0]
+        dbias = reference.per_expert_outer(dh, jnp.ones((m, 1), jnp.float32), sizes)[:, :, 0]
         act = jnp.where(owned[:, None], r * r * p, 0.0)
         row_amax = jnp.max(jnp.abs(dh), axis=1)
         membership = (expert[None, :] == jnp.arange(weight.shape[0])[:, None]) & owned[None, :]

@@ -50,8 +50,9 @@ import run_record
 import timing
 from bench_dsrelu import PALLAS_CONFIGS, dirichlet_sizes, fused, pallas_then_xla
 import jax_dsrelu
-from jax_dsrelu import backend_choice, groups
-from jax_dsrelu.request import RaggedContractRequest, RaggedMatmulRequest
+from jax_dsrelu import groups
+from jax_dsrelu.kernels import registry as backend_choice
+from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest
 
 SHAPES = [(16384, 4096, 2048, 8), (32768, 7168, 2048, 8), (65536, 2048, 1024, 32)]  # (m, d, f, E)
 CPU_SHAPES = [(512, 128, 256, 4)]

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import jax
 
-from jax_dsrelu import backend_choice
+from jax_dsrelu.kernels import registry as backend_choice
 
 # The H200's compute capability: backend="auto" resolves to the kernels it would pick there.
 HOPPER = (9, 0)

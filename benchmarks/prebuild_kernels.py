@@ -44,7 +44,7 @@ from bench_dsrelu import SHAPES  # noqa: E402
 
 import jax_dsrelu  # noqa: E402
 from jax_dsrelu.ffi import cutlass_bridge  # noqa: E402
-from jax_dsrelu.ffi import sm90 as lowering  # noqa: E402
+from jax_dsrelu.kernels.sm90 import dsrelu_call as lowering  # noqa: E402
 from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
 
 
@@ -191,7 +191,7 @@ def run_job(name: str) -> str:
         request, config, in_place = _dsrelu_requests()[index]
         lowering.compile_kernel(request, config, outputs_in_place=in_place)
     elif kind == "gemm test":
-        from jax_dsrelu.ffi import sm90_gemm
+        from jax_dsrelu.kernels.sm90 import ragged_call as sm90_gemm
 
         request, in_place = _gemm_requests()[index]
         sm90_gemm.compile_kernel(request, outputs_in_place=in_place)
@@ -227,8 +227,8 @@ def run_job(name: str) -> str:
 
 def write_cubins(folder):
     """The benchmark kernels' cubins, for disassembly on the GPU machine."""
-    from jax_dsrelu.ffi import sm90_gemm
-    from jax_dsrelu.request import RaggedContractRequest, RaggedMatmulRequest
+    from jax_dsrelu.kernels.sm90 import ragged_call as sm90_gemm
+    from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest
 
     os.makedirs(folder, exist_ok=True)
 

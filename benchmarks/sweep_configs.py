@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from bench_dsrelu import SHAPES, cupti_ms, make_inputs
 
-from jax_dsrelu import request as request_facts
-from jax_dsrelu.ffi import sm90 as lowering
+from jax_dsrelu.kernels import request as request_facts
+from jax_dsrelu.kernels.sm90 import dsrelu_call as lowering
 from jax_dsrelu.kernels.sm90 import config as sm90_config
 
 

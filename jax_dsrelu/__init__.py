@@ -14,15 +14,15 @@ Public API:
 
 # First, so that an unsupported JAX is refused with its own message before anything else fails.
 from jax_dsrelu import jax_internals  # noqa: F401
-from jax_dsrelu.api import DsreluOutputs, grouped_gemm_dsrelu
-from jax_dsrelu.backend_choice import BackendStatus, backends, describe_backends
-from jax_dsrelu.checks import check_group_sizes
-from jax_dsrelu.expert_parallel import moe_layer_expert_parallel
-from jax_dsrelu.layer import moe_mlp
-from jax_dsrelu.moe_layer import MoEAux, moe_layer
+from jax_dsrelu.ops.grouped_gemm_dsrelu import DsreluOutputs, grouped_gemm_dsrelu
+from jax_dsrelu.kernels.registry import BackendStatus, backends, describe_backends
+from jax_dsrelu.ops.checks import check_group_sizes
+from jax_dsrelu.moe.expert_parallel import moe_layer_expert_parallel
+from jax_dsrelu.ops.moe_mlp import moe_mlp
+from jax_dsrelu.moe.layer import MoEAux, moe_layer
 from jax_dsrelu.mx import dequantize_mx, quantize_mx
-from jax_dsrelu.ragged_dot import ragged_dot
-from jax_dsrelu.routing import RoutingPlan, combine, dispatch, route
+from jax_dsrelu.ops.ragged_dot import ragged_dot
+from jax_dsrelu.moe.routing import RoutingPlan, combine, dispatch, route
 
 __all__ = [
     "BackendStatus",

@@ -22,7 +22,7 @@ except ImportError as error:  # flax is an optional extra
 import jax
 import jax.numpy as jnp
 
-from jax_dsrelu.moe_layer import MoEAux, moe_layer
+from jax_dsrelu.moe.layer import MoEAux, moe_layer
 
 # Fan-in scaling per expert: the expert axis 0 is a batch of independent matrices.
 _EXPERT_INIT = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))

@@ -86,7 +86,7 @@ def test_bad_arguments_raise_at_trace_time(inputs, change, error, words):
 
 def test_kernel_backend_off_cuda_names_what_can_run(inputs):
     # Lowered for the CPU, a CUDA-only backend must refuse, not fall back silently.
-    if jax_dsrelu.backend_choice.kernel_backend("sm90").software_missing() is None:
+    if jax_dsrelu.kernels.registry.kernel_backend("sm90").software_missing() is None:
         expected = "runs only on CUDA GPUs.*lowered for cpu"
     else:
         expected = r"backend='sm90' cannot serve.*pip install 'jax-dsrelu\[gpu\]'"

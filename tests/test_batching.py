@@ -10,8 +10,8 @@ from test_layer import make_layer_inputs
 from test_reference import make_inputs
 
 import jax_dsrelu
-from jax_dsrelu.ragged_contract import ragged_contract
-from jax_dsrelu.ragged_matmul import ragged_matmul_srelu
+from jax_dsrelu.primitives.ragged_contract import ragged_contract
+from jax_dsrelu.primitives.ragged_matmul import ragged_matmul_srelu
 
 BATCH = 3
 SIZES = [[10, 0, 25, 9], [0, 44, 0, 0], [3, 3, 3, 3]]

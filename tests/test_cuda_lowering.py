@@ -21,10 +21,11 @@ import pytest
 from test_layer import make_layer_inputs
 
 import jax_dsrelu
-from jax_dsrelu import backend_choice, primitive
-from jax_dsrelu.ragged_contract import ragged_contract_primitive
-from jax_dsrelu.ragged_matmul import ragged_matmul_primitive, ragged_matmul_srelu_primitive
-from jax_dsrelu.request import RaggedContractRequest, RaggedMatmulRequest, Request
+from jax_dsrelu.kernels import registry as backend_choice
+from jax_dsrelu.primitives import dsrelu as primitive
+from jax_dsrelu.primitives.ragged_contract import ragged_contract_primitive
+from jax_dsrelu.primitives.ragged_matmul import ragged_matmul_primitive, ragged_matmul_srelu_primitive
+from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest, Request
 
 STAND_IN_TARGET = "jax_dsrelu_stand_in"
 CUSTOM_CALL = re.compile(r"stablehlo\.custom_call @(\w+)")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jax_dsrelu
-from jax_dsrelu import backend_choice
+from jax_dsrelu.kernels import registry as backend_choice
 
 RUNS = 20
 

@@ -28,7 +28,7 @@ import pytest  # noqa: E402
 pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
 
 import jax_dsrelu  # noqa: E402
-from jax_dsrelu import backend_choice  # noqa: E402
+from jax_dsrelu.kernels import registry as backend_choice  # noqa: E402
 
 CUSTOM_CALL = re.compile(r"stablehlo\.custom_call @(\w+)")
 KERNEL_TARGET = "CuteDSLRT_NvJaxCutlassCall_v2"

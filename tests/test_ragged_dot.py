@@ -1,4 +1,4 @@
-"""jax_dsrelu.ragged_dot against jax.lax.ragged_dot: values, both gradients, errors."""
+"""jax_dsrelu.ops.ragged_dot against jax.lax.ragged_dot: values, both gradients, errors."""
 
 from __future__ import annotations
 

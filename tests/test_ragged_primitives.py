@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import ragged_numpy
 
-from jax_dsrelu.ragged_contract import ragged_contract
-from jax_dsrelu.ragged_matmul import ragged_matmul, ragged_matmul_srelu
+from jax_dsrelu.primitives.ragged_contract import ragged_contract
+from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
 
 # Empty experts inside and at the ends, rows past the total, all experts empty, and
 # sizes that must be clamped (negative; past m).

@@ -15,7 +15,7 @@ from test_layer import make_layer_inputs
 from test_reference import assert_matches_contract, make_inputs
 
 import jax_dsrelu
-from jax_dsrelu.ragged_contract import ragged_contract
+from jax_dsrelu.primitives.ragged_contract import ragged_contract
 
 NUM_DEVICES = 8
 # Expert boundaries fall inside shards, an expert is empty, and the last 37 rows belong
@@ -188,7 +188,7 @@ def test_grouped_gemm_dsrelu_over_explicit_axes(mesh_shape, names, rows, cols):
 
 @pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=str)
 def test_operand_split_along_the_contraction_is_gathered_and_its_gradient_typed_like_it(axis_type):
-    # k is kept whole (see jax_dsrelu.sharding): lhs split along it is gathered; over
+    # k is kept whole (see jax_dsrelu.primitives.sharding): lhs split along it is gathered; over
     # Explicit axes its cotangent has lhs's own sharding, as its type must.
     lhs, rhs, group_sizes, cotangent = ragged_dot_inputs(45)
     m = mesh((NUM_DEVICES,), ("data",), axis_type)

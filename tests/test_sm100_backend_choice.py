@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import pytest
 
 import jax_dsrelu
-from jax_dsrelu import backend_choice
-from jax_dsrelu import request as request_facts
+from jax_dsrelu.kernels import registry as backend_choice
+from jax_dsrelu.kernels import request as request_facts
 
 
 def mx_args(m=256, k=64, n=128, e=3, element=jnp.float8_e4m3fn):
@@ -79,3 +79,31 @@ def test_the_sm90_backend_does_not_claim_mxfp8():
     )
     assert backend_choice.kernel_backend("sm90").cannot_implement(request) is not None
     assert backend_choice.kernel_backend("sm100").cannot_implement(request) is None
+
+
+def mx_request():
+    return request_facts.request_from_avals(
+        mx_args()[:4], block_scaled=True, with_dbias=True, with_act=True,
+        out_dtype=jnp.dtype(jnp.bfloat16), deterministic=True,
+    )
+
+
+@pytest.mark.parametrize("capability", [(10, 3), (11, 0), (12, 0), (12, 1)])
+def test_auto_never_picks_sm100_where_its_sm_100a_code_cannot_load(monkeypatch, capability):
+    # Installed software and a request the kernel serves, so only the device can refuse.
+    sm100 = backend_choice.kernel_backend("sm100")
+    monkeypatch.setattr(sm100, "software_missing", lambda: None)
+    monkeypatch.setattr(sm100, "implementation", lambda request: "the sm100 kernel")
+    monkeypatch.setattr(backend_choice, "cuda_compute_capability", lambda: capability)
+    assert backend_choice.cuda_implementation("auto", mx_request()) == ("xla", None)
+    with pytest.raises(NotImplementedError, match=rf"compute capability {capability[0]}\.{capability[1]}"):
+        backend_choice.cuda_implementation("sm100", mx_request())
+
+
+def test_auto_picks_sm100_on_compute_capability_10_0(monkeypatch):
+    # The same stand-ins as above: the test fails if the capability check refuses 10.0 too.
+    sm100 = backend_choice.kernel_backend("sm100")
+    monkeypatch.setattr(sm100, "software_missing", lambda: None)
+    monkeypatch.setattr(sm100, "implementation", lambda request: "the sm100 kernel")
+    monkeypatch.setattr(backend_choice, "cuda_compute_capability", lambda: (10, 0))
+    assert backend_choice.cuda_implementation("auto", mx_request()) == ("sm100", "the sm100 kernel")

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from jax_dsrelu import backend_choice
+from jax_dsrelu.kernels import registry as backend_choice
 
 # Asked without importing CuTe DSL, which must first be imported in the child (see above).
 _MISSING = backend_choice.kernel_backend("sm100").software_missing()
@@ -58,10 +58,10 @@ def _probe(cases: dict) -> dict:
     import numpy as np
 
     import jax_dsrelu
-    from jax_dsrelu import backend_choice
-    from jax_dsrelu import request as request_facts
+    from jax_dsrelu.kernels import registry as backend_choice
+    from jax_dsrelu.kernels import request as request_facts
     from jax_dsrelu.ffi import cutlass_bridge
-    from jax_dsrelu.ffi import sm100 as lowering
+    from jax_dsrelu.kernels.sm100 import dsrelu_call as lowering
     from jax_dsrelu.kernels.sm100 import adapter
 
     report = {"cases": {}, "scale_offsets": []}

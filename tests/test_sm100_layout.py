@@ -20,7 +20,7 @@ from test_mx_reference import quantized_inputs
 
 import jax_dsrelu
 from jax_dsrelu import groups
-from jax_dsrelu.ffi import sm100_layout as layout
+from jax_dsrelu.kernels.sm100 import layout
 from jax_dsrelu.kernels.sm100.config import CONFIG
 
 

@@ -53,7 +53,7 @@ def _run_pass(path: str) -> None:
     import cutlass.cute as cute
     from cutlass.jax import cutlass_call
 
-    from jax_dsrelu.ffi import sm100_layout as layout
+    from jax_dsrelu.kernels.sm100 import layout
     from jax_dsrelu.kernels.sm100 import slots
     from jax_dsrelu.kernels.slot_reduction import SlotReduction
     from jax_dsrelu.kernels.sm100.config import CONFIG

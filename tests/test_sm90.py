@@ -38,10 +38,10 @@ from test_layer import make_layer_inputs  # noqa: E402
 from test_reference import make_inputs  # noqa: E402
 
 import jax_dsrelu  # noqa: E402
-from jax_dsrelu import backend_choice  # noqa: E402
-from jax_dsrelu import request as request_facts  # noqa: E402
+from jax_dsrelu.kernels import registry as backend_choice  # noqa: E402
+from jax_dsrelu.kernels import request as request_facts  # noqa: E402
 from jax_dsrelu.ffi import cutlass_bridge  # noqa: E402
-from jax_dsrelu.ffi import sm90 as lowering  # noqa: E402
+from jax_dsrelu.kernels.sm90 import dsrelu_call as lowering  # noqa: E402
 from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
 
 # (m, k, n, E) of issue 3's benchmark.

@@ -1,8 +1,8 @@
 """The sm90 grouped-GEMM family: compile-only checks (CPU, CI) and correctness on a Hopper GPU.
 
-Kernels: the ragged-M GEMM (`kernels/sm90/ragged_gemm.py`: rhs stored (E, k, n) or
+Kernels: the ragged-M GEMM (`kernels/sm90/ragged_matmul_kernel.py`: rhs stored (E, k, n) or
 (E, n, k), plain or squared-ReLU epilogue, with or without bias) and the ragged
-contraction (`kernels/sm90/ragged_contract.py`: per-expert lhs^T rhs, float32 or 16-bit
+contraction (`kernels/sm90/ragged_contract_kernel.py`: per-expert lhs^T rhs, float32 or 16-bit
 out), reached through the backend protocol exactly as the primitives reach them.
 
 Compile tier (marked `compile`, no GPU): every variant compiles for sm_90a into wgmma code
@@ -31,10 +31,10 @@ import pytest  # noqa: E402
 
 pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
 
-from jax_dsrelu import backend_choice  # noqa: E402
-from jax_dsrelu.ffi import sm90_gemm  # noqa: E402
+from jax_dsrelu.kernels import registry as backend_choice  # noqa: E402
+from jax_dsrelu.kernels.sm90 import ragged_call as sm90_gemm  # noqa: E402
 from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
-from jax_dsrelu.request import RaggedContractRequest, RaggedMatmulRequest  # noqa: E402
+from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest  # noqa: E402
 
 BF16 = np.dtype(jnp.bfloat16)
 FP16 = np.dtype(jnp.float16)

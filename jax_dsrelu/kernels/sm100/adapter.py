@@ -48,11 +48,11 @@ from cudnn.gemm.cutedsl.grouped.dsrelu.moe_blockscaled_grouped_gemm_dsrelu_quant
 from cudnn.gemm.cutedsl.grouped.moe_utils import MoEWeightMode
 from cutlass.cute.nvgpu import OperandMajorMode
 
-from jax_dsrelu import request as request_facts
+from jax_dsrelu.kernels import request as request_facts
 from jax_dsrelu.kernels.sm100 import slots
 from jax_dsrelu.kernels.slot_reduction import SlotReduction
 from jax_dsrelu.kernels.sm100.config import Sm100Config
-from jax_dsrelu.request import Request
+from jax_dsrelu.kernels.request import Request
 
 # Persistent clusters to launch when no GPU is visible (compile-only lowering). B200 has 148
 # SMs and this kernel fits one CTA per SM, so 74 two-CTA clusters. The number only sizes the

@@ -1,4 +1,4 @@
-"""How the sm100 backend presents itself to backend_choice. Imports neither CuTe DSL nor cuDNN."""
+"""How the sm100 backend presents itself to the registry. Imports neither CuTe DSL nor cuDNN."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ from typing import Callable
 import jax
 
 from jax_dsrelu.kernels import software
-from jax_dsrelu.request import AnyRequest, Request
+from jax_dsrelu.kernels.request import AnyRequest, Request
 
 NAME = "sm100"
-DEVICE_DESCRIPTION = "Blackwell GPUs (compute capability 10.0 and newer: B200, GB200)"
+DEVICE_DESCRIPTION = "Blackwell GPUs of compute capability 10.0 (B200, GB200)"
+# Only the fused dsReLU backward has a Blackwell kernel; the plain grouped GEMMs run on XLA there.
+REQUEST_KINDS = (Request,)
 
 
 def software_missing() -> str | None:
@@ -18,14 +20,14 @@ def software_missing() -> str | None:
 
 
 def supports_compute_capability(capability: tuple[int, int]) -> bool:
-    # tcgen05 block-scaled MMA and 2-SM clusters exist from SM100 on.
-    return capability >= (10, 0)
+    # The kernel is compiled for sm_100a (tcgen05 block-scaled MMA, 2-SM clusters), and
+    # architecture-specific object code loads on exactly that compute capability: not on
+    # 10.3 (B300), nor on 11.x or 12.x, where the load would fail at run time.
+    return capability == (10, 0)
 
 
 def cannot_implement(request: AnyRequest) -> str | None:
-    if not isinstance(request, Request):
-        # Only the fused dsReLU backward has a Blackwell kernel; the plain grouped GEMMs
-        # run on XLA there.
+    if not isinstance(request, REQUEST_KINDS):
         return "the sm100 backend has a kernel for grouped_gemm_dsrelu only"
     from jax_dsrelu.kernels.sm100 import config
 
@@ -33,6 +35,6 @@ def cannot_implement(request: AnyRequest) -> str | None:
 
 
 def implementation(request: AnyRequest) -> Callable[..., tuple[jax.Array, ...]]:
-    from jax_dsrelu.ffi import sm100 as lowering
+    from jax_dsrelu.kernels.sm100 import dsrelu_call
 
-    return lowering.implementation(request)
+    return dsrelu_call.implementation(request)

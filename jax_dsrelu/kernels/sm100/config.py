@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 
 from jax_dsrelu import mx
-from jax_dsrelu.request import Request
+from jax_dsrelu.kernels.request import Request
 
 _MXFP8_DTYPES = tuple(np.dtype(d) for d in mx.ELEMENT_DTYPES)
 # D, the regenerated activation and C (preact) may be any of these in the kernel; float8 D

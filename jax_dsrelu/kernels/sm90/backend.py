@@ -1,4 +1,4 @@
-"""How the sm90 backend presents itself to backend_choice. Imports no CuTe DSL."""
+"""How the sm90 backend presents itself to the registry. Imports no CuTe DSL."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from typing import Callable
 import jax
 
 from jax_dsrelu.kernels import software
-from jax_dsrelu.request import AnyRequest, RaggedContractRequest, RaggedMatmulRequest, Request
+from jax_dsrelu.kernels.request import AnyRequest, RaggedContractRequest, RaggedMatmulRequest, Request
 
 NAME = "sm90"
 DEVICE_DESCRIPTION = "Hopper GPUs (compute capability 9.0: H100, H200)"
-
+REQUEST_KINDS = (Request, RaggedMatmulRequest, RaggedContractRequest)
 
 
 def software_missing() -> str | None:
@@ -35,9 +35,9 @@ def cannot_implement(request: AnyRequest) -> str | None:
 
 def implementation(request: AnyRequest) -> Callable[..., tuple[jax.Array, ...]]:
     if isinstance(request, Request):
-        from jax_dsrelu.ffi import sm90 as lowering
+        from jax_dsrelu.kernels.sm90 import dsrelu_call
 
-        return lowering.implementation(request)
-    from jax_dsrelu.ffi import sm90_gemm
+        return dsrelu_call.implementation(request)
+    from jax_dsrelu.kernels.sm90 import ragged_call
 
-    return sm90_gemm.implementation(request)
+    return ragged_call.implementation(request)

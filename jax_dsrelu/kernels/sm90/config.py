@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from jax_dsrelu.request import RaggedContractRequest, RaggedMatmulRequest, Request
+from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest, Request
 
 # Largest expert count: the per-CTA expert tables (two int32 prefix sums of E + 1 entries)
 # live in shared memory next to the pipelines, and one warp builds them in E / 32 steps.
@@ -167,7 +167,7 @@ def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileCon
 
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
-    """Static tile configuration of the ragged-M GEMM (`ragged_gemm.py`); `__post_init__`
+    """Static tile configuration of the ragged-M GEMM (`ragged_matmul_kernel.py`); `__post_init__`
     is the one validity check. Cooperative consumers and a 1x1 cluster, as TileConfig."""
 
     tile_n: int
@@ -196,7 +196,7 @@ class GemmConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ContractConfig:
-    """Static tile configuration of the ragged contraction (`ragged_contract.py`): an
+    """Static tile configuration of the ragged contraction (`ragged_contract_kernel.py`): an
     output tile of tile_m x tile_n, tile_k rows of the expert per pipeline stage."""
 
     tile_n: int

@@ -7,8 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_dsrelu import backend_choice, primitive, validation
-from jax_dsrelu import request as request_facts
+from jax_dsrelu.primitives import dsrelu, validation
 
 
 class DsreluOutputs(NamedTuple):
@@ -74,27 +73,19 @@ def grouped_gemm_dsrelu(
 
     if alpha is None:
         alpha = jnp.ones((weight.shape[0],), jnp.float32)
-    params = dict(
-        with_dbias=bool(with_dbias),
-        with_act=bool(with_act),
-        out_dtype=dtype,
-        deterministic=bool(deterministic),
-    )
-    request = request_facts.request_from_avals(
-        (grad, weight, preact, prob), block_scaled=grad_scale is not None, **params
-    )
-    backend_choice.check_explicit_backend(backend, request)
-
-    results = primitive.bind(
+    results = dsrelu.bind(
         grad=grad,
         weight=weight,
         preact=preact,
         prob=prob,
-        group_sizes=group_sizes.astype(jnp.int32),
+        group_sizes=group_sizes,
         alpha=alpha.astype(jnp.float32),
         grad_scale=grad_scale,
         weight_scale=weight_scale,
+        with_dbias=bool(with_dbias),
+        with_act=bool(with_act),
+        out_dtype=dtype,
+        deterministic=bool(deterministic),
         backend=backend,
-        **params,
     )
     return DsreluOutputs(**results)

@@ -88,7 +88,7 @@ class RaggedGemmSm90:
     def __call__(self, stream: cuda.CUstream, *tensors: cute.Tensor):
         """Launches the GEMM on `stream`.
 
-        tensors, in order (ffi/sm90_gemm.py builds the same list):
+        tensors, in order (ragged_call.py builds the same list):
             lhs (m, k), rhs as (n, k, E), group_sizes (E,) i32,
             [srelu: prob (m,) f32, [bias (E, n) f32]],
             out (m, n) (srelu: h), [srelu: act (m, n)]

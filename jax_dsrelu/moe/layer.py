@@ -1,7 +1,7 @@
 """`moe_layer`: a dropless top-k MoE feed-forward layer on one device.
 
 route -> dispatch -> `moe_mlp` -> combine. Routing, dispatch and combine are bitwise
-reproducible by construction (see `jax_dsrelu.routing`); `deterministic` is passed to
+reproducible by construction (see `jax_dsrelu.moe.routing`); `deterministic` is passed to
 `moe_mlp`, so with deterministic=True every gradient of the layer, the router's
 included, is bitwise reproducible from run to run.
 """
@@ -13,7 +13,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_dsrelu import layer, routing, validation
+from jax_dsrelu.ops.moe_mlp import moe_mlp
+from jax_dsrelu.moe import routing
+from jax_dsrelu.primitives import validation
 
 
 class MoEAux(NamedTuple):
@@ -55,7 +57,7 @@ def moe_layer(
     check_layer_options(top_k, w1.shape[0], normalize, deterministic, backend, return_aux)
     plan = routing.route(router_logits(x, router), top_k, normalize=normalize)
     rows = routing.dispatch(x.astype(w1.dtype), plan)
-    y = layer.moe_mlp(
+    y = moe_mlp(
         rows, w1, w2, plan.row_prob, plan.group_sizes, b1=b1, deterministic=deterministic, backend=backend
     )
     out = routing.combine(y, plan).astype(x.dtype)

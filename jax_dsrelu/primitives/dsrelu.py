@@ -5,7 +5,7 @@ Operands and results are those of `schema.GROUPED_GEMM_DSRELU`: grad (m, k), wei
 and for MXFP8 operands (block_scaled) grad_scale (m, k/32) and weight_scale (E, n, k/32)
 float8_e8m0fnu; results dh, dprob, [dbias], [act], amax, the bracketed ones only when
 asked for. Abstract evaluation, lowering per platform, batching and partitioning are
-`jax_dsrelu.grouped_primitive`'s. On CUDA a kernel backend's implementation emits one
+`jax_dsrelu.primitives.base`'s. On CUDA a kernel backend's implementation emits one
 custom call that runs the kernel and, in deterministic mode, the fixed-order reduction
 pass.
 """
@@ -17,10 +17,10 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from jax_dsrelu import request as request_facts
-from jax_dsrelu.grouped_primitive import GroupedPrimitive
-from jax_dsrelu.reference import grouped_gemm_dsrelu_reference
-from jax_dsrelu.schema import GROUPED_GEMM_DSRELU
+from jax_dsrelu.kernels import request as request_facts
+from jax_dsrelu.primitives.base import GroupedPrimitive
+from jax_dsrelu.primitives.reference import grouped_gemm_dsrelu_reference
+from jax_dsrelu.primitives.schema import GROUPED_GEMM_DSRELU
 
 
 def _reference(*operands, with_dbias, with_act, out_dtype, deterministic, block_scaled):

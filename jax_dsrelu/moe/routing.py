@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_dsrelu import permutation, validation
+from jax_dsrelu.moe import permutation
+from jax_dsrelu.primitives import validation
 
 
 @functools.partial(

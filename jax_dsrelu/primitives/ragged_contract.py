@@ -17,15 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dsrelu import backend_choice, groups
-from jax_dsrelu.grouped_primitive import GroupedPrimitive
-from jax_dsrelu.request import RaggedContractRequest
-from jax_dsrelu.schema import RAGGED_CONTRACT
-
-
-def _reference(lhs, rhs, group_sizes, *, out_dtype):
-    sizes = groups.clamped_group_sizes(group_sizes, lhs.shape[0])
-    return (groups.per_expert_outer(lhs, rhs, sizes).astype(out_dtype),)
+from jax_dsrelu.primitives import reference
+from jax_dsrelu.primitives.base import GroupedPrimitive
+from jax_dsrelu.kernels.request import RaggedContractRequest
+from jax_dsrelu.primitives.schema import RAGGED_CONTRACT
 
 
 def _request(operand_avals: Sequence[Any], params: Mapping[str, Any]) -> RaggedContractRequest:
@@ -39,7 +34,7 @@ def _request(operand_avals: Sequence[Any], params: Mapping[str, Any]) -> RaggedC
     )
 
 
-ragged_contract_primitive = GroupedPrimitive(RAGGED_CONTRACT, _reference, _request)
+ragged_contract_primitive = GroupedPrimitive(RAGGED_CONTRACT, reference.ragged_contract_reference, _request)
 
 
 def ragged_contract(
@@ -52,6 +47,5 @@ def ragged_contract(
 ) -> jax.Array:  # (E, a, b) out_dtype
     """The per-expert contraction over rows; shapes and dtypes are the caller's to have checked."""
     params = dict(out_dtype=np.dtype(out_dtype))
-    backend_choice.check_explicit_backend(backend, _request((lhs, rhs, group_sizes), params))
-    named = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes.astype(jnp.int32))
+    named = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
     return ragged_contract_primitive.bind(named, backend=backend, **params)["out"]

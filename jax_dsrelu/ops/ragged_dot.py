@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dsrelu import jax_internals, sharding, validation
-from jax_dsrelu.ragged_contract import ragged_contract
-from jax_dsrelu.ragged_matmul import ragged_matmul
+from jax_dsrelu import jax_internals
+from jax_dsrelu.primitives import sharding, validation
+from jax_dsrelu.primitives.ragged_contract import ragged_contract
+from jax_dsrelu.primitives.ragged_matmul import ragged_matmul
 
 
 def ragged_dot(
@@ -48,7 +49,7 @@ def ragged_dot(
     # Inside shard_map, lhs and rhs must vary alike for the custom VJP's cotangents to
     # match their primals' types (see `jax_internals.vary_alike`).
     lhs, rhs = jax_internals.vary_alike([lhs, rhs])
-    return _ragged_dot(out_dtype, backend, lhs, rhs, group_sizes.astype(jnp.int32))
+    return _ragged_dot(out_dtype, backend, lhs, rhs, group_sizes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -1,33 +1,47 @@
-"""Which backend serves a request, on which platform, and why the others cannot.
+"""The registry of backends: which one serves a request, on which platform, and why the others cannot.
 
 A backend is named by a string: "xla" (the reference, runs anywhere), "sm90" (our CuTe DSL
 kernel for Hopper) and "sm100" (cuDNN's Blackwell kernel). "auto" is resolved when the
 primitive is lowered, because only then is the target platform known; on a CUDA device it
 takes the fastest backend that can serve the request and falls back to "xla".
 
-GPU backends describe themselves through a small module that imports nothing heavy
-(`jax_dsrelu.kernels.<name>.backend`), so asking about them never loads CuTe DSL.
+Each kernel backend describes itself through a small module that imports nothing heavy
+(`jax_dsrelu.kernels.<name>.backend`, listed below), so asking about it never loads CuTe DSL
+or cuDNN; its kernels are imported only when a call is lowered for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
 from typing import Callable
 
 import jax
 
-from jax_dsrelu.request import AnyRequest, KernelBackend, cuda_compute_capability
+from jax_dsrelu.kernels.request import AnyRequest, KernelBackend, cuda_compute_capability
+from jax_dsrelu.kernels.sm90 import backend as sm90
+from jax_dsrelu.kernels.sm100 import backend as sm100
 
-BACKEND_NAMES = ("auto", "xla", "sm90", "sm100")
-# Preference order for "auto" on a CUDA device; "xla" is always last.
-_KERNEL_BACKENDS = ("sm100", "sm90")
+# The kernel backends in "auto"'s order of preference on a CUDA device; "xla" is always last.
+KERNEL_BACKENDS: dict[str, KernelBackend] = {sm100.NAME: sm100, sm90.NAME: sm90}
+BACKEND_NAMES = ("auto", "xla", *reversed(KERNEL_BACKENDS))
+_KERNEL_BACKENDS = tuple(KERNEL_BACKENDS)
 
 
-@functools.cache
 def kernel_backend(name: str) -> KernelBackend:
-    return importlib.import_module(f"jax_dsrelu.kernels.{name}.backend")
+    return KERNEL_BACKENDS[name]
+
+
+def backend_for_kind(name: str, kind: type) -> str:
+    """The backend a layer asks for requests of `kind` when its user asked for `name`.
+
+    A kernel backend serves the kinds of request it has kernels for and lets "auto" pick
+    for the rest: the sm100 backend has a kernel for the fused dsReLU backward only, so a
+    moe_mlp on it runs its plain GEMMs on what "auto" picks on Blackwell (XLA).
+    """
+    backend = KERNEL_BACKENDS.get(name)
+    if backend is not None and kind not in backend.REQUEST_KINDS:
+        return "auto"
+    return name
 
 
 def check_explicit_backend(name: str, request: AnyRequest) -> None:

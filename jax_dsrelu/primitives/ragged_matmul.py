@@ -24,33 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dsrelu import backend_choice, groups
-from jax_dsrelu.grouped_primitive import GroupedPrimitive
-from jax_dsrelu.request import RaggedMatmulRequest
-from jax_dsrelu.schema import RAGGED_MATMUL, RAGGED_MATMUL_SRELU
+from jax_dsrelu.primitives import reference
+from jax_dsrelu.primitives.base import GroupedPrimitive
+from jax_dsrelu.kernels.request import RaggedMatmulRequest
+from jax_dsrelu.primitives.schema import RAGGED_MATMUL, RAGGED_MATMUL_SRELU
 
 RHS_LAYOUTS = ("kn", "nk")
-
-
-def _accumulate(lhs, rhs, group_sizes, rhs_layout):
-    rhs_kn = rhs if rhs_layout == "kn" else jnp.swapaxes(rhs, 1, 2)
-    return groups.ragged_matmul(lhs, rhs_kn, groups.clamped_group_sizes(group_sizes, lhs.shape[0]))
-
-
-def _plain_reference(lhs, rhs, group_sizes, *, rhs_layout, out_dtype):
-    return (_accumulate(lhs, rhs, group_sizes, rhs_layout).astype(out_dtype),)
-
-
-def _srelu_reference(lhs, rhs, group_sizes, prob, bias, *, rhs_layout, out_dtype, with_bias):
-    del with_bias  # bias is None without it
-    acc = _accumulate(lhs, rhs, group_sizes, rhs_layout)
-    if bias is not None:
-        expert, owned = groups.row_experts(group_sizes, lhs.shape[0])
-        acc = acc + jnp.where(owned[:, None], bias.astype(jnp.float32)[expert], 0.0)
-    h = acc.astype(out_dtype)
-    r = jnp.maximum(h.astype(jnp.float32), 0.0)
-    act = (r * r * prob.astype(jnp.float32)[:, None]).astype(out_dtype)
-    return h, act
 
 
 def _request_of(epilogue: str):
@@ -72,9 +51,9 @@ def _request_of(epilogue: str):
     return request
 
 
-ragged_matmul_primitive = GroupedPrimitive(RAGGED_MATMUL, _plain_reference, _request_of("none"))
+ragged_matmul_primitive = GroupedPrimitive(RAGGED_MATMUL, reference.ragged_matmul_reference, _request_of("none"))
 ragged_matmul_srelu_primitive = GroupedPrimitive(
-    RAGGED_MATMUL_SRELU, _srelu_reference, _request_of("srelu")
+    RAGGED_MATMUL_SRELU, reference.ragged_matmul_srelu_reference, _request_of("srelu")
 )
 
 
@@ -95,8 +74,7 @@ def ragged_matmul(
     """The plain ragged matmul; shapes and dtypes are the caller's to have checked."""
     _check_layout(rhs_layout)
     params = dict(rhs_layout=rhs_layout, out_dtype=np.dtype(out_dtype))
-    backend_choice.check_explicit_backend(backend, _request_of("none")((lhs, rhs), params))
-    named = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes.astype(jnp.int32))
+    named = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
     return ragged_matmul_primitive.bind(named, backend=backend, **params)["out"]
 
 
@@ -114,11 +92,10 @@ def ragged_matmul_srelu(
     """The ragged matmul with the squared-ReLU forward epilogue."""
     _check_layout(rhs_layout)
     params = dict(rhs_layout=rhs_layout, out_dtype=np.dtype(out_dtype), with_bias=bias is not None)
-    backend_choice.check_explicit_backend(backend, _request_of("srelu")((lhs, rhs), params))
     named = dict(
         lhs=lhs,
         rhs=rhs,
-        group_sizes=group_sizes.astype(jnp.int32),
+        group_sizes=group_sizes,
         # The kernel's epilogue reads prob and bias as float32 whatever their dtype.
         prob=prob.astype(jnp.float32),
         bias=None if bias is None else bias.astype(jnp.float32),

@@ -10,7 +10,7 @@ The send buffer of each device holds D * (T_local * top_k) rows: every destinati
 room for all of the device's rows, so no token is ever dropped, at the price of padding
 rows (memory and all-to-all bandwidth) that belong to no expert and come out 0.
 
-Every row movement is a gather whose gradient is a gather (`jax_dsrelu.permutation`),
+Every row movement is a gather whose gradient is a gather (`jax_dsrelu.moe.permutation`),
 and all_to_all's transpose is an all_to_all, so, as on one device, nothing adds two
 values into one place in an order the hardware chooses. The auxiliary losses are made
 from per-shard statistics gathered to every device and added in shard order. The
@@ -28,8 +28,11 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_dsrelu import groups, layer, permutation, routing, validation
-from jax_dsrelu.moe_layer import MoEAux, check_layer_options, router_logits
+from jax_dsrelu import groups
+from jax_dsrelu.ops.moe_mlp import moe_mlp
+from jax_dsrelu.moe import permutation, routing
+from jax_dsrelu.primitives import validation
+from jax_dsrelu.moe.layer import MoEAux, check_layer_options, router_logits
 
 
 def moe_layer_expert_parallel(
@@ -137,7 +140,7 @@ def _expert_parallel_shard(x, router, w1, w2, b1=None, *, expert_axis, top_k, no
     # What arrived is grouped by source device; group it by local expert for moe_mlp.
     # Padding has expert index local_experts: it sorts last and belongs to no expert.
     local = permutation.sort_by_group(got_expert, local_experts)
-    y = layer.moe_mlp(
+    y = moe_mlp(
         permutation.gather_rows(got_rows, local.order, local.inverse),
         w1,
         w2,

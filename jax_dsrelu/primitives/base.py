@@ -7,10 +7,12 @@ function building the backend request from operand shapes. It provides:
 - lowering: every platform lowers "xla" (and "auto", off CUDA) through the reference; on
   CUDA the backend is resolved when lowering, and a kernel backend's implementation is
   lowered in its place; either way the computation is wrapped for the SPMD partitioner
-  (`jax_dsrelu.sharding`), so sharded operands are not gathered;
+  (`jax_dsrelu.primitives.sharding`), so sharded operands are not gathered;
 - eager calls through that same lowering (a one-equation jit);
 - batching: any subset of operands batched, one grouped problem per batch element;
-- `bind` by operand name, which binds inside a shard_map over Explicit mesh axes.
+- `bind` by operand name: the one place where a call's static facts are settled (group
+  sizes as int32, the backend request, an explicitly named backend refused at trace time),
+  and which binds inside a shard_map over Explicit mesh axes.
 
 The reference and the kernel implementations take the schema's positional arguments
 (`Schema.call_arguments`) and return the present results in schema order.
@@ -27,8 +29,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.interpreters import batching, mlir
 
-from jax_dsrelu import backend_choice, jax_internals, sharding
-from jax_dsrelu.schema import Schema
+from jax_dsrelu import jax_internals
+from jax_dsrelu.kernels import registry
+from jax_dsrelu.primitives import sharding
+from jax_dsrelu.primitives.schema import Schema
 
 RequestBuilder = Callable[[Sequence[Any], Mapping[str, Any]], Any]
 
@@ -57,8 +61,15 @@ class GroupedPrimitive:
         batching.primitive_batchers[self.primitive] = self._batch
 
     def bind(self, named: Mapping[str, Any], **params: Any) -> dict[str, jax.Array | None]:
-        """Operands by name -> results by name (absent ones None)."""
+        """Operands by name -> results by name (absent ones None).
+
+        The kernels and the references read group sizes as int32, and an explicitly named
+        backend that cannot serve the call is refused here, at trace time, from the same
+        request its lowering will build.
+        """
+        named = dict(named, group_sizes=named["group_sizes"].astype(jnp.int32))
         operands = self.schema.bound_operands(named, params)
+        registry.check_explicit_backend(params["backend"], self.request_of(operands, params))
         mesh = sharding.explicit_mesh(operands)
         if mesh is None:
             results = self.primitive.bind(*operands, **params)
@@ -86,8 +97,10 @@ class GroupedPrimitive:
 
         def for_shapes(operand_avals, params):
             if "cuda" in platforms:
+                # Built again from the local shapes: under a partitioned jit a device may
+                # hold part of n, and its kernel is compiled for its own part.
                 request = self.request_of(operand_avals, params)
-                _, implementation = backend_choice.cuda_implementation(params["backend"], request)
+                _, implementation = registry.cuda_implementation(params["backend"], request)
                 if implementation is not None:
                     return lambda *ops: tuple(implementation(*self.schema.call_arguments(ops, params)))
             elif params["backend"] not in ("xla", "auto"):

@@ -14,9 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dsrelu import api, jax_internals, sharding, validation
-from jax_dsrelu.ragged_contract import ragged_contract
-from jax_dsrelu.ragged_matmul import ragged_matmul, ragged_matmul_srelu
+from jax_dsrelu import jax_internals
+from jax_dsrelu.kernels import registry
+from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest
+from jax_dsrelu.ops.grouped_gemm_dsrelu import grouped_gemm_dsrelu
+from jax_dsrelu.primitives import sharding, validation
+from jax_dsrelu.primitives.ragged_contract import ragged_contract
+from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
 
 
 def moe_mlp(
@@ -43,16 +47,7 @@ def moe_mlp(
     validation.require_bool("deterministic", deterministic)
     backend = validation.backend_name(backend)
     x, w1, w2, prob, b1 = jax_internals.vary_alike([x, w1, w2, prob, b1])
-    return _moe_mlp(bool(deterministic), backend, x, w1, w2, prob, group_sizes.astype(jnp.int32), b1)
-
-
-def _plain_gemm_backend(backend: str) -> str:
-    """The backend of the layer's ragged matmuls and contractions.
-
-    The sm100 backend has a kernel for the fused dsReLU backward only; asked for by
-    name, it serves that, and the other GEMMs run on what "auto" picks on Blackwell (XLA).
-    """
-    return "auto" if backend == "sm100" else backend
+    return _moe_mlp(bool(deterministic), backend, x, w1, w2, prob, group_sizes, b1)
 
 
 def _forward(backend, x, w1, w2, prob, group_sizes, b1):
@@ -60,7 +55,7 @@ def _forward(backend, x, w1, w2, prob, group_sizes, b1):
 
     The up-projection makes the activation in the same call, from the rounded h.
     """
-    backend = _plain_gemm_backend(backend)
+    backend = registry.backend_for_kind(backend, RaggedMatmulRequest)
     h, act = ragged_matmul_srelu(
         x, w1, group_sizes, prob, b1, rhs_layout="kn", out_dtype=x.dtype, backend=backend
     )
@@ -84,7 +79,7 @@ def _moe_mlp_fwd(deterministic, backend, x, w1, w2, prob, group_sizes, b1):
 def _moe_mlp_bwd(deterministic, backend, residuals, dy):
     x, w1, w2, prob, group_sizes, b1, h = residuals
     dy = dy.astype(x.dtype)
-    fused = api.grouped_gemm_dsrelu(
+    fused = grouped_gemm_dsrelu(
         dy,
         w2,
         h,
@@ -96,11 +91,12 @@ def _moe_mlp_bwd(deterministic, backend, residuals, dy):
         deterministic=deterministic,
         backend=backend,
     )
-    backend = _plain_gemm_backend(backend)
+    matmul_backend = registry.backend_for_kind(backend, RaggedMatmulRequest)
+    contract_backend = registry.backend_for_kind(backend, RaggedContractRequest)
     # w1 (E, d, f) read as (E, n, k) with n = d, k = f: dx = dh @ w1[e]^T, in place.
-    dx = ragged_matmul(fused.dh, w1, group_sizes, rhs_layout="nk", out_dtype=x.dtype, backend=backend)
-    dw1 = ragged_contract(x, fused.dh, group_sizes, out_dtype=w1.dtype, backend=backend)
-    dw2 = ragged_contract(fused.act, dy, group_sizes, out_dtype=w2.dtype, backend=backend)
+    dx = ragged_matmul(fused.dh, w1, group_sizes, rhs_layout="nk", out_dtype=x.dtype, backend=matmul_backend)
+    dw1 = ragged_contract(x, fused.dh, group_sizes, out_dtype=w1.dtype, backend=contract_backend)
+    dw2 = ragged_contract(fused.act, dy, group_sizes, out_dtype=w2.dtype, backend=contract_backend)
     db1 = None if b1 is None else fused.dbias.astype(b1.dtype)
     dprob = fused.dprob.astype(prob.dtype)
     dx, dw1, dw2, dprob = (

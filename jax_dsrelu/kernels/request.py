@@ -1,6 +1,6 @@
 """The static facts of one call, and what a kernel backend provides: a leaf module.
 
-Kernels, their FFI layer and `jax_dsrelu.backend_choice` all import from here, and this module
+Kernels, their FFI layer and `jax_dsrelu.kernels.registry` all import from here, and this module
 imports none of them, so no import cycle runs through backend choice.
 """
 
@@ -82,10 +82,11 @@ AnyRequest = Request | RaggedMatmulRequest | RaggedContractRequest
 
 
 class KernelBackend(Protocol):
-    """What `jax_dsrelu.kernels.<name>.backend` provides."""
+    """What `jax_dsrelu.kernels.<name>.backend` provides to the registry."""
 
     NAME: str
     DEVICE_DESCRIPTION: str  # which GPUs it runs on, in words
+    REQUEST_KINDS: tuple[type, ...]  # the kinds of request it has kernels for
 
     def software_missing(self) -> str | None:
         """Why the backend's packages cannot be imported here, or None."""

@@ -22,13 +22,12 @@ from jax import lax
 from jax_dsrelu.ffi import cutlass_bridge
 from jax_dsrelu.ffi.cutlass_bridge import Operand
 from jax_dsrelu.kernels.sm90 import config as sm90_config
-from jax_dsrelu.kernels.sm90.kernel import GroupedGemmDsreluSm90
-from jax_dsrelu.request import Request
+from jax_dsrelu.kernels.request import Request
+from jax_dsrelu.kernels.sm90.dsrelu_kernel import GroupedGemmDsreluSm90
+from jax_dsrelu.kernels.sm90.mainloop import MAX_ROWS
 
 # wgmma and setmaxnreg exist only on the architecture-specific sm_90a target.
 ARCH = "sm_90a"
-# The ragged store addresses rows by coordinate 2^30 - size + row (kernel.py).
-MAX_ROWS = 2**30 - 1
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
@@ -77,7 +76,7 @@ class Buffer:
 def buffer_plan(
     request: Request, config: sm90_config.TileConfig, num_rows: int
 ) -> list[Buffer]:
-    """The host function's buffers in its order (kernel.py `__call__`): every input and
+    """The host function's buffers in its order (dsrelu_kernel.py `__call__`): every input and
     accumulate buffer before every output, as the JAX bridge passes them."""
     e, n, k = request.num_experts, request.n, request.k
     rows = lambda dtype, *cols: Operand(np.dtype(dtype), 1 + len(cols), varying=(0,))  # noqa: E731
@@ -211,7 +210,7 @@ def implementation(
             weight=weight,
             preact=preact,
             prob=prob.astype(jnp.float32),
-            group_sizes=group_sizes.astype(jnp.int32),
+            group_sizes=group_sizes,
             alpha=alpha.astype(jnp.float32),
         )
         if outputs_in_place:

@@ -2,7 +2,7 @@
 
 Each error names the argument, the value seen and what was expected. Values that only
 exist at run time (group sizes) are not checked here: see `jax_dsrelu.groups` for how
-they are made safe, and `jax_dsrelu.checks` for an opt-in runtime check.
+they are made safe, and `jax_dsrelu.ops.checks` for an opt-in runtime check.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dsrelu import mx
-from jax_dsrelu.backend_choice import BACKEND_NAMES
+from jax_dsrelu.kernels.registry import BACKEND_NAMES
 
-OPERAND_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# The floating dtypes of every operand, result and option that is not an MXFP8 operand.
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 def _names(dtypes) -> str:
@@ -78,9 +77,9 @@ def out_dtype(value: Any, name: str = "out_dtype") -> np.dtype:
     try:
         dtype = np.dtype(value)
     except TypeError as error:
-        raise TypeError(f"{name} must be one of {_names(OUT_DTYPES)}, got {value!r}") from error
-    if dtype not in [np.dtype(d) for d in OUT_DTYPES]:
-        raise TypeError(f"{name} must be one of {_names(OUT_DTYPES)}, got {dtype.name}")
+        raise TypeError(f"{name} must be one of {_names(FLOAT_DTYPES)}, got {value!r}") from error
+    if dtype not in [np.dtype(d) for d in FLOAT_DTYPES]:
+        raise TypeError(f"{name} must be one of {_names(FLOAT_DTYPES)}, got {dtype.name}")
     return dtype
 
 
@@ -110,7 +109,7 @@ def check_grouped_gemm_dsrelu(
                 f"(m, k/32) and weight_scale (E, n, k/32) as float8_e8m0fnu, e.g. from "
                 f"jax_dsrelu.quantize_mx"
             )
-        require_dtype("grad", grad, OPERAND_DTYPES)
+        require_dtype("grad", grad, FLOAT_DTYPES)
     else:
         check_block_scales(grad, weight, grad_scale, weight_scale)
     if np.dtype(weight.dtype) != np.dtype(grad.dtype):
@@ -174,7 +173,7 @@ def check_moe_mlp(x, w1, w2, prob, group_sizes, b1) -> Any:
     require_dim("w2", w2, 2, d, "x.shape[1] (d)")
     require_dim("prob", prob, 0, num_rows, "x.shape[0] (m)")
     require_dim("group_sizes", group_sizes, 0, num_experts, "w1.shape[0] (E)")
-    require_dtype("x", x, OPERAND_DTYPES)
+    require_dtype("x", x, FLOAT_DTYPES)
     for name, array in (("w1", w1), ("w2", w2)):
         if np.dtype(array.dtype) != np.dtype(x.dtype):
             raise TypeError(
@@ -200,7 +199,7 @@ def check_ragged_dot(lhs, rhs, group_sizes) -> Any:
     require_experts("rhs", rhs)
     require_dim("rhs", rhs, 1, lhs.shape[1], "lhs.shape[1] (k)")
     require_dim("group_sizes", group_sizes, 0, rhs.shape[0], "rhs.shape[0] (E)")
-    require_dtype("lhs", lhs, OPERAND_DTYPES)
+    require_dtype("lhs", lhs, FLOAT_DTYPES)
     if np.dtype(rhs.dtype) != np.dtype(lhs.dtype):
         raise TypeError(
             f"rhs.dtype must equal lhs.dtype={np.dtype(lhs.dtype).name}, "
@@ -251,7 +250,7 @@ def check_moe_layer(x, router, w1, w2, b1) -> None:
     require_dim("w2", w2, 2, d, "x.shape[1] (d)")
     require_dtype("x", x, FLOAT_DTYPES)
     require_dtype("router", router, FLOAT_DTYPES)
-    require_dtype("w1", w1, OPERAND_DTYPES)
+    require_dtype("w1", w1, FLOAT_DTYPES)
     if np.dtype(w2.dtype) != np.dtype(w1.dtype):
         raise TypeError(
             f"w2.dtype must equal w1.dtype={np.dtype(w1.dtype).name}, got w2.dtype={np.dtype(w2.dtype).name}"

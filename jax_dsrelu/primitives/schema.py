@@ -60,7 +60,7 @@ class Field:
 @dataclasses.dataclass(frozen=True)
 class Schema:
     """A primitive's operands and results, in order; `kept_whole` dimensions are never
-    split across devices (see `jax_dsrelu.sharding`)."""
+    split across devices (see `jax_dsrelu.primitives.sharding`)."""
 
     name: str
     operands: tuple[Field, ...]

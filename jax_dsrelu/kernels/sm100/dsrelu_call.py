@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dsrelu.ffi import cutlass_bridge
-from jax_dsrelu.ffi import sm100_layout as layout
+from jax_dsrelu.kernels.sm100 import layout
 from jax_dsrelu.ffi.cutlass_bridge import Operand
 from jax_dsrelu.kernels.sm100 import adapter
 from jax_dsrelu.kernels.sm100.config import CONFIG
-from jax_dsrelu.request import Request
+from jax_dsrelu.kernels.request import Request
 
 # tcgen05 and the block-scaled MMA exist only on the architecture-specific target.
 ARCH = "sm_100a"

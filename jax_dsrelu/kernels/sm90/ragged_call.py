@@ -1,7 +1,7 @@
 """The sm90 grouped-GEMM kernels as JAX functions: one custom call each.
 
 `implementation(request)` returns the function a primitive's CUDA lowering lowers in its
-place, with the call signature documented on the request (`jax_dsrelu.request`):
+place, with the call signature documented on the request (`jax_dsrelu.kernels.request`):
 
     RaggedMatmulRequest, epilogue "none":  (lhs, rhs, group_sizes) -> (out,)
     RaggedMatmulRequest, epilogue "srelu": (lhs, rhs, group_sizes, prob, bias | None) -> (h, act)
@@ -26,10 +26,10 @@ import numpy as np
 
 from jax_dsrelu.ffi import cutlass_bridge
 from jax_dsrelu.ffi.cutlass_bridge import Operand
-from jax_dsrelu.ffi.sm90 import ARCH, sm_count
+from jax_dsrelu.kernels.sm90.dsrelu_call import ARCH, sm_count
 from jax_dsrelu.kernels.sm90 import config as sm90_config
 from jax_dsrelu.kernels.sm90.mainloop import MAX_ROWS
-from jax_dsrelu.request import RaggedContractRequest, RaggedMatmulRequest
+from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
@@ -43,7 +43,7 @@ def _rows(dtype, rank: int = 2, mode=None) -> Operand:
 
 
 def matmul_operands(request: RaggedMatmulRequest) -> tuple[list[Operand], list[Operand]]:
-    """(inputs, outputs) of the ragged-M host function, in its order (ragged_gemm.py)."""
+    """(inputs, outputs) of the ragged-M host function, in its order (ragged_matmul_kernel.py)."""
     dtype = request.operand_dtype
     inputs = [_rows(dtype), Operand(np.dtype(dtype), 3, mode=_RHS_MODES[request.rhs_layout]), Operand(_I32, 1)]
     outputs = [_rows(request.out_dtype)]
@@ -64,7 +64,7 @@ def contract_operands(request: RaggedContractRequest) -> tuple[list[Operand], li
 
 @functools.cache
 def _matmul_kernel(request: RaggedMatmulRequest, config: sm90_config.GemmConfig):
-    from jax_dsrelu.kernels.sm90.ragged_gemm import RaggedGemmSm90
+    from jax_dsrelu.kernels.sm90.ragged_matmul_kernel import RaggedGemmSm90
 
     return RaggedGemmSm90(
         config,
@@ -79,7 +79,7 @@ def _matmul_kernel(request: RaggedMatmulRequest, config: sm90_config.GemmConfig)
 
 @functools.cache
 def _contract_kernel(request: RaggedContractRequest, config: sm90_config.ContractConfig):
-    from jax_dsrelu.kernels.sm90.ragged_contract import RaggedContractSm90
+    from jax_dsrelu.kernels.sm90.ragged_contract_kernel import RaggedContractSm90
 
     return RaggedContractSm90(config, num_experts=request.num_experts, a=request.a, b=request.b)
 
@@ -169,7 +169,7 @@ def implementation(
         if num_rows == 0:
             # m = 0 is static: no rows, no expert owns any, nothing needs a kernel.
             return tuple(jnp.zeros(shape, operand.dtype) for operand, shape in zip(outputs, out_shapes))
-        arrays = [lhs, rhs, group_sizes.astype(jnp.int32)]
+        arrays = [lhs, rhs, group_sizes]
         if srelu:
             arrays.append(prob.astype(jnp.float32))
             if request.with_bias:
