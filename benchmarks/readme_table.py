@@ -1,13 +1,14 @@
-"""Writes the README's benchmark results from the recorded JSON; no figure by hand.
+"""Writes the documentation's benchmark results from the recorded JSON; no figure by hand.
 
-Each table sits between its markers in README.md and is generated from its JSON in
-benchmarks/results/: `<!-- sm90:start -->` from bench_dsrelu.json, `<!-- gemms:start -->`
-from bench_gemms.json, `<!-- layer:start -->` from bench_layer.json, `<!-- determinism:start -->`
-from every determinism/determinism_parallel*.json. A table whose JSON has not been recorded
-yet is left as it is.
+Each table sits between its markers in its document (`TABLES`) and is generated from its
+JSON in benchmarks/results/: README.md's `<!-- summary:start -->` from bench_layer.json;
+docs/performance.md's `<!-- sm90:start -->` from bench_dsrelu.json, `<!-- gemms:start -->`
+from bench_gemms.json, `<!-- layer:start -->` from bench_layer.json; docs/determinism.md's
+`<!-- determinism:start -->` from every determinism/determinism_parallel*.json. A table whose
+JSON has not been recorded yet is left as it is.
 
-    python benchmarks/readme_table.py            # rewrites README.md between the markers
-    python benchmarks/readme_table.py --check    # fails if README.md is out of date
+    python benchmarks/readme_table.py            # rewrites the documents between the markers
+    python benchmarks/readme_table.py --check    # fails if a document is out of date
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-README = ROOT / "README.md"
 VARIANTS = [
     ("xla", "XLA backend"),
     ("pallas+xla", "Pallas ragged_dot_mgpu + XLA epilogue"),
@@ -305,48 +305,86 @@ def render_determinism(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# (marker name, recorded JSON, how its table is written); a name with a * takes every
-# matching JSON, in a list.
-TABLES: list[tuple[str, str, Callable]] = [
-    ("sm90", "bench_dsrelu.json", render_dsrelu),
-    ("gemms", "bench_gemms.json", render_gemms),
-    ("layer", "bench_layer.json", render_layer),
-    ("determinism", "determinism/determinism_parallel*.json", render_determinism),
+def render_summary(results: dict) -> str:
+    """The front page's table: the moe_mlp step on the kernels, both modes, against the alternatives."""
+    lines = [
+        f"A `moe_mlp` training step (`jax.value_and_grad`, bf16 with b1, ragged group sizes) on an "
+        f"{results['device']}, CUPTI kernel time, commit `{results['commit']}` "
+        f"([docs/performance.md](docs/performance.md) has every table and how each was measured):",
+        "",
+        "| shape (m, d, f, E) | sm90 | sm90, deterministic | cost of determinism | vs XLA backend "
+        "| vs XLA dense MLP, same FLOPs |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in results["shapes"]:
+        step = row["modes"]["step"]
+        variants, r = step["variants"], step["ratios"]
+        det = r.get("det_overhead")
+        lines.append(
+            f"| {shape_text(row['shape'], 'mdfE')} | {cell(variants.get('sm90'))} "
+            f"| {cell(variants.get('sm90_det'))} | {'—' if det is None else f'{det:+.1%}'} "
+            f"| {ratio(r.get('sm90_speedup_vs_xla'), 'times')} "
+            f"| {ratio(r.get('sm90_speedup_vs_dense_xla'), 'times')} |"
+        )
+    return "\n".join(lines)
+
+
+# (document, marker name, recorded JSON, how its table is written); a JSON name with a *
+# takes every matching JSON, in a list.
+TABLES: list[tuple[str, str, str, Callable]] = [
+    ("README.md", "summary", "bench_layer.json", render_summary),
+    ("docs/performance.md", "sm90", "bench_dsrelu.json", render_dsrelu),
+    ("docs/performance.md", "gemms", "bench_gemms.json", render_gemms),
+    ("docs/performance.md", "layer", "bench_layer.json", render_layer),
+    ("docs/determinism.md", "determinism", "determinism/determinism_parallel*.json", render_determinism),
 ]
+DOCUMENTS = list(dict.fromkeys(document for document, *_ in TABLES))
 
 
-def updated_readme(readme: str, results_dir: pathlib.Path = RESULTS) -> str:
-    """README text with every table whose JSON exists regenerated between its markers."""
-    for marker, json_name, render in TABLES:
+def updated_document(text: str, document: str, results_dir: pathlib.Path = RESULTS) -> str:
+    """`document`'s text with every table of it whose JSON exists regenerated between its markers."""
+    for table_document, marker, json_name, render in TABLES:
+        if table_document != document:
+            continue
         paths = sorted(results_dir.glob(json_name))
         if not paths:
             continue
         path = results_dir / json_name
         start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
-        if readme.count(start) != 1 or readme.count(end) != 1:
+        if text.count(start) != 1 or text.count(end) != 1:
             raise SystemExit(
-                f"{path} is recorded but README.md does not hold exactly one {start} ... {end} pair "
+                f"{path} is recorded but {document} does not hold exactly one {start} ... {end} pair "
                 "to put its table between"
             )
-        head, rest = readme.split(start)
+        head, rest = text.split(start)
         _, tail = rest.split(end)
         recorded = [json.loads(p.read_text()) for p in paths]
         table = render(recorded if "*" in json_name else recorded[0])
-        readme = f"{head}{start}\n{table}\n{end}{tail}"
-    return readme
+        # Renderers link from the repository's root; a document in a folder links from there.
+        depth = document.count("/")
+        table = table.replace("](benchmarks/", "](" + "../" * depth + "benchmarks/")
+        table = table.replace("](docs/", "](" + "../" * depth + "docs/")
+        text = f"{head}{start}\n{table}\n{end}{tail}"
+    return text
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
-    readme = README.read_text()
-    updated = updated_readme(readme)
-    if args.check:
-        if updated != readme:
-            sys.exit("README.md's results differ from benchmarks/results: run benchmarks/readme_table.py")
-        return
-    README.write_text(updated)
+    stale = []
+    for document in DOCUMENTS:
+        path = ROOT / document
+        text = path.read_text()
+        updated = updated_document(text, document)
+        if updated == text:
+            continue
+        if args.check:
+            stale.append(document)
+        else:
+            path.write_text(updated)
+    if stale:
+        sys.exit(f"{', '.join(stale)}: results differ from benchmarks/results: run benchmarks/readme_table.py")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""The README: its benchmark figures are those recorded in benchmarks/results, and the
-code of "Build an MoE model" runs."""
+"""The documentation: its benchmark figures are those recorded in benchmarks/results, and
+every block of Python in README.md and docs/ runs as written."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -63,9 +64,12 @@ def write_results(directory, **results):
         (directory / name).write_text(json.dumps(value))
 
 
+DOCUMENT = "docs/performance.md"
+
+
 def test_gemm_and_layer_tables_come_from_their_json(tmp_path):
     write_results(tmp_path, **{"bench_gemms.json": gemms_results(), "bench_layer.json": layer_results()})
-    text = readme_table.updated_readme(README, tmp_path)
+    text = readme_table.updated_document(README, "docs/performance.md", tmp_path)
     assert "old" not in text and text.startswith("intro\n<!-- gemms:start -->\n")
     assert (
         "| 1024, 256, 512, 4 | up: x @ W1[e], squared-ReLU epilogue | not built | failed (run) "
@@ -78,7 +82,7 @@ def test_gemm_and_layer_tables_come_from_their_json(tmp_path):
     assert "| 1024, 256, 512, 4 | 6.00 / 3.00 / 3.00 / — | 4.00x | 2.00x | +5.0% |" in text
     assert "- 1024, 256, 512, 4 (2.000 ms): `gemm_kernel` 1.500 ms, `2 other kernels` 0.500 ms" in text
     # Generating again from the same JSON changes nothing: what --check relies on.
-    assert readme_table.updated_readme(text, tmp_path) == text
+    assert readme_table.updated_document(text, DOCUMENT, tmp_path) == text
 
 
 def determinism_record(commit, kernel_cache, example_digests, layer_digests, in_process=1):
@@ -99,7 +103,8 @@ def test_determinism_table_counts_distinct_digests_per_run(tmp_path):
         "determinism_parallel_a.json": determinism_record("aaa1111", "warm", ["x", "y", "x"], ["l", "m", "l"]),
         "determinism_parallel_b.json": determinism_record("bbb2222", "fresh", ["z", "z", None], ["l", None, "l"], 2),
     })
-    text = readme_table.updated_readme("<!-- determinism:start -->\nold\n<!-- determinism:end -->\n", tmp_path)
+    text = readme_table.updated_document("<!-- determinism:start -->\nold\n<!-- determinism:end -->\n",
+                                          "docs/determinism.md", tmp_path)
     header = ("| computation | `aaa1111`: kernels from the disk cache, XLA's default flags "
               "| `bbb2222`: kernels compiled in each process, XLA's default flags |")
     assert header in text
@@ -109,12 +114,12 @@ def test_determinism_table_counts_distinct_digests_per_run(tmp_path):
     assert ("final parameters | **2 distinct** in 3 (its step compiled with `{\"xla_gpu_autotune_level\": 0}`) "
             "| identical in 2 (of 3 started) (its step compiled") in text
     assert "`moe_mlp` step on the sm90 kernels, every gradient | not run | not run |" in text
-    assert readme_table.updated_readme(text, tmp_path) == text
+    assert readme_table.updated_document(text, "docs/determinism.md", tmp_path) == text
 
 
 def test_a_table_without_its_json_is_left_alone(tmp_path):
     write_results(tmp_path, **{"bench_layer.json": layer_results()})
-    text = readme_table.updated_readme(README, tmp_path)
+    text = readme_table.updated_document(README, "docs/performance.md", tmp_path)
     assert text.split("<!-- gemms:end -->")[0] == "intro\n<!-- gemms:start -->\nold\n"
     assert "2.000 ms (400)" in text
 
@@ -122,25 +127,32 @@ def test_a_table_without_its_json_is_left_alone(tmp_path):
 def test_recorded_json_without_markers_is_an_error(tmp_path):
     write_results(tmp_path, **{"bench_gemms.json": gemms_results()})
     with pytest.raises(SystemExit, match="gemms:start"):
-        readme_table.updated_readme("no markers here\n", tmp_path)
-def readme_section_code(title: str) -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    section = text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+        readme_table.updated_document("no markers here\n", "docs/performance.md", tmp_path)
+DOCUMENTS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 
 
-def test_build_an_moe_model_section_runs():
-    """The section's code blocks, run in order in one namespace, as a reader would."""
-    blocks = readme_section_code("Build an MoE model")
-    assert len(blocks) == 4
-    namespace: dict = {}
-    for block in blocks:
-        if "from flax import nnx" in block and importlib.util.find_spec("flax") is None:
-            continue
-        exec(compile(block, "README.md", "exec"), namespace)
-    x, out, grads = namespace["x"], namespace["out"], namespace["grads"]
-    assert out.shape == x.shape and np.all(np.isfinite(np.asarray(out)))
-    # The last `out` is the expert-parallel one: it equals moe_layer up to float32 rounding.
-    layer_out = namespace["jax_dsrelu"].moe_layer(x, *(namespace[n] for n in ("router", "w1", "w2")))
-    np.testing.assert_allclose(out, layer_out, rtol=1e-5, atol=1e-5)
-    assert [g.shape for g in grads] == [namespace[n].shape for n in ("router", "w1", "w2")]
+def python_blocks(path: pathlib.Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+
+
+def test_the_front_page_and_the_moe_guide_hold_python_to_run():
+    # So that the test below cannot pass by finding nothing to run.
+    assert python_blocks(ROOT / "README.md") and len(python_blocks(ROOT / "docs" / "moe.md")) >= 4
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=lambda p: p.name)
+def test_every_python_block_runs_as_written(path):
+    """A document's blocks, in order and in one namespace as a reader would run them, in a
+    fresh process with 8 host devices (the expert-parallel example needs them; the text
+    says so)."""
+    blocks = python_blocks(path)
+    if not blocks:
+        return
+    if importlib.util.find_spec("flax") is None and any("from flax import" in b for b in blocks):
+        pytest.skip("a block imports flax, which is not installed")
+    program = "\n".join(
+        f"exec(compile({block!r}, {f'{path.name}, block {i}'!r}, 'exec'), namespace)"
+        for i, block in enumerate(blocks)
+    )
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-c", "namespace = {}\n" + program], check=True, cwd=ROOT, env=env, timeout=600)
