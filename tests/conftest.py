@@ -7,6 +7,7 @@ A `gpu` test is skipped only when JAX sees no CUDA device; any other failure is 
 from __future__ import annotations
 
 import functools
+import gc
 import os
 
 # Eight host devices, so that sharded computations run on a CPU-only machine. It must be
@@ -34,3 +35,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """Drops every compiled program after each test module.
+
+    JAX keeps each jitted program for the life of the process; a module's programs are
+    rarely wanted by the next module, and keeping all of them made the suite's memory
+    the sum of its modules' rather than the largest one's.
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()

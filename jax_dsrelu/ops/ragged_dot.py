@@ -23,7 +23,10 @@ def ragged_dot(
     preferred_element_type: Any = None,
     backend: str = "auto",
 ) -> jax.Array:  # (m, n), preferred_element_type or lhs.dtype
-    """Row i of group e is lhs[i] @ rhs[e], accumulated in float32: `jax.lax.ragged_dot`'s values.
+    """Row i of group e is lhs[i] @ rhs[e], accumulated in float32, as `jax.lax.ragged_dot` does.
+
+    Not bit for bit `jax.lax.ragged_dot`: the float32 sums run in another order, so results
+    may differ from it in their last bits.
 
     Rows past sum(group_sizes) are 0. Negative group sizes count as 0 and rows past m
     are ignored, so no group_sizes value reads or writes out of bounds. lhs and rhs share
