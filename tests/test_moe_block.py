@@ -327,3 +327,51 @@ def test_defaults_are_the_softmax_layer_bit_for_bit():
         # Keeping every group, here one expert each, changes nothing either.
         grouped = jax.jit(lambda *a: jax_dsrelu.moe_layer(*a, normalize=normalize, num_groups=5, top_groups=5))
         np.testing.assert_array_equal(grouped(x, router, w1, w2), explicit)
+
+
+def test_bad_block_arguments_raise_naming_them():
+    tensors, x, b1, options, _ = block_case("groups_latent_shared_b1", seed=7)
+    params = library_params(tensors, b1)
+    x = jnp.asarray(x)
+    layer = jax_dsrelu.moe_layer
+
+    def call(**changes):
+        return layer(x, **{**params, **changes}, **options)
+
+    with pytest.raises(ValueError, match=r"shared_w1.shape\[0\] must equal x.shape\[1\] \(d\)=12, got shared_w1.shape=\(11, 9\)"):
+        call(shared_w1=params["shared_w1"][:11])
+    with pytest.raises(ValueError, match=r"shared_w2.shape\[0\] must equal shared_w1.shape\[1\] \(fs\)=9, got shared_w2.shape=\(8, 12\)"):
+        call(shared_w2=params["shared_w2"][:8])
+    with pytest.raises(ValueError, match="shared_w1 and shared_w2 go together: got shared_w1 but shared_w2=None"):
+        call(shared_w2=None)
+    with pytest.raises(TypeError, match="shared_w2.dtype must equal shared_w1.dtype=float32, got shared_w2.dtype=bfloat16"):
+        call(shared_w2=params["shared_w2"].astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"latent_in.shape\[0\] must equal x.shape\[1\] \(d\)=12, got latent_in.shape=\(6, 6\)"):
+        call(latent_in=params["latent_in"][:6])
+    with pytest.raises(ValueError, match=r"latent_out.shape\[0\] must equal latent_in.shape\[1\] \(l\)=6, got latent_out.shape=\(5, 12\)"):
+        call(latent_out=params["latent_out"][:5])
+    with pytest.raises(ValueError, match="latent_in and latent_out go together: got latent_in but latent_out=None"):
+        call(latent_out=None)
+    with pytest.raises(ValueError, match=r"w1.shape\[1\] must equal latent_in.shape\[1\] \(l\)=6, got w1.shape=\(16, 12, 10\)"):
+        call(w1=jnp.zeros((16, 12, 10)))
+    with pytest.raises(ValueError, match=r"w1 must be \(E, l, f\), got w1.shape=\(16, 6\)"):
+        call(w1=params["w1"][:, :, 0])
+    with pytest.raises(ValueError, match=r"expert_bias must be \(E,\) with E=16 experts, got expert_bias.shape=\(15,\)"):
+        call(expert_bias=params["expert_bias"][:15])
+    with pytest.raises(ValueError, match="score must be 'softmax' or 'sigmoid', got 'Sigmoid'"):
+        layer(x, **params, **{**options, "score": "Sigmoid"})
+    with pytest.raises(ValueError, match="num_groups must be at least 1 and divide the number of experts E=16, got num_groups=5"):
+        layer(x, **params, **{**options, "num_groups": 5})
+    with pytest.raises(ValueError, match="top_k must be at most the 8 experts that top_groups=2 groups"):
+        layer(x, **params, **{**options, "top_k": 9})
+    with pytest.raises(TypeError, match="x must be a JAX or NumPy array, got list"):
+        layer(x.tolist(), **params, **options)
+    with pytest.raises(TypeError, match="router must be a JAX or NumPy array, got NoneType"):
+        call(router=None)
+    plan = jax_dsrelu.route(x @ params["router"], 2)
+    with pytest.raises(TypeError, match=r"plan must be a RoutingPlan \(from jax_dsrelu.route\), got None"):
+        jax_dsrelu.dispatch(x, None)
+    with pytest.raises(TypeError, match="x must be a JAX or NumPy array, got list"):
+        jax_dsrelu.dispatch(x.tolist(), plan)
+    with pytest.raises(TypeError, match="plan must be a RoutingPlan"):
+        jax_dsrelu.combine(jnp.zeros((48, 12)), "plan")
