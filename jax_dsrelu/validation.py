@@ -74,6 +74,17 @@ def require_experts(name: str, array: Any) -> None:
         )
 
 
+def dtype_option(name: str, value: Any, allowed) -> np.dtype:
+    """A dtype given as an option (not an array's), one of `allowed`."""
+    try:
+        dtype = np.dtype(value)
+    except TypeError as error:
+        raise TypeError(f"{name} must be one of {_names(allowed)}, got {value!r}") from error
+    if dtype not in [np.dtype(d) for d in allowed]:
+        raise TypeError(f"{name} must be one of {_names(allowed)}, got {dtype.name}")
+    return dtype
+
+
 def out_dtype(value: Any, name: str = "out_dtype") -> np.dtype:
     try:
         dtype = np.dtype(value)
