@@ -90,9 +90,13 @@ def params_from_hf_nemotron_h(tensors: Mapping[str, Any]) -> dict[str, jax.Array
         )
     # Hugging Face keeps this bias in float32 whatever the model's dtype.
     params["expert_bias"] = bias.astype(jnp.float32)
-    for pair in (("shared_w1", "shared_w2"), ("latent_in", "latent_out")):
-        if (pair[0] in params) != (pair[1] in params):
-            raise ValueError(f"tensors has the weights of {pair[0] if pair[0] in params else pair[1]} but not of its partner")
+    for pair in (
+        ("shared_experts.up_proj.weight", "shared_experts.down_proj.weight"),
+        ("fc1_latent_proj.weight", "fc2_latent_proj.weight"),
+    ):
+        if (pair[0] in tensors) != (pair[1] in tensors):
+            given, missing = pair if pair[0] in tensors else pair[::-1]
+            raise ValueError(f"tensors has {given!r} but not {missing!r}: the block needs both or neither")
     # The shapes against each other are checked by moe_layer, which names the arguments.
     return params
 
