@@ -80,8 +80,14 @@ def scatter_adds(jaxpr):
                     yield from scatter_adds(sub)
 
 
+NEMOTRON_STYLE_FLAGS = [
+    "--router", "sigmoid", "--normalize", "--num-groups", "2", "--top-groups", "1", "--shared-d-ff", "32", "--latent-dim", "16",
+]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="needs Flax (pip install 'jax-dsrelu[examples]')")
-def test_language_model_gradient_adds_no_two_tokens_into_one_place(monkeypatch):
+@pytest.mark.parametrize("flags", [[], NEMOTRON_STYLE_FLAGS], ids=["softmax", "nemotron_style"])
+def test_language_model_gradient_adds_no_two_tokens_into_one_place(monkeypatch, flags):
     """--deterministic on a GPU needs every sum over tokens in a fixed order. A scatter-add
     runs there with atomics, so the only ones allowed are those within one token's own row
     (the cross-entropy's label pick: one value per place); a table lookup's gradient, which
@@ -91,7 +97,7 @@ def test_language_model_gradient_adds_no_two_tokens_into_one_place(monkeypatch):
     from flax import nnx
 
     monkeypatch.syspath_prepend(str(EXAMPLES))
-    monkeypatch.setattr(sys, "argv", ["train_lm.py", "--deterministic"])
+    monkeypatch.setattr(sys, "argv", ["train_lm.py", "--deterministic", *flags])
     import train_lm
 
     args = train_lm.arguments()
