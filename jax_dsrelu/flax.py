@@ -165,7 +165,9 @@ class MoE(nnx.Module):
         parallelism: see `jax_dsrelu.update_expert_bias`). Works inside `nnx.jit`.
         """
         if self.expert_bias is None:
-            raise ValueError(f"update_expert_bias needs score='sigmoid' (the module has score={self.score!r} and no expert_bias)")
+            raise ValueError(
+                f"update_expert_bias needs score='sigmoid' (the module has score={self.score!r} and no expert_bias)"
+            )
         self.expert_bias[...] = update_expert_bias(self.expert_bias[...], group_sizes, rate)
 
 
