@@ -77,14 +77,18 @@ def hf_block(tensors, x, top_k, n_group, topk_group, norm_topk_prob, routed_scal
 # ---- the same block per token in jnp, for jax.grad, in moe_layer's (in, out) layout ----
 
 
-def plain_block(params, x, chosen, *, score, normalize, scale):
+def plain_block(params, x, chosen, *, score, normalize, scale, held=False):
     """Each token with its own chosen experts' weights: no sort, no group sizes, no
-    kernels. The selection `chosen` (T, top_k) is fixed, as it is piecewise constant."""
+    kernels. The selection `chosen` (T, top_k) is fixed, as it is piecewise constant.
+    held=True is a wrong block, for showing that a test fails: the normalization's
+    denominator passes no gradient."""
     logits = x @ params["router"]
     scores = jax.nn.sigmoid(logits) if score == "sigmoid" else jax.nn.softmax(logits, axis=-1)
     weights = jnp.take_along_axis(scores, chosen, axis=1)
     if normalize:
-        weights = weights / (jnp.sum(weights, axis=1, keepdims=True) + (1e-20 if score == "sigmoid" else 0.0))
+        total = jnp.sum(weights, axis=1, keepdims=True)
+        total = jax.lax.stop_gradient(total) if held else total
+        weights = weights / (total + (1e-20 if score == "sigmoid" else 0.0))
     weights = weights * scale
     z = x @ params["latent_in"] if "latent_in" in params else x
     h = jnp.einsum("tl,tslf->tsf", z, params["w1"][chosen])
@@ -259,6 +263,26 @@ def test_the_tolerance_catches_a_wrong_block():
     for mistake, answer in wrong.items():
         with pytest.raises(AssertionError):
             assert_close(out, answer, tol, mistake)
+
+    # The gradients' bound catches a reference without the normalization's gradient (the
+    # weights' denominator held fixed): a small change to every router gradient.
+    differentiable = {key: value for key, value in params.items() if key != "expert_bias"}
+    chosen = jnp.asarray(hf_block(tensors, x64, **hf_options(options), b1=b1)[1])
+    grad_tol = 2 * tol + tolerance(x.shape[0])
+
+    def router_grad(held):
+        def block(router):
+            p = {**differentiable, "router": router}
+            return jnp.sum(plain_block(p, jnp.asarray(x), chosen, score="sigmoid", normalize=True,
+                                       scale=options["scale"], held=held) ** 2)
+
+        return jax.jit(jax.grad(block))(differentiable["router"])
+
+    got = jax.jit(jax.grad(lambda r: jnp.sum(jax_dsrelu.moe_layer(
+        jnp.asarray(x), **{**params, "router": r}, **options) ** 2)))(params["router"])
+    assert_close(got, router_grad(held=False), grad_tol, "drouter")
+    with pytest.raises(AssertionError):
+        assert_close(got, router_grad(held=True), grad_tol, "drouter, denominator held")
 
 
 def test_every_gradient_bitwise_repeats_and_no_scatter_add():
