@@ -23,6 +23,7 @@ grouping's cost and the fused epilogues beyond a plain GEMM's. The kernels' resu
 checked against the xla variant's before they are timed (normwise, bf16).
 
     python benchmarks/bench_moe_block.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
+    JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_moe_block.py --prebuild
     python benchmarks/bench_moe_block.py --cpu --out /tmp/block    # plumbing test at a tiny size
 
 writes bench_moe_block.json.
@@ -38,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import cuda_lowering
 import run_record
 import timing
 from bench_layer import memory
@@ -76,23 +78,46 @@ NANO = Block(tokens=8192, d=2688, experts=128, f=1856, top_k=6, shared=3712, sca
 TINY = Block(tokens=256, d=64, experts=8, f=32, top_k=2, shared=48, scale=2.5)
 
 
-def make_operands(block: Block, seed: int) -> dict[str, jax.Array]:
-    rng = np.random.default_rng(seed)
-    normal = lambda *shape: rng.standard_normal(shape, np.float32) / np.sqrt(shape[-2])  # noqa: E731
+def operand_shapes(block: Block) -> dict[str, jax.ShapeDtypeStruct]:
+    """Every operand of every variant. The ceiling's routed rows: T * top_k rows, split
+    equally among the experts."""
+    s = jax.ShapeDtypeStruct
     rows = block.tokens * block.top_k // block.experts
     return dict(
-        x=jnp.asarray(rng.standard_normal((block.tokens, block.d), np.float32), BF16),
-        router=jnp.asarray(normal(block.d, block.experts)),
-        w1=jnp.asarray(normal(block.experts, block.d, block.f), BF16),
-        w2=jnp.asarray(normal(block.experts, block.f, block.d), BF16),
-        shared_w1=jnp.asarray(normal(block.d, block.shared), BF16),
-        shared_w2=jnp.asarray(normal(block.shared, block.d), BF16),
-        expert_bias=jnp.asarray(1e-3 * rng.standard_normal(block.experts, np.float32)),
-        cotangent=jnp.asarray(rng.standard_normal((block.tokens, block.d), np.float32), BF16),
-        # The ceiling's routed rows: T * top_k rows, split equally among the experts.
-        rows=jnp.asarray(rng.standard_normal((block.experts, rows, block.d), np.float32), BF16),
-        rows_cotangent=jnp.asarray(rng.standard_normal((block.experts, rows, block.d), np.float32), BF16),
+        x=s((block.tokens, block.d), BF16),
+        router=s((block.d, block.experts), jnp.float32),
+        w1=s((block.experts, block.d, block.f), BF16),
+        w2=s((block.experts, block.f, block.d), BF16),
+        shared_w1=s((block.d, block.shared), BF16),
+        shared_w2=s((block.shared, block.d), BF16),
+        expert_bias=s((block.experts,), jnp.float32),
+        cotangent=s((block.tokens, block.d), BF16),
+        rows=s((block.experts, rows, block.d), BF16),
+        rows_cotangent=s((block.experts, rows, block.d), BF16),
     )
+
+
+# Weights scaled by 1 / sqrt(fan-in), so that every activation is O(1); a small bias.
+SCALES = dict(router="fan_in", w1="fan_in", w2="fan_in", shared_w1="fan_in", shared_w2="fan_in", expert_bias=1e-3)
+
+
+def make_operands(block: Block, seed: int) -> dict[str, jax.Array]:
+    rng = np.random.default_rng(seed)
+    operands = {}
+    for name, shape in operand_shapes(block).items():
+        scale = SCALES.get(name, 1.0)
+        scale = 1 / np.sqrt(shape.shape[-2]) if scale == "fan_in" else scale
+        operands[name] = jnp.asarray(scale * rng.standard_normal(shape.shape, np.float32), shape.dtype)
+    return operands
+
+
+def prebuild(block: Block, variants) -> None:
+    """Lowers the kernel variants' steps for cuda, which builds and caches their kernels."""
+    cuda_lowering.prepare()
+    shapes = operand_shapes(block)
+    for variant in (v for v in variants if v in ("auto", "auto_det")):
+        fn, names = computation(block, variant)
+        cuda_lowering.lower_for_cuda(f"bench_moe_block {variant}", fn, *(shapes[n] for n in names))
 
 
 def block_step(block: Block, backend: str, deterministic: bool):
@@ -219,6 +244,8 @@ def arguments(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--prebuild", action="store_true",
+                        help="lower the kernel variants for cuda here (no GPU) to fill JAX_DSRELU_KERNEL_CACHE, then stop")
     parser.add_argument("--cpu", action="store_true",
                         help="plumbing test on the CPU at a tiny size, timed by wall clock (not a measurement)")
     options = parser.parse_args(argv)
@@ -231,6 +258,9 @@ def arguments(argv=None):
 
 def main(argv=None):
     options = arguments(argv)
+    if options.prebuild:
+        prebuild(NANO, options.variants)
+        return
     clock = timing.default_clock()
     if clock != timing.CUPTI and not options.cpu:
         raise SystemExit(f"no GPU here (JAX platform {jax.default_backend()!r}): pass --cpu for a plumbing test")

@@ -23,11 +23,13 @@ top_groups, `norm_topk_prob` as normalize and `routed_scaling_factor` as scale,
 
     moe_layer(x, **params, top_k=6, score="sigmoid", normalize=True, scale=2.5)
 
-is the block's forward (Nemotron 3 Nano's settings), with two differences from the
-Hugging Face code, both where it has no answer: ties in the selection go to the lower
-expert index (torch.topk's order among ties is unspecified), and a group of one expert
-scores that expert (Hugging Face's top-2 within a group needs two). Latent
-projections and shared experts with a bias (`mlp_bias=True`) are not supported.
+is the block's forward (Nemotron 3 Nano's settings). Where Hugging Face's code has no
+answer, the library's is: ties in the selection go to the lower expert index
+(torch.topk's order among ties is unspecified), and a group of one expert scores that
+expert (Hugging Face's top-2 within a group needs two). The routing weight multiplies
+the activation before the down-projection, where Hugging Face multiplies the expert's
+output: the same in exact arithmetic, other roundings in bfloat16. Latent projections
+and shared experts with a bias (`mlp_bias=True`) are not supported.
 """
 
 from __future__ import annotations
