@@ -38,14 +38,15 @@ from jax_dsrelu import permutation, validation
 class RoutingPlan:
     """Where every (token, slot) assignment goes: a pytree, so it passes through jit.
 
-    Assignment a = t * top_k + s is token t's s-th choice (slots in decreasing
-    probability). Rows sorted by expert are numbered 0..T*top_k-1.
+    Assignment a = t * top_k + s is token t's s-th choice (slots in decreasing order of
+    the score `route` selects by: the probability, plus expert_bias if given). Rows
+    sorted by expert are numbered 0..T*top_k-1.
     """
 
     order: jax.Array  # (T*top_k,) int32, the assignment at each expert-sorted row
     inverse: jax.Array  # (T*top_k,) int32, the expert-sorted row of each assignment
     group_sizes: jax.Array  # (E,) int32, rows of each expert, in row order
-    row_prob: jax.Array  # (T*top_k,) float32, routing probability of each sorted row
+    row_prob: jax.Array  # (T*top_k,) float32, routing weight of each sorted row (normalized, scaled)
     expert_prob: jax.Array  # (E,) float32, P_e: mean over tokens of expert e's share of the scores (see `route`)
     load_balancing_loss: jax.Array  # () float32, E * sum_e f_e * P_e
     router_z_loss: jax.Array  # () float32, mean over tokens of logsumexp(logits)**2
