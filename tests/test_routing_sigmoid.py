@@ -179,3 +179,22 @@ def test_bad_options_raise_naming_them():
         route([[0.0, 1.0]], 1)
     with pytest.raises(ValueError, match=r"group_sizes.shape\[0\] must equal expert_bias.shape\[0\] \(E\)=8"):
         jax_dsrelu.update_expert_bias(jnp.zeros(8), jnp.zeros(7, jnp.int32), 1e-3)
+
+
+def test_update_under_data_parallelism_takes_the_psum_of_the_group_sizes():
+    """Each of 8 devices routes its own tokens; the psum of their group sizes is the sizes
+    of all the tokens, so every device moves the replicated bias as one device would."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+    bias = jnp.asarray(0.01 * rng.standard_normal(16), jnp.float32)
+
+    def step(logits, bias):
+        sizes = jax_dsrelu.route(logits, 4, score="sigmoid", expert_bias=bias).group_sizes
+        return jax_dsrelu.update_expert_bias(bias, jax.lax.psum(sizes, "data"), 1e-3)
+
+    sharded = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P()), out_specs=P()))(logits, bias)
+    whole = jax_dsrelu.route(logits, 4, score="sigmoid", expert_bias=bias).group_sizes
+    np.testing.assert_array_equal(sharded, jax_dsrelu.update_expert_bias(bias, whole, 1e-3))
