@@ -10,6 +10,10 @@ AdamW under `nnx.jit`, with the load-balancing and router z-losses added to the 
     python examples/train_lm.py                       # the CPU defaults: about two minutes
     python examples/train_lm.py --dtype bfloat16 --backend sm90 --d-model 512 --layers 4 \\
         --experts 8 --d-ff 1024 --seq-len 256 --batch 64 --steps 2000    # a Hopper GPU
+    python examples/train_lm.py --router sigmoid --normalize --routed-scale 2.5 \\
+        --experts 8 --top-k 3 --num-groups 4 --top-groups 2 --shared-d-ff 128 --latent-dim 32
+        # Nemotron-H style blocks: sigmoid routing whose expert bias is moved every step
+        # by the step's load (auxiliary-loss-free balancing), a shared expert, a latent width
 
 It prints a progress bar, tokens per second, the training and held-out losses, a short
 sample of generated text, and draws the loss curves into a PNG (--plot; needs matplotlib).
@@ -79,6 +83,13 @@ class Block(nnx.Module):
             args.d_ff,
             args.experts,
             top_k=args.top_k,
+            score=args.router,
+            num_groups=args.num_groups,
+            top_groups=args.top_groups,
+            normalize=args.normalize,
+            scale=args.routed_scale,
+            shared_d_ff=args.shared_d_ff,
+            latent_dim=args.latent_dim,
             deterministic=args.deterministic,
             backend=args.backend,
             dtype=dtype,
@@ -98,7 +109,7 @@ class LanguageModel(nnx.Module):
         self.blocks = nnx.List([Block(args, rngs) for _ in range(args.layers)])
         self.norm = nnx.RMSNorm(args.d_model, rngs=rngs)
 
-    def __call__(self, tokens):  # (B, S) int32 -> logits (B, S, VOCAB) float32, aux losses
+    def __call__(self, tokens):  # (B, S) int32 -> logits (B, S, VOCAB) float32, (aux losses, loads)
         # The lookup as a one-hot matmul: a table lookup's gradient adds every token's row
         # into the table with a scatter-add, which XLA runs on a GPU with atomics in an
         # order that varies from run to run; a matmul's gradient is a GEMM, summed in a
@@ -106,20 +117,22 @@ class LanguageModel(nnx.Module):
         one_hot = jax.nn.one_hot(tokens, VOCAB, dtype=self.embed.embedding.dtype)
         embedded = jnp.matmul(one_hot, self.embed.embedding[...], precision=jax.lax.Precision.HIGHEST)
         x = embedded + self.position[...][: tokens.shape[1]]
-        load_balancing, z_loss = 0.0, 0.0
+        load_balancing, z_loss, group_sizes = 0.0, 0.0, []
         for block in self.blocks:
             x, aux = block(x)
             load_balancing += aux.load_balancing_loss
             z_loss += aux.router_z_loss
+            group_sizes.append(aux.group_sizes)
         # The output projection is the embedding, transposed.
-        return self.embed.attend(self.norm(x)).astype(jnp.float32), (load_balancing, z_loss)
+        return self.embed.attend(self.norm(x)).astype(jnp.float32), (load_balancing, z_loss, group_sizes)
 
 
 def loss_fn(model, tokens, targets, args):
-    """(total loss, cross-entropy in nats per byte)."""
-    logits, (load_balancing, z_loss) = model(tokens)
+    """(total loss, (cross-entropy in nats per byte, each block's expert loads (E,)))."""
+    logits, (load_balancing, z_loss, group_sizes) = model(tokens)
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-    return cross_entropy + args.aux_weight * load_balancing + args.z_weight * z_loss, cross_entropy
+    total = cross_entropy + args.aux_weight * load_balancing + args.z_weight * z_loss
+    return total, (cross_entropy, group_sizes)
 
 
 def batches(data: np.ndarray, rng: np.random.Generator, batch: int, length: int):
@@ -214,6 +227,15 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--d-ff", type=int, default=128)
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--router", choices=["softmax", "sigmoid"], default="softmax",
+                        help="routing scores; sigmoid also balances the experts with a bias moved every step")
+    parser.add_argument("--normalize", action="store_true", help="divide each token's top-k weights by their sum")
+    parser.add_argument("--routed-scale", type=float, default=1.0, help="multiply the routing weights by this")
+    parser.add_argument("--num-groups", type=int, default=1, help="experts in this many groups for group-limited routing")
+    parser.add_argument("--top-groups", type=int, default=None, help="keep each token's best this many groups")
+    parser.add_argument("--shared-d-ff", type=int, default=None, help="width of a shared expert on every token")
+    parser.add_argument("--latent-dim", type=int, default=None, help="routed experts run in this width")
+    parser.add_argument("--bias-rate", type=float, default=1e-3, help="expert bias update speed (--router sigmoid)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--aux-weight", type=float, default=1e-2, help="weight of the load-balancing loss")
     parser.add_argument("--z-weight", type=float, default=1e-3, help="weight of the router z-loss")
@@ -252,18 +274,29 @@ def main() -> None:
     parameters = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"model: {args.layers} blocks, d_model {args.d_model}, {args.experts} experts of d_ff {args.d_ff}, "
           f"top-{args.top_k}: {parameters:,} parameters")
+    if args.router == "sigmoid" or args.shared_d_ff or args.latent_dim:
+        print(f"routing: {args.router}, groups {args.top_groups or args.num_groups} of {args.num_groups}, "
+              f"normalize {args.normalize}, scale {args.routed_scale}; shared expert d_ff {args.shared_d_ff}; "
+              f"latent {args.latent_dim}")
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(50, args.steps // 10 + 1), args.steps)
     optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=0.01), wrt=nnx.Param)
 
     @nnx.jit
     def train_step(model, optimizer, tokens, targets):
-        (_, cross_entropy), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, tokens, targets, args)
+        (_, (cross_entropy, group_sizes)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+            model, tokens, targets, args
+        )
         optimizer.update(model, grads)
+        if args.router == "sigmoid":
+            # Auxiliary-loss-free balancing: the step's loads over all of its tokens (one
+            # device here; under data parallelism they would be summed over the devices).
+            for block, sizes in zip(model.blocks, group_sizes):
+                block.moe.update_expert_bias(sizes, args.bias_rate)
         return cross_entropy
 
     @nnx.jit
     def eval_step(model, tokens, targets):
-        return loss_fn(model, tokens, targets, args)[1]
+        return loss_fn(model, tokens, targets, args)[1][0]
 
     eval_rng = np.random.default_rng(args.seed + 1)
     held_out = [batches(held_out_data, eval_rng, args.batch, args.seq_len) for _ in range(args.eval_batches)]
@@ -298,6 +331,10 @@ def main() -> None:
         prompt = b"def "
         text = sample(model, prompt, args.sample, args.seq_len, args.temperature, args.seed)
         print("sample:\n" + text.decode("utf-8", errors="replace"))
+    if args.router == "sigmoid":
+        for index, block in enumerate(model.blocks):
+            bias = np.asarray(block.moe.expert_bias[...])
+            print(f"block {index} expert bias: min {bias.min():+.4f} max {bias.max():+.4f}")
     if args.deterministic:
         print(f"parameter digest: {digest(model)}")
     if args.plot:

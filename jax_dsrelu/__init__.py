@@ -7,6 +7,8 @@ Public API:
     moe_layer, MoEAux                    a dropless top-k MoE layer: route, dispatch, moe_mlp, combine
     moe_layer_expert_parallel            the same layer with experts split over a mesh axis
     route, RoutingPlan, dispatch, combine  the layer's routing steps, for custom layers
+    update_expert_bias                   the auxiliary-loss-free balancing step for sigmoid routing
+    params_from_hf_nemotron_h            a Hugging Face NemotronHMoE block's tensors as moe_layer arguments
     backends                             what each backend can do on this machine
     check_group_sizes                    opt-in runtime check, under checkify
     quantize_mx, dequantize_mx           MXFP8 block scaling of operands (OCP MX v1.0)
@@ -18,11 +20,12 @@ from jax_dsrelu.ops.grouped_gemm_dsrelu import DsreluOutputs, grouped_gemm_dsrel
 from jax_dsrelu.kernels.registry import BackendStatus, backends, describe_backends
 from jax_dsrelu.ops.checks import check_group_sizes
 from jax_dsrelu.moe.expert_parallel import moe_layer_expert_parallel
+from jax_dsrelu.moe.hf_nemotron import params_from_hf_nemotron_h
 from jax_dsrelu.ops.moe_mlp import moe_mlp
 from jax_dsrelu.moe.layer import MoEAux, moe_layer
 from jax_dsrelu.mx import dequantize_mx, quantize_mx
 from jax_dsrelu.ops.ragged_dot import ragged_dot
-from jax_dsrelu.moe.routing import RoutingPlan, combine, dispatch, route
+from jax_dsrelu.moe.routing import RoutingPlan, combine, dispatch, route, update_expert_bias
 
 __all__ = [
     "BackendStatus",
@@ -39,9 +42,11 @@ __all__ = [
     "moe_layer",
     "moe_layer_expert_parallel",
     "moe_mlp",
+    "params_from_hf_nemotron_h",
     "quantize_mx",
     "ragged_dot",
     "route",
+    "update_expert_bias",
 ]
 
 __version__ = "0.1.0"

@@ -5,6 +5,14 @@
     y = layer(x)                             # x (..., d_model) -> (..., d_model)
     y, aux = layer(x, return_aux=True)       # aux: jax_dsrelu.MoEAux (losses, group sizes)
 
+A Nemotron-style block (sigmoid routing with a balancing bias, a shared expert, experts
+in a latent width):
+
+    layer = MoE(2688, 1856, 128, top_k=6, score="sigmoid", normalize=True, scale=2.5,
+                shared_d_ff=3712, rngs=nnx.Rngs(0))
+    y, aux = layer(x, return_aux=True)
+    layer.update_expert_bias(aux.group_sizes, 1e-3)   # once per step, outside the gradient
+
 It works with `nnx.jit`, `nnx.value_and_grad` and `nnx.Optimizer` over optax.
 """
 
@@ -23,21 +31,38 @@ import jax
 import jax.numpy as jnp
 
 from jax_dsrelu.moe.layer import MoEAux, moe_layer
+from jax_dsrelu.moe.routing import update_expert_bias
+from jax_dsrelu.primitives import validation
 
 # Fan-in scaling per expert: the expert axis 0 is a batch of independent matrices.
 _EXPERT_INIT = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))
 # Logits of order 1 at the start: routing is then neither uniform (where every tie would
 # go to the lowest experts) nor saturated.
 _ROUTER_INIT = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+_DENSE_INIT = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+
+
+class ExpertBias(nnx.Variable):
+    """The selection bias of sigmoid routing: state that `MoE.update_expert_bias` moves,
+    not a parameter (it is not an nnx.Param, so `nnx.grad` and `nnx.Optimizer(wrt=nnx.Param)`
+    leave it alone)."""
 
 
 class MoE(nnx.Module):
-    """A dropless top-k mixture of squared-ReLU experts.
+    """A dropless top-k mixture of squared-ReLU experts (`jax_dsrelu.moe_layer`).
 
-    Parameters (nnx.Param): router (d_model, E) float32; w1 (E, d_model, d_ff) and
-    w2 (E, d_ff, d_model) in param_dtype; b1 (E, d_ff) float32 when use_bias.
+    Parameters (nnx.Param), with l = latent_dim (d_model without it):
+    router (d_model, E) float32; w1 (E, l, d_ff) and w2 (E, d_ff, l) in param_dtype;
+    b1 (E, d_ff) float32 when use_bias; shared_w1 (d_model, shared_d_ff) and shared_w2
+    (shared_d_ff, d_model) when shared_d_ff; latent_in (d_model, l) and latent_out
+    (l, d_model) when latent_dim; all in param_dtype but the router and b1.
+    State (not trained): expert_bias (E,) float32, an `ExpertBias`, when score="sigmoid";
+    zeros at first, moved by `update_expert_bias`.
+
+    The routing options (score, num_groups, top_groups, normalize, scale) are `route`'s.
     The experts compute in `dtype` (param_dtype when None): bfloat16 there, with float32
-    parameters, is the usual mixed precision for the GPU kernels.
+    parameters, is the usual mixed precision for the GPU kernels. Every setting is
+    checked here, when the module is built.
     """
 
     def __init__(
@@ -47,7 +72,13 @@ class MoE(nnx.Module):
         num_experts: int,
         *,
         top_k: int = 2,
+        score: str = "softmax",
+        num_groups: int = 1,
+        top_groups: int | None = None,
         normalize: bool = False,
+        scale: float = 1.0,
+        shared_d_ff: int | None = None,
+        latent_dim: int | None = None,
         use_bias: bool = True,
         deterministic: bool = False,
         backend: str = "auto",
@@ -55,29 +86,68 @@ class MoE(nnx.Module):
         param_dtype: Any = jnp.float32,
         router_init=_ROUTER_INIT,
         kernel_init=_EXPERT_INIT,
+        dense_init=_DENSE_INIT,
         rngs: nnx.Rngs,
     ):
+        for name, size in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
+            _require_size(name, size)
+        for name, size in (("shared_d_ff", shared_d_ff), ("latent_dim", latent_dim)):
+            if size is not None:
+                _require_size(name, size)
+        validation.check_routing(top_k, num_experts, score, None, num_groups, top_groups, normalize, scale)
+        for name, flag in (("use_bias", use_bias), ("deterministic", deterministic)):
+            validation.require_bool(name, flag)
+        validation.backend_name(backend)
+        param_dtype = validation.dtype_option("param_dtype", param_dtype, validation.OPERAND_DTYPES)
+        dtype = param_dtype if dtype is None else validation.dtype_option("dtype", dtype, validation.OPERAND_DTYPES)
+
+        width = d_model if latent_dim is None else latent_dim
         self.router = nnx.Param(router_init(rngs.params(), (d_model, num_experts), jnp.float32))
-        self.w1 = nnx.Param(kernel_init(rngs.params(), (num_experts, d_model, d_ff), param_dtype))
+        self.w1 = nnx.Param(kernel_init(rngs.params(), (num_experts, width, d_ff), param_dtype))
         self.b1 = nnx.Param(jnp.zeros((num_experts, d_ff), jnp.float32)) if use_bias else None
-        self.w2 = nnx.Param(kernel_init(rngs.params(), (num_experts, d_ff, d_model), param_dtype))
+        self.w2 = nnx.Param(kernel_init(rngs.params(), (num_experts, d_ff, width), param_dtype))
+        dense = lambda n, m: nnx.Param(dense_init(rngs.params(), (n, m), param_dtype))  # noqa: E731
+        self.shared_w1 = None if shared_d_ff is None else dense(d_model, shared_d_ff)
+        self.shared_w2 = None if shared_d_ff is None else dense(shared_d_ff, d_model)
+        self.latent_in = None if latent_dim is None else dense(d_model, latent_dim)
+        self.latent_out = None if latent_dim is None else dense(latent_dim, d_model)
+        self.expert_bias = ExpertBias(jnp.zeros((num_experts,), jnp.float32)) if score == "sigmoid" else None
+        self.d_model = d_model
         self.top_k = top_k
+        self.score = score
+        self.num_groups = num_groups
+        self.top_groups = top_groups
         self.normalize = normalize
+        self.scale = scale
         self.deterministic = deterministic
         self.backend = backend
-        self.dtype = param_dtype if dtype is None else dtype
+        self.dtype = dtype
 
     def __call__(self, x: jax.Array, *, return_aux: bool = False) -> jax.Array | tuple[jax.Array, MoEAux]:
         """x (..., d_model) -> (..., d_model) in x.dtype; every leading axis is tokens."""
+        validation.require_array("x", x)
+        if x.ndim < 1 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x.shape[-1] must equal d_model={self.d_model}, got x.shape={tuple(x.shape)}")
         tokens = x.reshape(-1, x.shape[-1])
+        value = lambda param: None if param is None else param[...]  # noqa: E731
+        compute = lambda param: None if param is None else param[...].astype(self.dtype)  # noqa: E731
         out = moe_layer(
             tokens,
             self.router[...],
-            self.w1[...].astype(self.dtype),
-            self.w2[...].astype(self.dtype),
-            b1=None if self.b1 is None else self.b1[...],
+            compute(self.w1),
+            compute(self.w2),
+            b1=value(self.b1),
             top_k=self.top_k,
+            score=self.score,
+            expert_bias=value(self.expert_bias),
+            num_groups=self.num_groups,
+            top_groups=self.top_groups,
             normalize=self.normalize,
+            scale=self.scale,
+            shared_w1=compute(self.shared_w1),
+            shared_w2=compute(self.shared_w2),
+            latent_in=compute(self.latent_in),
+            latent_out=compute(self.latent_out),
             deterministic=self.deterministic,
             backend=self.backend,
             return_aux=return_aux,
@@ -86,3 +156,23 @@ class MoE(nnx.Module):
             out, aux = out
             return out.reshape(x.shape), aux
         return out.reshape(x.shape)
+
+    def update_expert_bias(self, group_sizes: jax.Array, rate: float | jax.Array) -> None:
+        """expert_bias += rate * sign(mean(group_sizes) - group_sizes) (`jax_dsrelu.update_expert_bias`).
+
+        group_sizes (E,): the step's assignments per expert over all its tokens, e.g.
+        `aux.group_sizes` from `layer(x, return_aux=True)` (global ones under data
+        parallelism: see `jax_dsrelu.update_expert_bias`). Works inside `nnx.jit`.
+        """
+        if self.expert_bias is None:
+            raise ValueError(
+                f"update_expert_bias needs score='sigmoid' (the module has score={self.score!r} and no expert_bias)"
+            )
+        self.expert_bias[...] = update_expert_bias(self.expert_bias[...], group_sizes, rate)
+
+
+def _require_size(name: str, value: Any) -> None:
+    validation.require_int(name, value)
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {name}={value}")
+

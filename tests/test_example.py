@@ -49,6 +49,22 @@ def test_language_model_learns_and_plots(tmp_path):
         assert "matplotlib is not installed" in out
 
 
+@pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="needs Flax (pip install 'jax-dsrelu[examples]')")
+def test_language_model_with_nemotron_style_blocks_learns_and_moves_the_bias(tmp_path):
+    out = run_example(
+        "train_lm.py", "--steps", "40", "--batch", "8", "--seq-len", "32", "--eval-every", "20", "--sample", "0",
+        "--plot", "", "--router", "sigmoid", "--normalize", "--routed-scale", "2.5", "--experts", "8", "--top-k", "3",
+        "--num-groups", "4", "--top-groups", "2", "--shared-d-ff", "64", "--latent-dim", "32", "--bias-rate", "1e-2",
+        cwd=tmp_path,
+    )
+    start, end = map(float, re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert start > 5.0 and end < 3.5, out
+    # 40 updates of +-0.01 (or 0) each: the bias moved, within its bound.
+    for low, high in re.findall(r"expert bias: min ([-+\d.]+) max ([-+\d.]+)", out):
+        assert float(high) > float(low) and max(abs(float(low)), abs(float(high))) <= 0.4, out
+    assert len(re.findall("expert bias", out)) == 2, out
+
+
 def scatter_adds(jaxpr):
     """The output shapes of every scatter-add in a jaxpr, nested jaxprs included."""
     from jax.extend import core
@@ -64,8 +80,14 @@ def scatter_adds(jaxpr):
                     yield from scatter_adds(sub)
 
 
+NEMOTRON_STYLE_FLAGS = [
+    "--router", "sigmoid", "--normalize", "--num-groups", "2", "--top-groups", "1", "--shared-d-ff", "32", "--latent-dim", "16",
+]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="needs Flax (pip install 'jax-dsrelu[examples]')")
-def test_language_model_gradient_adds_no_two_tokens_into_one_place(monkeypatch):
+@pytest.mark.parametrize("flags", [[], NEMOTRON_STYLE_FLAGS], ids=["softmax", "nemotron_style"])
+def test_language_model_gradient_adds_no_two_tokens_into_one_place(monkeypatch, flags):
     """--deterministic on a GPU needs every sum over tokens in a fixed order. A scatter-add
     runs there with atomics, so the only ones allowed are those within one token's own row
     (the cross-entropy's label pick: one value per place); a table lookup's gradient, which
@@ -75,7 +97,7 @@ def test_language_model_gradient_adds_no_two_tokens_into_one_place(monkeypatch):
     from flax import nnx
 
     monkeypatch.syspath_prepend(str(EXAMPLES))
-    monkeypatch.setattr(sys, "argv", ["train_lm.py", "--deterministic"])
+    monkeypatch.setattr(sys, "argv", ["train_lm.py", "--deterministic", *flags])
     import train_lm
 
     args = train_lm.arguments()

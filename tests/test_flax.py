@@ -99,3 +99,90 @@ def test_trains_with_optax_and_aux_losses():
     assert losses[-1] < 0.5 * losses[0], losses
     _, aux = module(x, return_aux=True)
     assert int(jnp.sum(aux.group_sizes)) == 2 * 64
+
+
+NEMOTRON_STYLE = dict(
+    top_k=3, score="sigmoid", num_groups=3, top_groups=2, normalize=True, scale=2.5, shared_d_ff=20, latent_dim=8
+)
+
+
+def test_nemotron_style_parameters_state_and_values():
+    module = make_module(**NEMOTRON_STYLE, deterministic=True)
+    shapes = {name: tuple(value.shape) for name, value in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+    assert shapes == {
+        ("router",): (16, 6), ("w1",): (6, 8, 24), ("b1",): (6, 24), ("w2",): (6, 24, 8),
+        ("shared_w1",): (16, 20), ("shared_w2",): (20, 16), ("latent_in",): (16, 8), ("latent_out",): (8, 16),
+    }
+    # The bias is state, not a parameter.
+    assert isinstance(module.expert_bias, jax_dsrelu.flax.ExpertBias) and not isinstance(module.expert_bias, nnx.Param)
+    np.testing.assert_array_equal(module.expert_bias[...], np.zeros(6, np.float32))
+    assert make_module().expert_bias is None  # softmax routing has none
+
+    module.expert_bias[...] = jnp.asarray([0.3, -0.2, 0.0, 0.1, -0.5, 0.2], jnp.float32)
+    x = jax.random.normal(jax.random.key(9), (2, 12, 16))
+    out = nnx.jit(lambda m, x: m(x))(module, x)
+    params = {name: getattr(module, name)[...] for name in ("b1", "shared_w1", "shared_w2", "latent_in", "latent_out")}
+    options = {k: v for k, v in NEMOTRON_STYLE.items() if k not in ("shared_d_ff", "latent_dim")}
+    want = jax.jit(lambda x: jax_dsrelu.moe_layer(
+        x.reshape(24, 16), module.router[...], module.w1[...], module.w2[...], **params,
+        expert_bias=module.expert_bias[...], deterministic=True, **options,
+    ))(x)
+    np.testing.assert_array_equal(out, want.reshape(x.shape))
+
+
+def test_nemotron_style_trains_with_optax_and_balances_with_the_bias():
+    module = make_module(**NEMOTRON_STYLE)
+    optimizer = nnx.Optimizer(module, optax.adam(1e-2), wrt=nnx.Param)
+    key_x, key_target = jax.random.split(jax.random.key(10))
+    x = jax.random.normal(key_x, (64, 16))
+    target = jnp.tanh(x @ jax.random.normal(key_target, (16, 16)))
+
+    @nnx.jit
+    def step(module, optimizer):
+        def loss(module):
+            out, aux = module(x, return_aux=True)
+            return jnp.mean((out - target) ** 2), aux
+
+        (value, aux), grads = nnx.value_and_grad(loss, has_aux=True)(module)
+        assert "expert_bias" not in dict(grads)  # no gradient for the bias
+        optimizer.update(module, grads)
+        module.update_expert_bias(aux.group_sizes, 1e-2)
+        return value, aux.group_sizes
+
+    first_bias = None
+    losses = []
+    for _ in range(60):
+        value, sizes = step(module, optimizer)
+        losses.append(float(value))
+        if first_bias is None:  # the first update, from the first step's loads
+            first_bias = np.asarray(module.expert_bias[...])
+            sizes = np.asarray(sizes)
+            np.testing.assert_allclose(first_bias, 1e-2 * np.sign(sizes.mean() - sizes), rtol=1e-6)
+    assert losses[-1] < 0.5 * losses[0], losses
+    # 60 steps of +-0.01 or 0 each.
+    assert np.all(np.abs(np.asarray(module.expert_bias[...])) <= 60 * 1e-2 + 1e-6)
+    with pytest.raises(ValueError, match="update_expert_bias needs score='sigmoid'"):
+        make_module().update_expert_bias(jnp.ones(6, jnp.int32), 1e-3)
+
+
+def test_settings_are_checked_when_the_module_is_built():
+    rngs = nnx.Rngs(0)
+    with pytest.raises(ValueError, match="top_k must be between 1 and the number of experts E=4, got top_k=6"):
+        MoE(16, 24, 4, top_k=6, rngs=rngs)
+    with pytest.raises(ValueError, match="score must be 'softmax' or 'sigmoid', got 'tanh'"):
+        MoE(16, 24, 4, score="tanh", rngs=rngs)
+    with pytest.raises(ValueError, match="num_groups must be at least 1 and divide the number of experts E=4, got num_groups=3"):
+        MoE(16, 24, 4, num_groups=3, rngs=rngs)
+    with pytest.raises(ValueError, match="shared_d_ff must be at least 1, got shared_d_ff=0"):
+        MoE(16, 24, 4, shared_d_ff=0, rngs=rngs)
+    with pytest.raises(TypeError, match=r"latent_dim must be a Python int, got 8.0 \(float\)"):
+        MoE(16, 24, 4, latent_dim=8.0, rngs=rngs)
+    with pytest.raises(TypeError, match="dtype must be one of bfloat16, float16, float32, got int8"):
+        MoE(16, 24, 4, dtype=jnp.int8, rngs=rngs)
+    with pytest.raises(TypeError, match="dtype must be one of bfloat16, float16, float32, got 'fp32'"):
+        MoE(16, 24, 4, dtype="fp32", rngs=rngs)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        MoE(16, 24, 4, backend="cuda", rngs=rngs)
+    module = MoE(16, 24, 4, rngs=rngs)
+    with pytest.raises(ValueError, match=r"x.shape\[-1\] must equal d_model=16, got x.shape=\(3, 12\)"):
+        module(jnp.zeros((3, 12)))

@@ -138,3 +138,60 @@ def test_validation_names_the_argument():
         layer(x, router[:, :6], w1[:6], w2[:6], mesh=mesh)
     with pytest.raises(ValueError, match=r"T=x.shape\[0\]=100 must be a multiple of the 8 token shards"):
         layer(x[:100], router, w1, w2, mesh=mesh, data_axis="data")
+
+
+def block_inputs(seed):
+    """A Nemotron-style block's weights: sigmoid routing with a bias, a shared expert and
+    latent projections (l = 8 < d = 16), expert 5 held off by its bias."""
+    rng = np.random.default_rng(seed)
+    latent, shared = 8, 20
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), jnp.float32)  # noqa: E731
+    x = jnp.asarray(rng.standard_normal((NUM_TOKENS, D_MODEL)), jnp.float32)
+    params = dict(
+        router=normal(D_MODEL, NUM_EXPERTS), w1=normal(NUM_EXPERTS, latent, D_FF), w2=normal(NUM_EXPERTS, D_FF, latent),
+        b1=jnp.asarray(0.1 * rng.standard_normal((NUM_EXPERTS, D_FF)), jnp.float32),
+        shared_w1=normal(D_MODEL, shared), shared_w2=normal(shared, D_MODEL),
+        latent_in=normal(D_MODEL, latent), latent_out=normal(latent, D_MODEL),
+    )
+    bias = jnp.asarray(0.05 * rng.standard_normal(NUM_EXPERTS), jnp.float32).at[5].set(-10.0)
+    cotangent = jnp.asarray(rng.standard_normal((NUM_TOKENS, D_MODEL)), jnp.float32)
+    return x, params, bias, cotangent
+
+
+BLOCK_OPTIONS = dict(top_k=3, score="sigmoid", num_groups=4, top_groups=2, normalize=True, scale=2.5, deterministic=True)
+
+
+def block_grads(layer, x, params, bias, cotangent):
+    def loss(x, params):
+        out, aux = layer(x, **params, expert_bias=bias, return_aux=True, **BLOCK_OPTIONS)
+        return jnp.sum(out * cotangent) + aux.load_balancing_loss, aux
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, params)
+
+
+def test_block_with_every_option_equals_one_device_and_repeats_bit_for_bit():
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    inputs = block_inputs(10)
+    sharded_layer = lambda *a, **k: jax_dsrelu.moe_layer_expert_parallel(*a, mesh=mesh, data_axis="data", **k)  # noqa: E731
+    (value, aux), grads = block_grads(sharded_layer, *inputs)
+    (want_value, want_aux), want_grads = block_grads(jax_dsrelu.moe_layer, *inputs)
+    assert int(want_aux.group_sizes[5]) == 0
+    np.testing.assert_array_equal(aux.group_sizes, want_aux.group_sizes)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
+        scale = np.max(np.abs(want))
+        np.testing.assert_allclose(np.asarray(got) / scale, np.asarray(want) / scale, atol=1e-5, err_msg=str(path))
+    again = block_grads(sharded_layer, *inputs)
+    for a, b in zip(jax.tree.leaves(jax.device_get(((value, aux), grads))), jax.tree.leaves(jax.device_get(again))):
+        np.testing.assert_array_equal(np.ravel(a).view(np.uint8), np.ravel(b).view(np.uint8))
+    x, params, bias, cotangent = inputs
+    hlo = jax.jit(jax.grad(
+        lambda x, p: jnp.sum(sharded_layer(x, **p, expert_bias=bias, **BLOCK_OPTIONS) * cotangent), argnums=(0, 1)
+    )).lower(x, params).as_text()
+    assert "all_to_all" in hlo and "scatter" not in hlo
+
+
+def test_mesh_must_be_a_mesh():
+    x, router, w1, w2, _, _ = make_inputs(11)
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh \(e.g. from jax.make_mesh\) with an axis named expert_axis='expert', got None"):
+        jax_dsrelu.moe_layer_expert_parallel(x, router, w1, w2, mesh=None)

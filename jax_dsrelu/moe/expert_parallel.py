@@ -10,6 +10,10 @@ The send buffer of each device holds D * (T_local * top_k) rows: every destinati
 room for all of the device's rows, so no token is ever dropped, at the price of padding
 rows (memory and all-to-all bandwidth) that belong to no expert and come out 0.
 
+The shared expert, the latent projections and the selection bias are replicated: every
+device runs the shared expert and the projections on its own tokens, and routes them
+with the same bias.
+
 Every row movement is a gather whose gradient is a gather (`jax_dsrelu.moe.permutation`),
 and all_to_all's transpose is an all_to_all, so, as on one device, nothing adds two
 values into one place in an order the hardware chooses. The auxiliary losses are made
@@ -32,21 +36,30 @@ from jax_dsrelu import groups
 from jax_dsrelu.ops.moe_mlp import moe_mlp
 from jax_dsrelu.moe import permutation, routing
 from jax_dsrelu.primitives import validation
-from jax_dsrelu.moe.layer import MoEAux, check_layer_options, router_logits
+from jax_dsrelu.moe.layer import MoEAux, check_layer_options, project, router_logits, shared_expert
 
 
 def moe_layer_expert_parallel(
     x: jax.Array,  # (T, d) tokens, split over (*data_axis, expert_axis)
     router: jax.Array,  # (d, E), replicated
-    w1: jax.Array,  # (E, d, f), split on E over expert_axis
-    w2: jax.Array,  # (E, f, d), split on E over expert_axis
+    w1: jax.Array,  # (E, l, f), split on E over expert_axis; l = d without latent projections
+    w2: jax.Array,  # (E, f, l), split on E over expert_axis
     *,
     mesh: jax.sharding.Mesh,
     expert_axis: str = "expert",
     data_axis: str | tuple[str, ...] | None = None,
     b1: jax.Array | None = None,  # (E, f), split on E over expert_axis
     top_k: int = 2,
+    score: str = "softmax",
+    expert_bias: jax.Array | None = None,  # (E,), replicated
+    num_groups: int = 1,
+    top_groups: int | None = None,
     normalize: bool = False,
+    scale: float = 1.0,
+    shared_w1: jax.Array | None = None,  # (d, fs), replicated
+    shared_w2: jax.Array | None = None,  # (fs, d), replicated
+    latent_in: jax.Array | None = None,  # (d, l), replicated
+    latent_out: jax.Array | None = None,  # (l, d), replicated
     deterministic: bool = False,
     backend: str = "auto",
     return_aux: bool = False,
@@ -55,13 +68,23 @@ def moe_layer_expert_parallel(
     `expert_axis` of `mesh` and tokens over `data_axis` (none, one or several mesh axes)
     and `expert_axis`. Axes of the mesh named in neither repeat the whole computation.
 
+    The routing options, the shared expert and the latent projections are `moe_layer`'s.
     E must be a multiple of the size of expert_axis, and T of the number of token shards.
-    MoEAux holds the losses and group sizes of all T tokens, as on one device. Call it
-    under `jax.jit`; the arguments are resharded as above if they are not already.
+    MoEAux holds the losses and group sizes of all T tokens, as on one device: its
+    group_sizes are the global ones that `update_expert_bias` takes. Call it under
+    `jax.jit`; the arguments are resharded as above if they are not already.
     """
-    validation.check_moe_layer(x, router, w1, w2, b1)
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"mesh must be a jax.sharding.Mesh (e.g. from jax.make_mesh) with an axis named "
+            f"expert_axis={expert_axis!r}, got {mesh!r} ({type(mesh).__name__})"
+        )
+    validation.check_moe_layer(x, router, w1, w2, b1, latent_in, latent_out, shared_w1, shared_w2)
     num_experts = w1.shape[0]
-    check_layer_options(top_k, num_experts, normalize, deterministic, backend, return_aux)
+    check_layer_options(
+        top_k, num_experts, normalize, deterministic, backend, return_aux,
+        score, expert_bias, num_groups, top_groups, scale,
+    )
     data_axes = _data_axes(mesh, expert_axis, data_axis)
     token_axes = (*data_axes, expert_axis)
     expert_shards = mesh.shape[expert_axis]
@@ -80,14 +103,26 @@ def moe_layer_expert_parallel(
         )
 
     tokens, experts = P(token_axes), P(expert_axis)
-    operands = [(x, tokens), (router, P()), (w1, experts), (w2, experts)]
-    if b1 is not None:
-        operands.append((b1, experts))
+    named = {"x": (x, tokens), "router": (router, P()), "w1": (w1, experts), "w2": (w2, experts)}
+    optional = {
+        "b1": (b1, experts),
+        "expert_bias": (expert_bias, P()),
+        "shared_w1": (shared_w1, P()),
+        "shared_w2": (shared_w2, P()),
+        "latent_in": (latent_in, P()),
+        "latent_out": (latent_out, P()),
+    }
+    named.update((name, operand) for name, operand in optional.items() if operand[0] is not None)
+    names = tuple(named)
+    operands = list(named.values())
     shard = functools.partial(
         _expert_parallel_shard,
+        names,
         expert_axis=expert_axis,
         top_k=top_k,
-        normalize=normalize,
+        routing_options=dict(
+            score=score, num_groups=num_groups, top_groups=top_groups, normalize=normalize, scale=scale
+        ),
         deterministic=deterministic,
         backend=backend,
     )
@@ -111,10 +146,20 @@ def moe_layer_expert_parallel(
     return out, MoEAux(load_balancing_loss, jnp.sum(z_loss) / token_shards, total_sizes)
 
 
-def _expert_parallel_shard(x, router, w1, w2, b1=None, *, expert_axis, top_k, normalize, deterministic, backend):
-    """One device's part: its tokens in, their outputs and routing statistics out."""
-    plan = routing.route(router_logits(x, router), top_k, normalize=normalize)
-    rows = routing.dispatch(x.astype(w1.dtype), plan)  # (n, d), sorted by global expert
+def _expert_parallel_shard(names, *arrays, expert_axis, top_k, routing_options, deterministic, backend):
+    """One device's part: its tokens in, their outputs and routing statistics out.
+
+    `arrays` are the operands named by `names`: x, router, w1, w2, then those of b1,
+    expert_bias, shared_w1, shared_w2, latent_in and latent_out that were given.
+    """
+    given = dict(zip(names, arrays))
+    x, router, w1, w2 = (given[name] for name in ("x", "router", "w1", "w2"))
+    b1, latent_in, latent_out = (given.get(name) for name in ("b1", "latent_in", "latent_out"))
+    plan = routing.route(
+        router_logits(x, router), top_k, expert_bias=given.get("expert_bias"), **routing_options
+    )
+    z = x if latent_in is None else project(x, latent_in)
+    rows = routing.dispatch(z.astype(w1.dtype), plan)  # (n, l), sorted by global expert
     num_rows = rows.shape[0]
     num_shards = lax.axis_size(expert_axis)
     local_experts = w1.shape[0]
@@ -152,8 +197,12 @@ def _expert_parallel_shard(x, router, w1, w2, b1=None, *, expert_axis, top_k, no
     )
     returned = exchange(permutation.gather_rows(y, local.inverse, local.order))
     y_rows = permutation.gather_rows(returned, slot_of_row, fill_index, None, fill_valid)
-    out = routing.combine(y_rows, plan).astype(x.dtype)
-    return out, plan.group_sizes[None], plan.expert_prob[None], plan.router_z_loss[None]
+    out = routing.combine(y_rows, plan)
+    if latent_out is not None:
+        out = project(out, latent_out)
+    if "shared_w1" in given:
+        out = out + shared_expert(x, given["shared_w1"], given["shared_w2"], deterministic, backend)
+    return out.astype(x.dtype), plan.group_sizes[None], plan.expert_prob[None], plan.router_z_loss[None]
 
 
 def _data_axes(mesh, expert_axis, data_axis) -> tuple[str, ...]:

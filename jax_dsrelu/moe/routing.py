@@ -39,15 +39,16 @@ from jax_dsrelu.primitives import validation
 class RoutingPlan:
     """Where every (token, slot) assignment goes: a pytree, so it passes through jit.
 
-    Assignment a = t * top_k + s is token t's s-th choice (slots in decreasing
-    probability). Rows sorted by expert are numbered 0..T*top_k-1.
+    Assignment a = t * top_k + s is token t's s-th choice (slots in decreasing order of
+    the score `route` selects by: the probability, plus expert_bias if given). Rows
+    sorted by expert are numbered 0..T*top_k-1.
     """
 
     order: jax.Array  # (T*top_k,) int32, the assignment at each expert-sorted row
     inverse: jax.Array  # (T*top_k,) int32, the expert-sorted row of each assignment
     group_sizes: jax.Array  # (E,) int32, rows of each expert, in row order
-    row_prob: jax.Array  # (T*top_k,) float32, routing probability of each sorted row
-    expert_prob: jax.Array  # (E,) float32, P_e: mean router probability of expert e over tokens
+    row_prob: jax.Array  # (T*top_k,) float32, routing weight of each sorted row (normalized, scaled)
+    expert_prob: jax.Array  # (E,) float32, P_e: mean over tokens of expert e's share of the scores (see `route`)
     load_balancing_loss: jax.Array  # () float32, E * sum_e f_e * P_e
     router_z_loss: jax.Array  # () float32, mean over tokens of logsumexp(logits)**2
     top_k: int
@@ -61,44 +62,88 @@ class RoutingPlan:
         return self.group_sizes.shape[0]
 
 
+SCORES = ("softmax", "sigmoid")
+
+
 def route(
     logits: jax.Array,  # (T, E) router logits
     top_k: int,
     *,
+    score: str = "softmax",
+    expert_bias: jax.Array | None = None,  # (E,) float, for selection only
+    num_groups: int = 1,
+    top_groups: int | None = None,
     normalize: bool = False,
+    scale: float = 1.0,
 ) -> RoutingPlan:
-    """Softmax over the E experts in float32, then each token's top_k experts.
+    """Scores over the E experts in float32, then each token's top_k experts.
 
-    Ties go to the lower expert index. row_prob is each slot's softmax probability, or,
-    with normalize=True, that probability divided by the sum over the token's top_k
-    slots. The auxiliary losses:
+    score="softmax": s = softmax(logits) over E; score="sigmoid": s = sigmoid(logits),
+    each expert on its own (Nemotron-H, Nemotron 3, DeepSeek-V3).
 
-        load_balancing_loss = E * sum_e f_e * P_e    (Switch Transformer)
-            f_e = group_sizes[e] / (T * top_k), the fraction of assignments to expert e
-            P_e = mean over tokens of softmax(logits)[:, e]  (the gradient flows through P)
+    Selection: the top_k experts of s + expert_bias, ties to the lower expert index. The
+    bias moves which experts are chosen, never their weights, and gets no gradient
+    (the auxiliary-loss-free balancing of DeepSeek-V3; move it with
+    `update_expert_bias`). With num_groups > 1 the experts form num_groups equal
+    contiguous groups; a group's score is the sum of its two largest biased scores (its
+    largest if it has one expert), the top_groups best groups are kept (ties to the
+    lower group) and experts of the other groups are never chosen. top_groups=None
+    keeps every group.
+
+    Weights: row_prob is each slot's s (unbiased), divided by the sum over the token's
+    top_k slots when normalize=True, then multiplied by scale (the routed scaling
+    factor). Slots are in decreasing order of biased score. With sigmoid scores the sum
+    gets 1e-20 added, as Hugging Face's NemotronHMoE does, so that a token whose chosen
+    scores all underflow to 0 gets weights 0 instead of NaN (softmax's top_k sum is at
+    least top_k / E and needs no guard).
+
+    The auxiliary losses, with f_e = group_sizes[e] / (T * top_k) the fraction of
+    assignments to expert e and P_e the mean over tokens of a_e (the gradient flows
+    through P):
+
+        load_balancing_loss = E * sum_e f_e * P_e
+            softmax: a = softmax(logits), Switch Transformer's loss.
+            sigmoid: a = s / sum_e s, each token's scores scaled to sum to 1: this is
+            DeepSeek-V3's complementary sequence-wise balance loss (without its weight
+            alpha) for the T tokens routed together. For one loss per sequence, route
+            each sequence on its own (route is vmappable: jax.vmap over (B, S, E) logits
+            gives one plan per sequence) and average their losses.
         router_z_loss = mean over tokens of logsumexp(logits[t])**2    (ST-MoE)
 
-    Both are 1 and log(E)**2 for a perfectly uniform router; with T = 0 they are 0.
+    For a uniform softmax router the losses are 1 and log(E)**2; with T = 0 they are 0.
+    Defaults reproduce softmax top-k routing exactly as it was before these options.
     """
     validation.check_logits(logits)
     num_tokens, num_experts = logits.shape
-    validation.require_top_k(top_k, num_experts)
-    validation.require_bool("normalize", normalize)
+    validation.check_routing(top_k, num_experts, score, expert_bias, num_groups, top_groups, normalize, scale)
 
     logits = logits.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    # lax.top_k puts the lower index first among equal values. The selection itself is
-    # piecewise constant: only the probabilities of the chosen slots carry a gradient.
-    _, experts = lax.top_k(lax.stop_gradient(probs), top_k)
+    if score == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+    else:
+        probs = jax.nn.sigmoid(logits)
+    # The selection is piecewise constant: only the scores of the chosen slots carry a
+    # gradient, and the bias none at all.
+    choice = lax.stop_gradient(probs)
+    if expert_bias is not None:
+        choice = choice + lax.stop_gradient(expert_bias).astype(jnp.float32)
+    if top_groups is not None and top_groups < num_groups:
+        choice = _keep_top_groups(choice, num_groups, top_groups)
+    # lax.top_k puts the lower index first among equal values.
+    _, experts = lax.top_k(choice, top_k)
     slot_prob = _take_slots(num_experts, probs, experts)  # (T, top_k)
     if normalize:
-        slot_prob = slot_prob / _sum_slots(slot_prob[:, :, None])
+        total = _sum_slots(slot_prob[:, :, None])
+        slot_prob = slot_prob / (total if score == "softmax" else total + 1e-20)
+    if scale != 1.0:
+        slot_prob = slot_prob * jnp.float32(scale)
 
     grouping = permutation.sort_by_group(experts.reshape(-1), num_experts)
     row_prob = permutation.gather_rows(slot_prob.reshape(-1), grouping.order, grouping.inverse)
 
     token_count = max(num_tokens, 1)  # T = 0 gives zero losses, not 0 / 0
-    expert_prob = jnp.sum(probs, axis=0) / token_count
+    affinity = probs if score == "softmax" else probs / jnp.sum(probs, axis=-1, keepdims=True)
+    expert_prob = jnp.sum(affinity, axis=0) / token_count
     fraction = grouping.sizes.astype(jnp.float32) / (token_count * top_k)
     log_normalizer = jax.nn.logsumexp(logits, axis=-1)
     return RoutingPlan(
@@ -113,6 +158,30 @@ def route(
     )
 
 
+def update_expert_bias(
+    expert_bias: jax.Array,  # (E,) float, the selection bias `route` adds to the scores
+    group_sizes: jax.Array,  # (E,) int, assignments each expert received (global: see below)
+    rate: float | jax.Array,  # the bias update speed (DeepSeek-V3: 1e-3)
+) -> jax.Array:  # (E,) float32
+    """expert_bias + rate * sign(mean(group_sizes) - group_sizes), in float32.
+
+    The auxiliary-loss-free balancing step: overloaded experts lose `rate` of bias,
+    underloaded ones gain it, and experts at the mean keep theirs. Call it once per
+    training step, outside the gradient, with the step's group sizes (`MoEAux.group_sizes`
+    or `RoutingPlan.group_sizes`).
+
+    The sizes must count every token of the step. `moe_layer` and
+    `moe_layer_expert_parallel` return the global sizes in `MoEAux.group_sizes`. Under data
+    parallelism written by hand (each device routing its own tokens), add the devices'
+    sizes first, e.g. `jax.lax.psum(plan.group_sizes, data_axes)` inside `shard_map`, so
+    that every device applies the same update and the replicated bias stays replicated.
+    """
+    validation.check_expert_bias_update(expert_bias, group_sizes)
+    sizes = jnp.asarray(group_sizes).astype(jnp.float32)
+    step = jnp.sign(jnp.mean(sizes) - sizes)
+    return jnp.asarray(expert_bias).astype(jnp.float32) + jnp.asarray(rate, jnp.float32) * step
+
+
 def dispatch(
     x: jax.Array,  # (T, d) tokens
     plan: RoutingPlan,
@@ -122,6 +191,7 @@ def dispatch(
     Its gradient gathers the rows back by the inverse order and adds each token's top_k
     slots in slot order, in float32.
     """
+    _require_plan(plan)
     validation.check_token_rows("x", x, plan.num_tokens, "plan.num_tokens (T)")
     return _dispatch(plan.top_k, x, plan.order, plan.inverse)
 
@@ -136,8 +206,29 @@ def combine(
     Weight the rows by routing probability before (`moe_mlp` does, through `prob`).
     Its gradient is a gather: each row receives its token's gradient.
     """
+    _require_plan(plan)
     validation.check_token_rows("y", y, plan.num_tokens * plan.top_k, "plan.num_tokens * plan.top_k")
     return _combine(plan.top_k, np.dtype(y.dtype), y, plan.order, plan.inverse)
+
+
+def _require_plan(plan) -> None:
+    if not isinstance(plan, RoutingPlan):
+        raise TypeError(f"plan must be a RoutingPlan (from jax_dsrelu.route), got {plan!r} ({type(plan).__name__})")
+
+
+def _keep_top_groups(choice: jax.Array, num_groups: int, top_groups: int) -> jax.Array:
+    """(T, E) biased scores -> the same, with every expert outside the token's top_groups
+    best groups set to -inf, so that top_k never picks it."""
+    num_tokens, num_experts = choice.shape
+    grouped = choice.reshape(num_tokens, num_groups, num_experts // num_groups)
+    if grouped.shape[2] == 1:
+        group_score = grouped[:, :, 0]
+    else:
+        best_two, _ = lax.top_k(grouped, 2)
+        group_score = best_two[:, :, 0] + best_two[:, :, 1]
+    _, kept = lax.top_k(group_score, top_groups)  # (T, top_groups), ties to the lower group
+    keep = jnp.any(kept[:, :, None] == jnp.arange(num_groups), axis=1)  # (T, G)
+    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(num_tokens, num_experts)
 
 
 def _sum_slots(slots: jax.Array) -> jax.Array:

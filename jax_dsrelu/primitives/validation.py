@@ -73,6 +73,17 @@ def require_experts(name: str, array: Any) -> None:
         )
 
 
+def dtype_option(name: str, value: Any, allowed) -> np.dtype:
+    """A dtype given as an option (not an array's), one of `allowed`."""
+    try:
+        dtype = np.dtype(value)
+    except TypeError as error:
+        raise TypeError(f"{name} must be one of {_names(allowed)}, got {value!r}") from error
+    if dtype not in [np.dtype(d) for d in allowed]:
+        raise TypeError(f"{name} must be one of {_names(allowed)}, got {dtype.name}")
+    return dtype
+
+
 def out_dtype(value: Any, name: str = "out_dtype") -> np.dtype:
     try:
         dtype = np.dtype(value)
@@ -216,6 +227,7 @@ def backend_name(value: Any) -> str:
 
 
 def check_logits(logits) -> None:
+    require_array("logits", logits)
     require_rank("logits", logits, 2, "(T, E)")
     require_dtype("logits", logits, FLOAT_DTYPES)
     if logits.shape[1] == 0:
@@ -229,25 +241,104 @@ def require_top_k(top_k: Any, num_experts: int) -> None:
         raise ValueError(f"top_k must be between 1 and the number of experts E={num_experts}, got top_k={top_k}")
 
 
+def require_array(name: str, value: Any) -> None:
+    """A JAX or NumPy array (or a tracer of one): what has a shape and a dtype."""
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        raise TypeError(
+            f"{name} must be a JAX or NumPy array, got {type(value).__name__}"
+            + ("" if value is None else " (wrap it in jnp.asarray)")
+        )
+
+
+def require_int(name: str, value: Any) -> None:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a Python int, got {value!r} ({type(value).__name__})")
+
+
+def check_routing(top_k, num_experts, score, expert_bias, num_groups, top_groups, normalize, scale) -> None:
+    """The options of `route` (and of the layers that route), for E = num_experts."""
+    require_top_k(top_k, num_experts)
+    if score not in ("softmax", "sigmoid"):
+        raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+    require_bool("normalize", normalize)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be a Python float, got {scale!r} ({type(scale).__name__})")
+    if not np.isfinite(scale):
+        raise ValueError(f"scale must be finite, got scale={scale!r}")
+    require_int("num_groups", num_groups)
+    if num_groups < 1 or num_experts % num_groups:
+        raise ValueError(
+            f"num_groups must be at least 1 and divide the number of experts E={num_experts}, "
+            f"got num_groups={num_groups}"
+        )
+    if top_groups is not None:
+        require_int("top_groups", top_groups)
+        if not 1 <= top_groups <= num_groups:
+            raise ValueError(
+                f"top_groups must be None or between 1 and num_groups={num_groups}, got top_groups={top_groups}"
+            )
+        reachable = top_groups * (num_experts // num_groups)
+        if top_k > reachable:
+            raise ValueError(
+                f"top_k must be at most the {reachable} experts that top_groups={top_groups} groups of "
+                f"E/num_groups={num_experts // num_groups} hold, got top_k={top_k}"
+            )
+    if expert_bias is not None:
+        require_array("expert_bias", expert_bias)
+        if tuple(expert_bias.shape) != (num_experts,):
+            raise ValueError(
+                f"expert_bias must be (E,) with E={num_experts} experts, got expert_bias.shape={tuple(expert_bias.shape)}"
+            )
+        require_dtype("expert_bias", expert_bias, FLOAT_DTYPES)
+
+
+def check_expert_bias_update(expert_bias, group_sizes) -> None:
+    require_array("expert_bias", expert_bias)
+    require_array("group_sizes", group_sizes)
+    require_rank("expert_bias", expert_bias, 1, "(E,)")
+    require_dtype("expert_bias", expert_bias, FLOAT_DTYPES)
+    require_rank("group_sizes", group_sizes, 1, "(E,)")
+    require_dim("group_sizes", group_sizes, 0, expert_bias.shape[0], "expert_bias.shape[0] (E)")
+
+
 def check_token_rows(name: str, array, expected_rows: int, meaning: str) -> None:
+    require_array(name, array)
     require_rank(name, array, 2, "(rows, d)")
     require_dim(name, array, 0, expected_rows, meaning)
 
 
-def check_moe_layer(x, router, w1, w2, b1) -> None:
-    """The shapes of `moe_layer`, named as its docstring names them."""
+def check_moe_layer(x, router, w1, w2, b1, latent_in=None, latent_out=None, shared_w1=None, shared_w2=None) -> None:
+    """The shapes of `moe_layer`, named as its docstring names them (l = d without latent)."""
+    for name, array in (("x", x), ("router", router), ("w1", w1), ("w2", w2)):
+        require_array(name, array)
     require_rank("x", x, 2, "(T, d)")
     require_rank("router", router, 2, "(d, E)")
-    require_rank("w1", w1, 3, "(E, d, f)")
-    require_rank("w2", w2, 3, "(E, f, d)")
     d = x.shape[1]
-    num_experts, _, f = w1.shape
     require_dim("router", router, 0, d, "x.shape[1] (d)")
+    latent, latent_name = d, "x.shape[1] (d)"
+    if (latent_in is None) != (latent_out is None):
+        given, missing = ("latent_in", "latent_out") if latent_out is None else ("latent_out", "latent_in")
+        raise ValueError(f"latent_in and latent_out go together: got {given} but {missing}=None")
+    if latent_in is not None:
+        require_array("latent_in", latent_in)
+        require_array("latent_out", latent_out)
+        require_rank("latent_in", latent_in, 2, "(d, l)")
+        require_rank("latent_out", latent_out, 2, "(l, d)")
+        require_dim("latent_in", latent_in, 0, d, "x.shape[1] (d)")
+        latent, latent_name = latent_in.shape[1], "latent_in.shape[1] (l)"
+        require_dim("latent_out", latent_out, 0, latent, latent_name)
+        require_dim("latent_out", latent_out, 1, d, "x.shape[1] (d)")
+        require_dtype("latent_in", latent_in, FLOAT_DTYPES)
+        require_dtype("latent_out", latent_out, FLOAT_DTYPES)
+    width = "l" if latent_in is not None else "d"
+    require_rank("w1", w1, 3, f"(E, {width}, f)")
+    require_rank("w2", w2, 3, f"(E, f, {width})")
+    num_experts, _, f = w1.shape
     require_dim("router", router, 1, num_experts, "w1.shape[0] (E)")
-    require_dim("w1", w1, 1, d, "x.shape[1] (d)")
+    require_dim("w1", w1, 1, latent, latent_name)
     require_dim("w2", w2, 0, num_experts, "w1.shape[0] (E)")
     require_dim("w2", w2, 1, f, "w1.shape[2] (f)")
-    require_dim("w2", w2, 2, d, "x.shape[1] (d)")
+    require_dim("w2", w2, 2, latent, latent_name)
     require_dtype("x", x, FLOAT_DTYPES)
     require_dtype("router", router, FLOAT_DTYPES)
     require_dtype("w1", w1, FLOAT_DTYPES)
@@ -256,7 +347,25 @@ def check_moe_layer(x, router, w1, w2, b1) -> None:
             f"w2.dtype must equal w1.dtype={np.dtype(w1.dtype).name}, got w2.dtype={np.dtype(w2.dtype).name}"
         )
     if b1 is not None:
+        require_array("b1", b1)
         require_rank("b1", b1, 2, "(E, f)")
         require_dim("b1", b1, 0, num_experts, "w1.shape[0] (E)")
         require_dim("b1", b1, 1, f, "w1.shape[2] (f)")
         require_dtype("b1", b1, FLOAT_DTYPES)
+    if (shared_w1 is None) != (shared_w2 is None):
+        given, missing = ("shared_w1", "shared_w2") if shared_w2 is None else ("shared_w2", "shared_w1")
+        raise ValueError(f"shared_w1 and shared_w2 go together: got {given} but {missing}=None")
+    if shared_w1 is not None:
+        require_array("shared_w1", shared_w1)
+        require_array("shared_w2", shared_w2)
+        require_rank("shared_w1", shared_w1, 2, "(d, fs)")
+        require_rank("shared_w2", shared_w2, 2, "(fs, d)")
+        require_dim("shared_w1", shared_w1, 0, d, "x.shape[1] (d)")
+        require_dim("shared_w2", shared_w2, 0, shared_w1.shape[1], "shared_w1.shape[1] (fs)")
+        require_dim("shared_w2", shared_w2, 1, d, "x.shape[1] (d)")
+        require_dtype("shared_w1", shared_w1, OPERAND_DTYPES)
+        if np.dtype(shared_w2.dtype) != np.dtype(shared_w1.dtype):
+            raise TypeError(
+                f"shared_w2.dtype must equal shared_w1.dtype={np.dtype(shared_w1.dtype).name}, "
+                f"got shared_w2.dtype={np.dtype(shared_w2.dtype).name}"
+            )
