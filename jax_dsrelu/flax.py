@@ -98,8 +98,8 @@ class MoE(nnx.Module):
         for name, flag in (("use_bias", use_bias), ("deterministic", deterministic)):
             validation.require_bool(name, flag)
         validation.backend_name(backend)
-        param_dtype = validation.dtype_option("param_dtype", param_dtype, validation.OPERAND_DTYPES)
-        dtype = param_dtype if dtype is None else validation.dtype_option("dtype", dtype, validation.OPERAND_DTYPES)
+        param_dtype = validation.dtype_option("param_dtype", param_dtype, validation.FLOAT_DTYPES)
+        dtype = param_dtype if dtype is None else validation.dtype_option("dtype", dtype, validation.FLOAT_DTYPES)
 
         width = d_model if latent_dim is None else latent_dim
         self.router = nnx.Param(router_init(rngs.params(), (d_model, num_experts), jnp.float32))

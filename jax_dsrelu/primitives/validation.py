@@ -363,7 +363,7 @@ def check_moe_layer(x, router, w1, w2, b1, latent_in=None, latent_out=None, shar
         require_dim("shared_w1", shared_w1, 0, d, "x.shape[1] (d)")
         require_dim("shared_w2", shared_w2, 0, shared_w1.shape[1], "shared_w1.shape[1] (fs)")
         require_dim("shared_w2", shared_w2, 1, d, "x.shape[1] (d)")
-        require_dtype("shared_w1", shared_w1, OPERAND_DTYPES)
+        require_dtype("shared_w1", shared_w1, FLOAT_DTYPES)
         if np.dtype(shared_w2.dtype) != np.dtype(shared_w1.dtype):
             raise TypeError(
                 f"shared_w2.dtype must equal shared_w1.dtype={np.dtype(shared_w1.dtype).name}, "
