@@ -1,7 +1,8 @@
 """Times the six grouped GEMMs of an MoE layer step against their alternatives, on one GPU.
 
-At each layer shape (m, d, f, E), with ragged Dirichlet group sizes and one set of bf16
-inputs shared by every variant:
+At each layer shape (m, d, f, E) and grouping (--groups: "dirichlet", ragged sizes drawn
+from a flat Dirichlet; "equal", m / E rows each), with one set of bf16 inputs shared by
+every variant:
 
     up      h, act = srelu(x (m, d) @ W1[e] (E, d, f) + b1[e])   forward, epilogue fused
     down    y = act (m, f) @ W2[e] (E, f, d)                       forward
@@ -19,6 +20,9 @@ each GEMM 2 m d f FLOPs, timed as
                   dw2), best of a few block configurations; up and dsrelu with their
                   epilogue in XLA
     cublas_dense  one dense jnp.dot of the same FLOPs (same operand layouts, no groups)
+    cublas_batched  the same GEMM as E batches of m / E rows (lax.dot_general with a batch
+                  dimension, same operand layouts): the ceiling of equal groups, which a
+                  ragged kernel cannot beat by much at any grouping
 
 Every input is larger than the 50 MB L2. Each variant's output is checked against XLA's
 float32 result before its time is recorded (tolerances from the arithmetic: `check_matmul`);
@@ -53,10 +57,18 @@ import jax_dsrelu
 from jax_dsrelu import backend_choice, groups
 from jax_dsrelu.request import RaggedContractRequest, RaggedMatmulRequest
 
-SHAPES = [(16384, 4096, 2048, 8), (32768, 7168, 2048, 8), (65536, 2048, 1024, 32)]  # (m, d, f, E)
+# (m, d, f, E): few large experts, then fine-grained MoE (Nemotron-3 Nano's 128 experts of
+# width 1856 over d = 2688 first, then 128 and 256 experts of a few hundred rows each).
+FEW_EXPERT_SHAPES = [(16384, 4096, 2048, 8), (32768, 7168, 2048, 8), (65536, 2048, 1024, 32)]
+FINE_GRAINED_SHAPES = [
+    (49152, 2688, 1856, 128), (65536, 2048, 768, 128), (65536, 2048, 512, 128),
+    (32768, 7168, 2048, 32), (65536, 2048, 768, 256),
+]
+SHAPES = FEW_EXPERT_SHAPES + FINE_GRAINED_SHAPES
+GROUPINGS = ("dirichlet", "equal")
 CPU_SHAPES = [(512, 128, 256, 4)]
 GEMMS = ("up", "down", "dsrelu", "dx", "dw1", "dw2")
-VARIANTS = ("sm90", "sm90_det", "xla", "pallas", "cublas_dense")
+VARIANTS = ("sm90", "sm90_det", "xla", "pallas", "cublas_dense", "cublas_batched")
 # The two fastest of bench_dsrelu.py's block configurations at these shapes (the third,
 # 128x256, was 2x slower everywhere).
 RAGGED_PALLAS_CONFIGS = [PALLAS_CONFIGS[0], PALLAS_CONFIGS[2]]
@@ -99,7 +111,16 @@ def operand_shapes(m, d, f, num_experts) -> dict[str, jax.ShapeDtypeStruct]:
     )
 
 
-def make_operands(m, d, f, num_experts, seed) -> dict[str, jax.Array]:
+def group_sizes_for(grouping, m, num_experts, seed) -> np.ndarray:
+    """(E,) int32 rows per expert summing to m: Dirichlet-drawn or equal (m % E == 0)."""
+    if grouping == "dirichlet":
+        return dirichlet_sizes(np.random.default_rng(seed), m, num_experts)
+    if grouping != "equal" or m % num_experts:
+        raise ValueError(f"grouping must be 'dirichlet', or 'equal' with m % E == 0; got {grouping!r}, m={m}, E={num_experts}")
+    return np.full(num_experts, m // num_experts, np.int32)
+
+
+def make_operands(m, d, f, num_experts, seed, grouping="dirichlet") -> dict[str, jax.Array]:
     keys = iter(jax.random.split(jax.random.key(seed), 16))
     normal = lambda shape, scale=1.0: (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(BF16)  # noqa: E731
     h = normal((m, f))
@@ -109,7 +130,7 @@ def make_operands(m, d, f, num_experts, seed) -> dict[str, jax.Array]:
         act=(jnp.maximum(h.astype(jnp.float32), 0.0) ** 2 * prob[:, None]).astype(BF16),
         w1=normal((num_experts, d, f), 1 / np.sqrt(d)), w2=normal((num_experts, f, d), 1 / np.sqrt(f)),
         b1=0.1 * jax.random.normal(next(keys), (num_experts, f), jnp.float32), prob=prob,
-        group_sizes=jnp.asarray(dirichlet_sizes(np.random.default_rng(seed), m, num_experts)),
+        group_sizes=jnp.asarray(group_sizes_for(grouping, m, num_experts, seed)),
     )
     # The dense GEMM's weight is its own array, so no slice copy is timed with it.
     operands["w1_dense"] = jnp.array(operands["w1"][0])
@@ -181,6 +202,16 @@ class RaggedMatmul:
     def dense_names(self):
         return (self.lhs, self.dense_weight)
 
+    def batched(self, lhs, rhs):
+        """E batches of m / E rows of lhs, each times its rhs[e] as stored."""
+        batches = rhs.shape[0]
+        contract = 1 if self.rhs_layout == "kn" else 2
+        out = lax.dot_general(lhs.reshape(batches, -1, lhs.shape[1]), rhs, (((2,), (contract,)), ((0,), (0,))))
+        return out.reshape(lhs.shape[0], -1)
+
+    def batched_names(self):
+        return (self.lhs, self.rhs)
+
     def reference(self, operands) -> dict:
         """XLA's float32 result and |lhs| @ |rhs|, the scale of its summation error."""
         lhs, rhs, sizes = (operands[n] for n in (self.lhs, self.rhs, "group_sizes"))
@@ -246,6 +277,17 @@ class RaggedContract:
         return lax.dot_general(lhs, rhs, (((0,), (0,)), ((), ())))
 
     def dense_names(self):
+        return (self.lhs, self.rhs)
+
+    @staticmethod
+    def batched(lhs, rhs, batches):
+        """lhs_e^T rhs_e over E batches of m / E rows."""
+        return lax.dot_general(
+            lhs.reshape(batches, -1, lhs.shape[1]), rhs.reshape(batches, -1, rhs.shape[1]),
+            (((1,), (1,)), ((0,), (0,))),
+        )
+
+    def batched_names(self):
         return (self.lhs, self.rhs)
 
     def reference(self, operands) -> dict:
@@ -368,6 +410,8 @@ def gemm_variants(gemm: str, shapes, out_dtype) -> list[Variant]:
               for c in RAGGED_PALLAS_CONFIGS],
             Variant("cublas_dense", lambda: jax.jit(RaggedMatmul("dy", "w2", "nk", "w2_dense").dense),
                     ("dy", "w2_dense"), None),
+            Variant("cublas_batched", lambda: jax.jit(RaggedMatmul("dy", "w2", "nk", "w2_dense").batched),
+                    ("dy", "w2"), None),
         ]
     spec = MATMULS[gemm]
     names = spec.operand_names()
@@ -376,11 +420,14 @@ def gemm_variants(gemm: str, shapes, out_dtype) -> list[Variant]:
     ours = lambda: jax.jit(sm90_implementation(request))  # noqa: E731
     xla = spec.xla_with(out_dtype) if contraction else spec.xla
     configs = TRANSPOSED_PALLAS_CONFIGS if contraction else RAGGED_PALLAS_CONFIGS
+    num_experts = shapes["group_sizes"].shape[0]
+    batched = functools.partial(spec.batched, batches=num_experts) if contraction else spec.batched
     return [
         Variant("sm90", ours, names, "matmul"),
         Variant("xla", lambda: jax.jit(xla), names, None),
         *[Variant("pallas", lambda c=c: jax.jit(spec.pallas(c)), names, "matmul", c) for c in configs],
         Variant("cublas_dense", lambda: jax.jit(spec.dense), spec.dense_names(), None),
+        Variant("cublas_batched", lambda: jax.jit(batched), spec.batched_names(), None),
     ]
 
 
@@ -452,8 +499,8 @@ def ratios(results) -> dict:
     for ours in ("sm90", "sm90_det"):
         if ours not in ms:
             continue
-        for other, key in (("cublas_dense", "vs_cublas_throughput"), ("xla", "speedup_vs_xla"),
-                           ("pallas", "speedup_vs_pallas")):
+        for other, key in (("cublas_dense", "vs_cublas_throughput"), ("cublas_batched", "vs_cublas_batched"),
+                           ("xla", "speedup_vs_xla"), ("pallas", "speedup_vs_pallas")):
             if other in ms:
                 out[f"{ours}_{key}"] = ms[other] / ms[ours]
     if "sm90" in ms and "sm90_det" in ms:
@@ -496,20 +543,20 @@ def plot(rows, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = ("sm90", "pallas", "xla", "cublas_dense")
+    shown = ("sm90", "pallas", "xla", "cublas_dense", "cublas_batched")
     fig, axes = plt.subplots(len(rows), 1, figsize=(10, 3.2 * len(rows)), squeeze=False)
-    width = 0.2
+    width = 0.16
     for ax, row in zip(axes[:, 0], rows):
         gemms = list(row["gemms"])
         for index, variant in enumerate(shown):
-            x = np.arange(len(gemms)) + (index - 1.5) * width
+            x = np.arange(len(gemms)) + (index - 2) * width
             values = [row["gemms"][g]["variants"].get(variant, {}).get("tflops", 0.0) for g in gemms]
             ax.bar(x, values, width, label=variant)
             for xi, value in zip(x, values):
                 if value == 0.0:
                     ax.text(xi, 0, "x", ha="center", va="bottom", fontsize=7)
         s = row["shape"]
-        ax.set_title(f"m={s['m']} d={s['d']} f={s['f']} E={s['E']}", fontsize=9)
+        ax.set_title(f"m={s['m']} d={s['d']} f={s['f']} E={s['E']}, {row.get('grouping', 'dirichlet')} groups", fontsize=9)
         ax.set_xticks(np.arange(len(gemms)))
         ax.set_xticklabels(gemms)
         ax.set_ylabel("TFLOP/s")
@@ -529,7 +576,8 @@ def arguments(argv=None):
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit", default=None)
-    parser.add_argument("--shapes", type=parse_shapes, default=None, help="m,d,f,E;... (default: the three layer shapes)")
+    parser.add_argument("--shapes", type=parse_shapes, default=None, help="m,d,f,E;... (default: SHAPES)")
+    parser.add_argument("--groups", default="dirichlet", help=f"comma-separated subset of {','.join(GROUPINGS)}")
     parser.add_argument("--gemms", default=",".join(GEMMS), help=f"comma-separated subset of {','.join(GEMMS)}")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--contract-out-dtype", choices=["bfloat16", "float32"], default="bfloat16",
@@ -542,7 +590,9 @@ def arguments(argv=None):
     options = parser.parse_args(argv)
     options.gemms = options.gemms.split(",")
     options.variants = options.variants.split(",")
-    for name, chosen, allowed in (("--gemms", options.gemms, GEMMS), ("--variants", options.variants, VARIANTS)):
+    options.groups = options.groups.split(",")
+    for name, chosen, allowed in (("--gemms", options.gemms, GEMMS), ("--variants", options.variants, VARIANTS),
+                                  ("--groups", options.groups, GROUPINGS)):
         unknown = sorted(set(chosen) - set(allowed))
         if unknown:
             parser.error(f"{name}: unknown {unknown}; expected a subset of {list(allowed)}")
@@ -572,28 +622,31 @@ def main(argv=None):
         shapes=rows,
     )
     for shape in options.shapes:
-        m, d, f, num_experts = shape
-        operands = make_operands(m, d, f, num_experts, options.seed)
-        row = dict(shape=dict(m=m, d=d, f=f, E=num_experts),
-                   group_sizes=np.asarray(operands["group_sizes"]).tolist(), gemms={})
-        rows.append(row)
-        for gemm in options.gemms:
-            try:
-                row["gemms"][gemm] = bench_gemm(gemm, shape, operands, options.reps, clock, out_dtype, options.variants)
-            except Exception as error:  # the reference itself failed (out of memory, say)
-                row["gemms"][gemm] = dict(run_record.error_entry(error, "reference"), variants={}, ratios={})
-            # Written after every GEMM: a run cut short by its time limit keeps what it measured.
-            result["seconds"] = time.time() - started
-            path = run_record.write_json(result, options.out, "bench_gemms.json")
-        del operands
-        plot(rows, path.replace(".json", ".png"), f"grouped GEMMs, bf16, {result['device']} ({clock})")
+        for grouping in options.groups:
+            m, d, f, num_experts = shape
+            operands = make_operands(m, d, f, num_experts, options.seed, grouping)
+            row = dict(shape=dict(m=m, d=d, f=f, E=num_experts), grouping=grouping,
+                       group_sizes=np.asarray(operands["group_sizes"]).tolist(), gemms={})
+            rows.append(row)
+            for gemm in options.gemms:
+                try:
+                    row["gemms"][gemm] = bench_gemm(
+                        gemm, shape, operands, options.reps, clock, out_dtype, options.variants
+                    )
+                except Exception as error:  # the reference itself failed (out of memory, say)
+                    row["gemms"][gemm] = dict(run_record.error_entry(error, "reference"), variants={}, ratios={})
+                # Written after every GEMM: a run cut short by its time limit keeps what it measured.
+                result["seconds"] = time.time() - started
+                path = run_record.write_json(result, options.out, "bench_gemms.json")
+            del operands
+            plot(rows, path.replace(".json", ".png"), f"grouped GEMMs, bf16, {result['device']} ({clock})")
     summarize(rows)
 
 
 def summarize(rows):
     for row in rows:
         s = row["shape"]
-        print(f"m={s['m']} d={s['d']} f={s['f']} E={s['E']}   ms (TFLOP/s)")
+        print(f"m={s['m']} d={s['d']} f={s['f']} E={s['E']} {row.get('grouping', 'dirichlet')}   ms (TFLOP/s)")
         for gemm, entry in row["gemms"].items():
             cells = []
             for variant, result in entry["variants"].items():

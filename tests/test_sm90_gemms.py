@@ -192,7 +192,7 @@ def prebuild_requests():
             built += [matmul_request(shape, variant, dtype) for variant in MATMUL_VARIANTS]
             built += [contract_request(shape, F32, dtype), contract_request(shape, dtype, dtype)]
     return [(request, True) for request in sorted(set(built), key=repr)] + [
-        (contract_request(GROUPINGS["tile_n_256"][0], F32), False)
+        (contract_request(GROUPINGS[name][0], F32), False) for name in ("tile_n_256", "many_experts")
     ]
 
 
@@ -363,8 +363,9 @@ def test_ragged_contraction_matches_float64(hopper, name, dtype, out_dtype):
 
 
 @pytest.mark.gpu
-def test_ragged_contraction_is_bitwise_reproducible(hopper):
-    (num_experts, a, b), m, sizes = grouping("tile_n_256")
+@pytest.mark.parametrize("name", ["tile_n_256", "many_experts"])
+def test_ragged_contraction_is_bitwise_reproducible(hopper, name):
+    (num_experts, a, b), m, sizes = grouping(name)
     rng = np.random.default_rng(9)
     lhs = jnp.asarray(rng.standard_normal((m, a)), jnp.bfloat16)
     rhs = jnp.asarray(rng.standard_normal((m, b)), jnp.bfloat16)
