@@ -156,7 +156,7 @@ if [[ $stages == *,sweep,* ]]; then
 fi
 
 if [[ $stages == *,sweep_contract,* ]]; then
-  timeout 150 python3 benchmarks/sweep_configs.py --kernel contract --out "$OUT" 2>&1 | tee -a "$log"
+  timeout 150 python3 benchmarks/sweep_configs.py --kernel contract --commit "$commit" --out "$OUT" 2>&1 | tee -a "$log"
   echo "sweep_contract exit $?" | tee -a "$log"
 fi
 

@@ -121,6 +121,7 @@ def main():
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--kernel", choices=["dsrelu", "contract"], default="dsrelu")
+    parser.add_argument("--commit", default=None)
     parser.add_argument("--prebuild", action="store_true", help="compile the contraction candidates here, then stop")
     options = parser.parse_args()
     if options.kernel == "contract":
@@ -130,7 +131,8 @@ def main():
         rows = sweep_contract(options.reps, lowering.sm_count())
         os.makedirs(options.out, exist_ok=True)
         with open(os.path.join(options.out, "sweep_contract.json"), "w") as file:
-            json.dump(dict(run_record.header(None, "CUPTI kernel time, median of reps"), rows=rows), file, indent=1)
+            json.dump(dict(run_record.header(options.commit, "CUPTI kernel time, median of reps"), rows=rows),
+                      file, indent=1)
         return
     rows = []
     for m, k, n, num_experts in SHAPES:
