@@ -7,7 +7,8 @@ inputs as bench_dsrelu.py. Writes sweep_configs.json to --out.
 --kernel contract: the ragged contraction (dW1 = x^T dh and dW2 = act^T dy, bf16 out) at
 the fine-grained layer shapes of bench_gemms.py with Dirichlet group sizes, the
 measurements behind `choose_contract_config`: N tiles of 128, 192 and 256 (b = 1856 and
-2688 are no multiple of 256), operand stages against store buffers, 32-row k-tiles.
+2688 are no multiple of 256), 32- and 64-row k-tiles, a whole tile of store buffers
+against a ring of 3 (more operand stages).
 Writes sweep_contract.json to --out.
 
 Both: CUPTI time of the custom call's kernels, median of --reps calls.
@@ -58,12 +59,12 @@ def contract_candidates(sm_count, b):
     common = dict(epi_n=32, max_ctas=sm_count)
     configs = {
         "chosen": chosen,
-        "128x256 ab4 st3": sm90_config.ContractConfig(tile_n=256, tile_k=64, ab_stages=4, store_stages=3, **common),
-        "128x256 ab3 st8": sm90_config.ContractConfig(tile_n=256, tile_k=64, ab_stages=3, store_stages=8, **common),
-        "128x192 ab4 st6": sm90_config.ContractConfig(tile_n=192, tile_k=64, ab_stages=4, store_stages=6, **common),
-        "128x128 ab5 st4": sm90_config.ContractConfig(tile_n=128, tile_k=64, ab_stages=5, store_stages=4, **common),
-        "128x192 k32 ab8 st6": sm90_config.ContractConfig(tile_n=192, tile_k=32, ab_stages=8, store_stages=6, **common),
-        "128x192 ab4 st2": sm90_config.ContractConfig(tile_n=192, tile_k=64, ab_stages=4, store_stages=2, **common),
+        "128x192 k32 ab8 whole": sm90_config.ContractConfig(tile_n=192, tile_k=32, ab_stages=8, store_stages=6, **common),
+        "128x192 k64 ab4 whole": sm90_config.ContractConfig(tile_n=192, tile_k=64, ab_stages=4, store_stages=6, **common),
+        "128x192 k32 ab8 ring3": sm90_config.ContractConfig(tile_n=192, tile_k=32, ab_stages=8, store_stages=3, **common),
+        "128x256 k32 ab6 whole": sm90_config.ContractConfig(tile_n=256, tile_k=32, ab_stages=6, store_stages=8, **common),
+        "128x256 k64 ab4 ring3": sm90_config.ContractConfig(tile_n=256, tile_k=64, ab_stages=4, store_stages=3, **common),
+        "128x128 k32 ab8 whole": sm90_config.ContractConfig(tile_n=128, tile_k=32, ab_stages=8, store_stages=4, **common),
     }
     # An alternative equal to the chosen config would only be timed twice.
     return {name: config for name, config in configs.items()

@@ -212,6 +212,11 @@ class ContractConfig:
     def __post_init__(self) -> None:
         _check_tile(self, ("store_stages", "max_ctas"))
         _check_subtiles(self)
+        if self.store_stages > self.subtiles:
+            raise ValueError(
+                f"store_stages must be at most the tile's {self.subtiles} subtiles (a buffer per "
+                f"subtile stores the whole tile at once), got {self.store_stages}"
+            )
 
     @property
     def subtiles(self) -> int:
@@ -292,30 +297,49 @@ def contract_tile_n(b: int) -> int:
     return min((256, 192, 128), key=lambda tile: -(-b // tile) * tile)
 
 
-def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAULT_SM_COUNT) -> ContractConfig:
-    """128 x contract_tile_n(b) output tiles, 64 expert rows per stage; then up to 4
-    operand stages with 2 store buffers, then as many store buffers as still fit, up to a
-    whole tile's subtiles (a tile's subtiles then never wait for each other's stores).
+# Fewest expert rows in flight in the contraction's operand ring when the whole output tile
+# is staged in shared memory; with fewer, the ring of store buffers leaves room for more.
+_CONTRACT_MIN_ROWS_IN_FLIGHT = 192
+_CONTRACT_MAX_STAGES = 8
 
-    The rows per expert (m / E) do not change the choice: persistent CTAs keep the
-    operand pipeline running across work items, so a short expert (a few k-tiles) costs
-    no pipeline fill; and the tile count per expert does not depend on m.
+
+def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAULT_SM_COUNT) -> ContractConfig:
+    """128 x contract_tile_n(b) output tiles, 32 expert rows per stage; a shared buffer for
+    every subtile of a tile (stored at once, two barriers per tile) if that leaves at
+    least 192 rows of operands in flight, else a ring of store buffers; then as many
+    operand stages as fit, up to 8.
+
+    32-row stages rather than 64: with ragged experts every expert's last k-tile is
+    partly empty, about half a k-tile per expert, 8% of the work at 384 rows per expert
+    with 64-row k-tiles; and the operand ring gets twice the stages for the same bytes.
+    On an H200 at the Nano shapes, 32-row stages beat 64-row ones by 1-2% at the same
+    tile (benchmarks/results/fine_grained/sweep_contract_*.json). The rows per expert
+    (m / E) do not change the choice otherwise: persistent CTAs keep the operand
+    pipeline running across work items, so short experts pay no pipeline fill.
     """
     reason = cannot_implement_contract(request)
     if reason is not None:
         raise ValueError(reason)
     out_bytes = np.dtype(request.out_dtype).itemsize
-    base = dict(tile_n=contract_tile_n(request.b), tile_k=64, epi_n=32, max_ctas=sm_count)
-
-    def fits(ab_stages, store_stages):
-        config = ContractConfig(ab_stages=ab_stages, store_stages=store_stages, **base)
-        return config.smem_bytes(request.num_experts, out_bytes) <= SMEM_CAPACITY
-
-    ab_stages = 2
-    while ab_stages < 4 and fits(ab_stages + 1, 2):
-        ab_stages += 1
-    store_stages = 2
+    tile_k = 32
+    base = dict(tile_n=contract_tile_n(request.b), tile_k=tile_k, epi_n=32, max_ctas=sm_count)
     subtiles = base["tile_n"] // base["epi_n"]
-    while store_stages < subtiles and fits(ab_stages, store_stages + 1):
+
+    def most_stages(store_stages):
+        stages = 1
+        while stages < _CONTRACT_MAX_STAGES and ContractConfig(
+            ab_stages=stages + 1, store_stages=store_stages, **base
+        ).smem_bytes(request.num_experts, out_bytes) <= SMEM_CAPACITY:
+            stages += 1
+        return stages
+
+    whole_tile_stages = most_stages(subtiles)
+    if whole_tile_stages * tile_k >= _CONTRACT_MIN_ROWS_IN_FLIGHT:
+        return ContractConfig(ab_stages=whole_tile_stages, store_stages=subtiles, **base)
+    store_stages = 2
+    ab_stages = most_stages(store_stages)
+    while store_stages < subtiles and ContractConfig(
+        ab_stages=ab_stages, store_stages=store_stages + 1, **base
+    ).smem_bytes(request.num_experts, out_bytes) <= SMEM_CAPACITY:
         store_stages += 1
     return ContractConfig(ab_stages=ab_stages, store_stages=store_stages, **base)

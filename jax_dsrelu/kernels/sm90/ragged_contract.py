@@ -29,10 +29,12 @@ Features:
       expert is ever read into one. An expert with no rows runs no mainloop and stores
       zeros.
     - Epilogue (`epilogue_store`): each (128 x epi_n) subtile is rounded once, written to
-      a ring of shared-memory buffers and stored by TMA, which clips the box at a and b:
-      widths that are not a tile multiple need no predication. The store is
-      asynchronous: with a ring as deep as a tile's subtiles, a tile's stores never wait
-      for each other, and the next tile's wgmma starts while they drain.
+      shared memory and stored by TMA, which clips the box at a and b: widths that are
+      not a tile multiple need no predication. The store is asynchronous: where shared
+      memory holds a whole tile (store_stages >= subtiles), the tile is staged at once
+      and its stores go out as one bulk group that drains under the next tile's wgmma
+      (`store_tile`: two barriers per tile); else through a ring of store_stages
+      subtile buffers (`store_subtile`).
 
 Constraints:
     - lhs and rhs bfloat16 or float16 (same type); out float32, bfloat16 or float16
@@ -75,6 +77,8 @@ class RaggedContractSm90:
         self.subtiles = config.subtiles
         self.a_tiles = (a + config.tile_m - 1) // config.tile_m
         self.b_tiles = (b + config.tile_n - 1) // config.tile_n
+        # A shared buffer for every subtile: the whole tile is stored at once.
+        self.whole_tile = config.store_stages >= config.subtiles
         self.consumer_threads = 32 * self.consumer_warps
 
     @cute.jit
@@ -257,8 +261,9 @@ class RaggedContractSm90:
         tRS_rDout = cute.make_rmem_tensor(sub_shape, self.out_dtype)
         sub_values = cute.size(tRS_rD)
 
+        # With a buffer per subtile, a tile's stores are one bulk group (one stage).
         store_pipeline = pipeline.PipelineTmaStore.create(
-            num_stages=self.config.store_stages,
+            num_stages=1 if cutlass.const_expr(self.whole_tile) else self.config.store_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
         )
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.ab_stages)
@@ -272,15 +277,21 @@ class RaggedContractSm90:
             )
             # (tile_m, epi_n, b / epi_n) of out[expert]'s a-block; TMA clips at a and b.
             gOut = cute.local_tile(mOut[None, None, expert], (self.tile_m, self.epi_n), (a_tile, None))
-            outputs = [(tRS_rD, tRS_rDout, tRS_sD, tma_d, gOut, sD)]
-            for subtile in cutlass.range_constexpr(self.subtiles):
-                for v in cutlass.range_constexpr(sub_values):
-                    tRS_rD[v] = tRS_rAcc[subtile * sub_values + v]
-                epilogue_store.store_subtile(
-                    tiled_r2s, outputs, store_pipeline, store_count, b_tile * self.subtiles + subtile, ctid,
-                    self.config.store_stages, self.consumer_threads,
+            if cutlass.const_expr(self.whole_tile):
+                epilogue_store.store_tile(
+                    tiled_r2s, tRS_rAcc, tRS_rD, tRS_rDout, tRS_sD, tma_d, gOut, sD, store_pipeline,
+                    b_tile * self.subtiles, ctid, self.subtiles, self.consumer_threads,
                 )
-                store_count = store_count + 1
+            else:
+                outputs = [(tRS_rD, tRS_rDout, tRS_sD, tma_d, gOut, sD)]
+                for subtile in cutlass.range_constexpr(self.subtiles):
+                    for v in cutlass.range_constexpr(sub_values):
+                        tRS_rD[v] = tRS_rAcc[subtile * sub_values + v]
+                    epilogue_store.store_subtile(
+                        tiled_r2s, outputs, store_pipeline, store_count, b_tile * self.subtiles + subtile, ctid,
+                        self.config.store_stages, self.consumer_threads,
+                    )
+                    store_count = store_count + 1
             work_schedule.advance()
         if ctid == 0:
             store_pipeline.producer_tail()
