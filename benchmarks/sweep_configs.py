@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import run_record
 import numpy as np
 from bench_dsrelu import SHAPES, cupti_ms, make_inputs
-from bench_gemms import group_sizes_for
+from bench_gemms import group_sizes_for, parse_shapes
 
 from jax_dsrelu import request as request_facts
 from jax_dsrelu.ffi import sm90 as lowering
@@ -77,16 +77,16 @@ def contract_request(num_experts, a, b):
     )
 
 
-def contract_cases():
-    """(shape, gemm, request, lhs name, rhs name) of every timed contraction."""
-    for m, d, f, num_experts in CONTRACT_SHAPES:
+def contract_cases(shapes=CONTRACT_SHAPES):
+    """(shape, gemm, request) of every timed contraction."""
+    for m, d, f, num_experts in shapes:
         for gemm, (a, b) in (("dw1", (d, f)), ("dw2", (f, d))):
             yield (m, d, f, num_experts), gemm, contract_request(num_experts, a, b)
 
 
-def sweep_contract(reps, sm_count):
+def sweep_contract(reps, sm_count, shapes):
     rows = []
-    for shape, gemm, request in contract_cases():
+    for shape, gemm, request in contract_cases(shapes):
         m = shape[0]
         keys = jax.random.split(jax.random.key(0), 2)
         lhs = jax.random.normal(keys[0], (m, request.a), jnp.bfloat16)
@@ -123,13 +123,14 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--kernel", choices=["dsrelu", "contract"], default="dsrelu")
     parser.add_argument("--commit", default=None)
+    parser.add_argument("--shapes", type=parse_shapes, default=CONTRACT_SHAPES, help="m,d,f,E;... (contract only)")
     parser.add_argument("--prebuild", action="store_true", help="compile the contraction candidates here, then stop")
     options = parser.parse_args()
     if options.kernel == "contract":
         if options.prebuild:
             prebuild_contract(sm90_config.DEFAULT_SM_COUNT)
             return
-        rows = sweep_contract(options.reps, lowering.sm_count())
+        rows = sweep_contract(options.reps, lowering.sm_count(), options.shapes)
         os.makedirs(options.out, exist_ok=True)
         with open(os.path.join(options.out, "sweep_contract.json"), "w") as file:
             json.dump(dict(run_record.header(options.commit, "CUPTI kernel time, median of reps"), rows=rows),
