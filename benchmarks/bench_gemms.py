@@ -38,10 +38,8 @@ writes bench_gemms.json and bench_gemms.png.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import time
 from typing import Callable
 
 import jax
@@ -50,23 +48,15 @@ import numpy as np
 from jax import lax
 
 import cuda_lowering
+import harness
 import run_record
 import timing
-from bench_dsrelu import PALLAS_CONFIGS, dirichlet_sizes, fused, pallas_then_xla
+from bench_dsrelu import PALLAS_CONFIGS, fused, pallas_then_xla
+from harness import SHAPES, group_sizes_for
 import jax_dsrelu
 from jax_dsrelu import backend_choice, groups
 from jax_dsrelu.request import RaggedContractRequest, RaggedMatmulRequest
 
-# (m, d, f, E): few large experts, then fine-grained MoE (Nemotron-3 Nano's 128 experts of
-# width 1856 over d = 2688 first, then 128 and 256 experts of a few hundred rows each).
-FEW_EXPERT_SHAPES = [(16384, 4096, 2048, 8), (32768, 7168, 2048, 8), (65536, 2048, 1024, 32)]
-FINE_GRAINED_SHAPES = [
-    (49152, 2688, 1856, 128), (65536, 2048, 768, 128), (65536, 2048, 512, 128),
-    (32768, 7168, 2048, 32), (65536, 2048, 768, 256),
-]
-SHAPES = FEW_EXPERT_SHAPES + FINE_GRAINED_SHAPES
-GROUPINGS = ("dirichlet", "equal")
-CPU_SHAPES = [(512, 128, 256, 4)]
 GEMMS = ("up", "down", "dsrelu", "dx", "dw1", "dw2")
 VARIANTS = ("sm90", "sm90_det", "xla", "pallas", "cublas_dense", "cublas_batched")
 # The two fastest of bench_dsrelu.py's block configurations at these shapes (the third,
@@ -109,15 +99,6 @@ def operand_shapes(m, d, f, num_experts) -> dict[str, jax.ShapeDtypeStruct]:
         b1=s((num_experts, f), jnp.float32), prob=s((m,), jnp.float32),
         group_sizes=s((num_experts,), jnp.int32),
     )
-
-
-def group_sizes_for(grouping, m, num_experts, seed) -> np.ndarray:
-    """(E,) int32 rows per expert summing to m: Dirichlet-drawn or equal (m % E == 0)."""
-    if grouping == "dirichlet":
-        return dirichlet_sizes(np.random.default_rng(seed), m, num_experts)
-    if grouping != "equal" or m % num_experts:
-        raise ValueError(f"grouping must be 'dirichlet', or 'equal' with m % E == 0; got {grouping!r}, m={m}, E={num_experts}")
-    return np.full(num_experts, m // num_experts, np.int32)
 
 
 def make_operands(m, d, f, num_experts, seed, grouping="dirichlet") -> dict[str, jax.Array]:
@@ -566,39 +547,12 @@ def plot(rows, path, title):
     fig.savefig(path, dpi=110)
 
 
-def parse_shapes(text):
-    return [tuple(int(v) for v in s.split(",")) for s in text.split(";")]
-
-
 def arguments(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--shapes", type=parse_shapes, default=None, help="m,d,f,E;... (default: SHAPES)")
-    parser.add_argument("--groups", default="dirichlet", help=f"comma-separated subset of {','.join(GROUPINGS)}")
+    parser = harness.parser(__doc__.split("\n\n")[0], reps=20, variants=VARIANTS)
     parser.add_argument("--gemms", default=",".join(GEMMS), help=f"comma-separated subset of {','.join(GEMMS)}")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--contract-out-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="dtype of dW1 and dW2 (the ragged contraction's output)")
-    parser.add_argument("--prebuild", action="store_true",
-                        help="lower the selected sm90 (and xla) variants for cuda here (no GPU) to fill "
-                             "JAX_DSRELU_KERNEL_CACHE, then stop")
-    parser.add_argument("--cpu", action="store_true",
-                        help="plumbing test on the CPU at tiny shapes, timed by wall clock (not a measurement)")
-    options = parser.parse_args(argv)
-    options.gemms = options.gemms.split(",")
-    options.variants = options.variants.split(",")
-    options.groups = options.groups.split(",")
-    for name, chosen, allowed in (("--gemms", options.gemms, GEMMS), ("--variants", options.variants, VARIANTS),
-                                  ("--groups", options.groups, GROUPINGS)):
-        unknown = sorted(set(chosen) - set(allowed))
-        if unknown:
-            parser.error(f"{name}: unknown {unknown}; expected a subset of {list(allowed)}")
-    if options.shapes is None:
-        options.shapes = CPU_SHAPES if options.cpu else SHAPES
-    return options
+    return harness.parse(parser, argv, dict(gemms=GEMMS, variants=VARIANTS))
 
 
 def main(argv=None):
@@ -607,40 +561,21 @@ def main(argv=None):
     if options.prebuild:
         prebuild(options.shapes, options.gemms, options.variants, out_dtype)
         return
-    clock = timing.default_clock()
-    if clock != timing.CUPTI and not options.cpu:
-        raise SystemExit(f"no GPU here (JAX platform {jax.default_backend()!r}): pass --cpu for a plumbing test")
-    started = time.time()
-    rows = []
-    result = dict(
-        run_record.header(options.commit, timing.DESCRIPTIONS[clock]),
-        benchmark="grouped GEMMs of an MoE layer step, bf16",
-        clock=clock,
-        contract_out_dtype=out_dtype.name,
-        flops="2 m d f per GEMM",
-        seconds=0.0,
-        shapes=rows,
-    )
-    for shape in options.shapes:
-        for grouping in options.groups:
-            m, d, f, num_experts = shape
-            operands = make_operands(m, d, f, num_experts, options.seed, grouping)
-            row = dict(shape=dict(m=m, d=d, f=f, E=num_experts), grouping=grouping,
-                       group_sizes=np.asarray(operands["group_sizes"]).tolist(), gemms={})
-            rows.append(row)
-            for gemm in options.gemms:
-                try:
-                    row["gemms"][gemm] = bench_gemm(
-                        gemm, shape, operands, options.reps, clock, out_dtype, options.variants
-                    )
-                except Exception as error:  # the reference itself failed (out of memory, say)
-                    row["gemms"][gemm] = dict(run_record.error_entry(error, "reference"), variants={}, ratios={})
-                # Written after every GEMM: a run cut short by its time limit keeps what it measured.
-                result["seconds"] = time.time() - started
-                path = run_record.write_json(result, options.out, "bench_gemms.json")
-            del operands
-            plot(rows, path.replace(".json", ".png"), f"grouped GEMMs, bf16, {result['device']} ({clock})")
-    summarize(rows)
+
+    def measure_row(shape, grouping, row, clock, save):
+        m, d, f, num_experts = shape
+        operands = make_operands(m, d, f, num_experts, options.seed, grouping)
+        row.update(group_sizes=np.asarray(operands["group_sizes"]).tolist(), gemms={})
+        for gemm in options.gemms:
+            try:
+                row["gemms"][gemm] = bench_gemm(gemm, shape, operands, options.reps, clock, out_dtype, options.variants)
+            except Exception as error:  # the reference itself failed (out of memory, say)
+                row["gemms"][gemm] = dict(run_record.error_entry(error, "reference"), variants={}, ratios={})
+            save()
+
+    harness.run(options, "bench_gemms.json", "grouped GEMMs, bf16", measure_row, plot, summarize,
+                benchmark="grouped GEMMs of an MoE layer step, bf16", contract_out_dtype=out_dtype.name,
+                flops="2 m d f per GEMM")
 
 
 def summarize(rows):

@@ -34,23 +34,21 @@ writes bench_layer.json and bench_layer.png.
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 import cuda_lowering
+import harness
 import run_record
 import timing
-from bench_gemms import GROUPINGS, SHAPES, activation, group_sizes_for, parse_shapes
+from bench_gemms import activation
+from harness import SHAPES, group_sizes_for
 
 import jax_dsrelu
 from jax_dsrelu import groups
 
-CPU_SHAPES = [(512, 128, 256, 4)]
 VARIANTS = ("xla", "sm90", "sm90_det", "pallas", "dense_xla", "batched_xla")
 MODES = ("step", "forward")
 FLOPS_PER_MDF = {"step": 12.0, "forward": 4.0}
@@ -295,10 +293,10 @@ def run_variant(variant, mode, operands, reference, reps, clock, flops) -> tuple
     return entry, None
 
 
-def bench_shape(shape, grouping, operands, variants, modes, reps, clock) -> dict:
+def bench_shape(shape, row, operands, variants, modes, reps, clock, save) -> None:
+    """Fills `row` with every mode's variants at this shape, saving after each mode."""
     m, d, f, num_experts = shape
-    row = dict(shape=dict(m=m, d=d, f=f, E=num_experts), grouping=grouping,
-               group_sizes=np.asarray(operands["group_sizes"]).tolist(), modes={})
+    row.update(group_sizes=np.asarray(operands["group_sizes"]).tolist(), modes={})
     for mode in modes:
         flops = FLOPS_PER_MDF[mode] * m * d * f
         results: dict[str, dict] = {}
@@ -314,7 +312,7 @@ def bench_shape(shape, grouping, operands, variants, modes, reps, clock) -> dict
             results[variant] = entry
         del reference
         row["modes"][mode] = dict(flops=flops, variants=results, ratios=ratios(results))
-    return row
+        save()
 
 
 def ratios(results) -> dict:
@@ -406,32 +404,9 @@ def summarize(rows):
 
 
 def arguments(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--shapes", type=parse_shapes, default=None, help="m,d,f,E;... (default: bench_gemms.SHAPES)")
-    parser.add_argument("--groups", default="dirichlet", help=f"comma-separated subset of {','.join(GROUPINGS)}")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser = harness.parser(__doc__.split("\n\n")[0], reps=10, variants=VARIANTS)
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    parser.add_argument("--prebuild", action="store_true",
-                        help="lower the selected moe_mlp variants for cuda here (no GPU) to fill "
-                             "JAX_DSRELU_KERNEL_CACHE, then stop")
-    parser.add_argument("--cpu", action="store_true",
-                        help="plumbing test on the CPU at tiny shapes, timed by wall clock (not a measurement)")
-    options = parser.parse_args(argv)
-    options.variants = options.variants.split(",")
-    options.modes = options.modes.split(",")
-    options.groups = options.groups.split(",")
-    for name, chosen, allowed in (("--variants", options.variants, VARIANTS), ("--modes", options.modes, MODES),
-                                  ("--groups", options.groups, GROUPINGS)):
-        unknown = sorted(set(chosen) - set(allowed))
-        if unknown:
-            parser.error(f"{name}: unknown {unknown}; expected a subset of {list(allowed)}")
-    if options.shapes is None:
-        options.shapes = CPU_SHAPES if options.cpu else SHAPES
-    return options
+    return harness.parse(parser, argv, dict(variants=VARIANTS, modes=MODES))
 
 
 def main(argv=None):
@@ -439,31 +414,18 @@ def main(argv=None):
     if options.prebuild:
         prebuild(options.shapes, options.variants, options.modes)
         return
-    clock = timing.default_clock()
-    if clock != timing.CUPTI and not options.cpu:
-        raise SystemExit(f"no GPU here (JAX platform {jax.default_backend()!r}): pass --cpu for a plumbing test")
-    started = time.time()
-    rows = []
-    result = dict(
-        run_record.header(options.commit, timing.DESCRIPTIONS[clock]),
+
+    def measure_row(shape, grouping, row, clock, save):
+        operands = make_operands(*shape, options.seed, grouping)
+        bench_shape(shape, row, operands, options.variants, options.modes, options.reps, clock, save)
+
+    harness.run(
+        options, "bench_layer.json", "moe_mlp layer, bf16", measure_row, plot, summarize,
         benchmark="moe_mlp layer: value_and_grad step and forward, bf16, with b1",
-        clock=clock,
         flops="12 m d f per step, 4 m d f per forward",
         memory="XLA memory analysis of the compiled computation: arguments + outputs + temporaries - aliased",
         pallas_in_xla="b1, activation, dsReLU epilogue (dh, dprob), db1 as a one-hot dense dot",
-        seconds=0.0,
-        shapes=rows,
     )
-    for shape in options.shapes:
-        for grouping in options.groups:
-            operands = make_operands(*shape, options.seed, grouping)
-            rows.append(bench_shape(shape, grouping, operands, options.variants, options.modes, options.reps, clock))
-            del operands
-            # Written after every shape: a run cut short by its time limit keeps what it measured.
-            result["seconds"] = time.time() - started
-            path = run_record.write_json(result, options.out, "bench_layer.json")
-            plot(rows, path.replace(".json", ".png"), f"moe_mlp layer, bf16, {result['device']} ({clock})")
-    summarize(rows)
 
 
 if __name__ == "__main__":

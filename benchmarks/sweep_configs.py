@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import run_record
 import numpy as np
 from bench_dsrelu import SHAPES, cupti_ms, make_inputs
-from bench_gemms import group_sizes_for, parse_shapes
+from harness import group_sizes_for, parse_shapes
 
 from jax_dsrelu import request as request_facts
 from jax_dsrelu.ffi import sm90 as lowering
