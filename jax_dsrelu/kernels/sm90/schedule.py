@@ -1,4 +1,5 @@
-"""The ragged tile schedule of the Hopper ragged-M kernels, walked by every warp role.
+"""The tile schedules of the Hopper kernels, walked by every warp role: the ragged-M
+walk below (free functions), and `ContractSchedule`, the ragged contraction's walk.
 
 Work items, for a persistent CTA b of a grid of G: w = b, b + G, b + 2G, ...
 
@@ -13,8 +14,9 @@ M-tiles never mix experts: expert e's rows [row_start[e], row_start[e + 1]) are 
 ceil(size_e / tile_m) tiles, the last one partial. Every role (TMA producers, consumer
 warpgroups) asks `locate` for the same w in the same order, so producers and consumers
 cannot disagree about a tile; each keeps its own expert cursor, which only moves forward
-because w does. (Free functions over the shared-memory tables rather than an object: the
-DSL carries only its own values through a run-time loop.)
+because w does. (Free functions: an object passes through a run-time loop only as a DSL
+value, with `__extract_mlir_values__`, as `ContractSchedule` does; the ragged-M walk
+predates it.)
 """
 
 from __future__ import annotations
