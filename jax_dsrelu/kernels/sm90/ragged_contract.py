@@ -198,14 +198,13 @@ class RaggedContractSm90:
         if warp_idx < self.producer_warps:
             cute.arch.setmaxregister_decrease(self.producer_registers)
             if warp_idx == 0:
-                self.load_operands(tma_a, mA, tma_b, mB, sA, sB, ab_pipeline, self._schedule(row_start, expert_order, bidx, grid))
+                work_schedule = self._schedule(row_start, expert_order, bidx, grid)
+                self.load_operands(tma_a, mA, tma_b, mB, sA, sB, ab_pipeline, work_schedule)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             sD = storage.sD.get_tensor(d_layout.outer, swizzle=d_layout.inner)
-            self.consume(
-                tiled_mma, sA, sB, sD, ab_pipeline, tma_d, mOut, self._schedule(row_start, expert_order, bidx, grid),
-                tidx - 128,
-            )
+            work_schedule = self._schedule(row_start, expert_order, bidx, grid)
+            self.consume(tiled_mma, sA, sB, sD, ab_pipeline, tma_d, mOut, work_schedule, tidx - 128)
 
     def _schedule(self, row_start, expert_order, bidx, grid) -> schedule.ContractSchedule:
         """A role's own walk of the work items, from this CTA's first."""
@@ -236,8 +235,8 @@ class RaggedContractSm90:
 
     @cute.jit
     def consume(self, tiled_mma, sA, sB, sD, ab_pipeline, tma_d, mOut, work_schedule, ctid: Int32):
-        """Consumer warpgroups: per work item, the wgmma mainloop, then the tile's
-        subtiles into the store ring (the TMA stores drain under the next item's wgmma)."""
+        """Consumer warpgroups: per work item, the wgmma mainloop, then the tile's stores
+        (`store_tile` or `store_subtile`), which drain under the next item's wgmma."""
         # wgmma fragments are per warpgroup: slice the tiled MMA by warpgroup for A/B/C.
         thr_mma_wg = tiled_mma.get_slice(cute.make_layout(2, stride=128)(ctid // 128))
         tCrA = tiled_mma.make_fragment_A(thr_mma_wg.partition_A(sA))
@@ -246,7 +245,8 @@ class RaggedContractSm90:
         acc = cute.make_rmem_tensor(tCcAcc.shape, Float32)
 
         # stmatrix for 16-bit outputs, plain shared-memory stores for float32; both in the
-        # accumulator's thread layout, so a subtile is a contiguous run of `acc` values.
+        # accumulator's thread layout, so a subtile is a contiguous run of the retiled
+        # accumulator's values.
         tiled_copy_c = cute.make_tiled_copy_C_atom(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.out_dtype), tiled_mma
         )
