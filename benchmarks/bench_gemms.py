@@ -1,7 +1,8 @@
 """Times the six grouped GEMMs of an MoE layer step against their alternatives, on one GPU.
 
-At each layer shape (m, d, f, E), with ragged Dirichlet group sizes and one set of bf16
-inputs shared by every variant:
+At each layer shape (m, d, f, E) and grouping (--groups: "dirichlet", ragged sizes drawn
+from a flat Dirichlet; "equal", m / E rows each), with one set of bf16 inputs shared by
+every variant:
 
     up      h, act = srelu(x (m, d) @ W1[e] (E, d, f) + b1[e])   forward, epilogue fused
     down    y = act (m, f) @ W2[e] (E, f, d)                       forward
@@ -19,6 +20,9 @@ each GEMM 2 m d f FLOPs, timed as
                   dw2), best of a few block configurations; up and dsrelu with their
                   epilogue in XLA
     cublas_dense  one dense jnp.dot of the same FLOPs (same operand layouts, no groups)
+    cublas_batched  the same GEMM as E batches of m / E rows (lax.dot_general with a batch
+                  dimension, same operand layouts): the ceiling of equal groups, which a
+                  ragged kernel cannot beat by much at any grouping
 
 Every input is larger than the 50 MB L2. Each variant's output is checked against XLA's
 float32 result before its time is recorded (tolerances from the arithmetic: `check_matmul`);
@@ -34,10 +38,8 @@ writes bench_gemms.json and bench_gemms.png.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import time
 from typing import Callable
 
 import jax
@@ -46,18 +48,18 @@ import numpy as np
 from jax import lax
 
 import cuda_lowering
+import harness
 import run_record
 import timing
-from bench_dsrelu import PALLAS_CONFIGS, dirichlet_sizes, fused, pallas_then_xla
+from bench_dsrelu import PALLAS_CONFIGS, fused, pallas_then_xla
+from harness import SHAPES, group_sizes_for
 import jax_dsrelu
 from jax_dsrelu import groups
 from jax_dsrelu.kernels import registry as backend_choice
 from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest
 
-SHAPES = [(16384, 4096, 2048, 8), (32768, 7168, 2048, 8), (65536, 2048, 1024, 32)]  # (m, d, f, E)
-CPU_SHAPES = [(512, 128, 256, 4)]
 GEMMS = ("up", "down", "dsrelu", "dx", "dw1", "dw2")
-VARIANTS = ("sm90", "sm90_det", "xla", "pallas", "cublas_dense")
+VARIANTS = ("sm90", "sm90_det", "xla", "pallas", "cublas_dense", "cublas_batched")
 # The two fastest of bench_dsrelu.py's block configurations at these shapes (the third,
 # 128x256, was 2x slower everywhere).
 RAGGED_PALLAS_CONFIGS = [PALLAS_CONFIGS[0], PALLAS_CONFIGS[2]]
@@ -100,7 +102,7 @@ def operand_shapes(m, d, f, num_experts) -> dict[str, jax.ShapeDtypeStruct]:
     )
 
 
-def make_operands(m, d, f, num_experts, seed) -> dict[str, jax.Array]:
+def make_operands(m, d, f, num_experts, seed, grouping="dirichlet") -> dict[str, jax.Array]:
     keys = iter(jax.random.split(jax.random.key(seed), 16))
     normal = lambda shape, scale=1.0: (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(BF16)  # noqa: E731
     h = normal((m, f))
@@ -110,7 +112,7 @@ def make_operands(m, d, f, num_experts, seed) -> dict[str, jax.Array]:
         act=(jnp.maximum(h.astype(jnp.float32), 0.0) ** 2 * prob[:, None]).astype(BF16),
         w1=normal((num_experts, d, f), 1 / np.sqrt(d)), w2=normal((num_experts, f, d), 1 / np.sqrt(f)),
         b1=0.1 * jax.random.normal(next(keys), (num_experts, f), jnp.float32), prob=prob,
-        group_sizes=jnp.asarray(dirichlet_sizes(np.random.default_rng(seed), m, num_experts)),
+        group_sizes=jnp.asarray(group_sizes_for(grouping, m, num_experts, seed)),
     )
     # The dense GEMM's weight is its own array, so no slice copy is timed with it.
     operands["w1_dense"] = jnp.array(operands["w1"][0])
@@ -182,6 +184,16 @@ class RaggedMatmul:
     def dense_names(self):
         return (self.lhs, self.dense_weight)
 
+    def batched(self, lhs, rhs):
+        """E batches of m / E rows of lhs, each times its rhs[e] as stored."""
+        batches = rhs.shape[0]
+        contract = 1 if self.rhs_layout == "kn" else 2
+        out = lax.dot_general(lhs.reshape(batches, -1, lhs.shape[1]), rhs, (((2,), (contract,)), ((0,), (0,))))
+        return out.reshape(lhs.shape[0], -1)
+
+    def batched_names(self):
+        return (self.lhs, self.rhs)
+
     def reference(self, operands) -> dict:
         """XLA's float32 result and |lhs| @ |rhs|, the scale of its summation error."""
         lhs, rhs, sizes = (operands[n] for n in (self.lhs, self.rhs, "group_sizes"))
@@ -247,6 +259,17 @@ class RaggedContract:
         return lax.dot_general(lhs, rhs, (((0,), (0,)), ((), ())))
 
     def dense_names(self):
+        return (self.lhs, self.rhs)
+
+    @staticmethod
+    def batched(lhs, rhs, batches):
+        """lhs_e^T rhs_e over E batches of m / E rows."""
+        return lax.dot_general(
+            lhs.reshape(batches, -1, lhs.shape[1]), rhs.reshape(batches, -1, rhs.shape[1]),
+            (((1,), (1,)), ((0,), (0,))),
+        )
+
+    def batched_names(self):
         return (self.lhs, self.rhs)
 
     def reference(self, operands) -> dict:
@@ -369,6 +392,8 @@ def gemm_variants(gemm: str, shapes, out_dtype) -> list[Variant]:
               for c in RAGGED_PALLAS_CONFIGS],
             Variant("cublas_dense", lambda: jax.jit(RaggedMatmul("dy", "w2", "nk", "w2_dense").dense),
                     ("dy", "w2_dense"), None),
+            Variant("cublas_batched", lambda: jax.jit(RaggedMatmul("dy", "w2", "nk", "w2_dense").batched),
+                    ("dy", "w2"), None),
         ]
     spec = MATMULS[gemm]
     names = spec.operand_names()
@@ -377,11 +402,14 @@ def gemm_variants(gemm: str, shapes, out_dtype) -> list[Variant]:
     ours = lambda: jax.jit(sm90_implementation(request))  # noqa: E731
     xla = spec.xla_with(out_dtype) if contraction else spec.xla
     configs = TRANSPOSED_PALLAS_CONFIGS if contraction else RAGGED_PALLAS_CONFIGS
+    num_experts = shapes["group_sizes"].shape[0]
+    batched = functools.partial(spec.batched, batches=num_experts) if contraction else spec.batched
     return [
         Variant("sm90", ours, names, "matmul"),
         Variant("xla", lambda: jax.jit(xla), names, None),
         *[Variant("pallas", lambda c=c: jax.jit(spec.pallas(c)), names, "matmul", c) for c in configs],
         Variant("cublas_dense", lambda: jax.jit(spec.dense), spec.dense_names(), None),
+        Variant("cublas_batched", lambda: jax.jit(batched), spec.batched_names(), None),
     ]
 
 
@@ -453,8 +481,8 @@ def ratios(results) -> dict:
     for ours in ("sm90", "sm90_det"):
         if ours not in ms:
             continue
-        for other, key in (("cublas_dense", "vs_cublas_throughput"), ("xla", "speedup_vs_xla"),
-                           ("pallas", "speedup_vs_pallas")):
+        for other, key in (("cublas_dense", "vs_cublas_throughput"), ("cublas_batched", "vs_cublas_batched"),
+                           ("xla", "speedup_vs_xla"), ("pallas", "speedup_vs_pallas")):
             if other in ms:
                 out[f"{ours}_{key}"] = ms[other] / ms[ours]
     if "sm90" in ms and "sm90_det" in ms:
@@ -497,20 +525,20 @@ def plot(rows, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = ("sm90", "pallas", "xla", "cublas_dense")
+    shown = ("sm90", "pallas", "xla", "cublas_dense", "cublas_batched")
     fig, axes = plt.subplots(len(rows), 1, figsize=(10, 3.2 * len(rows)), squeeze=False)
-    width = 0.2
+    width = 0.16
     for ax, row in zip(axes[:, 0], rows):
         gemms = list(row["gemms"])
         for index, variant in enumerate(shown):
-            x = np.arange(len(gemms)) + (index - 1.5) * width
+            x = np.arange(len(gemms)) + (index - 2) * width
             values = [row["gemms"][g]["variants"].get(variant, {}).get("tflops", 0.0) for g in gemms]
             ax.bar(x, values, width, label=variant)
             for xi, value in zip(x, values):
                 if value == 0.0:
                     ax.text(xi, 0, "x", ha="center", va="bottom", fontsize=7)
         s = row["shape"]
-        ax.set_title(f"m={s['m']} d={s['d']} f={s['f']} E={s['E']}", fontsize=9)
+        ax.set_title(f"m={s['m']} d={s['d']} f={s['f']} E={s['E']}, {row.get('grouping', 'dirichlet')} groups", fontsize=9)
         ax.set_xticks(np.arange(len(gemms)))
         ax.set_xticklabels(gemms)
         ax.set_ylabel("TFLOP/s")
@@ -520,36 +548,12 @@ def plot(rows, path, title):
     fig.savefig(path, dpi=110)
 
 
-def parse_shapes(text):
-    return [tuple(int(v) for v in s.split(",")) for s in text.split(";")]
-
-
 def arguments(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--shapes", type=parse_shapes, default=None, help="m,d,f,E;... (default: the three layer shapes)")
+    parser = harness.parser(__doc__.split("\n\n")[0], reps=20, variants=VARIANTS)
     parser.add_argument("--gemms", default=",".join(GEMMS), help=f"comma-separated subset of {','.join(GEMMS)}")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--contract-out-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="dtype of dW1 and dW2 (the ragged contraction's output)")
-    parser.add_argument("--prebuild", action="store_true",
-                        help="lower the selected sm90 (and xla) variants for cuda here (no GPU) to fill "
-                             "JAX_DSRELU_KERNEL_CACHE, then stop")
-    parser.add_argument("--cpu", action="store_true",
-                        help="plumbing test on the CPU at tiny shapes, timed by wall clock (not a measurement)")
-    options = parser.parse_args(argv)
-    options.gemms = options.gemms.split(",")
-    options.variants = options.variants.split(",")
-    for name, chosen, allowed in (("--gemms", options.gemms, GEMMS), ("--variants", options.variants, VARIANTS)):
-        unknown = sorted(set(chosen) - set(allowed))
-        if unknown:
-            parser.error(f"{name}: unknown {unknown}; expected a subset of {list(allowed)}")
-    if options.shapes is None:
-        options.shapes = CPU_SHAPES if options.cpu else SHAPES
-    return options
+    return harness.parse(parser, argv, dict(gemms=GEMMS, variants=VARIANTS))
 
 
 def main(argv=None):
@@ -558,43 +562,27 @@ def main(argv=None):
     if options.prebuild:
         prebuild(options.shapes, options.gemms, options.variants, out_dtype)
         return
-    clock = timing.default_clock()
-    if clock != timing.CUPTI and not options.cpu:
-        raise SystemExit(f"no GPU here (JAX platform {jax.default_backend()!r}): pass --cpu for a plumbing test")
-    started = time.time()
-    rows = []
-    result = dict(
-        run_record.header(options.commit, timing.DESCRIPTIONS[clock]),
-        benchmark="grouped GEMMs of an MoE layer step, bf16",
-        clock=clock,
-        contract_out_dtype=out_dtype.name,
-        flops="2 m d f per GEMM",
-        seconds=0.0,
-        shapes=rows,
-    )
-    for shape in options.shapes:
+
+    def measure_row(shape, grouping, row, clock, save):
         m, d, f, num_experts = shape
-        operands = make_operands(m, d, f, num_experts, options.seed)
-        row = dict(shape=dict(m=m, d=d, f=f, E=num_experts),
-                   group_sizes=np.asarray(operands["group_sizes"]).tolist(), gemms={})
-        rows.append(row)
+        operands = make_operands(m, d, f, num_experts, options.seed, grouping)
+        row.update(group_sizes=np.asarray(operands["group_sizes"]).tolist(), gemms={})
         for gemm in options.gemms:
             try:
                 row["gemms"][gemm] = bench_gemm(gemm, shape, operands, options.reps, clock, out_dtype, options.variants)
             except Exception as error:  # the reference itself failed (out of memory, say)
                 row["gemms"][gemm] = dict(run_record.error_entry(error, "reference"), variants={}, ratios={})
-            # Written after every GEMM: a run cut short by its time limit keeps what it measured.
-            result["seconds"] = time.time() - started
-            path = run_record.write_json(result, options.out, "bench_gemms.json")
-        del operands
-        plot(rows, path.replace(".json", ".png"), f"grouped GEMMs, bf16, {result['device']} ({clock})")
-    summarize(rows)
+            save()
+
+    harness.run(options, "bench_gemms.json", "grouped GEMMs, bf16", measure_row, plot, summarize,
+                benchmark="grouped GEMMs of an MoE layer step, bf16", contract_out_dtype=out_dtype.name,
+                flops="2 m d f per GEMM")
 
 
 def summarize(rows):
     for row in rows:
         s = row["shape"]
-        print(f"m={s['m']} d={s['d']} f={s['f']} E={s['E']}   ms (TFLOP/s)")
+        print(f"m={s['m']} d={s['d']} f={s['f']} E={s['E']} {row.get('grouping', 'dirichlet')}   ms (TFLOP/s)")
         for gemm, entry in row["gemms"].items():
             cells = []
             for variant, result in entry["variants"].items():

@@ -1,7 +1,8 @@
 """Times a whole MoE layer step through `moe_mlp` against its alternatives, on one GPU.
 
-At each shape (m, d, f, E), with ragged Dirichlet group sizes and one set of bf16 inputs
-(b1 included) shared by every variant, two computations:
+At each shape (m, d, f, E) and grouping (--groups: "dirichlet" ragged sizes or "equal",
+m / E rows each), with one set of bf16 inputs (b1 included) shared by every variant, two
+computations:
 
     step     jax.value_and_grad of sum(y * cotangent) in x, w1, w2, prob and b1
     forward  y alone
@@ -15,6 +16,8 @@ for the variants
                GEMMs on ragged_dot_mgpu (forward, da, dx) and transposed_ragged_dot_mgpu
                (dW1, dW2); in XLA: b1, the activation, the dsReLU epilogue, dprob and db1
     dense_xla  XLA's dense MLP of the same FLOPs (one (d, f) and one (f, d) weight)
+    batched_xla  XLA's MLP over E batches of m / E rows (batched cuBLAS GEMMs, every
+               expert's own weights): the ceiling of equal groups
 
 Throughput counts 12 m d f FLOPs per step and 4 m d f per forward. Each variant records
 its CUPTI per-kernel breakdown (timing.py) and the step's peak device memory from XLA's
@@ -31,27 +34,22 @@ writes bench_layer.json and bench_layer.png.
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 import cuda_lowering
+import harness
 import run_record
 import timing
-from bench_dsrelu import dirichlet_sizes
-from bench_gemms import SHAPES as GEMM_SHAPES
-from bench_gemms import activation, parse_shapes
+from bench_gemms import activation
+from harness import SHAPES, group_sizes_for
 
 import jax_dsrelu
 from jax_dsrelu import groups
 
-SHAPES = GEMM_SHAPES + [(65536, 2048, 512, 128)]  # and many small experts
-CPU_SHAPES = [(512, 128, 256, 4)]
-VARIANTS = ("xla", "sm90", "sm90_det", "pallas", "dense_xla")
+VARIANTS = ("xla", "sm90", "sm90_det", "pallas", "dense_xla", "batched_xla")
 MODES = ("step", "forward")
 FLOPS_PER_MDF = {"step": 12.0, "forward": 4.0}
 GRADIENTS = ("x", "w1", "w2", "prob", "b1")  # moe_mlp's differentiable operands, in order
@@ -83,7 +81,7 @@ def operand_shapes(m, d, f, num_experts) -> dict[str, jax.ShapeDtypeStruct]:
     )
 
 
-def make_operands(m, d, f, num_experts, seed) -> dict[str, jax.Array]:
+def make_operands(m, d, f, num_experts, seed, grouping="dirichlet") -> dict[str, jax.Array]:
     keys = iter(jax.random.split(jax.random.key(seed), 8))
     normal = lambda shape, scale=1.0: (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(BF16)  # noqa: E731
     operands = dict(
@@ -91,7 +89,7 @@ def make_operands(m, d, f, num_experts, seed) -> dict[str, jax.Array]:
         w2=normal((num_experts, f, d), 1 / np.sqrt(f)),
         prob=jax.random.uniform(next(keys), (m,), jnp.float32, 0.05, 1.0),
         b1=0.1 * jax.random.normal(next(keys), (num_experts, f), jnp.float32),
-        group_sizes=jnp.asarray(dirichlet_sizes(np.random.default_rng(seed), m, num_experts)),
+        group_sizes=jnp.asarray(group_sizes_for(grouping, m, num_experts, seed)),
         cotangent=normal((m, d)),
     )
     # The dense MLP's own weights, so no slice copy is timed with it.
@@ -177,6 +175,16 @@ def dense_mlp(x, w1, w2, prob, b1):
     return jnp.dot(activation(h, prob), w2, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def batched_mlp(x, w1, w2, prob, b1):
+    """XLA's MLP over E batches of m / E rows, batch e through expert e's weights."""
+    batches = w1.shape[0]
+    xb = x.reshape(batches, -1, x.shape[1])
+    h = (jnp.einsum("erd,edf->erf", xb, w1, preferred_element_type=jnp.float32) + b1[:, None]).astype(x.dtype)
+    act = activation(h.reshape(x.shape[0], -1), prob).reshape(h.shape)
+    y = jnp.einsum("erf,efd->erd", act, w2, preferred_element_type=jnp.float32).astype(x.dtype)
+    return y.reshape(x.shape)
+
+
 def loss_of(layer):
     def loss(*operands):
         *layer_operands, cotangent = operands
@@ -190,6 +198,8 @@ def computation(variant, mode, pallas_configs=None):
     """(function, operand names) of one variant's step or forward."""
     if variant == "dense_xla":
         layer, names = dense_mlp, ("x", "w1_dense", "w2_dense", "prob", "b1_dense")
+    elif variant == "batched_xla":
+        layer, names = batched_mlp, ("x", "w1", "w2", "prob", "b1")
     else:
         names = ("x", "w1", "w2", "prob", "b1", "group_sizes")
         if variant == "pallas":
@@ -259,10 +269,10 @@ def run_variant(variant, mode, operands, reference, reps, clock, flops) -> tuple
                 entry["pallas_configs"] = [dict(block) for block in config]
             stage = "run"
             outputs = flatten(compiled(*args), mode)
-            if variant not in ("xla", "dense_xla") and reference is None:
+            if variant not in ("xla", "dense_xla", "batched_xla") and reference is None:
                 # Recorded rather than dropped: without XLA's result there is nothing to check.
                 entry["check"] = "not checked: the xla backend failed at this shape"
-            elif variant not in ("xla", "dense_xla"):
+            elif variant not in ("xla", "dense_xla", "batched_xla"):
                 stage = "check"
                 entry["check"] = compare(outputs, reference)
                 if not all(check.get("passes", True) for check in entry["check"].values()):
@@ -283,10 +293,10 @@ def run_variant(variant, mode, operands, reference, reps, clock, flops) -> tuple
     return entry, None
 
 
-def bench_shape(shape, operands, variants, modes, reps, clock) -> dict:
+def bench_shape(shape, row, operands, variants, modes, reps, clock, save) -> None:
+    """Fills `row` with every mode's variants at this shape, saving after each mode."""
     m, d, f, num_experts = shape
-    row = dict(shape=dict(m=m, d=d, f=f, E=num_experts),
-               group_sizes=np.asarray(operands["group_sizes"]).tolist(), modes={})
+    row.update(group_sizes=np.asarray(operands["group_sizes"]).tolist(), modes={})
     for mode in modes:
         flops = FLOPS_PER_MDF[mode] * m * d * f
         results: dict[str, dict] = {}
@@ -302,14 +312,14 @@ def bench_shape(shape, operands, variants, modes, reps, clock) -> dict:
             results[variant] = entry
         del reference
         row["modes"][mode] = dict(flops=flops, variants=results, ratios=ratios(results))
-    return row
+        save()
 
 
 def ratios(results) -> dict:
     ms = {name: entry["ms"] for name, entry in results.items() if "ms" in entry}
     out = {}
     for ours in ("sm90", "sm90_det", "pallas"):
-        for other in ("xla", "dense_xla"):
+        for other in ("xla", "dense_xla", "batched_xla"):
             if ours in ms and other in ms:
                 out[f"{ours}_speedup_vs_{other}"] = ms[other] / ms[ours]
     if "sm90" in ms and "sm90_det" in ms:
@@ -355,18 +365,18 @@ def plot(rows, path, title):
 
     modes = list(rows[0]["modes"]) if rows else []
     fig, axes = plt.subplots(1, max(len(modes), 1), figsize=(6.5 * max(len(modes), 1), 4.5), squeeze=False)
-    width = 0.16
+    width = 0.14
     for ax, mode in zip(axes[0], modes):
         for index, variant in enumerate(VARIANTS):
             values = [row["modes"][mode]["variants"].get(variant, {}).get("tflops", 0.0) for row in rows]
-            x = np.arange(len(rows)) + (index - 2) * width
+            x = np.arange(len(rows)) + (index - 2.5) * width
             ax.bar(x, values, width, label=variant)
             for xi, value in zip(x, values):
                 if value == 0.0:
                     ax.text(xi, 0, "x", ha="center", va="bottom", fontsize=7)
         ax.set_xticks(np.arange(len(rows)))
         ax.set_xticklabels([f"m={r['shape']['m']} d={r['shape']['d']}\nf={r['shape']['f']} E={r['shape']['E']}"
-                            for r in rows], fontsize=8)
+                            f"\n{r.get('grouping', 'dirichlet')}" for r in rows], fontsize=7)
         ax.set_ylabel(f"TFLOP/s ({FLOPS_PER_MDF[mode]:.0f} m d f / time)")
         ax.set_title(mode, fontsize=10)
     axes[0, 0].legend(fontsize=8)
@@ -378,7 +388,8 @@ def plot(rows, path, title):
 def summarize(rows):
     for row in rows:
         s = row["shape"]
-        print(f"m={s['m']} d={s['d']} f={s['f']} E={s['E']}   ms (TFLOP/s), peak memory")
+        print(f"m={s['m']} d={s['d']} f={s['f']} E={s['E']} {row.get('grouping', 'dirichlet')}   "
+              "ms (TFLOP/s), peak memory")
         for mode, entry in row["modes"].items():
             cells = []
             for variant, result in entry["variants"].items():
@@ -393,29 +404,9 @@ def summarize(rows):
 
 
 def arguments(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--shapes", type=parse_shapes, default=None, help="m,d,f,E;... (default: the four layer shapes)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser = harness.parser(__doc__.split("\n\n")[0], reps=10, variants=VARIANTS)
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    parser.add_argument("--prebuild", action="store_true",
-                        help="lower the selected moe_mlp variants for cuda here (no GPU) to fill "
-                             "JAX_DSRELU_KERNEL_CACHE, then stop")
-    parser.add_argument("--cpu", action="store_true",
-                        help="plumbing test on the CPU at tiny shapes, timed by wall clock (not a measurement)")
-    options = parser.parse_args(argv)
-    options.variants = options.variants.split(",")
-    options.modes = options.modes.split(",")
-    for name, chosen, allowed in (("--variants", options.variants, VARIANTS), ("--modes", options.modes, MODES)):
-        unknown = sorted(set(chosen) - set(allowed))
-        if unknown:
-            parser.error(f"{name}: unknown {unknown}; expected a subset of {list(allowed)}")
-    if options.shapes is None:
-        options.shapes = CPU_SHAPES if options.cpu else SHAPES
-    return options
+    return harness.parse(parser, argv, dict(variants=VARIANTS, modes=MODES))
 
 
 def main(argv=None):
@@ -423,30 +414,18 @@ def main(argv=None):
     if options.prebuild:
         prebuild(options.shapes, options.variants, options.modes)
         return
-    clock = timing.default_clock()
-    if clock != timing.CUPTI and not options.cpu:
-        raise SystemExit(f"no GPU here (JAX platform {jax.default_backend()!r}): pass --cpu for a plumbing test")
-    started = time.time()
-    rows = []
-    result = dict(
-        run_record.header(options.commit, timing.DESCRIPTIONS[clock]),
+
+    def measure_row(shape, grouping, row, clock, save):
+        operands = make_operands(*shape, options.seed, grouping)
+        bench_shape(shape, row, operands, options.variants, options.modes, options.reps, clock, save)
+
+    harness.run(
+        options, "bench_layer.json", "moe_mlp layer, bf16", measure_row, plot, summarize,
         benchmark="moe_mlp layer: value_and_grad step and forward, bf16, with b1",
-        clock=clock,
         flops="12 m d f per step, 4 m d f per forward",
         memory="XLA memory analysis of the compiled computation: arguments + outputs + temporaries - aliased",
         pallas_in_xla="b1, activation, dsReLU epilogue (dh, dprob), db1 as a one-hot dense dot",
-        seconds=0.0,
-        shapes=rows,
     )
-    for shape in options.shapes:
-        operands = make_operands(*shape, options.seed)
-        rows.append(bench_shape(shape, operands, options.variants, options.modes, options.reps, clock))
-        del operands
-        # Written after every shape: a run cut short by its time limit keeps what it measured.
-        result["seconds"] = time.time() - started
-        path = run_record.write_json(result, options.out, "bench_layer.json")
-        plot(rows, path.replace(".json", ".png"), f"moe_mlp layer, bf16, {result['device']} ({clock})")
-    summarize(rows)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@
 #             the carried cache lacks (kernels and cubins into .kernels/)
 #   smoke     one small case with a hard time limit (a hang stops everything here)
 #   tests     the whole GPU tier: python -m pytest -m gpu tests/
+#   gemm_tests  the GPU tier of the grouped-GEMM family and of what runs on it:
+#             test_sm90_gemms.py (the contraction's 20-run bitwise check included),
+#             test_moe_mlp_sm90.py, test_determinism_gpu.py's deterministic cases
 #   examples  EXAMPLES (examples/train_moe.py and expert_parallel.py) in bfloat16 on the GPU,
 #             each run EXAMPLE_RUNS (2) times with --deterministic (the digests must agree)
 #   lm        examples/train_lm.py with its docstring's GPU command (LM_STEPS steps, 2000),
@@ -24,6 +27,9 @@
 #             compiled in each process (fresh), with the caller's XLA_FLAGS; JSON named
 #             PARALLEL_NAME_<mode>
 #   sweep     benchmarks/sweep_configs.py (tile configurations at the benchmark shapes)
+#   sweep_contract  benchmarks/sweep_configs.py --kernel contract (the contraction's configurations)
+#   sanitize_contract  memcheck over the contraction's boundary cases (negative sizes,
+#             sums past m, exact tiles, many experts of widths no tile multiple)
 #   sanitize  a small subset of the GPU tests under compute-sanitizer (memcheck)
 #
 # Kernels come precompiled from benchmarks/prebuild_kernels.py in .kernels/ (carried along),
@@ -68,6 +74,12 @@ if [[ $stages == *,tests,* ]]; then
   timeout 420 python3 -m pytest -q -p no:cacheprovider -rs --durations=8 -m gpu \
     tests/ 2>&1 | tee -a "$log"
   echo "tests exit $?" | tee -a "$log"
+fi
+
+if [[ $stages == *,gemm_tests,* ]]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rs --durations=5 -m gpu tests/test_sm90_gemms.py \
+    tests/test_moe_mlp_sm90.py tests/test_determinism_gpu.py -k "not default_mode_varies" 2>&1 | tee -a "$log"
+  echo "gemm_tests exit $?" | tee -a "$log"
 fi
 
 if [[ $stages == *,examples,* ]]; then
@@ -141,6 +153,19 @@ fi
 if [[ $stages == *,sweep,* ]]; then
   timeout 120 python3 benchmarks/sweep_configs.py --out "$OUT" 2>&1 | tee -a "$log"
   echo "sweep exit $?" | tee -a "$log"
+fi
+
+if [[ $stages == *,sweep_contract,* ]]; then
+  timeout 150 python3 benchmarks/sweep_configs.py --kernel contract --commit "$commit" --out "$OUT" 2>&1 | tee -a "$log"
+  echo "sweep_contract exit $?" | tee -a "$log"
+fi
+
+if [[ $stages == *,sanitize_contract,* ]]; then
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  timeout 120 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q -rs -p no:cacheprovider \
+    -m gpu tests/test_sm90_gemms.py -k "contraction_matches and bfloat16 and (negative or past_m or exact_tile or many_experts)" \
+    2>&1 | tail -6 | tee -a "$log"
+  echo "memcheck contraction exit $?" | tee -a "$log"
 fi
 
 if [[ $stages == *,sanitize,* ]]; then

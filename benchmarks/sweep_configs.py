@@ -1,8 +1,17 @@
-"""Times the sm90 kernel at issue 3's shapes under a few tile configurations.
+"""Times the sm90 kernels under a few tile configurations each.
 
-The measurements behind `choose_config` (docs/sm90.md): deterministic=False, with_dbias and
-with_act, bf16, same inputs as bench_dsrelu.py, CUPTI time of the custom call's kernels,
-median of --reps calls. Writes sweep_configs.json to --out.
+--kernel dsrelu: the fused kernel at issue 3's shapes, the measurements behind
+`choose_config` (docs/sm90.md): deterministic=False, with_dbias and with_act, bf16, same
+inputs as bench_dsrelu.py. Writes sweep_configs.json to --out.
+
+--kernel contract: the ragged contraction (dW1 = x^T dh and dW2 = act^T dy, bf16 out) at
+the fine-grained layer shapes of bench_gemms.py with Dirichlet group sizes, the
+measurements behind `choose_contract_config`: N tiles of 128, 192 and 256 (b = 1856 and
+2688 are no multiple of 256), 32- and 64-row k-tiles, a whole tile of store buffers
+against a ring of 3 (more operand stages).
+Writes sweep_contract.json to --out.
+
+Both: CUPTI time of the custom call's kernels, median of --reps calls.
 """
 
 from __future__ import annotations
@@ -14,11 +23,19 @@ import os
 
 import jax
 import jax.numpy as jnp
+import run_record
+import numpy as np
 from bench_dsrelu import SHAPES, cupti_ms, make_inputs
+from harness import group_sizes_for, parse_shapes
 
 from jax_dsrelu.kernels import request as request_facts
 from jax_dsrelu.kernels.sm90 import dsrelu_call as lowering
+from jax_dsrelu.kernels.sm90 import ragged_call as sm90_gemm
 from jax_dsrelu.kernels.sm90 import config as sm90_config
+
+BF16 = np.dtype(jnp.bfloat16)
+# (m, d, f, E) and the contraction's (a, b) = (d, f) for dW1, (f, d) for dW2.
+CONTRACT_SHAPES = [(49152, 2688, 1856, 128), (65536, 2048, 768, 128), (32768, 7168, 2048, 32)]
 
 
 def candidates(sm_count):
@@ -36,6 +53,61 @@ def candidates(sm_count):
     }
 
 
+def contract_candidates(sm_count, b):
+    """The chosen config for a contraction of width b and its alternatives."""
+    chosen = sm90_config.choose_contract_config(contract_request(8, 128, b), sm_count)
+    common = dict(epi_n=32, max_ctas=sm_count)
+    configs = {
+        "chosen": chosen,
+        "128x192 k32 ab8 whole": sm90_config.ContractConfig(tile_n=192, tile_k=32, ab_stages=8, store_stages=6, **common),
+        "128x192 k64 ab4 whole": sm90_config.ContractConfig(tile_n=192, tile_k=64, ab_stages=4, store_stages=6, **common),
+        "128x192 k32 ab8 ring3": sm90_config.ContractConfig(tile_n=192, tile_k=32, ab_stages=8, store_stages=3, **common),
+        "128x256 k32 ab6 whole": sm90_config.ContractConfig(tile_n=256, tile_k=32, ab_stages=6, store_stages=8, **common),
+        "128x256 k64 ab4 ring3": sm90_config.ContractConfig(tile_n=256, tile_k=64, ab_stages=4, store_stages=3, **common),
+        "128x128 k32 ab8 whole": sm90_config.ContractConfig(tile_n=128, tile_k=32, ab_stages=8, store_stages=4, **common),
+    }
+    # An alternative equal to the chosen config would only be timed twice.
+    return {name: config for name, config in configs.items()
+            if (name == "chosen" or config != chosen) and config.smem_bytes(256, 2) <= sm90_config.SMEM_CAPACITY}
+
+
+def contract_request(num_experts, a, b):
+    return request_facts.RaggedContractRequest(
+        num_experts=num_experts, a=a, b=b, operand_dtype=BF16, out_dtype=BF16
+    )
+
+
+def contract_cases(shapes=CONTRACT_SHAPES):
+    """(shape, gemm, request) of every timed contraction."""
+    for m, d, f, num_experts in shapes:
+        for gemm, (a, b) in (("dw1", (d, f)), ("dw2", (f, d))):
+            yield (m, d, f, num_experts), gemm, contract_request(num_experts, a, b)
+
+
+def sweep_contract(reps, sm_count, shapes):
+    rows = []
+    for shape, gemm, request in contract_cases(shapes):
+        m = shape[0]
+        keys = jax.random.split(jax.random.key(0), 2)
+        lhs = jax.random.normal(keys[0], (m, request.a), jnp.bfloat16)
+        rhs = jax.random.normal(keys[1], (m, request.b), jnp.bfloat16)
+        sizes = jnp.asarray(group_sizes_for("dirichlet", m, request.num_experts, 0))
+        flops = 2.0 * m * request.a * request.b
+        for name, config in contract_candidates(sm_count, request.b).items():
+            run = jax.jit(sm90_gemm.implementation(request, config))
+            ms, _ = cupti_ms(run, (lhs, rhs, sizes), reps)
+            rows.append(dict(shape=list(shape), gemm=gemm, config=name, ms=ms, tflops=flops / (ms * 1e-3) / 1e12,
+                             fields=dataclasses.asdict(config)))
+            print(f"{shape} {gemm}  {name:<22} {ms:8.3f} ms", flush=True)
+    return rows
+
+
+def prebuild_contract(sm_count):
+    for _, _, request in contract_cases():
+        for config in contract_candidates(sm_count, request.b).values():
+            sm90_gemm.compile_kernel(request, config)
+
+
 def request_for(k, n, num_experts):
     bf16 = jnp.dtype(jnp.bfloat16)
     return request_facts.Request(
@@ -49,7 +121,21 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--kernel", choices=["dsrelu", "contract"], default="dsrelu")
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--shapes", type=parse_shapes, default=CONTRACT_SHAPES, help="m,d,f,E;... (contract only)")
+    parser.add_argument("--prebuild", action="store_true", help="compile the contraction candidates here, then stop")
     options = parser.parse_args()
+    if options.kernel == "contract":
+        if options.prebuild:
+            prebuild_contract(sm90_config.DEFAULT_SM_COUNT)
+            return
+        rows = sweep_contract(options.reps, lowering.sm_count(), options.shapes)
+        os.makedirs(options.out, exist_ok=True)
+        with open(os.path.join(options.out, "sweep_contract.json"), "w") as file:
+            json.dump(dict(run_record.header(options.commit, "CUPTI kernel time, median of reps"), rows=rows),
+                      file, indent=1)
+        return
     rows = []
     for m, k, n, num_experts in SHAPES:
         grad, weight, preact, prob, sizes = make_inputs(m, k, n, num_experts, 0)

@@ -65,6 +65,9 @@ GROUPINGS = {
     "no_rows": (SMALL, 0, [0] * 8),
     "tile_n_256": ((8, 1024, 2048), 16384, [3000, 0, 2500, 128, 4000, 1, 3755, 3000]),
     "rows_64k": ((32, 256, 512), 65536, None),  # Dirichlet-sized experts
+    # Fine-grained: many short experts, widths that are no tile multiple (a = 200 over
+    # 128-row tiles, b = 328 over 192-column tiles): each persistent CTA walks many tiles.
+    "many_experts": ((160, 200, 328), 24000, None),
 }
 FP16_GROUPINGS = ("ragged_with_empty", "negative")
 
@@ -189,7 +192,7 @@ def prebuild_requests():
             built += [matmul_request(shape, variant, dtype) for variant in MATMUL_VARIANTS]
             built += [contract_request(shape, F32, dtype), contract_request(shape, dtype, dtype)]
     return [(request, True) for request in sorted(set(built), key=repr)] + [
-        (contract_request(GROUPINGS["tile_n_256"][0], F32), False)
+        (contract_request(GROUPINGS[name][0], F32), False) for name in ("tile_n_256", "many_experts")
     ]
 
 
@@ -203,9 +206,10 @@ def test_ragged_matmul_compiles_for_sm90a(variant):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("shape", [(8, 4096, 2048), (128, 2688, 1856), (256, 1024, 768)], ids=str)
 @pytest.mark.parametrize("out_dtype", [F32, BF16], ids=["f32", "bf16"])
-def test_ragged_contraction_compiles_for_sm90a(out_dtype):
-    compiled = sm90_gemm.compile_kernel(contract_request((8, 4096, 2048), out_dtype), keep=True)
+def test_ragged_contraction_compiles_for_sm90a(out_dtype, shape):
+    compiled = sm90_gemm.compile_kernel(contract_request(shape, out_dtype), keep=True)
     assert "wgmma.mma_async" in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     # One writer per element and no split-K: no atomics of any kind.
@@ -238,17 +242,23 @@ def test_configs_validate_in_one_place():
     for field, value in [("tile_n", 96), ("epi_n", 16), ("ab_stages", 1), ("tile_k", 128)]:
         with pytest.raises(ValueError, match=field):
             sm90_config.GemmConfig(**dict(good, **{field: value}))
-    for field, value in [("tile_n", 100), ("ab_stages", 1), ("tile_k", 16)]:
+    for field, value in [("tile_n", 100), ("ab_stages", 1), ("tile_k", 16), ("epi_n", 48), ("store_stages", 0)]:
         with pytest.raises(ValueError, match=field):
-            sm90_config.ContractConfig(**dict(dict(tile_n=256, tile_k=64, ab_stages=4), **{field: value}))
+            sm90_config.ContractConfig(**dict(dict(good, tile_n=192), **{field: value}))
     # The chosen configs fit in shared memory at the largest expert count.
     for variant in MATMUL_VARIANTS:
         request = matmul_request((256, 4096, 2048), variant)
         config = sm90_config.choose_gemm_config(request)
         outputs = 2 if request.epilogue == "srelu" else 1
         assert config.smem_bytes(256, outputs) <= sm90_config.SMEM_CAPACITY
-    config = sm90_config.choose_contract_config(contract_request((256, 4096, 2048), F32))
-    assert config.smem_bytes(256) <= sm90_config.SMEM_CAPACITY
+    for out_dtype in (F32, BF16):
+        for b in (64, 512, 1856, 2688, 7168):
+            config = sm90_config.choose_contract_config(contract_request((256, 4096, b), out_dtype))
+            assert config.smem_bytes(256, out_dtype.itemsize) <= sm90_config.SMEM_CAPACITY
+            assert config.ab_stages >= 3 and config.store_stages >= 2
+    # Widths that are not a tile multiple take the tile that pads them least.
+    assert sm90_config.contract_tile_n(1856) == 192 and sm90_config.contract_tile_n(2688) == 192
+    assert sm90_config.contract_tile_n(2048) == 256 and sm90_config.contract_tile_n(768) == 256
 
 
 # ----------------------------------------------------------------------------- GPU tier
@@ -353,8 +363,9 @@ def test_ragged_contraction_matches_float64(hopper, name, dtype, out_dtype):
 
 
 @pytest.mark.gpu
-def test_ragged_contraction_is_bitwise_reproducible(hopper):
-    (num_experts, a, b), m, sizes = grouping("tile_n_256")
+@pytest.mark.parametrize("name", ["tile_n_256", "many_experts"])
+def test_ragged_contraction_is_bitwise_reproducible(hopper, name):
+    (num_experts, a, b), m, sizes = grouping(name)
     rng = np.random.default_rng(9)
     lhs = jnp.asarray(rng.standard_normal((m, a)), jnp.bfloat16)
     rhs = jnp.asarray(rng.standard_normal((m, b)), jnp.bfloat16)

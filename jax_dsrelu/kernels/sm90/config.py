@@ -196,20 +196,39 @@ class GemmConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ContractConfig:
-    """Static tile configuration of the ragged contraction (`ragged_contract_kernel.py`): an
-    output tile of tile_m x tile_n, tile_k rows of the expert per pipeline stage."""
+    """Static tile configuration of the ragged contraction (`ragged_contract_kernel.py`): output
+    tiles of tile_m x tile_n, tile_k rows of the expert per pipeline stage, stored in
+    (tile_m x epi_n) subtiles through a ring of store_stages shared-memory buffers, by
+    max_ctas persistent CTAs. `__post_init__` is the one validity check."""
 
     tile_n: int
     tile_k: int
     ab_stages: int
+    epi_n: int
+    store_stages: int
+    max_ctas: int
     tile_m: int = TILE_M
 
     def __post_init__(self) -> None:
-        _check_tile(self, ())
+        _check_tile(self, ("store_stages", "max_ctas"))
+        _check_subtiles(self)
+        if self.store_stages > self.subtiles:
+            raise ValueError(
+                f"store_stages must be at most the tile's {self.subtiles} subtiles (a buffer per "
+                f"subtile stores the whole tile at once), got {self.store_stages}"
+            )
 
-    def smem_bytes(self, num_experts: int) -> int:
+    @property
+    def subtiles(self) -> int:
+        return self.tile_n // self.epi_n
+
+    def smem_bytes(self, num_experts: int, out_bytes: int) -> int:
+        """Shared memory for this config with an output of `out_bytes` per element."""
         ab = self.ab_stages * (self.tile_m + self.tile_n) * self.tile_k * 2
-        return ab + 2 * (num_experts + 1) * 4 + _SMEM_RESERVE
+        stores = self.store_stages * self.tile_m * self.epi_n * out_bytes
+        # row_start, tile_start and the expert order, E + 1 int32 each.
+        tables = 3 * (num_experts + 1) * 4
+        return ab + stores + tables + _SMEM_RESERVE
 
 
 def _common_reason(num_experts: int, operand_dtype, extents: dict[str, int]) -> str | None:
@@ -268,13 +287,59 @@ def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_
     return GemmConfig(ab_stages=stages, **base)
 
 
-def choose_contract_config(request: RaggedContractRequest) -> ContractConfig:
-    """128 x (widest tile b fills) output tiles, 64 rows per stage, as many stages as fit."""
+def contract_tile_n(b: int) -> int:
+    """The N tile (over b) that pads b least: a partial last tile computes and loads
+    columns that are never stored. Ties go to the wider tile (more operand reuse per
+    byte loaded). At the Nemotron-3 Nano widths, b = 1856 = 7 * 256 + 64 pads to 1920
+    with 192 (3%) against 2048 with 256 (10%), and b = 2688 = 14 * 192 exactly."""
+    if b < 128:
+        return 64
+    return min((256, 192, 128), key=lambda tile: -(-b // tile) * tile)
+
+
+# Fewest expert rows in flight in the contraction's operand ring when the whole output tile
+# is staged in shared memory; with fewer, the ring of store buffers leaves room for more.
+_CONTRACT_MIN_ROWS_IN_FLIGHT = 192
+_CONTRACT_MAX_STAGES = 8
+
+
+def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAULT_SM_COUNT) -> ContractConfig:
+    """128 x contract_tile_n(b) output tiles, 32 expert rows per stage; a shared buffer for
+    every subtile of a tile (stored at once, two barriers per tile) if that leaves at
+    least 192 rows of operands in flight, else a ring of store buffers; then as many
+    operand stages as fit, up to 8.
+
+    32-row stages rather than 64: with ragged experts every expert's last k-tile is
+    partly empty, about half a k-tile per expert, 8% of the work at 384 rows per expert
+    with 64-row k-tiles; and the operand ring gets twice the stages for the same bytes.
+    On an H200 at the Nano shapes, 32-row stages beat 64-row ones by 1-2% at the same
+    tile (benchmarks/results/fine_grained/sweep_contract_*.json). The rows per expert
+    (m / E) do not change the choice otherwise: persistent CTAs keep the operand
+    pipeline running across work items, so short experts pay no pipeline fill.
+    """
     reason = cannot_implement_contract(request)
     if reason is not None:
         raise ValueError(reason)
-    tile_n = _widest_tile_n(request.b)
-    stages = 2
-    while stages < 8 and ContractConfig(tile_n=tile_n, tile_k=64, ab_stages=stages + 1).smem_bytes(request.num_experts) <= SMEM_CAPACITY:
-        stages += 1
-    return ContractConfig(tile_n=tile_n, tile_k=64, ab_stages=stages)
+    out_bytes = np.dtype(request.out_dtype).itemsize
+    tile_k = 32
+    base = dict(tile_n=contract_tile_n(request.b), tile_k=tile_k, epi_n=32, max_ctas=sm_count)
+    subtiles = base["tile_n"] // base["epi_n"]
+
+    def most_stages(store_stages):
+        stages = 1
+        while stages < _CONTRACT_MAX_STAGES and ContractConfig(
+            ab_stages=stages + 1, store_stages=store_stages, **base
+        ).smem_bytes(request.num_experts, out_bytes) <= SMEM_CAPACITY:
+            stages += 1
+        return stages
+
+    whole_tile_stages = most_stages(subtiles)
+    if whole_tile_stages * tile_k >= _CONTRACT_MIN_ROWS_IN_FLIGHT:
+        return ContractConfig(ab_stages=whole_tile_stages, store_stages=subtiles, **base)
+    store_stages = 2
+    ab_stages = most_stages(store_stages)
+    while store_stages < subtiles and ContractConfig(
+        ab_stages=ab_stages, store_stages=store_stages + 1, **base
+    ).smem_bytes(request.num_experts, out_bytes) <= SMEM_CAPACITY:
+        store_stages += 1
+    return ContractConfig(ab_stages=ab_stages, store_stages=store_stages, **base)

@@ -1,11 +1,14 @@
-"""Storing an epilogue subtile, shared by the Hopper ragged-M kernels.
+"""Storing an epilogue's subtiles by TMA, shared by the Hopper kernels of the family.
 
 Each (tile_m x epi_n) subtile is rounded once to the output dtype in registers, written
-to a shared-memory buffer with stmatrix, and stored with one TMA box through the ragged
-row view (`mainloop.ragged_view`), which clips it at the expert's last row. The buffers
-form a ring of `store_stages`; before a buffer is reused, the store that read it must be
-done (`producer_acquire`), so the epilogue of one subtile overlaps the store of the last.
-One or two outputs (dh and act, or h and act) go out together.
+to a shared-memory buffer (stmatrix; plain stores for float32), and stored with one TMA
+box, which the hardware clips at the tensor's extent (the ragged row view of
+`mainloop.ragged_view` clips it at the expert's last row).
+
+`store_subtile`: the buffers form a ring of `store_stages`; before a buffer is reused, the
+store that read it must be done (`producer_acquire`), so the epilogue of one subtile
+overlaps the store of the last. One or two outputs (dh and act, or h and act) go out
+together. `store_tile`: a buffer per subtile of the tile, one barrier for all of them.
 """
 
 from __future__ import annotations
@@ -56,3 +59,45 @@ def store_subtile(
         # The next subtile reuses buffer + 1: wait until its store has read it.
         store_pipeline.producer_acquire()
     cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=consumer_threads)
+
+
+@cute.jit
+def store_tile(
+    tiled_r2s: cute.TiledCopy,
+    tRS_rAcc: cute.Tensor,  # the tile's accumulator, retiled for tiled_r2s
+    rF: cute.Tensor,  # one subtile's registers in float32
+    rOut: cute.Tensor,  # and in the output dtype
+    tRS_s: cute.Tensor,  # (.., subtiles) this thread's part of the tile's shared buffers
+    tma: cute.CopyAtom,
+    gmem: cute.Tensor,  # (tile_m, epi_n, column blocks) global view of the tile's rows
+    smem: cute.Tensor,  # (tile_m, epi_n, subtiles) the tile's shared buffers
+    store_pipeline,  # PipelineTmaStore of one stage: one bulk group per tile
+    first_block: Int32,
+    ctid: Int32,
+    subtiles: cutlass.Constexpr,
+    consumer_threads: cutlass.Constexpr,
+):
+    """A whole tile at once: every subtile rounded and staged in its own buffer, then one
+    barrier and the TMA stores as one bulk group.
+
+    Where shared memory holds a whole tile, this costs two barriers and one proxy fence
+    per tile instead of two barriers and a fence per subtile (`store_subtile`), and the
+    wait for the buffers is for the previous tile's stores, issued a whole mainloop ago.
+    """
+    sub_values = cute.size(rOut)
+    if ctid == 0:
+        store_pipeline.producer_acquire()
+    cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=consumer_threads)
+    for subtile in cutlass.range_constexpr(subtiles):
+        for v in cutlass.range_constexpr(sub_values):
+            rF[v] = tRS_rAcc[subtile * sub_values + v]
+        rOut.store(rF.load().to(rOut.element_type))
+        cute.copy(tiled_r2s, rOut, tRS_s[None, None, None, subtile])
+    # stmatrix writes are generic-proxy; the TMA engine reads through the async proxy.
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=consumer_threads)
+    if ctid == 0:
+        bSG_s, bSG_g = mainloop.tma_partition(tma, smem, gmem)
+        for subtile in cutlass.range_constexpr(subtiles):
+            cute.copy(tma, bSG_s[None, subtile], bSG_g[None, first_block + subtile])
+        store_pipeline.producer_commit()

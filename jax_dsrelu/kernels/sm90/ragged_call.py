@@ -109,7 +109,7 @@ def _kernel_and_operands(request, config):
 
 def choose_config(request):
     if isinstance(request, RaggedContractRequest):
-        return sm90_config.choose_contract_config(request)
+        return sm90_config.choose_contract_config(request, sm_count())
     return sm90_config.choose_gemm_config(request, sm_count())
 
 
