@@ -19,6 +19,7 @@
 #             lm_deps.tar.zst of pure-Python packages
 #   sass      disassembles the benchmark kernels' cubins: HGMMA present, no LDL/STL
 #   bench     benchmarks/bench_dsrelu.py
+#   moe_block benchmarks/bench_moe_block.py: the Nemotron-3-Nano block's step, every variant
 #   gemms     benchmarks/bench_gemms.py: the six grouped GEMMs of a layer step (estimated 3-5 min)
 #   layer     benchmarks/bench_layer.py: moe_mlp's step and forward, every variant (estimated 5-8 min)
 #   determinism_parallel  benchmarks/determinism_parallel.sh: for each of PARALLEL_MODES
@@ -123,6 +124,12 @@ if [[ $stages == *,bench,* ]]; then
   echo "bench exit $?" | tee -a "$log"
 fi
 
+if [[ $stages == *,moe_block,* ]]; then
+  timeout 240 python3 benchmarks/bench_moe_block.py --commit "$commit" --out "$OUT" 2> "$OUT/bench_moe_block.err" \
+    | tee -a "$log"
+  echo "moe_block exit $?" | tee -a "$log"
+fi
+
 if [[ $stages == *,gemms,* ]]; then
   timeout 540 python3 benchmarks/bench_gemms.py --commit "$commit" --out "$OUT" $GEMMS_ARGS \
     2> "$OUT/bench_gemms.err" | tee -a "$log"
@@ -166,6 +173,10 @@ if [[ $stages == *,sanitize_contract,* ]]; then
     -m gpu tests/test_sm90_gemms.py -k "contraction_matches and bfloat16 and (negative or past_m or exact_tile or many_experts)" \
     2>&1 | tail -6 | tee -a "$log"
   echo "memcheck contraction exit $?" | tee -a "$log"
+  timeout 120 compute-sanitizer --tool racecheck --print-limit 20 python3 -m pytest -q -rs -p no:cacheprovider \
+    -m gpu tests/test_sm90_gemms.py -k "contraction_matches and bfloat16 and (past_m or exact_tile)" \
+    2>&1 | tail -6 | tee -a "$log"
+  echo "racecheck contraction exit $?" | tee -a "$log"
 fi
 
 if [[ $stages == *,sanitize,* ]]; then

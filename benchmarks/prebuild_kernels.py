@@ -93,6 +93,19 @@ def lower_determinism_tests():
         t.layer_grads(deterministic).trace(*described).lower(lowering_platforms=("cuda",))
 
 
+def lower_moe_block():
+    """Lowers for cuda what tests/test_moe_block_gpu.py runs and bench_moe_block.py times."""
+    import bench_moe_block
+    import test_moe_block_gpu as t
+
+    described = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t.block_inputs(0))
+    for deterministic in (False, True):
+        cuda_lowering.lower_for_cuda(
+            f"tests moe block deterministic={deterministic}", t.block_grads(deterministic), *described
+        )
+    bench_moe_block.prebuild(bench_moe_block.NANO, ("auto", "auto_det"))
+
+
 def example_gradients(deterministic):
     """The gradients of examples/train_moe.py's training step (its loss against the
     float32 teacher). expert_parallel.py on one GPU runs moe_mlp at these same static
@@ -155,7 +168,7 @@ def job_names() -> list[str]:
     names += [f"bench_dsrelu {i}" for i in range(len(bench_dsrelu.SHAPES))]
     names += [f"bench_gemms {i}" for i in range(len(bench_gemms.SHAPES))]
     names += [f"bench_layer {i}" for i in range(len(bench_layer.SHAPES))]
-    names += ["process_digests", "tests moe_mlp and examples", "determinism tests", "language model"]
+    names += ["process_digests", "tests moe_mlp and examples", "determinism tests", "language model", "moe block"]
     return names
 
 
@@ -220,6 +233,8 @@ def run_job(name: str) -> str:
         lower_determinism_tests()
     elif kind == "language model":
         lower_language_model()
+    elif kind == "moe block":
+        lower_moe_block()
     else:
         raise ValueError(f"unknown job {name!r}")
     return name
