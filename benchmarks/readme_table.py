@@ -306,14 +306,14 @@ def render_determinism(records: list[dict]) -> str:
 
 
 def render_summary(results: dict) -> str:
-    """The front page's table: the moe_mlp step on the kernels, both modes, against the alternatives."""
+    """The front page's table: the moe_mlp step on the kernels, both modes, against XLA's dense and batched GEMMs."""
     lines = [
         f"A `moe_mlp` training step (`jax.value_and_grad`, bf16 with b1, ragged group sizes) on an "
         f"{results['device']}, CUPTI kernel time, commit `{results['commit']}` "
         f"([docs/performance.md](docs/performance.md) has every table and how each was measured):",
         "",
-        "| shape (m, d, f, E) | sm90 | sm90, deterministic | cost of determinism | vs XLA backend "
-        "| vs XLA dense MLP, same FLOPs |",
+        "| shape (m, d, f, E) | sm90 | sm90, deterministic | cost of determinism | vs XLA dense MLP, same FLOPs "
+        "| vs XLA batched GEMMs over equal experts |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for row in results["shapes"]:
@@ -323,19 +323,82 @@ def render_summary(results: dict) -> str:
         lines.append(
             f"| {shape_text(row['shape'], 'mdfE')} | {cell(variants.get('sm90'))} "
             f"| {cell(variants.get('sm90_det'))} | {'—' if det is None else f'{det:+.1%}'} "
-            f"| {ratio(r.get('sm90_speedup_vs_xla'), 'times')} "
-            f"| {ratio(r.get('sm90_speedup_vs_dense_xla'), 'times')} |"
+            f"| {ratio(r.get('sm90_speedup_vs_dense_xla'), 'times')} "
+            f"| {ratio(r.get('sm90_speedup_vs_batched_xla'), 'times')} |"
         )
+    return "\n".join(lines)
+
+
+def step_breakdown(entry: dict) -> str:
+    """Where a step's time goes: our kernels by class, then everything else together."""
+    ours = [(kernel_label(name), ms) for name, ms in entry["kernel_summary"] if kernel_label(name) != name[:KERNEL_NAME_CHARS]]
+    rest = entry["ms"] - sum(ms for _, ms in ours)
+    return ", ".join(f"{label} {ms:.3f}" for label, ms in ours) + f", all else {rest:.3f} ms"
+
+
+def render_layer_steps(results: dict) -> str:
+    """The moe_mlp step at every benchmark shape, against the dense and the batched XLA ceilings."""
+    lines = [
+        provenance(results, "fine_grained/bench_layer_step_b1e73d4.json",
+                   "bf16 with b1; a step is `jax.value_and_grad` in x, w1, b1, w2 and prob"),
+        f"Throughput counts {results['flops']}. XLA dense MLP: one (m, d) x (d, f) MLP of the same FLOPs; "
+        "XLA batched: the experts as E equal batches of m / E rows, a batched GEMM with no ragged edges.",
+        "",
+        "| step: shape (m, d, f, E), groups | sm90 | sm90, deterministic | cost of determinism "
+        "| XLA dense MLP | XLA batched, equal experts | sm90 vs dense | sm90 vs batched |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in results["shapes"]:
+        step = row["modes"]["step"]
+        variants, r = step["variants"], step["ratios"]
+        det = r.get("det_overhead")
+        lines.append(
+            f"| {shape_text(row['shape'], 'mdfE')}, {row.get('grouping', 'dirichlet')} "
+            f"| {cell(variants.get('sm90'))} | {cell(variants.get('sm90_det'))} "
+            f"| {'—' if det is None else f'{det:+.1%}'} | {cell(variants.get('dense_xla'))} "
+            f"| {cell(variants.get('batched_xla'))} | {ratio(r.get('sm90_speedup_vs_dense_xla'), 'times')} "
+            f"| {ratio(r.get('sm90_speedup_vs_batched_xla'), 'times')} |"
+        )
+    lines += ["", "Where the sm90 step's time goes (CUPTI, ms):", ""]
+    for row in results["shapes"]:
+        entry = row["modes"]["step"]["variants"].get("sm90", {})
+        if entry.get("kernel_summary"):
+            lines.append(f"- {shape_text(row['shape'], 'mdfE')} ({entry['ms']:.3f} ms): {step_breakdown(entry)}")
+    return "\n".join(lines)
+
+
+def render_moe_block(results: dict) -> str:
+    """The Nemotron-3-Nano block's step: ours in both modes, on XLA, and its GEMMs alone."""
+    block = results["block"]
+    names = dict(auto="library, backend auto (sm90)", auto_det="the same, deterministic",
+                 xla="library, backend xla", gemms="its GEMMs alone in XLA (batched over equal experts)")
+    lines = [
+        f"Measured on an {results['device']} (JAX {results['jax']}), commit `{results['commit']}`: "
+        f"`{results['command']}` ({results['timing']}). Raw results: `benchmarks/results/bench_moe_block.json`; "
+        "this table is generated from them by `benchmarks/readme_table.py`. The block: "
+        f"T = {block['tokens']} tokens, d = {block['d']}, {block['experts']} experts of f = {block['f']}, "
+        f"top-{block['top_k']}, sigmoid scores with a selection bias, normalized, scale {block['scale']}, "
+        f"a shared expert of {block['shared']}; a step is `jax.value_and_grad`; "
+        f"throughput counts {results['flops']}.",
+        "",
+        "| variant | step | where the time goes (CUPTI, ms) |",
+        "| --- | --- | --- |",
+    ]
+    for key, entry in results["variants"].items():
+        detail = step_breakdown(entry) if key.startswith("auto") and "kernel_summary" in entry else ""
+        lines.append(f"| {names.get(key, key)} | {cell(entry)} | {detail} |")
     return "\n".join(lines)
 
 
 # (document, marker name, recorded JSON, how its table is written); a JSON name with a *
 # takes every matching JSON, in a list.
 TABLES: list[tuple[str, str, str, Callable]] = [
-    ("README.md", "summary", "bench_layer.json", render_summary),
+    ("README.md", "summary", "fine_grained/bench_layer_step_b1e73d4.json", render_summary),
     ("docs/performance.md", "sm90", "bench_dsrelu.json", render_dsrelu),
     ("docs/performance.md", "gemms", "bench_gemms.json", render_gemms),
     ("docs/performance.md", "layer", "bench_layer.json", render_layer),
+    ("docs/performance.md", "steps", "fine_grained/bench_layer_step_b1e73d4.json", render_layer_steps),
+    ("docs/performance.md", "moe_block", "bench_moe_block.json", render_moe_block),
     ("docs/determinism.md", "determinism", "determinism/determinism_parallel*.json", render_determinism),
 ]
 DOCUMENTS = list(dict.fromkeys(document for document, *_ in TABLES))
