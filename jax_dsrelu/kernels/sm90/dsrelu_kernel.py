@@ -70,12 +70,10 @@ from cutlass.tensor_utils import LayoutEnum
 from jax_dsrelu.kernels.group_tables import build_expert_tables
 from jax_dsrelu.kernels.slot_reduction import SlotReduction
 from jax_dsrelu.kernels.sm90 import epilogue_store, mainloop, schedule
+from jax_dsrelu.kernels.sm90.barriers import NamedBarrier
 from jax_dsrelu.kernels.sm90.config import TileConfig
 
 _ABS_MASK = 0x7FFFFFFF
-
-# Named barrier (0 is __syncthreads; 1 is the epilogue store's): the dbias partials.
-_DBIAS_BARRIER = 2
 
 
 class GroupedGemmDsreluSm90:
@@ -708,7 +706,7 @@ class GroupedGemmDsreluSm90:
     def _finish_columns(self, sDbias, ctid: Int32, n_tile: Int32, m_tile: Int32, expert: Int32, mDbias):
         """dbias partials of the tile: the 8 consumer warps' column sums, added in warp order,
         to the (M-tile, column) slot or atomically to dbias[expert, column]."""
-        cute.arch.barrier(barrier_id=_DBIAS_BARRIER, number_of_threads=self.consumer_threads)
+        cute.arch.barrier(barrier_id=int(NamedBarrier.DBIAS), number_of_threads=self.consumer_threads)
         if ctid < self.tile_n:
             total = sDbias[0, ctid]
             for w in cutlass.range_constexpr(1, self.consumer_warps):
@@ -720,4 +718,4 @@ class GroupedGemmDsreluSm90:
                 else:
                     cute.arch.atomic_add(mDbias.iterator + (expert * self.n + column), total)
         # The partials buffer is rewritten by the next tile's first subtile.
-        cute.arch.barrier(barrier_id=_DBIAS_BARRIER, number_of_threads=self.consumer_threads)
+        cute.arch.barrier(barrier_id=int(NamedBarrier.DBIAS), number_of_threads=self.consumer_threads)

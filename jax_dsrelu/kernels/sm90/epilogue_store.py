@@ -18,8 +18,8 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from jax_dsrelu.kernels.sm90 import mainloop
+from jax_dsrelu.kernels.sm90.barriers import NamedBarrier
 
-EPILOGUE_BARRIER = 1  # named barrier of the consumer warpgroups (0 is __syncthreads)
 
 
 def store_view(tensor: cute.Tensor, offset: Int32, length: Int32, local_tile: Int32,
@@ -49,7 +49,7 @@ def store_subtile(
         cute.copy(tiled_r2s, rOut, tRS_s[None, None, None, buffer])
     # stmatrix writes are generic-proxy; the TMA engine reads through the async proxy.
     cute.arch.fence_proxy("async.shared", space="cta")
-    cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=consumer_threads)
+    cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=consumer_threads)
     if ctid == 0:
         for i in cutlass.range_constexpr(len(outputs)):
             _, _, _, tma, gmem, smem = outputs[i]
@@ -58,7 +58,7 @@ def store_subtile(
         store_pipeline.producer_commit()
         # The next subtile reuses buffer + 1: wait until its store has read it.
         store_pipeline.producer_acquire()
-    cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=consumer_threads)
+    cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=consumer_threads)
 
 
 @cute.jit
@@ -87,7 +87,7 @@ def store_tile(
     sub_values = cute.size(rOut)
     if ctid == 0:
         store_pipeline.producer_acquire()
-    cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=consumer_threads)
+    cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=consumer_threads)
     for subtile in cutlass.range_constexpr(subtiles):
         for v in cutlass.range_constexpr(sub_values):
             rF[v] = tRS_rAcc[subtile * sub_values + v]
@@ -95,7 +95,7 @@ def store_tile(
         cute.copy(tiled_r2s, rOut, tRS_s[None, None, None, subtile])
     # stmatrix writes are generic-proxy; the TMA engine reads through the async proxy.
     cute.arch.fence_proxy("async.shared", space="cta")
-    cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=consumer_threads)
+    cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=consumer_threads)
     if ctid == 0:
         bSG_s, bSG_g = mainloop.tma_partition(tma, smem, gmem)
         for subtile in cutlass.range_constexpr(subtiles):
