@@ -16,8 +16,9 @@ for the variants
                GEMMs on ragged_dot_mgpu (forward, da, dx) and transposed_ragged_dot_mgpu
                (dW1, dW2); in XLA: b1, the activation, the dsReLU epilogue, dprob and db1
     dense_xla  XLA's dense MLP of the same FLOPs (one (d, f) and one (f, d) weight)
-    batched_xla  XLA's MLP over E batches of m / E rows (batched cuBLAS GEMMs, every
-               expert's own weights): the ceiling of equal groups
+    batched_xla  XLA's MLP over E batches of m / E rows (batched GEMMs, every expert's
+               own weights): the ceiling of equal groups
+    batched_cublas  the same with every GEMM on cuBLAS (harness.CUBLAS_ONLY)
 
 Throughput counts 12 m d f FLOPs per step and 4 m d f per forward. Each variant records
 its CUPTI per-kernel breakdown (timing.py) and the step's peak device memory from XLA's
@@ -49,7 +50,8 @@ from harness import SHAPES, group_sizes_for
 import jax_dsrelu
 from jax_dsrelu import groups
 
-VARIANTS = ("xla", "sm90", "sm90_det", "pallas", "dense_xla", "batched_xla")
+VARIANTS = ("xla", "sm90", "sm90_det", "pallas", "dense_xla", "batched_xla", "batched_cublas")
+XLA_VARIANTS = ("xla", "dense_xla", "batched_xla", "batched_cublas")
 MODES = ("step", "forward")
 FLOPS_PER_MDF = {"step": 12.0, "forward": 4.0}
 GRADIENTS = ("x", "w1", "w2", "prob", "b1")  # moe_mlp's differentiable operands, in order
@@ -198,7 +200,7 @@ def computation(variant, mode, pallas_configs=None):
     """(function, operand names) of one variant's step or forward."""
     if variant == "dense_xla":
         layer, names = dense_mlp, ("x", "w1_dense", "w2_dense", "prob", "b1_dense")
-    elif variant == "batched_xla":
+    elif variant in ("batched_xla", "batched_cublas"):
         layer, names = batched_mlp, ("x", "w1", "w2", "prob", "b1")
     else:
         names = ("x", "w1", "w2", "prob", "b1", "group_sizes")
@@ -263,16 +265,17 @@ def run_variant(variant, mode, operands, reference, reps, clock, flops) -> tuple
         try:
             fn, names = computation(variant, mode, config)
             args = tuple(operands[name] for name in names)
-            compiled = jax.jit(fn).lower(*args).compile()
+            options = harness.CUBLAS_ONLY if variant == "batched_cublas" else None
+            compiled = jax.jit(fn, compiler_options=options).lower(*args).compile()
             entry = dict(memory=memory(compiled))
             if config is not None:
                 entry["pallas_configs"] = [dict(block) for block in config]
             stage = "run"
             outputs = flatten(compiled(*args), mode)
-            if variant not in ("xla", "dense_xla", "batched_xla") and reference is None:
+            if variant not in XLA_VARIANTS and reference is None:
                 # Recorded rather than dropped: without XLA's result there is nothing to check.
                 entry["check"] = "not checked: the xla backend failed at this shape"
-            elif variant not in ("xla", "dense_xla", "batched_xla"):
+            elif variant not in XLA_VARIANTS:
                 stage = "check"
                 entry["check"] = compare(outputs, reference)
                 if not all(check.get("passes", True) for check in entry["check"].values()):
@@ -319,7 +322,7 @@ def ratios(results) -> dict:
     ms = {name: entry["ms"] for name, entry in results.items() if "ms" in entry}
     out = {}
     for ours in ("sm90", "sm90_det", "pallas"):
-        for other in ("xla", "dense_xla", "batched_xla"):
+        for other in XLA_VARIANTS:
             if ours in ms and other in ms:
                 out[f"{ours}_speedup_vs_{other}"] = ms[other] / ms[ours]
     if "sm90" in ms and "sm90_det" in ms:

@@ -106,3 +106,9 @@ def run(options, json_name: str, title: str, measure_row: Callable, plot: Callab
             path = save()
             plot(rows, path.replace(".json", ".png"), f"{title}, {result['device']} ({clock})")
     summarize(rows)
+
+
+# XLA fuses a GEMM into a Triton kernel of its own where its autotuner finds one faster,
+# and otherwise calls cuBLAS; with the fusion off every GEMM is cuBLAS's. A ceiling variant
+# is measured both ways, since neither is faster at every shape.
+CUBLAS_ONLY = {"xla_gpu_enable_triton_gemm": False}
