@@ -231,7 +231,7 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit", default="unknown")
-    parser.add_argument("--shapes", default=None, help="m,k,n,E;... (default: issue 3's three)")
+    parser.add_argument("--shapes", default=None, help="m,k,n,E;... (default: the three few-expert shapes)")
     parser.add_argument("--prebuild", action="store_true",
                         help="lower the sm90 variants for cuda here (no GPU) to fill JAX_DSRELU_KERNEL_CACHE, then stop")
     options = parser.parse_args()

@@ -9,7 +9,8 @@ shared expert's weights. Variants:
     auto       moe_layer(backend="auto", deterministic=False): the library's kernels
     auto_det   moe_layer(backend="auto", deterministic=True)
     xla        moe_layer(backend="xla"): the same block with its experts on XLA
-    gemms      the ceiling: the block's GEMMs alone, as cuBLAS runs them at their best.
+    gemms      the block's GEMMs alone, as XLA builds them (meant as a ceiling; at many
+               small experts XLA's batched GEMMs are slower than the library's kernels).
                The routed experts' six (h, y forward; da, dx, dw1, dw2 backward) batched
                over 128 equal experts of T * top_k / E rows each, the shared expert's six
                and the router's three (logits, dx, drouter), with only the elementwise
@@ -19,8 +20,8 @@ shared expert's weights. Variants:
                is the faster of the two
 
 For each block variant the record gives its time, its CUPTI kernel breakdown, its peak
-memory (XLA's memory analysis) and outside_gemms = 1 - gemms / variant: the fraction of
-the step that the ceiling does not spend, i.e. routing, dispatch, combine, the ragged
+memory (XLA's memory analysis) and outside_gemms = 1 - ceiling / variant, the ceiling being
+the faster GEMMs-alone variant: the fraction of the step that the ceiling does not spend, i.e. routing, dispatch, combine, the ragged
 grouping's cost and the fused epilogues beyond a plain GEMM's. The kernels' results are
 checked against the xla variant's before they are timed (normwise, bf16).
 

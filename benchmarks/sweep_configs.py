@@ -1,6 +1,6 @@
 """Times the sm90 kernels under a few tile configurations each.
 
---kernel dsrelu: the fused kernel at issue 3's shapes, the measurements behind
+--kernel dsrelu: the fused kernel at the three few-expert benchmark shapes, the measurements behind
 `choose_config` (docs/sm90.md): deterministic=False, with_dbias and with_act, bf16, same
 inputs as bench_dsrelu.py. Writes sweep_configs.json to --out.
 

@@ -13,7 +13,8 @@ replicated weights' gradients over "data".
     python examples/expert_parallel.py --deterministic     # on however many GPUs there are
 
 With --deterministic the digest of the final parameters is identical from run to run on
-CPU devices; across processes on a GPU it is not yet (see the README's Determinism section).
+CPU devices; across processes on a GPU it also takes XLA's own GEMM autotuning off
+(docs/determinism.md).
 """
 
 from __future__ import annotations

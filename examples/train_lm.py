@@ -259,8 +259,8 @@ def main() -> None:
     if args.deterministic:
         # XLA picks the algorithms of its own GEMMs (attention, the routers) by timing
         # candidates when it compiles, once per process; with autotuning off every process
-        # compiles the same ones, so the run also repeats across processes (README,
-        # "Determinism"). nnx.jit takes no compiler options, and XLA reads XLA_FLAGS when
+        # compiles the same ones, so the run also repeats across processes
+        # (docs/determinism.md). nnx.jit takes no compiler options, and XLA reads XLA_FLAGS when
         # JAX first starts a backend, which is below.
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0".strip()
     train_data, held_out_data, files = load_corpus()

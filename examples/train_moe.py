@@ -31,7 +31,7 @@ import jax_dsrelu
 # XLA picks the algorithms of its own GEMMs (here the router's) by timing candidates when
 # it compiles, once per process, and candidates add in different orders; with autotuning
 # off every process compiles the same algorithms, so a deterministic run repeats bit for
-# bit across processes as well as within one (README, "Determinism").
+# bit across processes as well as within one (docs/determinism.md).
 REPRODUCIBLE_COMPILATION = {"xla_gpu_autotune_level": 0}
 
 

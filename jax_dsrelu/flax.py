@@ -36,9 +36,9 @@ from jax_dsrelu.primitives import validation
 
 # Fan-in scaling per expert: the expert axis 0 is a batch of independent matrices.
 _EXPERT_INIT = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))
-# Logits of order 1 at the start: routing is then neither uniform (where every tie would
-# go to the lowest experts) nor saturated.
-_ROUTER_INIT = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+# Fan-in scaling of the router and the dense (shared, latent) weights: the router's logits
+# are then of order 1 at the start, so routing is neither uniform (where every tie would go
+# to the lowest experts) nor saturated.
 _DENSE_INIT = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 
 
@@ -84,7 +84,7 @@ class MoE(nnx.Module):
         backend: str = "auto",
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
-        router_init=_ROUTER_INIT,
+        router_init=_DENSE_INIT,
         kernel_init=_EXPERT_INIT,
         dense_init=_DENSE_INIT,
         rngs: nnx.Rngs,

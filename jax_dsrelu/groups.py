@@ -13,7 +13,6 @@ import jax.numpy as jnp
 from jax import lax
 
 
-
 def clamped_group_ends(group_sizes: jax.Array, num_rows: int) -> jax.Array:
     """Exclusive end row of every expert after clamping, int32 (E,).
 

@@ -93,6 +93,12 @@ def f64(x) -> np.ndarray:
     return np.asarray(np.asarray(x).astype(np.float32), dtype=np.float64)
 
 
+def rounded_up_f32(x: np.ndarray) -> np.ndarray:
+    """x in float32, each value rounded up to the next float32 where the cast rounded it down."""
+    x32 = x.astype(np.float32)
+    return np.where(x32 < x, np.nextafter(x32, np.float32(np.inf)), x32)
+
+
 def unit_roundoff(dtype) -> float:
     """2^-p for the dtype's p significand bits: the relative error of one rounding."""
     return float(ml_dtypes.finfo(np.dtype(dtype)).eps) / 2
@@ -116,7 +122,9 @@ def tolerance(terms: np.ndarray, num_summed, out_dtype=np.float32) -> np.ndarray
 def grouped_gemm_dsrelu(
     grad, weight, preact, prob, group_sizes, alpha=None, out_dtype=np.dtype(ml_dtypes.bfloat16)
 ) -> Expected:
-    grad, weight, preact, prob = f64(grad), f64(weight), f64(preact), f64(prob)
+    # preact, the largest input, is widened an expert's rows at a time.
+    grad, weight, prob = f64(grad), f64(weight), f64(prob)
+    preact = np.asarray(preact)
     out_dtype = np.dtype(out_dtype)
     u_out = unit_roundoff(out_dtype)
     sub_out = float(ml_dtypes.finfo(out_dtype).smallest_subnormal)
@@ -126,8 +134,10 @@ def grouped_gemm_dsrelu(
     gemm = gamma(k, DOT_UNIT)
     g3, g2, gn = gamma(3, UNIT_ROUNDOFF_F32), gamma(2, UNIT_ROUNDOFF_F32), gamma(num_cols + 2, UNIT_ROUNDOFF_F32)
 
-    dh, dh_bound = np.zeros((num_rows, num_cols)), np.zeros((num_rows, num_cols))
-    act, act_bound = np.zeros((num_rows, num_cols)), np.zeros((num_rows, num_cols))
+    # The (m, n) bounds are kept in float32, rounded up: a bound only ever grows by it, and
+    # the largest cases need half the memory.
+    dh, dh_bound = np.zeros((num_rows, num_cols)), np.zeros((num_rows, num_cols), np.float32)
+    act, act_bound = np.zeros((num_rows, num_cols)), np.zeros((num_rows, num_cols), np.float32)
     dprob, dprob_bound = np.zeros(num_rows), np.zeros(num_rows)
     dbias, dbias_bound = np.zeros((num_experts, num_cols)), np.zeros((num_experts, num_cols))
     amax, amax_bound = np.zeros(num_experts), np.zeros(num_experts)
@@ -141,16 +151,16 @@ def grouped_gemm_dsrelu(
             g = alpha[e] * (grad[rows] @ weight[e].T)
             gemm_error = gemm * abs(alpha[e]) * (np.abs(grad[rows]) @ np.abs(weight[e]).T)
             # np.maximum keeps NaN, like the contract's relu.
-            r = np.maximum(preact[rows], 0.0)
+            r = np.maximum(f64(preact[rows]), 0.0)
             p = prob[rows, None]
 
             dh[rows] = 2.0 * g * r * p
             dh_f32_error = g3 * np.abs(dh[rows]) + (1 + g3) * 2.0 * r * np.abs(p) * gemm_error + 3 * TINY_F32
-            dh_bound[rows] = dh_f32_error + u_out * (np.abs(dh[rows]) + dh_f32_error) + sub_out
+            dh_bound[rows] = rounded_up_f32(dh_f32_error + u_out * (np.abs(dh[rows]) + dh_f32_error) + sub_out)
 
             act[rows] = r * r * p
             act_f32_error = g2 * np.abs(act[rows]) + 2 * TINY_F32
-            act_bound[rows] = act_f32_error + u_out * (np.abs(act[rows]) + act_f32_error) + sub_out
+            act_bound[rows] = rounded_up_f32(act_f32_error + u_out * (np.abs(act[rows]) + act_f32_error) + sub_out)
 
             dprob[rows] = np.sum(r * r * g, axis=1)
             dprob_bound[rows] = (
@@ -172,6 +182,9 @@ def grouped_gemm_dsrelu(
     )
 
 
+CHECK_BLOCK = 1 << 20  # entries per block of assert_within
+
+
 def assert_within(name: str, got, want: np.ndarray, bound: np.ndarray, dtype) -> None:
     """got has `dtype` and want's shape; |got - want| <= bound where want is finite, and
     the same NaN or the same infinity where it is not."""
@@ -180,18 +193,27 @@ def assert_within(name: str, got, want: np.ndarray, bound: np.ndarray, dtype) ->
         raise AssertionError(
             f"{name}: got {got.dtype.name} {got.shape}, expected {np.dtype(dtype).name} {want.shape}"
         )
-    got = got.astype(np.float64)
-    with np.errstate(invalid="ignore"):
-        ok = np.abs(got - want) <= bound  # False wherever either side is NaN or infinite
-        suspects = np.flatnonzero(~ok)
-        g, w = got.ravel()[suspects], want.ravel()[suspects]
-        same_special = ~np.isfinite(w) & ((np.isnan(g) & np.isnan(w)) | (g == w))
-    wrong = suspects[~same_special]
-    if wrong.size:
-        at = np.unravel_index(wrong[0], want.shape)
+    # Block by block, so that checking a large output costs a block's float64 temporaries
+    # rather than several copies of the whole output.
+    flat_got, flat_want, flat_bound = got.reshape(-1), want.reshape(-1), bound.reshape(-1)
+    wrong_count, first_wrong = 0, None
+    for start in range(0, flat_want.size, CHECK_BLOCK):
+        block = slice(start, start + CHECK_BLOCK)
+        g, w = flat_got[block].astype(np.float64), flat_want[block]
+        with np.errstate(invalid="ignore"):
+            ok = np.abs(g - w) <= flat_bound[block]  # False wherever either side is NaN or infinite
+            suspects = np.flatnonzero(~ok)
+            g, w = g[suspects], w[suspects]
+            same_special = ~np.isfinite(w) & ((np.isnan(g) & np.isnan(w)) | (g == w))
+        wrong = suspects[~same_special]
+        if wrong.size and first_wrong is None:
+            first_wrong = start + wrong[0]
+        wrong_count += wrong.size
+    if wrong_count:
+        at = np.unravel_index(first_wrong, want.shape)
         raise AssertionError(
-            f"{name}: {wrong.size} of {want.size} entries outside the bound, the first at {at}: "
-            f"got {got[at]!r}, expected {want[at]!r} within {bound[at]!r}"
+            f"{name}: {wrong_count} of {want.size} entries outside the bound, the first at {at}: "
+            f"got {np.float64(got[at])!r}, expected {want[at]!r} within {bound[at]!r}"
         )
 
 

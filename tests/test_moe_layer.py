@@ -54,7 +54,7 @@ def make_inputs(rng, dtype=jnp.float32, num_tokens=NUM_TOKENS):
 
 
 def composed_layer(x, router, w1, w2, b1, top_k, normalize):
-    """The README's four steps, by hand."""
+    """docs/moe.md's four steps, by hand."""
     plan = jax_dsrelu.route(x @ router, top_k, normalize=normalize)
     rows = jax_dsrelu.dispatch(x.astype(w1.dtype), plan)
     y = jax_dsrelu.moe_mlp(rows, w1, w2, plan.row_prob, plan.group_sizes, b1=b1)

@@ -198,3 +198,15 @@ def test_update_under_data_parallelism_takes_the_psum_of_the_group_sizes():
     sharded = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P()), out_specs=P()))(logits, bias)
     whole = jax_dsrelu.route(logits, 4, score="sigmoid", expert_bias=bias).group_sizes
     np.testing.assert_array_equal(sharded, jax_dsrelu.update_expert_bias(bias, whole, 1e-3))
+
+
+def test_bad_balancing_steps_raise_naming_them():
+    bias, sizes = jnp.zeros(4), jnp.array([3, 1, 0, 4], jnp.int32)
+    with pytest.raises(TypeError, match=r"rate must be a float or a float scalar array, got '1e-3' \(str\)"):
+        jax_dsrelu.update_expert_bias(bias, sizes, "1e-3")
+    with pytest.raises(ValueError, match="rate must be finite and >= 0, got nan"):
+        jax_dsrelu.update_expert_bias(bias, sizes, float("nan"))
+    with pytest.raises(ValueError, match="rate must be finite and >= 0, got -0.1"):
+        jax_dsrelu.update_expert_bias(bias, sizes, -0.1)
+    with pytest.raises(TypeError, match="group_sizes.dtype must be an integer type"):
+        jax_dsrelu.update_expert_bias(bias, sizes.astype(jnp.float32), 1e-3)

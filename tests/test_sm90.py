@@ -44,7 +44,7 @@ from jax_dsrelu.ffi import cutlass_bridge  # noqa: E402
 from jax_dsrelu.kernels.sm90 import dsrelu_call as lowering  # noqa: E402
 from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
 
-# (m, k, n, E) of issue 3's benchmark.
+# (m, k, n, E) of the fused kernel's benchmark.
 BENCHMARK_SHAPES = [(16384, 4096, 2048, 8), (32768, 7168, 2048, 8), (65536, 2048, 1024, 32)]
 CUSTOM_CALL = re.compile(r"stablehlo\.custom_call @(\w+)")
 # Floating-point add atomics and reductions in PTX (amax's integer max is allowed).

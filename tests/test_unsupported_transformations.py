@@ -1,4 +1,4 @@
-"""What the README's transformations table marks unsupported fails with JAX's own error.
+"""What the transformations table (docs/api.md) marks unsupported fails with JAX's own error.
 
 The primitive is itself a backward pass and has no differentiation rule, so neither it nor
 `moe_mlp`'s backward (which runs it) can be differentiated again; `moe_mlp` is a custom VJP,

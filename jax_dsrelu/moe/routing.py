@@ -62,9 +62,6 @@ class RoutingPlan:
         return self.group_sizes.shape[0]
 
 
-SCORES = ("softmax", "sigmoid")
-
-
 def route(
     logits: jax.Array,  # (T, E) router logits
     top_k: int,
@@ -111,7 +108,7 @@ def route(
         router_z_loss = mean over tokens of logsumexp(logits[t])**2    (ST-MoE)
 
     For a uniform softmax router the losses are 1 and log(E)**2; with T = 0 they are 0.
-    Defaults reproduce softmax top-k routing exactly as it was before these options.
+    The defaults are plain softmax top-k routing.
     """
     validation.check_logits(logits)
     num_tokens, num_experts = logits.shape
@@ -176,7 +173,7 @@ def update_expert_bias(
     sizes first, e.g. `jax.lax.psum(plan.group_sizes, data_axes)` inside `shard_map`, so
     that every device applies the same update and the replicated bias stays replicated.
     """
-    validation.check_expert_bias_update(expert_bias, group_sizes)
+    validation.check_expert_bias_update(expert_bias, group_sizes, rate)
     sizes = jnp.asarray(group_sizes).astype(jnp.float32)
     step = jnp.sign(jnp.mean(sizes) - sizes)
     return jnp.asarray(expert_bias).astype(jnp.float32) + jnp.asarray(rate, jnp.float32) * step

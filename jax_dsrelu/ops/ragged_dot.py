@@ -6,7 +6,6 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_dsrelu import jax_internals
@@ -40,8 +39,6 @@ def ragged_dot(
     lhs.dtype and rhs.dtype. Every output and gradient is bitwise reproducible on every
     backend. backend is "auto", "xla" or "sm90"; see `jax_dsrelu.backends()`.
     """
-    if isinstance(group_sizes, (list, tuple, np.ndarray)):
-        group_sizes = jnp.asarray(group_sizes)
     group_sizes = validation.check_ragged_dot(lhs, rhs, group_sizes)
     out_dtype = (
         np.dtype(lhs.dtype)

@@ -17,6 +17,8 @@ from jax_dsrelu.kernels.registry import BACKEND_NAMES
 
 # The floating dtypes of every operand, result and option that is not an MXFP8 operand.
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# How a router's logits become scores (`route`'s `score`).
+SCORES = ("softmax", "sigmoid")
 
 
 def _names(dtypes) -> str:
@@ -85,13 +87,7 @@ def dtype_option(name: str, value: Any, allowed) -> np.dtype:
 
 
 def out_dtype(value: Any, name: str = "out_dtype") -> np.dtype:
-    try:
-        dtype = np.dtype(value)
-    except TypeError as error:
-        raise TypeError(f"{name} must be one of {_names(FLOAT_DTYPES)}, got {value!r}") from error
-    if dtype not in [np.dtype(d) for d in FLOAT_DTYPES]:
-        raise TypeError(f"{name} must be one of {_names(FLOAT_DTYPES)}, got {dtype.name}")
-    return dtype
+    return dtype_option(name, value, FLOAT_DTYPES)
 
 
 def check_grouped_gemm_dsrelu(
@@ -258,8 +254,8 @@ def require_int(name: str, value: Any) -> None:
 def check_routing(top_k, num_experts, score, expert_bias, num_groups, top_groups, normalize, scale) -> None:
     """The options of `route` (and of the layers that route), for E = num_experts."""
     require_top_k(top_k, num_experts)
-    if score not in ("softmax", "sigmoid"):
-        raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+    if score not in SCORES:
+        raise ValueError(f"score must be {' or '.join(map(repr, SCORES))}, got {score!r}")
     require_bool("normalize", normalize)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale must be a Python float, got {scale!r} ({type(scale).__name__})")
@@ -292,13 +288,22 @@ def check_routing(top_k, num_experts, score, expert_bias, num_groups, top_groups
         require_dtype("expert_bias", expert_bias, FLOAT_DTYPES)
 
 
-def check_expert_bias_update(expert_bias, group_sizes) -> None:
+def check_expert_bias_update(expert_bias, group_sizes, rate) -> None:
     require_array("expert_bias", expert_bias)
     require_array("group_sizes", group_sizes)
     require_rank("expert_bias", expert_bias, 1, "(E,)")
     require_dtype("expert_bias", expert_bias, FLOAT_DTYPES)
     require_rank("group_sizes", group_sizes, 1, "(E,)")
+    require_integer("group_sizes", group_sizes)
     require_dim("group_sizes", group_sizes, 0, expert_bias.shape[0], "expert_bias.shape[0] (E)")
+    # A traced rate (a schedule under jit) can only be checked for its shape and dtype.
+    if isinstance(rate, (bool, np.bool_)) or not (
+        isinstance(rate, (int, float, np.integer, np.floating))
+        or (hasattr(rate, "shape") and rate.shape == () and jnp.issubdtype(rate.dtype, jnp.floating))
+    ):
+        raise TypeError(f"rate must be a float or a float scalar array, got {rate!r} ({type(rate).__name__})")
+    if isinstance(rate, (int, float, np.integer, np.floating)) and not (np.isfinite(rate) and rate >= 0):
+        raise ValueError(f"rate must be finite and >= 0, got {rate!r}")
 
 
 def check_token_rows(name: str, array, expected_rows: int, meaning: str) -> None:

@@ -138,7 +138,7 @@ def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileCon
 
     A 128x256 tile issues m64n256k16 wgmma (the most operand reuse per byte loaded);
     narrower problems use tile_n = 128 so that the last N tile is not mostly empty. On an
-    H200 at issue 3's shapes, 128x256 with 32-column subtiles and 3 stages beat 64-column
+    H200 at the three few-expert benchmark shapes, 128x256 with 32-column subtiles and 3 stages beat 64-column
     subtiles by 1-4% and 128x128 with 4 stages by 6-18% (benchmarks/sweep_configs.py).
     """
     reason = cannot_implement(request)

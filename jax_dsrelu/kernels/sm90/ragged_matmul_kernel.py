@@ -43,9 +43,8 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_dsrelu.kernels.group_tables import build_expert_tables
-from jax_dsrelu.kernels.sm90 import epilogue_store, mainloop
+from jax_dsrelu.kernels.sm90 import epilogue_store, mainloop, schedule
 from jax_dsrelu.kernels.sm90.config import GemmConfig
-from jax_dsrelu.kernels.sm90 import schedule
 
 
 class RaggedGemmSm90:
