@@ -317,15 +317,8 @@ def render_summary(results: dict) -> str:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for row in results["shapes"]:
-        step = row["modes"]["step"]
-        variants, r = step["variants"], step["ratios"]
-        det = r.get("det_overhead")
-        lines.append(
-            f"| {shape_text(row['shape'], 'mdfE')} | {cell(variants.get('sm90'))} "
-            f"| {cell(variants.get('sm90_det'))} | {'—' if det is None else f'{det:+.1%}'} "
-            f"| {ratio(r.get('sm90_speedup_vs_dense_xla'), 'times')} "
-            f"| {ratio(best_batched_speedup(r), 'times')} |"
-        )
+        c = step_cells(row)
+        lines.append(f"| {c['shape']} | {c['sm90']} | {c['sm90_det']} | {c['det']} | {c['vs_dense']} | {c['vs_batched']} |")
     return "\n".join(lines)
 
 
@@ -342,6 +335,21 @@ def best_batched_speedup(ratios: dict) -> float | None:
     return min(found) if found else None
 
 
+def step_cells(row: dict) -> dict[str, str]:
+    """The cells of one shape's moe_mlp step, as both step tables write them."""
+    step = row["modes"]["step"]
+    variants, r = step["variants"], step["ratios"]
+    det = r.get("det_overhead")
+    cells = {key: cell(variants.get(key)) for key in ("sm90", "sm90_det", "dense_xla", "batched_xla", "batched_cublas")}
+    return dict(
+        cells,
+        shape=shape_text(row["shape"], "mdfE"),
+        det="—" if det is None else f"{det:+.1%}",
+        vs_dense=ratio(r.get("sm90_speedup_vs_dense_xla"), "times"),
+        vs_batched=ratio(best_batched_speedup(r), "times"),
+    )
+
+
 def render_layer_steps(results: dict) -> str:
     """The moe_mlp step at every benchmark shape, against the dense and the batched XLA ceilings."""
     lines = [
@@ -356,16 +364,10 @@ def render_layer_steps(results: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in results["shapes"]:
-        step = row["modes"]["step"]
-        variants, r = step["variants"], step["ratios"]
-        det = r.get("det_overhead")
+        c = step_cells(row)
         lines.append(
-            f"| {shape_text(row['shape'], 'mdfE')}, {row.get('grouping', 'dirichlet')} "
-            f"| {cell(variants.get('sm90'))} | {cell(variants.get('sm90_det'))} "
-            f"| {'—' if det is None else f'{det:+.1%}'} | {cell(variants.get('dense_xla'))} "
-            f"| {cell(variants.get('batched_xla'))} | {cell(variants.get('batched_cublas'))} "
-            f"| {ratio(r.get('sm90_speedup_vs_dense_xla'), 'times')} "
-            f"| {ratio(best_batched_speedup(r), 'times')} |"
+            f"| {c['shape']}, {row.get('grouping', 'dirichlet')} | {c['sm90']} | {c['sm90_det']} | {c['det']} "
+            f"| {c['dense_xla']} | {c['batched_xla']} | {c['batched_cublas']} | {c['vs_dense']} | {c['vs_batched']} |"
         )
     lines += ["", "Where the sm90 step's time goes (CUPTI, ms):", ""]
     for row in results["shapes"]:

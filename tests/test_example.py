@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from jaxpr_search import scatter_adds
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
@@ -63,21 +64,6 @@ def test_language_model_with_nemotron_style_blocks_learns_and_moves_the_bias(tmp
     for low, high in re.findall(r"expert bias: min ([-+\d.]+) max ([-+\d.]+)", out):
         assert float(high) > float(low) and max(abs(float(low)), abs(float(high))) <= 0.4, out
     assert len(re.findall("expert bias", out)) == 2, out
-
-
-def scatter_adds(jaxpr):
-    """The output shapes of every scatter-add in a jaxpr, nested jaxprs included."""
-    from jax.extend import core
-
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scatter-add":
-            yield eqn.outvars[0].aval.shape
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                if isinstance(sub, core.ClosedJaxpr):
-                    yield from scatter_adds(sub.jaxpr)
-                elif isinstance(sub, core.Jaxpr):
-                    yield from scatter_adds(sub)
 
 
 NEMOTRON_STYLE_FLAGS = [

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_search import scatter_adds
 
 import jax_dsrelu
 
@@ -312,21 +313,6 @@ def test_the_scatter_check_can_fail():
     chosen = jnp.asarray(hf_block(tensors, np.asarray(x, np.float64), **hf_options(options))[1])
     grad = jax.grad(lambda p: jnp.sum(plain_block(p, jnp.asarray(x), chosen, score="sigmoid", normalize=True, scale=2.5)))
     assert list(scatter_adds(jax.make_jaxpr(grad)(params).jaxpr))
-
-
-def scatter_adds(jaxpr):
-    """The output shapes of every scatter-add in a jaxpr, nested jaxprs included."""
-    from jax.extend import core
-
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scatter-add":
-            yield eqn.outvars[0].aval.shape
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                if isinstance(sub, core.ClosedJaxpr):
-                    yield from scatter_adds(sub.jaxpr)
-                elif isinstance(sub, core.Jaxpr):
-                    yield from scatter_adds(sub)
 
 
 def test_defaults_are_the_softmax_layer_bit_for_bit():

@@ -13,28 +13,12 @@ import numpy as np
 import pytest
 
 import jax_dsrelu
-from jax_dsrelu.kernels import registry as backend_choice
+from test_determinism_gpu import distinct, hopper  # noqa: F401 (hopper is a fixture)
 
-RUNS = 20
 # Sigmoid top-6 of 32 experts in 4 groups (best 2 kept), normalized and scaled, a shared
 # expert and a latent width: every part of the block, at a size where atomics vary.
 TOKENS, D, LATENT, F, SHARED, EXPERTS, TOP_K = 8192, 1024, 512, 1024, 2048, 32, 6
 OPTIONS = dict(top_k=TOP_K, score="sigmoid", num_groups=4, top_groups=2, normalize=True, scale=2.5)
-
-
-@pytest.fixture(scope="module")
-def hopper():
-    if backend_choice.cuda_compute_capability() != (9, 0):
-        pytest.skip("the sm90 kernels run on compute capability 9.0")
-
-
-def distinct(fn, *args, runs=RUNS):
-    """How many bitwise-different results `fn(*args)` gives over `runs` calls."""
-    seen = set()
-    for _ in range(runs):
-        leaves = jax.tree.leaves(fn(*args))
-        seen.add(b"".join(np.asarray(leaf).tobytes() for leaf in leaves))
-    return len(seen)
 
 
 def block_inputs(seed):
