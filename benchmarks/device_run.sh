@@ -29,6 +29,7 @@
 #             PARALLEL_NAME_<mode>
 #   sweep     benchmarks/sweep_configs.py (tile configurations at the benchmark shapes)
 #   sweep_contract  benchmarks/sweep_configs.py --kernel contract (the contraction's configurations)
+#   sweep_gemm  benchmarks/sweep_configs.py --kernel gemm (the ragged-M kernels' N tiles)
 #   sanitize_contract  memcheck over the contraction's boundary cases (negative sizes,
 #             sums past m, exact tiles, many experts of widths no tile multiple)
 #   sanitize  a small subset of the GPU tests under compute-sanitizer (memcheck)
@@ -160,6 +161,11 @@ fi
 if [[ $stages == *,sweep,* ]]; then
   timeout 120 python3 benchmarks/sweep_configs.py --out "$OUT" 2>&1 | tee -a "$log"
   echo "sweep exit $?" | tee -a "$log"
+fi
+
+if [[ $stages == *,sweep_gemm,* ]]; then
+  timeout 150 python3 benchmarks/sweep_configs.py --kernel gemm --commit "$commit" --out "$OUT" 2>&1 | tee -a "$log"
+  echo "sweep_gemm exit $?" | tee -a "$log"
 fi
 
 if [[ $stages == *,sweep_contract,* ]]; then

@@ -168,7 +168,8 @@ def job_names() -> list[str]:
     names += [f"bench_dsrelu {i}" for i in range(len(bench_dsrelu.SHAPES))]
     names += [f"bench_gemms {i}" for i in range(len(bench_gemms.SHAPES))]
     names += [f"bench_layer {i}" for i in range(len(bench_layer.SHAPES))]
-    names += ["process_digests", "tests moe_mlp and examples", "determinism tests", "language model", "moe block"]
+    names += ["process_digests", "tests moe_mlp and examples", "determinism tests", "language model", "moe block",
+              "sweep gemm"]
     return names
 
 
@@ -235,6 +236,8 @@ def run_job(name: str) -> str:
         lower_language_model()
     elif kind == "moe block":
         lower_moe_block()
+    elif kind == "sweep gemm":
+        sweep_configs.prebuild_gemm(sm90_config.DEFAULT_SM_COUNT)
     else:
         raise ValueError(f"unknown job {name!r}")
     return name

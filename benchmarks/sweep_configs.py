@@ -11,7 +11,13 @@ measurements behind `choose_contract_config`: N tiles of 128, 192 and 256 (b = 1
 against a ring of 3 (more operand stages).
 Writes sweep_contract.json to --out.
 
-Both: CUPTI time of the custom call's kernels, median of --reps calls.
+--kernel gemm: the ragged-M kernels of a layer step (up: h, act = srelu(x W1[e] + b1);
+down: act W2[e]; dx: dh W1[e]^T read in place; and the fused dsReLU kernel) at the
+fine-grained shapes with Dirichlet group sizes, the measurements behind `choose_tile_n`:
+N tiles of 128, 192 and 256 (n = 1856 and 2688 are no multiple of 256), each with as
+many operand stages as fit. Writes sweep_gemm.json to --out.
+
+All: CUPTI time of the custom call's kernels, median of --reps calls.
 """
 
 from __future__ import annotations
@@ -71,6 +77,83 @@ def contract_candidates(sm_count, b):
             if (name == "chosen" or config != chosen) and config.smem_bytes(256, 2) <= sm90_config.SMEM_CAPACITY}
 
 
+GEMM_SHAPES = [(49152, 2688, 1856, 128), (65536, 2048, 768, 256)]
+
+
+def gemm_cases(shapes=GEMM_SHAPES):
+    """(shape, gemm, request) of every timed ragged-M kernel: (k, n) = (d, f) for up and
+    dsrelu, (f, d) for down and dx."""
+    for m, d, f, num_experts in shapes:
+        common = dict(num_experts=num_experts, operand_dtype=BF16, out_dtype=BF16)
+        yield (m, d, f, num_experts), "up", request_facts.RaggedMatmulRequest(
+            k=d, n=f, rhs_layout="kn", epilogue="srelu", with_bias=True, **common)
+        yield (m, d, f, num_experts), "down", request_facts.RaggedMatmulRequest(k=f, n=d, rhs_layout="kn", **common)
+        yield (m, d, f, num_experts), "dx", request_facts.RaggedMatmulRequest(k=f, n=d, rhs_layout="nk", **common)
+        yield (m, d, f, num_experts), "dsrelu", request_for(d, f, num_experts)
+
+
+def gemm_candidates(sm_count, request):
+    """The chosen config for a ragged-M request and the same with every other N tile."""
+    if isinstance(request, request_facts.Request):
+        chosen = sm90_config.choose_config(request, sm_count)
+    else:
+        chosen = sm90_config.choose_gemm_config(request, sm_count)
+    configs = {"chosen": chosen}
+    for tile_n in (128, 192, 256):
+        if tile_n != chosen.tile_n:
+            config = dataclasses.replace(chosen, tile_n=tile_n)
+            # As many operand stages as fit with this tile, as the chooser would give it.
+            while not _fits(config, request):
+                config = dataclasses.replace(config, ab_stages=config.ab_stages - 1)
+            while config.ab_stages < 8 and _fits(dataclasses.replace(config, ab_stages=config.ab_stages + 1), request):
+                config = dataclasses.replace(config, ab_stages=config.ab_stages + 1)
+            configs[f"128x{tile_n} ab{config.ab_stages}"] = config
+    return configs
+
+
+def _fits(config, request):
+    if isinstance(request, request_facts.Request):
+        need = config.smem_bytes(request.num_experts, request.with_act, request.with_dbias)
+    else:
+        need = config.smem_bytes(request.num_experts, 2 if request.epilogue == "srelu" else 1)
+    return need <= sm90_config.SMEM_CAPACITY
+
+
+def sweep_gemm(reps, sm_count, shapes):
+    rows = []
+    for shape, gemm, request in gemm_cases(shapes):
+        m, d, f, num_experts = shape
+        keys = jax.random.split(jax.random.key(1), 4)
+        sizes = jnp.asarray(group_sizes_for("dirichlet", m, num_experts, 0))
+        if gemm == "dsrelu":
+            grad, weight, preact, prob, _ = make_inputs(m, request.k, request.n, num_experts, 0)
+            args = (grad, weight, preact, prob, sizes, jnp.ones((num_experts,), jnp.float32))
+        else:
+            lhs = jax.random.normal(keys[0], (m, request.k), jnp.bfloat16)
+            rhs_shape = (num_experts, request.k, request.n) if request.rhs_layout == "kn" else (num_experts, request.n, request.k)
+            rhs = (jax.random.normal(keys[1], rhs_shape, jnp.float32) / np.sqrt(request.k)).astype(jnp.bfloat16)
+            args = (lhs, rhs, sizes)
+            if request.epilogue == "srelu":
+                args += (jax.random.uniform(keys[2], (m,), jnp.float32), jax.random.normal(keys[3], (num_experts, request.n)))
+        for name, config in gemm_candidates(sm_count, request).items():
+            implementation = lowering if gemm == "dsrelu" else sm90_gemm
+            run = jax.jit(implementation.implementation(request, config))
+            ms, _ = cupti_ms(run, args, reps)
+            rows.append(dict(shape=list(shape), gemm=gemm, config=name, ms=ms,
+                             tflops=2.0 * m * d * f / (ms * 1e-3) / 1e12, fields=dataclasses.asdict(config)))
+            print(f"{shape} {gemm:<6} {name:<14} {ms:8.3f} ms", flush=True)
+    return rows
+
+
+def prebuild_gemm(sm_count):
+    for _, gemm, request in gemm_cases():
+        for config in gemm_candidates(sm_count, request).values():
+            if gemm == "dsrelu":
+                lowering.compile_kernel(request, config)
+            else:
+                sm90_gemm.compile_kernel(request, config)
+
+
 def contract_request(num_experts, a, b):
     return request_facts.RaggedContractRequest(
         num_experts=num_experts, a=a, b=b, operand_dtype=BF16, out_dtype=BF16
@@ -121,18 +204,21 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--kernel", choices=["dsrelu", "contract"], default="dsrelu")
+    parser.add_argument("--kernel", choices=["dsrelu", "contract", "gemm"], default="dsrelu")
     parser.add_argument("--commit", default=None)
-    parser.add_argument("--shapes", type=parse_shapes, default=CONTRACT_SHAPES, help="m,d,f,E;... (contract only)")
+    parser.add_argument("--shapes", type=parse_shapes, default=None,
+                        help="m,d,f,E;... (contract and gemm; default CONTRACT_SHAPES or GEMM_SHAPES)")
     parser.add_argument("--prebuild", action="store_true", help="compile the contraction candidates here, then stop")
     options = parser.parse_args()
-    if options.kernel == "contract":
+    if options.kernel in ("contract", "gemm"):
+        prebuild, sweep = (prebuild_contract, sweep_contract) if options.kernel == "contract" else (prebuild_gemm, sweep_gemm)
         if options.prebuild:
-            prebuild_contract(sm90_config.DEFAULT_SM_COUNT)
+            prebuild(sm90_config.DEFAULT_SM_COUNT)
             return
-        rows = sweep_contract(options.reps, lowering.sm_count(), options.shapes)
+        default_shapes = CONTRACT_SHAPES if options.kernel == "contract" else GEMM_SHAPES
+        rows = sweep(options.reps, lowering.sm_count(), options.shapes or default_shapes)
         os.makedirs(options.out, exist_ok=True)
-        with open(os.path.join(options.out, "sweep_contract.json"), "w") as file:
+        with open(os.path.join(options.out, f"sweep_{options.kernel}.json"), "w") as file:
             json.dump(dict(run_record.header(options.commit, "CUPTI kernel time, median of reps"), rows=rows),
                       file, indent=1)
         return

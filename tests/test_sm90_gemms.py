@@ -257,8 +257,8 @@ def test_configs_validate_in_one_place():
             assert config.smem_bytes(256, out_dtype.itemsize) <= sm90_config.SMEM_CAPACITY
             assert config.ab_stages >= 3 and config.store_stages >= 2
     # Widths that are not a tile multiple take the tile that pads them least.
-    assert sm90_config.contract_tile_n(1856) == 192 and sm90_config.contract_tile_n(2688) == 192
-    assert sm90_config.contract_tile_n(2048) == 256 and sm90_config.contract_tile_n(768) == 256
+    assert sm90_config.choose_tile_n(1856) == 192 and sm90_config.choose_tile_n(2688) == 192
+    assert sm90_config.choose_tile_n(2048) == 256 and sm90_config.choose_tile_n(768) == 256
 
 
 # ----------------------------------------------------------------------------- GPU tier

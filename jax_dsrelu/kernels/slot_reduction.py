@@ -83,15 +83,8 @@ class SlotReduction:
         )
 
     @cute.kernel
-    def kernel(
-        self,
-        dprob_slots: cute.Tensor,
-        dbias_slots: Optional[cute.Tensor],
-        group_sizes: cute.Tensor,
-        dprob: cute.Tensor,
-        dbias: Optional[cute.Tensor],
-        row_blocks: Int32,
-    ):
+    def kernel(self, dprob_slots: cute.Tensor, dbias_slots: Optional[cute.Tensor], group_sizes: cute.Tensor,
+               dprob: cute.Tensor, dbias: Optional[cute.Tensor], row_blocks: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())

@@ -141,23 +141,19 @@ GROUPED_GEMM_DSRELU = Schema(
     kept_whole=("k", "e", "b"),
 )
 
+# lhs (m, k) times expert e's rhs, stored (e, k, n) or (e, n, k).
+_RAGGED_MATMUL_OPERANDS = (Field("lhs", "m k"), Field("rhs", "e {rhs_layout}"), Field(GROUP_SIZES, "e"))
+
 RAGGED_MATMUL = Schema(
     name="ragged_matmul",
-    operands=(
-        Field("lhs", "m k"),
-        Field("rhs", "e {rhs_layout}"),
-        Field(GROUP_SIZES, "e"),
-    ),
+    operands=_RAGGED_MATMUL_OPERANDS,
     results=(Field("out", "m n", dtype="out_dtype"),),
     kept_whole=("k", "e"),
 )
 
 RAGGED_MATMUL_SRELU = Schema(
     name="ragged_matmul_srelu",
-    operands=(
-        Field("lhs", "m k"),
-        Field("rhs", "e {rhs_layout}"),
-        Field(GROUP_SIZES, "e"),
+    operands=_RAGGED_MATMUL_OPERANDS + (
         Field("prob", "m"),
         Field("bias", "e n", present_if="with_bias", absent_as_none=True),
     ),

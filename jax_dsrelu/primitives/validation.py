@@ -55,6 +55,32 @@ def require_dim(name: str, array: Any, axis: int, expected: int, meaning: str) -
         )
 
 
+def require_layouts(*specs: tuple[str, Any, str], experts: str) -> dict[str, int]:
+    """Checks arrays against their layouts, each given as (name, array, "(m, k)"): every
+    array's rank first, then that the array named `experts` has at least one expert
+    along axis 0, then that a dimension named in several layouts has one size. The first
+    array that names a dimension sets its size, and a mismatch names that array's axis
+    ("must equal grad.shape[1] (k)=64"). Returns the sizes by dimension name."""
+    for name, array, layout in specs:
+        require_rank(name, array, len(_dims(layout)), layout)
+    require_experts(experts, dict((name, array) for name, array, _ in specs)[experts])
+    sizes: dict[str, int] = {}
+    origins: dict[str, str] = {}
+    for name, array, layout in specs:
+        for axis, dim in enumerate(_dims(layout)):
+            if dim in sizes:
+                require_dim(name, array, axis, sizes[dim], f"{origins[dim]} ({dim})")
+            else:
+                sizes[dim] = array.shape[axis]
+                origins[dim] = f"{name}.shape[{axis}]"
+    return sizes
+
+
+def _dims(layout: str) -> list[str]:
+    """The dimension names of a layout: "(E, n, k)" -> ["E", "n", "k"], "(m,)" -> ["m"]."""
+    return [dim.strip() for dim in layout.strip("()").split(",") if dim.strip()]
+
+
 def group_sizes_array(group_sizes: Any) -> Any:
     """group_sizes as a JAX array, so that lists and NumPy arrays work as in lax.ragged_dot."""
     try:
@@ -95,19 +121,11 @@ def check_grouped_gemm_dsrelu(
 ) -> Any:
     """Raises on a bad call; returns group_sizes as a JAX array."""
     group_sizes = group_sizes_array(group_sizes)
-    require_rank("grad", grad, 2, "(m, k)")
-    require_rank("weight", weight, 3, "(E, n, k)")
-    require_rank("preact", preact, 2, "(m, n)")
-    require_rank("prob", prob, 1, "(m,)")
-    require_rank("group_sizes", group_sizes, 1, "(E,)")
-    require_experts("weight", weight)
-    num_rows, k = grad.shape
-    num_experts, n, _ = weight.shape
-    require_dim("weight", weight, 2, k, "grad.shape[1] (k)")
-    require_dim("preact", preact, 0, num_rows, "grad.shape[0] (m)")
-    require_dim("preact", preact, 1, n, "weight.shape[1] (n)")
-    require_dim("prob", prob, 0, num_rows, "grad.shape[0] (m)")
-    require_dim("group_sizes", group_sizes, 0, num_experts, "weight.shape[0] (E)")
+    layouts = [("grad", grad, "(m, k)"), ("weight", weight, "(E, n, k)"), ("preact", preact, "(m, n)"),
+               ("prob", prob, "(m,)"), ("group_sizes", group_sizes, "(E,)")]
+    if alpha is not None:
+        layouts.append(("alpha", alpha, "(E,)"))
+    require_layouts(*layouts, experts="weight")
 
     if grad_scale is None and weight_scale is None:
         if np.dtype(grad.dtype) in mx.ELEMENT_DTYPES:
@@ -128,8 +146,6 @@ def check_grouped_gemm_dsrelu(
     require_dtype("prob", prob, FLOAT_DTYPES)
     require_integer("group_sizes", group_sizes)
     if alpha is not None:
-        require_rank("alpha", alpha, 1, "(E,)")
-        require_dim("alpha", alpha, 0, num_experts, "weight.shape[0] (E)")
         require_dtype("alpha", alpha, FLOAT_DTYPES)
     return group_sizes
 
@@ -166,20 +182,11 @@ def check_block_scales(grad, weight, grad_scale, weight_scale) -> None:
 def check_moe_mlp(x, w1, w2, prob, group_sizes, b1) -> Any:
     """Raises on a bad call; returns group_sizes as a JAX array."""
     group_sizes = group_sizes_array(group_sizes)
-    require_rank("x", x, 2, "(m, d)")
-    require_rank("w1", w1, 3, "(E, d, f)")
-    require_rank("w2", w2, 3, "(E, f, d)")
-    require_rank("prob", prob, 1, "(m,)")
-    require_rank("group_sizes", group_sizes, 1, "(E,)")
-    require_experts("w1", w1)
-    num_rows, d = x.shape
-    num_experts, _, f = w1.shape
-    require_dim("w1", w1, 1, d, "x.shape[1] (d)")
-    require_dim("w2", w2, 0, num_experts, "w1.shape[0] (E)")
-    require_dim("w2", w2, 1, f, "w1.shape[2] (f)")
-    require_dim("w2", w2, 2, d, "x.shape[1] (d)")
-    require_dim("prob", prob, 0, num_rows, "x.shape[0] (m)")
-    require_dim("group_sizes", group_sizes, 0, num_experts, "w1.shape[0] (E)")
+    layouts = [("x", x, "(m, d)"), ("w1", w1, "(E, d, f)"), ("w2", w2, "(E, f, d)"), ("prob", prob, "(m,)"),
+               ("group_sizes", group_sizes, "(E,)")]
+    if b1 is not None:
+        layouts.append(("b1", b1, "(E, f)"))
+    require_layouts(*layouts, experts="w1")
     require_dtype("x", x, FLOAT_DTYPES)
     for name, array in (("w1", w1), ("w2", w2)):
         if np.dtype(array.dtype) != np.dtype(x.dtype):
@@ -190,9 +197,6 @@ def check_moe_mlp(x, w1, w2, prob, group_sizes, b1) -> Any:
     require_dtype("prob", prob, FLOAT_DTYPES)
     require_integer("group_sizes", group_sizes)
     if b1 is not None:
-        require_rank("b1", b1, 2, "(E, f)")
-        require_dim("b1", b1, 0, num_experts, "w1.shape[0] (E)")
-        require_dim("b1", b1, 1, f, "w1.shape[2] (f)")
         require_dtype("b1", b1, FLOAT_DTYPES)
     return group_sizes
 
@@ -200,12 +204,8 @@ def check_moe_mlp(x, w1, w2, prob, group_sizes, b1) -> Any:
 def check_ragged_dot(lhs, rhs, group_sizes) -> Any:
     """Raises on a bad call; returns group_sizes as a JAX array."""
     group_sizes = group_sizes_array(group_sizes)
-    require_rank("lhs", lhs, 2, "(m, k)")
-    require_rank("rhs", rhs, 3, "(E, k, n)")
-    require_rank("group_sizes", group_sizes, 1, "(E,)")
-    require_experts("rhs", rhs)
-    require_dim("rhs", rhs, 1, lhs.shape[1], "lhs.shape[1] (k)")
-    require_dim("group_sizes", group_sizes, 0, rhs.shape[0], "rhs.shape[0] (E)")
+    require_layouts(("lhs", lhs, "(m, k)"), ("rhs", rhs, "(E, k, n)"), ("group_sizes", group_sizes, "(E,)"),
+                    experts="rhs")
     require_dtype("lhs", lhs, FLOAT_DTYPES)
     if np.dtype(rhs.dtype) != np.dtype(lhs.dtype):
         raise TypeError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable, ClassVar
 
 import numpy as np
 
@@ -50,44 +51,60 @@ def _check_subtiles(config) -> None:
         raise ValueError(f"epi_n must be 32 or 64 and divide tile_n={config.tile_n}, got {config.epi_n}")
 
 
-@dataclasses.dataclass(frozen=True)
-class TileConfig:
-    """Static tile configuration of the kernel; `__post_init__` is the one validity check.
-
-    The consumer mode is cooperative: both consumer warpgroups work on the same
-    (tile_m, tile_n) tile, 64 rows each, and run the epilogue together (no ping-pong
-    variant exists; docs/sm90.md says why and what it would gain). The cluster is 1x1: a
-    cluster along M could span two experts, whose B tiles differ, so multicast of B would
-    be wrong; along N it would save L2 traffic for A only.
-    """
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelTiles:
+    """What every kernel's static configuration holds: output tiles of tile_m x tile_n,
+    tile_k of the contraction per operand stage, ab_stages operand stages, stored in
+    (tile_m x epi_n) subtiles through store_stages shared buffers, by max_ctas persistent
+    CTAs. The consumer mode is cooperative: both consumer warpgroups work on the same
+    tile, 64 rows each, and run the epilogue together (docs/sm90.md says why there is no
+    ping-pong variant and what it would gain). The cluster is 1x1: a cluster along M
+    could span two experts, whose B tiles differ, so multicast of B would be wrong; along
+    N it would save L2 traffic for A only. `__post_init__` is the one validity check."""
 
     tile_n: int  # columns per work tile (the N extent of each wgmma)
     tile_k: int  # k per pipeline stage
-    ab_stages: int  # grad/weight shared-memory stages
-    epi_n: int  # columns per epilogue subtile (preact load, dh/act store)
-    preact_stages: int  # preact subtiles in flight
-    store_stages: int  # dh/act subtile buffers, each a TMA store in flight
+    ab_stages: int  # operand (A/B) shared-memory stages
+    epi_n: int  # columns per epilogue subtile
+    store_stages: int  # output subtile buffers, each a TMA store in flight
     max_ctas: int  # persistent grid size: one CTA per multiprocessor
     tile_m: int = TILE_M
 
+    # Fields that count something and must be positive, beyond the tile's own.
+    counts: ClassVar[tuple[str, ...]] = ("store_stages", "max_ctas")
+
     def __post_init__(self) -> None:
-        _check_tile(self, ("preact_stages", "store_stages", "max_ctas"))
+        _check_tile(self, self.counts)
         _check_subtiles(self)
 
     @property
     def subtiles(self) -> int:
         return self.tile_n // self.epi_n
 
+    def _operand_bytes(self) -> int:
+        """The operand ring's shared memory, 16-bit operands."""
+        return self.ab_stages * (self.tile_m + self.tile_n) * self.tile_k * 2
+
+    def _store_bytes(self, outputs: int, out_bytes: int = 2) -> int:
+        return self.store_stages * self.tile_m * self.epi_n * out_bytes * outputs
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TileConfig(KernelTiles):
+    """The fused dsReLU kernel's configuration: the family's, with preact_stages preact
+    subtiles in flight."""
+
+    preact_stages: int
+    counts: ClassVar[tuple[str, ...]] = KernelTiles.counts + ("preact_stages",)
+
     def smem_bytes(self, num_experts: int, with_act: bool, with_dbias: bool) -> int:
         """Shared memory the kernel allocates for this config (16-bit operands and outputs)."""
-        ab = self.ab_stages * (self.tile_m + self.tile_n) * self.tile_k * 2
-        subtile = self.tile_m * self.epi_n * 2
-        preact = self.preact_stages * subtile
-        stores = self.store_stages * subtile * (2 if with_act else 1)
+        preact = self.preact_stages * self.tile_m * self.epi_n * 2
         # Per-warp column partials of the tile (8 consumer warps), float32.
         dbias = 8 * self.tile_n * 4 if with_dbias else 0
         tables = 2 * (num_experts + 1) * 4
-        return ab + preact + stores + dbias + tables + _SMEM_RESERVE
+        return (self._operand_bytes() + preact + self._store_bytes(2 if with_act else 1) + dbias + tables
+                + _SMEM_RESERVE)
 
     def check_fits(self, num_experts: int, with_act: bool, with_dbias: bool) -> None:
         need = self.smem_bytes(num_experts, with_act, with_dbias)
@@ -132,106 +149,83 @@ def cannot_implement(request: Request) -> str | None:
     return None
 
 
-def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
-    """The tile configuration for `request`: widest N tile that the problem fills, then
-    as many grad/weight stages as shared memory holds.
+def choose_tile_n(n: int) -> int:
+    """The N tile that pads n least, ties to the wider tile; 64 for narrow problems.
 
-    A 128x256 tile issues m64n256k16 wgmma (the most operand reuse per byte loaded);
-    narrower problems use tile_n = 128 so that the last N tile is not mostly empty. On an
-    H200 at the three few-expert benchmark shapes, 128x256 with 32-column subtiles and 3 stages beat 64-column
-    subtiles by 1-4% and 128x128 with 4 stages by 6-18% (benchmarks/sweep_configs.py).
+    A partial last tile loads and computes columns that are never stored; a wider tile
+    issues wider wgmma (more operand reuse per byte of shared memory read), so it wins
+    when the padding is equal. At the Nemotron-3 Nano widths, 1856 = 7 * 256 + 64 pads
+    to 1920 with 192 (3%) against 2048 with 256 (10%) and 1920 with 128 (the narrower
+    tile), and 2688 = 14 * 192 exactly; multiples of 256 keep 256."""
+    if n < 128:
+        return 64
+    return min((256, 192, 128), key=lambda tile: -(-n // tile) * tile)
+
+
+def _most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int:
+    """The most operand stages, from `fewest` up to `most`, with which a config fits."""
+    stages = fewest
+    while stages < most and fits(stages + 1):
+        stages += 1
+    return stages
+
+
+def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
+    """The tile configuration for `request`: the N tile of `choose_tile_n`, then as many
+    grad/weight stages as shared memory holds.
+
+    On an H200 at the three few-expert benchmark shapes, 128x256 with 32-column subtiles
+    and 3 stages beat 64-column subtiles by 1-4% and 128x128 with 4 stages by 6-18%
+    (benchmarks/sweep_configs.py).
     """
     reason = cannot_implement(request)
     if reason is not None:
         raise ValueError(reason)
-    tile_n = 256 if request.n >= 256 and request.n % 256 in (0, 192) else 128
-    if request.n < 128:
-        tile_n = 64
-    base = dict(tile_n=tile_n, tile_k=64, epi_n=32, preact_stages=4, store_stages=2, max_ctas=sm_count)
-    stages = 2
-    while (
-        TileConfig(ab_stages=stages + 1, **base).smem_bytes(
-            request.num_experts, request.with_act, request.with_dbias
-        )
-        <= SMEM_CAPACITY
-        and stages < 8
-    ):
-        stages += 1
-    config = TileConfig(ab_stages=stages, **base)
-    config.check_fits(request.num_experts, request.with_act, request.with_dbias)
+    base = dict(tile_n=choose_tile_n(request.n), tile_k=64, epi_n=32, preact_stages=4, store_stages=2, max_ctas=sm_count)
+    facts = (request.num_experts, request.with_act, request.with_dbias)
+    config = TileConfig(
+        ab_stages=_most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2),
+        **base,
+    )
+    config.check_fits(*facts)
     return config
 
 
 # ---------------------------------------------------------------- the grouped-GEMM family
 
 
-@dataclasses.dataclass(frozen=True)
-class GemmConfig:
-    """Static tile configuration of the ragged-M GEMM (`ragged_matmul_kernel.py`); `__post_init__`
-    is the one validity check. Cooperative consumers and a 1x1 cluster, as TileConfig."""
-
-    tile_n: int
-    tile_k: int
-    ab_stages: int
-    epi_n: int
-    store_stages: int
-    max_ctas: int
-    tile_m: int = TILE_M
-
-    def __post_init__(self) -> None:
-        _check_tile(self, ("store_stages", "max_ctas"))
-        _check_subtiles(self)
-
-    @property
-    def subtiles(self) -> int:
-        return self.tile_n // self.epi_n
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GemmConfig(KernelTiles):
+    """The ragged-M GEMM's configuration (`ragged_matmul_kernel.py`): the family's."""
 
     def smem_bytes(self, num_experts: int, outputs: int) -> int:
         """Shared memory for this config with `outputs` 16-bit output tensors."""
-        ab = self.ab_stages * (self.tile_m + self.tile_n) * self.tile_k * 2
-        stores = self.store_stages * self.tile_m * self.epi_n * 2 * outputs
         tables = 2 * (num_experts + 1) * 4
-        return ab + stores + tables + _SMEM_RESERVE
+        return self._operand_bytes() + self._store_bytes(outputs) + tables + _SMEM_RESERVE
 
 
-@dataclasses.dataclass(frozen=True)
-class ContractConfig:
-    """Static tile configuration of the ragged contraction (`ragged_contract_kernel.py`): output
-    tiles of tile_m x tile_n, tile_k rows of the expert per pipeline stage, stored in
-    (tile_m x epi_n) subtiles through a ring of store_stages shared-memory buffers, by
-    max_ctas persistent CTAs. `__post_init__` is the one validity check."""
-
-    tile_n: int
-    tile_k: int
-    ab_stages: int
-    epi_n: int
-    store_stages: int
-    max_ctas: int
-    tile_m: int = TILE_M
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ContractConfig(KernelTiles):
+    """The ragged contraction's configuration (`ragged_contract_kernel.py`): the family's,
+    tile_k expert rows per stage, at most a buffer per subtile."""
 
     def __post_init__(self) -> None:
-        _check_tile(self, ("store_stages", "max_ctas"))
-        _check_subtiles(self)
+        super().__post_init__()
         if self.store_stages > self.subtiles:
             raise ValueError(
                 f"store_stages must be at most the tile's {self.subtiles} subtiles (a buffer per "
                 f"subtile stores the whole tile at once), got {self.store_stages}"
             )
 
-    @property
-    def subtiles(self) -> int:
-        return self.tile_n // self.epi_n
-
     def smem_bytes(self, num_experts: int, out_bytes: int) -> int:
         """Shared memory for this config with an output of `out_bytes` per element."""
-        ab = self.ab_stages * (self.tile_m + self.tile_n) * self.tile_k * 2
-        stores = self.store_stages * self.tile_m * self.epi_n * out_bytes
         # row_start, tile_start and the expert order, E + 1 int32 each.
         tables = 3 * (num_experts + 1) * 4
-        return ab + stores + tables + _SMEM_RESERVE
+        return self._operand_bytes() + self._store_bytes(1, out_bytes) + tables + _SMEM_RESERVE
 
 
-def _common_reason(num_experts: int, operand_dtype, extents: dict[str, int]) -> str | None:
+def _reason(kernel: str, num_experts: int, operand_dtype, out_dtype, out_dtypes, **extents: int) -> str | None:
+    """Why the sm90 `kernel` cannot take these operands and extents, or None."""
     if np.dtype(operand_dtype) not in _SIXTEEN_BIT:
         return f"the sm90 kernels need bfloat16 or float16 operands, got {np.dtype(operand_dtype).name}"
     if num_experts < 1 or num_experts > MAX_EXPERTS:
@@ -239,62 +233,41 @@ def _common_reason(num_experts: int, operand_dtype, extents: dict[str, int]) -> 
     for name, extent in extents.items():
         if extent < 8 or extent % 8:
             return f"the sm90 kernels need {name} to be a positive multiple of 8 (16-byte TMA rows), got {name}={extent}"
+    if np.dtype(out_dtype) not in out_dtypes:
+        names = [np.dtype(dtype).name for dtype in out_dtypes]
+        return f"the sm90 {kernel} writes {', '.join(names[:-1])} or {names[-1]}, got out_dtype={np.dtype(out_dtype).name}"
     return None
 
 
 def cannot_implement_gemm(request: RaggedMatmulRequest) -> str | None:
     """Why the ragged-M GEMM cannot serve `request`, or None when it can."""
-    reason = _common_reason(request.num_experts, request.operand_dtype, {"n": request.n, "k": request.k})
-    if reason is not None:
-        return reason
-    if np.dtype(request.out_dtype) not in _SIXTEEN_BIT:
-        return f"the sm90 ragged GEMM writes bfloat16 or float16, got out_dtype={np.dtype(request.out_dtype).name}"
     if request.rhs_layout not in ("kn", "nk"):
         return f"rhs_layout must be 'kn' or 'nk', got {request.rhs_layout!r}"
     if request.epilogue not in ("none", "srelu"):
         return f"the sm90 ragged GEMM has epilogues 'none' and 'srelu', got {request.epilogue!r}"
-    return None
+    return _reason("ragged GEMM", request.num_experts, request.operand_dtype, request.out_dtype, _SIXTEEN_BIT,
+                   n=request.n, k=request.k)
 
 
 def cannot_implement_contract(request: RaggedContractRequest) -> str | None:
     """Why the ragged contraction cannot serve `request`, or None when it can."""
-    reason = _common_reason(request.num_experts, request.operand_dtype, {"a": request.a, "b": request.b})
-    if reason is not None:
-        return reason
-    if np.dtype(request.out_dtype) not in _SIXTEEN_BIT + (np.dtype(np.float32),):
-        return f"the sm90 ragged contraction writes float32, bfloat16 or float16, got {np.dtype(request.out_dtype).name}"
-    return None
-
-
-def _widest_tile_n(n: int) -> int:
-    """A 256-wide tile when the problem fills it (most operand reuse per byte), else 128,
-    so that the last N tile is not mostly empty; 64 for narrow problems."""
-    if n < 128:
-        return 64
-    return 256 if n >= 256 and n % 256 in (0, 192) else 128
+    return _reason("ragged contraction", request.num_experts, request.operand_dtype, request.out_dtype,
+                   (np.dtype(np.float32),) + _SIXTEEN_BIT, a=request.a, b=request.b)
 
 
 def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_COUNT) -> GemmConfig:
-    """Widest N tile the problem fills, then as many stages as shared memory holds."""
+    """The N tile of `choose_tile_n`, then as many stages as shared memory holds."""
     reason = cannot_implement_gemm(request)
     if reason is not None:
         raise ValueError(reason)
     outputs = 2 if request.epilogue == "srelu" else 1
-    base = dict(tile_n=_widest_tile_n(request.n), tile_k=64, epi_n=32, store_stages=2, max_ctas=sm_count)
-    stages = 2
-    while stages < 8 and GemmConfig(ab_stages=stages + 1, **base).smem_bytes(request.num_experts, outputs) <= SMEM_CAPACITY:
-        stages += 1
-    return GemmConfig(ab_stages=stages, **base)
-
-
-def contract_tile_n(b: int) -> int:
-    """The N tile (over b) that pads b least: a partial last tile computes and loads
-    columns that are never stored. Ties go to the wider tile (more operand reuse per
-    byte loaded). At the Nemotron-3 Nano widths, b = 1856 = 7 * 256 + 64 pads to 1920
-    with 192 (3%) against 2048 with 256 (10%), and b = 2688 = 14 * 192 exactly."""
-    if b < 128:
-        return 64
-    return min((256, 192, 128), key=lambda tile: -(-b // tile) * tile)
+    base = dict(tile_n=choose_tile_n(request.n), tile_k=64, epi_n=32, store_stages=2, max_ctas=sm_count)
+    return GemmConfig(
+        ab_stages=_most_stages(
+            lambda stages: GemmConfig(ab_stages=stages, **base).smem_bytes(request.num_experts, outputs) <= SMEM_CAPACITY, 2
+        ),
+        **base,
+    )
 
 
 # Fewest expert rows in flight in the contraction's operand ring when the whole output tile
@@ -304,7 +277,7 @@ _CONTRACT_MAX_STAGES = 8
 
 
 def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAULT_SM_COUNT) -> ContractConfig:
-    """128 x contract_tile_n(b) output tiles, 32 expert rows per stage; a shared buffer for
+    """128 x choose_tile_n(b) output tiles, 32 expert rows per stage; a shared buffer for
     every subtile of a tile (stored at once, two barriers per tile) if that leaves at
     least 192 rows of operands in flight, else a ring of store buffers; then as many
     operand stages as fit, up to 8.
@@ -322,24 +295,21 @@ def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAU
         raise ValueError(reason)
     out_bytes = np.dtype(request.out_dtype).itemsize
     tile_k = 32
-    base = dict(tile_n=contract_tile_n(request.b), tile_k=tile_k, epi_n=32, max_ctas=sm_count)
+    base = dict(tile_n=choose_tile_n(request.b), tile_k=tile_k, epi_n=32, max_ctas=sm_count)
     subtiles = base["tile_n"] // base["epi_n"]
 
+    def fits(ab_stages, store_stages):
+        config = ContractConfig(ab_stages=ab_stages, store_stages=store_stages, **base)
+        return config.smem_bytes(request.num_experts, out_bytes) <= SMEM_CAPACITY
+
     def most_stages(store_stages):
-        stages = 1
-        while stages < _CONTRACT_MAX_STAGES and ContractConfig(
-            ab_stages=stages + 1, store_stages=store_stages, **base
-        ).smem_bytes(request.num_experts, out_bytes) <= SMEM_CAPACITY:
-            stages += 1
-        return stages
+        return _most_stages(lambda stages: fits(stages, store_stages), 1, _CONTRACT_MAX_STAGES)
 
     whole_tile_stages = most_stages(subtiles)
     if whole_tile_stages * tile_k >= _CONTRACT_MIN_ROWS_IN_FLIGHT:
         return ContractConfig(ab_stages=whole_tile_stages, store_stages=subtiles, **base)
     store_stages = 2
     ab_stages = most_stages(store_stages)
-    while store_stages < subtiles and ContractConfig(
-        ab_stages=ab_stages, store_stages=store_stages + 1, **base
-    ).smem_bytes(request.num_experts, out_bytes) <= SMEM_CAPACITY:
+    while store_stages < subtiles and fits(ab_stages, store_stages + 1):
         store_stages += 1
     return ContractConfig(ab_stages=ab_stages, store_stages=store_stages, **base)

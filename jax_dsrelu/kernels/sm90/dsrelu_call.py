@@ -44,15 +44,7 @@ def sm_count() -> int:
 
 @functools.cache
 def _kernel(request: Request, config: sm90_config.TileConfig) -> GroupedGemmDsreluSm90:
-    return GroupedGemmDsreluSm90(
-        config,
-        num_experts=request.num_experts,
-        n=request.n,
-        k=request.k,
-        with_dbias=request.with_dbias,
-        with_act=request.with_act,
-        deterministic=request.deterministic,
-    )
+    return GroupedGemmDsreluSm90(config, request)
 
 
 @dataclasses.dataclass(frozen=True)

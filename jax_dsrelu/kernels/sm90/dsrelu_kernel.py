@@ -13,9 +13,11 @@ Math, with e(i) the expert owning row i (rows are contiguous per expert, in expe
     rows owned by no expert: dh = act = 0, dprob = 0
 
 Features:
-    - Persistent, warp-specialized: warp 0 loads grad/weight tiles with TMA into a multi-stage
-      shared-memory pipeline, warp 1 loads preact subtiles with TMA into a second pipeline,
-      two consumer warpgroups (cooperative, 64 rows each) issue wgmma with fp32 accumulators.
+    - A variant of the family's base (`gemm_base.RaggedMGemmSm90`): persistent,
+      warp-specialized, warp 0 loads grad/weight tiles with TMA into a multi-stage
+      shared-memory pipeline, two consumer warpgroups (cooperative, 64 rows each) issue
+      wgmma with fp32 accumulators; this kernel adds warp 1, which loads preact subtiles
+      with TMA into a second pipeline, and the fused epilogue.
     - Ragged groups read from device memory, no host synchronisation and no padding: every
       CTA builds the clamped expert tables (`jax_dsrelu.kernels.group_tables`) in shared
       memory and walks a linear work index w = bid, bid + grid, ... over (M-tile, N-tile),
@@ -43,12 +45,8 @@ whose row mode ends at each expert's last row (the arithmetic is in mainloop.py'
 docstring). Loads need no clipping (the next expert's rows are masked, rows past m read
 as zeros), so grad and preact use plain descriptors.
 
-The tile schedule (`schedule.py`) and the TMA/wgmma mainloop (`mainloop.py`) are the ones
-every kernel of the Hopper family shares; this kernel adds the preact producer warp and
-the fused epilogue.
-
 Usage: through `jax_dsrelu.grouped_gemm_dsrelu(..., backend="sm90")` (or "auto" on an
-H100/H200); `lowering.py` builds the buffers and the call.
+H100/H200); `dsrelu_call.py` builds the buffers and the call.
 
 Constraints:
     - grad and weight bfloat16 or float16 (same type), preact and out_dtype 16-bit float
@@ -62,56 +60,29 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import warp
 from cutlass.tensor_utils import LayoutEnum
 
-from jax_dsrelu.kernels.group_tables import build_expert_tables
+from jax_dsrelu.kernels.request import Request
 from jax_dsrelu.kernels.slot_reduction import SlotReduction
-from jax_dsrelu.kernels.sm90 import epilogue_store, mainloop, schedule
+from jax_dsrelu.kernels.sm90 import mainloop
 from jax_dsrelu.kernels.sm90.barriers import NamedBarrier
 from jax_dsrelu.kernels.sm90.config import TileConfig
+from jax_dsrelu.kernels.sm90.gemm_base import RaggedMGemmSm90
 
 _ABS_MASK = 0x7FFFFFFF
 
 
-class GroupedGemmDsreluSm90:
+class GroupedGemmDsreluSm90(RaggedMGemmSm90):
     """The kernel for one static configuration. `__call__` is the host function that the
     JAX bridge runs: (stream, *inputs, *outputs) in the order documented on `__call__`."""
 
-    producer_warps = 4  # warpgroup 0: warp 0 grad/weight TMA, warp 1 preact TMA
-    consumer_warps = 8  # warpgroups 1 and 2
-    threads = 128 * 3
-    producer_registers = 40
-    consumer_registers = 232
-
-    def __init__(
-        self,
-        config: TileConfig,
-        *,
-        num_experts: int,
-        n: int,
-        k: int,
-        with_dbias: bool,
-        with_act: bool,
-        deterministic: bool,
-    ):
-        self.config = config
-        self.num_experts = num_experts
-        self.n = n
-        self.k = k
-        self.with_dbias = with_dbias
-        self.with_act = with_act
-        self.deterministic = deterministic
-        self.tile_m = config.tile_m
-        self.tile_n = config.tile_n
-        self.tile_k = config.tile_k
-        self.epi_n = config.epi_n
-        self.subtiles = config.subtiles
-        self.n_tiles = (n + config.tile_n - 1) // config.tile_n
-        self.k_tiles = (k + config.tile_k - 1) // config.tile_k
-        self.consumer_threads = 32 * self.consumer_warps
+    def __init__(self, config: TileConfig, request: Request):
+        super().__init__(config, request.num_experts, request.n, request.k)
+        self.with_dbias = request.with_dbias
+        self.with_act = request.with_act
+        self.deterministic = request.deterministic
 
     # ------------------------------------------------------------------ host side
 
@@ -119,7 +90,7 @@ class GroupedGemmDsreluSm90:
     def __call__(self, stream: cuda.CUstream, *tensors: cute.Tensor):
         """Launches the GEMM and, in deterministic mode, the slot reduction, on `stream`.
 
-        tensors, in order (see lowering.py, which builds the same list):
+        tensors, in order (dsrelu_call.py `buffer_plan` builds the same list):
             grad (m, k), weight as (n, k, E), preact (m, n), prob (m,) f32,
             group_sizes (E,) i32, alpha (E,) f32, amax bits (E,) i32 (zero-filled, updated),
             [deterministic=False: dprob (m,) f32, [dbias (E, n) f32], zero-filled, updated]
@@ -147,230 +118,86 @@ class GroupedGemmDsreluSm90:
             if cutlass.const_expr(self.with_dbias):
                 dbias = rest.pop(0)
 
-        self.ab_dtype = grad.element_type
         self.preact_dtype = preact.element_type
         self.out_dtype = dh.element_type
-
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype,
-            self.ab_dtype,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K,
-            Float32,
-            (2, 1, 1),
-            tiler_mn=(64, self.tile_n),
-        )
-        tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
-        a_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, tile_mnk, self.ab_dtype, self.config.ab_stages
-        )
-        b_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, tile_mnk, self.ab_dtype, self.config.ab_stages
-        )
-        epi_tile = (self.tile_m, self.epi_n)
-        p_layout = sm90_utils.make_smem_layout_epi(
-            self.preact_dtype, LayoutEnum.ROW_MAJOR, epi_tile, self.config.preact_stages
-        )
-        d_layout = sm90_utils.make_smem_layout_epi(
-            self.out_dtype, LayoutEnum.ROW_MAJOR, epi_tile, self.config.store_stages
-        )
-
-        tma_a, tma_grad = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(),
-            grad,
-            cute.slice_(a_layout, (None, None, 0)),
-            (self.tile_m, self.tile_k),
-        )
-        tma_b, tma_weight = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(),
-            weight,
-            cute.slice_(b_layout, (None, None, 0)),
-            (self.tile_n, self.tile_k),
-        )
-        tma_p, tma_preact = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(),
-            preact,
-            cute.slice_(p_layout, (None, None, 0)),
-            epi_tile,
-        )
-        tma_d, tma_dh = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(),
-            mainloop.ragged_view(dh, 0),
-            cute.slice_(d_layout, (None, None, 0)),
-            epi_tile,
-        )
+        tiled_mma, a_layout, b_layout = self._mma(grad.element_type, LayoutEnum.ROW_MAJOR, LayoutEnum.ROW_MAJOR)
+        p_layout = self._epi_layout(self.preact_dtype, self.config.preact_stages)
+        d_layout = self._epi_layout(self.out_dtype, self.config.store_stages)
+        tma_a, tma_grad = self._tma_load(grad, a_layout, (self.tile_m, self.tile_k))
+        tma_b, tma_weight = self._tma_load(weight, b_layout, (self.tile_n, self.tile_k))
+        tma_p, tma_preact = self._tma_load(preact, p_layout, (self.tile_m, self.epi_n))
+        tma_d, tma_dh = self._tma_store(mainloop.ragged_view(dh, 0), d_layout)
         tma_act = None
         tma_act_tensor = None
+        buffers = {
+            "sP": (self.preact_dtype, cute.cosize(p_layout)),
+            "sD": (self.out_dtype, cute.cosize(d_layout)),
+        }
         if cutlass.const_expr(self.with_act):
-            tma_act, tma_act_tensor = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(),
-                mainloop.ragged_view(act, 0),
-                cute.slice_(d_layout, (None, None, 0)),
-                epi_tile,
-            )
-
-        self.shared_storage = self._shared_storage(a_layout, b_layout, p_layout, d_layout)
+            tma_act, tma_act_tensor = self._tma_store(mainloop.ragged_view(act, 0), d_layout)
+            buffers["sAct"] = (self.out_dtype, cute.cosize(d_layout))
+        if cutlass.const_expr(self.with_dbias):
+            # Per-warp column partials of the tile.
+            buffers["dbias_partials"] = (Float32, self.consumer_warps * self.tile_n)
+        self.shared_storage = self._shared_storage(
+            a_layout, b_layout, {"preact_barriers": self.config.preact_stages}, buffers
+        )
 
         num_rows = cute.size(prob, mode=[0])
-        m_tiles = (num_rows + (self.tile_m - 1)) // self.tile_m
-        # Expert tiles are at most m_tiles + E and the zero-fill tiles at most m_tiles.
-        max_work = (2 * m_tiles + self.num_experts) * self.n_tiles
-        grid = cutlass.min(max_work, Int32(self.config.max_ctas))
-
-        self.kernel(
-            tma_a,
-            tma_grad,
-            tma_b,
-            tma_weight,
-            tma_p,
-            tma_preact,
-            tma_d,
-            tma_dh,
-            tma_act,
-            tma_act_tensor,
-            prob,
-            group_sizes,
-            alpha,
-            amax,
-            dprob,
-            dbias,
-            tiled_mma,
-            a_layout,
-            b_layout,
-            p_layout,
-            d_layout,
-        ).launch(
-            grid=[grid, 1, 1],
-            block=[self.threads, 1, 1],
-            min_blocks_per_mp=1,
-            stream=stream,
+        self._launch(
+            self.kernel(
+                tma_a, tma_grad, tma_b, tma_weight, tma_p, tma_preact, tma_d, tma_dh, tma_act, tma_act_tensor,
+                prob, group_sizes, alpha, amax, dprob, dbias, tiled_mma, a_layout, b_layout, p_layout, d_layout,
+            ),
+            self._grid(num_rows), stream,
         )
         if cutlass.const_expr(self.deterministic):
             SlotReduction(num_experts=self.num_experts, tile_m=self.tile_m)(
                 dprob, dbias, group_sizes, dprob_out, dbias_out, stream
             )
 
-    def _shared_storage(self, a_layout, b_layout, p_layout, d_layout):
-        experts = self.num_experts + 1
-        ab_stages = self.config.ab_stages
-        preact_stages = self.config.preact_stages
-        ab_dtype = self.ab_dtype
-        preact_dtype = self.preact_dtype
-        out_dtype = self.out_dtype
-        act_elems = cute.cosize(d_layout) if self.with_act else 1
-        dbias_elems = self.consumer_warps * self.tile_n if self.with_dbias else 1
-
-        @cute.struct
-        class SharedStorage:
-            ab_barriers: cute.struct.MemRange[cutlass.Int64, ab_stages * 2]
-            preact_barriers: cute.struct.MemRange[cutlass.Int64, preact_stages * 2]
-            row_start: cute.struct.MemRange[Int32, experts]
-            tile_start: cute.struct.MemRange[Int32, experts]
-            dbias_partials: cute.struct.Align[cute.struct.MemRange[Float32, dbias_elems], 16]
-            sA: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(a_layout)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(b_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[preact_dtype, cute.cosize(p_layout)], 1024]
-            sD: cute.struct.Align[cute.struct.MemRange[out_dtype, cute.cosize(d_layout)], 1024]
-            sAct: cute.struct.Align[cute.struct.MemRange[out_dtype, act_elems], 1024]
-
-        return SharedStorage
-
     # ---------------------------------------------------------------- device side
 
     @cute.kernel
     def kernel(
         self,
-        tma_a: cute.CopyAtom,
-        mA: cute.Tensor,
-        tma_b: cute.CopyAtom,
-        mB: cute.Tensor,
-        tma_p: cute.CopyAtom,
-        mP: cute.Tensor,
-        tma_d: cute.CopyAtom,
-        mD: cute.Tensor,
-        tma_act: Optional[cute.CopyAtom],
-        mAct: Optional[cute.Tensor],
-        mProb: cute.Tensor,
-        mGroupSizes: cute.Tensor,
-        mAlpha: cute.Tensor,
-        mAmax: cute.Tensor,
-        mDprob: cute.Tensor,
-        mDbias: Optional[cute.Tensor],
+        # (TMA atom, tensor) pairs: the operands, preact, dh and act
+        tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+        tma_p: cute.CopyAtom, mP: cute.Tensor,
+        tma_d: cute.CopyAtom, mD: cute.Tensor, tma_act: Optional[cute.CopyAtom], mAct: Optional[cute.Tensor],
+        # the epilogue's inputs and reduced outputs in global memory
+        mProb: cute.Tensor, mGroupSizes: cute.Tensor, mAlpha: cute.Tensor, mAmax: cute.Tensor,
+        mDprob: cute.Tensor, mDbias: Optional[cute.Tensor],
         tiled_mma: cute.TiledMma,
-        a_layout: cute.ComposedLayout,
-        b_layout: cute.ComposedLayout,
-        p_layout: cute.ComposedLayout,
-        d_layout: cute.ComposedLayout,
+        a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
+        p_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         num_rows = cute.size(mProb, mode=[0])
-
-        if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_a)
-            cpasync.prefetch_descriptor(tma_b)
-            cpasync.prefetch_descriptor(tma_p)
-            cpasync.prefetch_descriptor(tma_d)
-            if cutlass.const_expr(self.with_act):
-                cpasync.prefetch_descriptor(tma_act)
-
+        self._prefetch([tma_a, tma_b, tma_p, tma_d] + ([tma_act] if cutlass.const_expr(self.with_act) else []))
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        one_cta = cute.make_layout((1, 1, 1, 1))
-        ab_pipeline = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.ab_barriers.data_ptr(),
-            num_stages=self.config.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_warps),
-            tx_count=cute.size_in_bytes(self.ab_dtype, cute.slice_(a_layout, (None, None, 0)))
-            + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_layout, (None, None, 0))),
-            cta_layout_vmnk=one_cta,
-            defer_sync=True,
+        ab_pipeline = self._operand_pipeline(storage, a_layout, b_layout)
+        preact_pipeline = self._tma_pipeline(
+            storage.preact_barriers, self.config.preact_stages,
+            cute.size_in_bytes(self.preact_dtype, cute.slice_(p_layout, (None, None, 0))),
         )
-        preact_pipeline = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.preact_barriers.data_ptr(),
-            num_stages=self.config.preact_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_warps),
-            tx_count=cute.size_in_bytes(self.preact_dtype, cute.slice_(p_layout, (None, None, 0))),
-            cta_layout_vmnk=one_cta,
-            defer_sync=True,
-        )
-
-        row_start = storage.row_start.get_tensor(cute.make_layout(self.num_experts + 1))
-        tile_start = storage.tile_start.get_tensor(cute.make_layout(self.num_experts + 1))
-        if warp_idx == self.producer_warps:
-            build_expert_tables(
-                mGroupSizes, num_rows, row_start, tile_start, self.num_experts, self.tile_m
-            )
-        # Publishes the barrier initialisation and the expert tables to every warp.
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-
-        sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
-        sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
-        sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
-
-        expert_work = tile_start[self.num_experts] * self.n_tiles
+        row_start, tile_start = self._publish_tables(storage, mGroupSizes, num_rows, self.tile_m)
+        sA = self._smem(storage.sA, a_layout)
+        sB = self._smem(storage.sB, b_layout)
+        sP = self._smem(storage.sP, p_layout)
 
         if warp_idx < self.producer_warps:
             cute.arch.setmaxregister_decrease(self.producer_registers)
             if warp_idx == 0:
-                self.load_operands(
-                    tma_a, mA, tma_b, mB, sA, sB, ab_pipeline, row_start, tile_start,
-                    expert_work, bidx, grid,
-                )
+                self.load_operands(tma_a, mA, tma_b, mB, sA, sB, ab_pipeline,
+                                   self._schedule(row_start, tile_start, num_rows))
             if warp_idx == 1:
-                self.load_preact(
-                    tma_p, mP, sP, preact_pipeline, row_start, tile_start, expert_work, bidx, grid
-                )
+                self.load_preact(tma_p, mP, sP, preact_pipeline, self._schedule(row_start, tile_start, num_rows))
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
-            sD = storage.sD.get_tensor(d_layout.outer, swizzle=d_layout.inner)
-            sAct = None
-            if cutlass.const_expr(self.with_act):
-                sAct = storage.sAct.get_tensor(d_layout.outer, swizzle=d_layout.inner)
+            sD = self._smem(storage.sD, d_layout)
+            sAct = self._smem(storage.sAct, d_layout) if cutlass.const_expr(self.with_act) else None
             sDbias = None
             if cutlass.const_expr(self.with_dbias):
                 sDbias = storage.dbias_partials.get_tensor(
@@ -379,120 +206,53 @@ class GroupedGemmDsreluSm90:
             self.consume(
                 tiled_mma, sA, sB, sP, sD, sAct, sDbias, ab_pipeline, preact_pipeline,
                 tma_d, mD, tma_act, mAct, mProb, mAlpha, mAmax, mDprob, mDbias,
-                row_start, tile_start, expert_work, num_rows, tidx - 128, bidx, grid,
+                self._schedule(row_start, tile_start, num_rows), tidx - 128,
             )
 
     @cute.jit
-    def load_operands(
-        self, tma_a, mA, tma_b, mB, sA, sB, ab_pipeline, row_start, tile_start,
-        expert_work: Int32, bidx: Int32, grid: Int32,
-    ):
-        """Warp 0: grad and weight k-tiles of every expert work item, in schedule order."""
-        state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Producer, self.config.ab_stages
-        )
-        work = bidx
-        expert = Int32(0)
-        while work < expert_work:
-            expert, m_tile, n_tile, local_tile, first_row, expert_rows = schedule.locate(
-                row_start, tile_start, work, expert, self.n_tiles
-            )
-            row0 = first_row + local_tile * self.tile_m
-            # (tile_m, tile_k, k_tiles) starting at the tile's first row, any row offset.
-            gA = cute.local_tile(
-                cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None)
-            )
-            gB = cute.local_tile(
-                mB[None, None, expert], (self.tile_n, self.tile_k), (n_tile, None)
-            )
-            tAsA, tAgA = mainloop.tma_partition(tma_a, sA, gA)
-            tBsB, tBgB = mainloop.tma_partition(tma_b, sB, gB)
-            state = mainloop.load_k_tiles(
-                tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, self.k_tiles
-            )
-            work = work + grid
-        ab_pipeline.producer_tail(state)
-
-    @cute.jit
-    def load_preact(
-        self, tma_p, mP, sP, preact_pipeline, row_start, tile_start,
-        expert_work: Int32, bidx: Int32, grid: Int32,
-    ):
+    def load_preact(self, tma_p, mP, sP, preact_pipeline, work_schedule):
         """Warp 1: the preact subtiles of every expert work item, in epilogue order.
 
         A warp of its own, so that waiting for a free preact buffer (freed only by the
         epilogue) never holds back the grad/weight loads of the next tile."""
-        state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Producer, self.config.preact_stages
-        )
-        work = bidx
-        expert = Int32(0)
-        while work < expert_work:
-            expert, m_tile, n_tile, local_tile, first_row, expert_rows = schedule.locate(
-                row_start, tile_start, work, expert, self.n_tiles
-            )
-            row0 = first_row + local_tile * self.tile_m
+        state = self._producer_state(self.config.preact_stages)
+        while work_schedule.owned():
+            tile = work_schedule.tile()
+            row0 = tile.first_row + tile.local_tile * self.tile_m
             # (tile_m, epi_n, n / epi_n): subtile s of N-tile t is column block t * subtiles + s.
-            gP = cute.local_tile(
-                cute.domain_offset((row0, 0), mP), (self.tile_m, self.epi_n), (0, None)
-            )
+            gP = cute.local_tile(cute.domain_offset((row0, 0), mP), (self.tile_m, self.epi_n), (0, None))
             tPsP, tPgP = mainloop.tma_partition(tma_p, sP, gP)
             for subtile in cutlass.range_constexpr(self.subtiles):
                 preact_pipeline.producer_acquire(state)
                 cute.copy(
                     tma_p,
-                    tPgP[None, n_tile * self.subtiles + subtile],
+                    tPgP[None, tile.n_tile * self.subtiles + subtile],
                     tPsP[None, state.index],
                     tma_bar_ptr=preact_pipeline.producer_get_barrier(state),
                 )
                 preact_pipeline.producer_commit(state)
                 state.advance()
-            work = work + grid
+            work_schedule.advance()
         preact_pipeline.producer_tail(state)
 
     @cute.jit
     def consume(
         self, tiled_mma, sA, sB, sP, sD, sAct, sDbias, ab_pipeline, preact_pipeline,
-        tma_d, mD, tma_act, mAct, mProb, mAlpha, mAmax, mDprob, mDbias,
-        row_start, tile_start, expert_work: Int32, num_rows: Int32, ctid: Int32,
-        bidx: Int32, grid: Int32,
+        tma_d, mD, tma_act, mAct, mProb, mAlpha, mAmax, mDprob, mDbias, work_schedule, ctid: Int32,
     ):
         """Consumer warpgroups: wgmma mainloop, then the fused epilogue, per work item."""
         warp_c = ctid // 32  # consumer warp 0..7, rows [16 warp_c, 16 warp_c + 16) of the tile
         lane = ctid % 32
-        # wgmma fragments are per warpgroup: slice the tiled MMA by warpgroup for A/B/C.
-        thr_mma_wg = tiled_mma.get_slice(
-            cute.make_layout(2, stride=128)(ctid // 128)
-        )
-        tCrA = tiled_mma.make_fragment_A(thr_mma_wg.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma_wg.partition_B(sB))
-        # (tile_m, tile_n) coordinates of this thread's accumulator values, and the values.
-        tCcAcc = tiled_mma.get_slice(ctid).partition_C(
-            cute.make_identity_tensor((self.tile_m, self.tile_n))
-        )
-        acc = cute.make_rmem_tensor(tCcAcc.shape, Float32)
-
+        tCrA, tCrB, tCcAcc, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
         # Epilogue copies: stmatrix for dh/act, ldmatrix for preact, both in the layout of
         # the accumulator fragment (value v of a subtile is accumulator value 16 s + v).
-        copy_atom_c = cute.make_copy_atom(
-            warp.StMatrix8x8x16bOp(False, 4), self.out_dtype
-        )
-        tiled_copy_c = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
-        tiled_r2s = cute.make_tiled_copy_S(
-            cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.out_dtype), tiled_copy_c
-        )
-        thr_r2s = tiled_r2s.get_slice(ctid)
-        tRS_sD = thr_r2s.partition_D(sD)
-        tRS_sAct = None
-        if cutlass.const_expr(self.with_act):
-            tRS_sAct = thr_r2s.partition_D(sAct)
-        sub_shape = thr_r2s.partition_S(
-            cute.make_identity_tensor((self.tile_m, self.epi_n))
-        ).shape
+        tiled_copy_c, tiled_r2s, thr_r2s, sub_shape = self._store_copy(tiled_mma, self.out_dtype, ctid)
         tRS_rD = cute.make_rmem_tensor(sub_shape, Float32)
-        tRS_rDout = cute.make_rmem_tensor(sub_shape, self.out_dtype)
         tRS_rAct = cute.make_rmem_tensor(sub_shape, Float32)
-        tRS_rActOut = cute.make_rmem_tensor(sub_shape, self.out_dtype)
+        tensors = [(tRS_rD, sD, tma_d, mD)]
+        if cutlass.const_expr(self.with_act):
+            tensors.append((tRS_rAct, sAct, tma_act, mAct))
+        outputs = self._epilogue_outputs(thr_r2s, sub_shape, tensors)
         tiled_s2r = cute.make_tiled_copy_S(
             cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), self.preact_dtype), tiled_copy_c
         )
@@ -503,49 +263,27 @@ class GroupedGemmDsreluSm90:
         tRS_rPf = cute.make_rmem_tensor(sub_shape, Float32)
         sub_values = cute.size(tRS_rD)  # 2 rows x epi_n / 4 columns
 
-        store_pipeline = pipeline.PipelineTmaStore.create(
-            num_stages=self.config.store_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
-        )
-        read_state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Consumer, self.config.ab_stages
-        )
-        release_state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Consumer, self.config.ab_stages
-        )
-        preact_state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Consumer, self.config.preact_stages
-        )
+        store_pipeline = self._store_pipeline(self.config.store_stages)
+        read_state, release_state = self._consumer_states()
+        preact_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.preact_stages)
         store_count = Int32(0)
 
         # This thread's two rows in the tile (h = 0, 1: accumulator values 0 and 2). The wgmma
         # fragment holds value v = c + 2 h + 4 j at column 8 j + 2 (lane % 4) + c, row + 8 h.
         tile_row = [tCcAcc[0][0], tCcAcc[2][0]]
 
-        all_work = schedule.all_work(
-            row_start, tile_start, num_rows, self.num_experts, self.n_tiles, self.tile_m
-        )
-        work = bidx
-        expert = Int32(0)
-        while work < all_work:
-            if work < expert_work:
-                expert, m_tile, n_tile, local_tile, first_row, expert_rows = schedule.locate(
-                    row_start, tile_start, work, expert, self.n_tiles
-                )
-                row0 = first_row + local_tile * self.tile_m
-                rows_valid = expert_rows - local_tile * self.tile_m
+        while work_schedule.valid():
+            if work_schedule.owned():
+                tile = work_schedule.tile()
+                row0, rows_valid = self._tile_rows(tile)
                 # The epilogue's per-row and per-expert scalars, loaded before the mainloop
                 # so that their latency hides behind it.
-                alpha = mAlpha[expert]
-                valid = [tile_row[0] < rows_valid, tile_row[1] < rows_valid]
-                prob = []
-                for h in cutlass.range_constexpr(2):
-                    # Rows past the expert may be past m: read row 0 for them, then drop it.
-                    safe_row = Int32(cutlass.select_(valid[h], row0 + tile_row[h], Int32(0)))
-                    prob.append(Float32(cutlass.select_(valid[h], mProb[safe_row], Float32(0.0))))
+                alpha = mAlpha[tile.expert]
+                valid, prob = self._row_probs(mProb, tile_row, row0, rows_valid)
 
                 read_state, release_state = mainloop.mma_k_tiles(
-                    tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles
+                    tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles,
+                    self._warpgroup_rows(ctid) < rows_valid,
                 )
 
                 # -------- epilogue
@@ -556,8 +294,7 @@ class GroupedGemmDsreluSm90:
                 row_sum = [Float32(0.0), Float32(0.0)]
                 # Largest |dh| bit pattern per row, masked by the row's validity at the end.
                 row_max = [Int32(0), Int32(0)]
-                outputs = self._outputs(tRS_rD, tRS_rDout, tRS_sD, tma_d, mD, sD, tRS_rAct, tRS_rActOut,
-                                        tRS_sAct, tma_act, mAct, sAct, first_row, expert_rows, local_tile)
+                stores = self._stores(outputs, tile.first_row, tile.rows, tile.local_tile)
 
                 for subtile in cutlass.range_constexpr(self.subtiles):
                     preact_pipeline.consumer_wait(preact_state)
@@ -583,7 +320,7 @@ class GroupedGemmDsreluSm90:
                             # Padding columns of a partial N-tile: acc = r = 0 there, and an
                             # infinite row scale would make their dh NaN; amax is over the
                             # real columns only.
-                            column = n_tile * self.tile_n + tCcAcc[subtile * sub_values + v][1]
+                            column = tile.n_tile * self.tile_n + tCcAcc[subtile * sub_values + v][1]
                             dh_bits = Int32(cutlass.select_(column < self.n, dh_bits, Int32(0)))
                         row_max[h] = cutlass.max(row_max[h], dh_bits)
                         if cutlass.const_expr(h == 0):
@@ -594,54 +331,25 @@ class GroupedGemmDsreluSm90:
                             columns[q] = columns[q] + Float32(
                                 cutlass.select_(valid[1], dh, Float32(0.0))
                             )
-                    epilogue_store.store_subtile(
-                        tiled_r2s, outputs, store_pipeline, store_count, n_tile * self.subtiles + subtile, ctid,
-                        self.config.store_stages, self.consumer_threads,
-                    )
-                    store_count = store_count + 1
+                    store_count = self._store_subtile(tiled_r2s, stores, store_pipeline, store_count,
+                                                      tile.n_tile, subtile, ctid)
                     if cutlass.const_expr(self.with_dbias):
                         self._scatter_columns(columns, lane, warp_c, sDbias, subtile)
 
-                self._finish_rows(
-                    row_sum, alpha, valid, row0, tile_row, lane, n_tile, mDprob
-                )
+                self._finish_rows(row_sum, alpha, valid, row0, tile_row, lane, tile.n_tile, mDprob)
                 amax_bits = cutlass.max(
                     Int32(cutlass.select_(valid[0], row_max[0], Int32(0))),
                     Int32(cutlass.select_(valid[1], row_max[1], Int32(0))),
                 )
-                self._finish_amax(amax_bits, lane, expert, mAmax)
+                self._finish_amax(amax_bits, lane, tile.expert, mAmax)
                 if cutlass.const_expr(self.with_dbias):
-                    self._finish_columns(sDbias, ctid, n_tile, m_tile, expert, mDbias)
+                    self._finish_columns(sDbias, ctid, tile.n_tile, tile.m_tile, tile.expert, mDbias)
             else:
-                # Rows owned by no expert: dh and act are stored as zeros.
-                zero_tile, n_tile, first_row, rows = schedule.locate_unowned(
-                    row_start, tile_start, work, num_rows, self.num_experts, self.n_tiles
-                )
-                outputs = self._outputs(tRS_rD, tRS_rDout, tRS_sD, tma_d, mD, sD, tRS_rAct, tRS_rActOut,
-                                        tRS_sAct, tma_act, mAct, sAct, first_row, rows, zero_tile)
-                tRS_rD.fill(0.0)
-                tRS_rAct.fill(0.0)
-                for subtile in cutlass.range_constexpr(self.subtiles):
-                    epilogue_store.store_subtile(
-                        tiled_r2s, outputs, store_pipeline, store_count, n_tile * self.subtiles + subtile, ctid,
-                        self.config.store_stages, self.consumer_threads,
-                    )
-                    store_count = store_count + 1
-            work = work + grid
+                store_count = self._store_zero_tile(work_schedule, tiled_r2s, outputs, store_pipeline,
+                                                    store_count, ctid)
+            work_schedule.advance()
         if ctid == 0:
             store_pipeline.producer_tail()
-
-    def _outputs(self, rD, rDout, tRS_sD, tma_d, mD, sD, rAct, rActOut, tRS_sAct, tma_act, mAct, sAct,
-                 offset, length, local_tile):
-        """What `epilogue_store.store_subtile` stores for a tile of rows [offset, offset +
-        length): dh, and act when asked for."""
-        view = lambda tensor: epilogue_store.store_view(  # noqa: E731
-            tensor, offset, length, local_tile, self.tile_m, self.epi_n
-        )
-        outputs = [(rD, rDout, tRS_sD, tma_d, view(mD), sD)]
-        if cutlass.const_expr(self.with_act):
-            outputs.append((rAct, rActOut, tRS_sAct, tma_act, view(mAct), sAct))
-        return outputs
 
     def _scatter_columns(self, columns, lane: Int32, warp_c: Int32, sDbias, subtile: cutlass.Constexpr):
         """Sums one subtile's column partials over the warp's 16 rows in a fixed tree.

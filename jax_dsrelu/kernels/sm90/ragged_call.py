@@ -66,22 +66,14 @@ def contract_operands(request: RaggedContractRequest) -> tuple[list[Operand], li
 def _matmul_kernel(request: RaggedMatmulRequest, config: sm90_config.GemmConfig):
     from jax_dsrelu.kernels.sm90.ragged_matmul_kernel import RaggedGemmSm90
 
-    return RaggedGemmSm90(
-        config,
-        num_experts=request.num_experts,
-        n=request.n,
-        k=request.k,
-        rhs_layout=request.rhs_layout,
-        epilogue=request.epilogue,
-        with_bias=request.with_bias,
-    )
+    return RaggedGemmSm90(config, request)
 
 
 @functools.cache
 def _contract_kernel(request: RaggedContractRequest, config: sm90_config.ContractConfig):
     from jax_dsrelu.kernels.sm90.ragged_contract_kernel import RaggedContractSm90
 
-    return RaggedContractSm90(config, num_experts=request.num_experts, a=request.a, b=request.b)
+    return RaggedContractSm90(config, request)
 
 
 def _shapes(request, num_rows: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:

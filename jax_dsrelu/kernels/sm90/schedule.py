@@ -1,7 +1,14 @@
-"""The tile schedules of the Hopper kernels, walked by every warp role: the ragged-M
-walk below (free functions), and `ContractSchedule`, the ragged contraction's walk.
+"""The tile schedulers of the Hopper kernels: objects that every warp role asks for its
+next work item, so that the producers and the consumers visit the same items in the same
+order and cannot disagree about a tile.
 
-Work items, for a persistent CTA b of a grid of G: w = b, b + G, b + 2G, ...
+Both are persistent walks: CTA b of a grid of G takes work items w = b, b + G, b + 2G, ...
+Each role makes its own copy at the same start and advances it once per item. They are
+DSL values (`__extract_mlir_values__`): a loop carries the work index (and the ragged-M
+walk's expert cursor); the shared-memory tables they read stay fixed during the walk.
+
+`RaggedMSchedule`, the ragged-M GEMMs (the fused dsReLU kernel and the plain and
+squared-ReLU GEMMs), over output tiles of rows:
 
     w < expert_work = tile_start[E] * n_tiles     an expert tile: M-tile w // n_tiles (in
                                                   the order of `group_tables`), N-tile
@@ -11,15 +18,15 @@ Work items, for a persistent CTA b of a grid of G: w = b, b + G, b + 2G, ...
                                                   ([row_start[E], m)), stored as zeros
 
 M-tiles never mix experts: expert e's rows [row_start[e], row_start[e + 1]) are cut into
-ceil(size_e / tile_m) tiles, the last one partial. Every role (TMA producers, consumer
-warpgroups) asks `locate` for the same w in the same order, so producers and consumers
-cannot disagree about a tile; each keeps its own expert cursor, which only moves forward
-because w does. (Free functions: an object passes through a run-time loop only as a DSL
-value, with `__extract_mlir_values__`, as `ContractSchedule` does; the ragged-M walk
-predates it.)
+ceil(size_e / tile_m) tiles, the last one partial. The expert cursor only moves forward,
+because w does.
+
+`ContractSchedule`, the ragged contraction, over output tiles of weights (below).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -27,45 +34,103 @@ from cutlass import Int32
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
 
-def expert_work(tile_start: cute.Tensor, num_experts: int, n_tiles: int) -> Int32:
-    return tile_start[num_experts] * n_tiles
+class ExpertTile(NamedTuple):
+    """A ragged-M work item owned by an expert."""
 
-
-def all_work(row_start: cute.Tensor, tile_start: cute.Tensor, num_rows: Int32, num_experts: int,
-             n_tiles: int, tile_m: int) -> Int32:
-    """Expert tiles, then the tiles of the rows owned by no expert."""
-    unowned = num_rows - row_start[num_experts]
-    return expert_work(tile_start, num_experts, n_tiles) + (unowned + (tile_m - 1)) // tile_m * n_tiles
+    expert: Int32
+    m_tile: Int32  # global M-tile index: the dbias slot row
+    n_tile: Int32
+    local_tile: Int32  # the tile's index within its expert
+    first_row: Int32  # the expert's first row
+    rows: Int32  # the expert's row count
 
 
 @cute.jit
-def locate(row_start: cute.Tensor, tile_start: cute.Tensor, work: Int32, expert: Int32,
-           n_tiles: cutlass.Constexpr):
-    """The expert tile of work item `work` (< expert_work), moving the cursor `expert`.
-
-    Returns (expert, m_tile, n_tile, local_tile, first_row, expert_rows): the global
-    M-tile index (the dbias slot row), the tile's index within its expert, and the
-    expert's first row and row count.
-    """
-    m_tile = work // n_tiles
-    n_tile = work - m_tile * n_tiles
+def _seek_expert(tile_start: cute.Tensor, m_tile: Int32, expert: Int32) -> Int32:
+    """The expert owning M-tile `m_tile`, searched forward from `expert` (empty experts
+    own no tile and are passed over)."""
     while tile_start[expert + 1] <= m_tile:
         expert = expert + 1
-    local_tile = m_tile - tile_start[expert]
-    first_row = row_start[expert]
-    expert_rows = row_start[expert + 1] - first_row
-    return expert, m_tile, n_tile, local_tile, first_row, expert_rows
+    return expert
 
 
-def locate_unowned(row_start: cute.Tensor, tile_start: cute.Tensor, work: Int32, num_rows: Int32,
-                   num_experts: int, n_tiles: int):
-    """(tile index within the unowned rows, N-tile, first unowned row, unowned row count)
-    of a work item at or past expert_work."""
-    rest = work - expert_work(tile_start, num_experts, n_tiles)
-    tile = rest // n_tiles
-    n_tile = rest - tile * n_tiles
-    first_row = row_start[num_experts]
-    return tile, n_tile, first_row, num_rows - first_row
+class RaggedMSchedule:
+    """The persistent walk of the ragged-M kernels (see the module doc)."""
+
+    def __init__(self, row_start: cute.Tensor, tile_start: cute.Tensor, num_rows: Int32,
+                 num_experts: int, n_tiles: int, tile_m: int, work: Int32, stride: Int32,
+                 expert: Int32):
+        self.row_start = row_start
+        self.tile_start = tile_start
+        self.num_rows = num_rows
+        self.num_experts = num_experts
+        self.n_tiles = n_tiles
+        self.tile_m = tile_m
+        self.work = work
+        self.stride = stride
+        self.expert = expert
+
+    @staticmethod
+    def start(row_start, tile_start, num_rows: Int32, num_experts: int, n_tiles: int, tile_m: int,
+              first: Int32, stride: Int32) -> "RaggedMSchedule":
+        walk = RaggedMSchedule(row_start, tile_start, num_rows, num_experts, n_tiles, tile_m,
+                               first, stride, Int32(0))
+        walk._seek()
+        return walk
+
+    def __extract_mlir_values__(self):
+        return extract_mlir_values(self.work) + extract_mlir_values(self.stride) + extract_mlir_values(self.expert)
+
+    def __new_from_mlir_values__(self, values):
+        return RaggedMSchedule(
+            self.row_start, self.tile_start, self.num_rows, self.num_experts, self.n_tiles, self.tile_m,
+            new_from_mlir_values(self.work, [values[0]]), new_from_mlir_values(self.stride, [values[1]]),
+            new_from_mlir_values(self.expert, [values[2]]),
+        )
+
+    def _expert_work(self) -> Int32:
+        return self.tile_start[self.num_experts] * self.n_tiles
+
+    def _seek(self) -> None:
+        # Clamped to the last expert tile, so that the cursor stays below E on the
+        # unowned tiles (and at 0 when every expert is empty).
+        m_tile = cutlass.min(self.work // self.n_tiles, self.tile_start[self.num_experts] - 1)
+        self.expert = _seek_expert(self.tile_start, m_tile, self.expert)
+
+    def owned(self):
+        """Whether the current item is an expert tile (they come first)."""
+        return self.work < self._expert_work()
+
+    def valid(self):
+        """Whether the current item exists: an expert tile or an unowned-rows tile."""
+        unowned = self.num_rows - self.row_start[self.num_experts]
+        unowned_tiles = (unowned + (self.tile_m - 1)) // self.tile_m
+        return self.work < self._expert_work() + unowned_tiles * self.n_tiles
+
+    def advance(self) -> None:
+        self.work = self.work + self.stride
+        self._seek()
+
+    def tile(self) -> ExpertTile:
+        """The current expert tile (valid when `owned`)."""
+        m_tile = self.work // self.n_tiles
+        first_row = self.row_start[self.expert]
+        return ExpertTile(
+            expert=self.expert,
+            m_tile=m_tile,
+            n_tile=self.work - m_tile * self.n_tiles,
+            local_tile=m_tile - self.tile_start[self.expert],
+            first_row=first_row,
+            rows=self.row_start[self.expert + 1] - first_row,
+        )
+
+    def unowned_tile(self):
+        """(tile index within the unowned rows, N-tile, first unowned row, unowned row
+        count) of the current item, at or past the expert tiles."""
+        rest = self.work - self._expert_work()
+        tile = rest // self.n_tiles
+        first_row = self.row_start[self.num_experts]
+        return tile, rest - tile * self.n_tiles, first_row, self.num_rows - first_row
 
 
 class ContractSchedule:
@@ -78,11 +143,6 @@ class ContractSchedule:
     lower index): the longest tiles are taken first and the short ones fill the tail.
     Persistent CTA c of G takes w = c, c + G, c + 2G, ... Every output element belongs
     to one work item, hence to one CTA: one writer.
-
-    Each role makes its own copy at the same start and advances it once per item, so
-    the producer and the consumers visit the same items in the same order. A DSL value:
-    the loops carry the work index and stride; the shared-memory tables it reads stay
-    fixed during the walk.
     """
 
     def __init__(self, row_start: cute.Tensor, expert_order: cute.Tensor, num_experts: int,
@@ -112,7 +172,7 @@ class ContractSchedule:
     def advance(self) -> None:
         self.work = self.work + self.stride
 
-    def locate(self):
+    def tile(self):
         """(expert, a_tile, b_tile, first_row, expert_rows) of the current work item."""
         rank = self.work // self.per_expert
         tile = self.work - rank * self.per_expert
