@@ -150,13 +150,16 @@ def cannot_implement(request: Request) -> str | None:
 
 
 def choose_tile_n(n: int) -> int:
-    """The N tile that pads n least, ties to the wider tile; 64 for narrow problems.
+    """The N tile of the ragged-M GEMM and the contraction: the one that pads n least,
+    ties to the wider tile; 64 for narrow problems.
 
     A partial last tile loads and computes columns that are never stored; a wider tile
     issues wider wgmma (more operand reuse per byte of shared memory read), so it wins
     when the padding is equal. At the Nemotron-3 Nano widths, 1856 = 7 * 256 + 64 pads
     to 1920 with 192 (3%) against 2048 with 256 (10%) and 1920 with 128 (the narrower
-    tile), and 2688 = 14 * 192 exactly; multiples of 256 keep 256."""
+    tile), and 2688 = 14 * 192 exactly; multiples of 256 keep 256. On an H200 at n = 1856
+    the forward GEMM ran 4% faster with 192 than with 128 and 10% faster than with 256,
+    and at n = 2688 within 1% of 256 (benchmarks/results/fine_grained/sweep_gemm_*.json)."""
     if n < 128:
         return 64
     return min((256, 192, 128), key=lambda tile: -(-n // tile) * tile)
@@ -170,8 +173,21 @@ def _most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int
     return stages
 
 
+def dsrelu_tile_n(n: int) -> int:
+    """The fused kernel's N tile: 256 where the last tile is at least 3/4 full, else 128
+    (64 for narrow problems).
+
+    Not `choose_tile_n`'s 192: the fused kernel's preact ring, dh and act buffers and
+    column partials leave a 128x192 tile 3 operand stages, and on an H200 it ran 4-10%
+    slower than 128x128 at n = 1856 and than 128x256 at n = 768
+    (benchmarks/results/fine_grained/sweep_gemm_*.json)."""
+    if n < 128:
+        return 64
+    return 256 if n >= 256 and n % 256 in (0, 192) else 128
+
+
 def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
-    """The tile configuration for `request`: the N tile of `choose_tile_n`, then as many
+    """The tile configuration for `request`: the N tile of `dsrelu_tile_n`, then as many
     grad/weight stages as shared memory holds.
 
     On an H200 at the three few-expert benchmark shapes, 128x256 with 32-column subtiles
@@ -181,7 +197,7 @@ def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileCon
     reason = cannot_implement(request)
     if reason is not None:
         raise ValueError(reason)
-    base = dict(tile_n=choose_tile_n(request.n), tile_k=64, epi_n=32, preact_stages=4, store_stages=2, max_ctas=sm_count)
+    base = dict(tile_n=dsrelu_tile_n(request.n), tile_k=64, epi_n=32, preact_stages=4, store_stages=2, max_ctas=sm_count)
     facts = (request.num_experts, request.with_act, request.with_dbias)
     config = TileConfig(
         ab_stages=_most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2),
