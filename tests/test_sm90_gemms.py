@@ -27,6 +27,7 @@ import zlib  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import ptxas  # noqa: E402
 import pytest  # noqa: E402
 
 pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
@@ -203,6 +204,7 @@ def test_ragged_matmul_compiles_for_sm90a(variant):
     assert "wgmma.mma_async" in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     assert not ATOMIC.search(compiled.ptx)
+    ptxas.check_assembly(compiled.ptx)
 
 
 @pytest.mark.compile
@@ -214,6 +216,7 @@ def test_ragged_contraction_compiles_for_sm90a(out_dtype, shape):
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     # One writer per element and no split-K: no atomics of any kind.
     assert not ATOMIC.search(compiled.ptx)
+    ptxas.check_assembly(compiled.ptx)
 
 
 @pytest.mark.compile

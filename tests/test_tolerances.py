@@ -56,7 +56,9 @@ def never_written(case):
 
 
 def ten_percent_high(case):
-    return {name: (value.astype(np.float64) * 1.10).astype(value.dtype) for name, value in case.exact.items()}
+    # float32 holds a 16-bit or float32 output times 1.1 to well under the 10% looked for,
+    # at half the memory of float64.
+    return {name: (value.astype(np.float32) * np.float32(1.10)).astype(value.dtype) for name, value in case.exact.items()}
 
 
 def dbias_missing_last_row_tile(case):
@@ -178,9 +180,11 @@ def test_a_correct_float32_computation_is_accepted(case):
     epilogue in the kernel's association, expert by expert."""
     grad, weight, preact, prob, _ = case.inputs
     e = case.expected
-    dh32 = np.zeros(e.dh.shape, np.float32)
+    # Rounded to the output dtypes expert by expert: whole float32 copies of dh and act
+    # would double what the largest case holds.
+    dh = np.zeros(e.dh.shape, OUT_DTYPE)
     dprob = np.zeros(e.dprob.shape, np.float32)
-    act = np.zeros(e.act.shape, np.float32)
+    act = np.zeros(e.act.shape, OUT_DTYPE)
     dbias = np.zeros(e.dbias.shape, np.float32)
     amax = np.zeros(e.amax.shape, np.float32)
     for x, (start, end) in enumerate(case.ranges):
@@ -191,11 +195,12 @@ def test_a_correct_float32_computation_is_accepted(case):
         r = np.maximum(np.asarray(preact[rows], np.float32), np.float32(0))
         p = np.asarray(prob[rows], np.float32)[:, None]
         alpha = case.alpha[x]
-        dh32[rows] = ((alpha + alpha) * p * acc) * r
+        dh32 = ((alpha + alpha) * p * acc) * r
         dprob[rows] = alpha * np.sum(r * r * acc, axis=1)
-        act[rows] = r * r * p
-        dbias[x] = np.sum(dh32[rows], axis=0)
-        amax[x] = np.max(np.abs(dh32[rows]))
-    computed = dict(dh=dh32.astype(OUT_DTYPE), dprob=dprob, dbias=dbias, act=act.astype(OUT_DTYPE), amax=amax)
+        act[rows] = (r * r * p).astype(OUT_DTYPE)
+        dbias[x] = np.sum(dh32, axis=0)
+        amax[x] = np.max(np.abs(dh32))
+        dh[rows] = dh32.astype(OUT_DTYPE)
+    computed = dict(dh=dh, dprob=dprob, dbias=dbias, act=act, amax=amax)
     for name, value in computed.items():
         contract_numpy.CHECKS[name](value, e)

@@ -203,10 +203,6 @@ class GemmSm90:
         make = lambda: pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.ab_stages)  # noqa: E731
         return make(), make()
 
-    def _warpgroup_rows(self, ctid: Int32) -> Int32:
-        """The first tile row of this consumer's warpgroup."""
-        return (ctid // 128) * 64
-
 
 class RaggedMGemmSm90(GemmSm90):
     """The ragged-M work decomposition: output rows cut per expert into tile_m tiles,

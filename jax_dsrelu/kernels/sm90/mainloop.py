@@ -89,18 +89,6 @@ def load_k_tiles(
 
 
 @cute.jit
-def _mma_stage(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, active):
-    """Waits for the stage at `read_state` and issues its wgmma batch (none if not
-    `active`) as one commit group."""
-    ab_pipeline.consumer_wait(read_state)
-    if active:
-        for k_block in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-            coord = (None, None, k_block, read_state.index)
-            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-    warpgroup.commit_group()
-
-
-@cute.jit
 def mma_k_tiles(
     tiled_mma: cute.TiledMma,
     acc: cute.Tensor,
@@ -110,26 +98,34 @@ def mma_k_tiles(
     read_state: pipeline.PipelineState,
     release_state: pipeline.PipelineState,
     k_tiles: Int32,
-    active,
 ):
     """Consumers: acc = sum over the tile's k-tiles of A B^T (acc = 0 for none).
 
     One wgmma batch stays in flight; a stage is released once the batch after the one
     reading it has been issued, so the producer refills it while the tensor cores work.
+    Returns (read_state, release_state).
 
-    `active` (uniform over the warpgroup): whether any of this warpgroup's 64 rows of the
-    tile is stored. A warpgroup without one (an expert's last tile with 64 rows or fewer
-    left; rows past the output's extent) issues no wgmma, so the other warpgroup has the
-    tensor cores to itself and the tile costs half; it still waits for and releases every
-    stage, and its accumulator stays 0. Returns (read_state, release_state)."""
+    No wgmma may sit under a run-time branch inside this loop (say, to skip a warpgroup
+    whose rows are not stored): ptxas then serializes every wgmma of the kernel (C7520,
+    "wgmma.mma_async instructions are serialized"), which cost 10-35% on the H200; the
+    compile tier checks for it (tests/test_sm90_gemms.py)."""
+    k_blocks = cute.size(tCrA, mode=[2])
     acc.fill(0.0)
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.fence()
     if k_tiles > 0:
-        _mma_stage(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, active)
+        ab_pipeline.consumer_wait(read_state)
+        for k_block in cutlass.range_constexpr(k_blocks):
+            coord = (None, None, k_block, read_state.index)
+            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+        warpgroup.commit_group()
         read_state.advance()
         for k_tile in range(1, k_tiles):
-            _mma_stage(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, active)
+            ab_pipeline.consumer_wait(read_state)
+            for k_block in cutlass.range_constexpr(k_blocks):
+                coord = (None, None, k_block, read_state.index)
+                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+            warpgroup.commit_group()
             warpgroup.wait_group(1)
             ab_pipeline.consumer_release(release_state)
             release_state.advance()
