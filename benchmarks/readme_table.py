@@ -353,7 +353,7 @@ def step_cells(row: dict) -> dict[str, str]:
 def render_layer_steps(results: dict) -> str:
     """The moe_mlp step at every benchmark shape, against the dense and the batched XLA ceilings."""
     lines = [
-        provenance(results, "fine_grained/bench_layer_step_d2ffc35.json",
+        provenance(results, "fine_grained/bench_layer_step_17e85ae.json",
                    "bf16 with b1; a step is `jax.value_and_grad` in x, w1, b1, w2 and prob"),
         f"Throughput counts {results['flops']}. XLA dense MLP: one (m, d) x (d, f) MLP of the same FLOPs; "
         "XLA batched: the experts as E equal batches of m / E rows, batched GEMMs with no ragged edges, "
@@ -400,15 +400,36 @@ def render_moe_block(results: dict) -> str:
     return "\n".join(lines)
 
 
+def render_gemm_ceilings(results: dict) -> str:
+    """Each GEMM of a layer step against cuBLAS on the same operands: a dense GEMM of the
+    same FLOPs and E equal batches."""
+    lines = [
+        provenance(results, "fine_grained/bench_gemms_nano_17e85ae.json", "bf16"),
+        "",
+        "| shape (m, d, f, E), groups | GEMM | sm90 | cuBLAS dense | cuBLAS batched, equal experts "
+        "| sm90 as a share of dense | of batched |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in results["shapes"]:
+        for gemm, entry in row["gemms"].items():
+            ms = {name: variant.get("ms") for name, variant in entry["variants"].items()}
+            share = lambda other: f"{ms[other] / ms['sm90']:.2f}" if ms.get(other) and ms.get("sm90") else "—"  # noqa: E731
+            cells = " | ".join(f"{ms[name]:.3f} ms" if ms.get(name) else "—" for name in ("sm90", "cublas_dense", "cublas_batched"))
+            lines.append(f"| {shape_text(row['shape'], 'mdfE')}, {row['grouping']} | {gemm} | {cells} "
+                         f"| {share('cublas_dense')} | {share('cublas_batched')} |")
+    return "\n".join(lines)
+
+
 # (document, marker name, recorded JSON, how its table is written); a JSON name with a *
 # takes every matching JSON, in a list.
 TABLES: list[tuple[str, str, str, Callable]] = [
-    ("README.md", "summary", "fine_grained/bench_layer_step_d2ffc35.json", render_summary),
+    ("README.md", "summary", "fine_grained/bench_layer_step_17e85ae.json", render_summary),
     ("docs/performance.md", "sm90", "bench_dsrelu.json", render_dsrelu),
     ("docs/performance.md", "gemms", "bench_gemms.json", render_gemms),
     ("docs/performance.md", "layer", "bench_layer.json", render_layer),
-    ("docs/performance.md", "steps", "fine_grained/bench_layer_step_d2ffc35.json", render_layer_steps),
+    ("docs/performance.md", "steps", "fine_grained/bench_layer_step_17e85ae.json", render_layer_steps),
     ("docs/performance.md", "moe_block", "bench_moe_block.json", render_moe_block),
+    ("docs/sm90.md", "gemm_ceilings", "fine_grained/bench_gemms_nano_17e85ae.json", render_gemm_ceilings),
     ("docs/determinism.md", "determinism", "determinism/determinism_parallel*.json", render_determinism),
 ]
 DOCUMENTS = list(dict.fromkeys(document for document, *_ in TABLES))
