@@ -195,11 +195,6 @@ class GemmSm90:
         )
 
     @staticmethod
-    def _warpgroup_active(ctid: Int32, rows_stored: Int32) -> Int32:
-        """`mainloop.warpgroup_active` for this consumer thread's warpgroup (64 rows each)."""
-        return mainloop.warpgroup_active((ctid // 128) * 64, rows_stored)
-
-    @staticmethod
     def _producer_state(stages: int):
         return pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
 

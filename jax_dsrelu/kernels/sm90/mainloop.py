@@ -98,7 +98,6 @@ def mma_k_tiles(
     read_state: pipeline.PipelineState,
     release_state: pipeline.PipelineState,
     k_tiles: Int32,
-    active: Int32,
 ):
     """Consumers: acc = sum over the tile's k-tiles of A B^T (acc = 0 for none).
 
@@ -106,31 +105,26 @@ def mma_k_tiles(
     reading it has been issued, so the producer refills it while the tensor cores work.
     Returns (read_state, release_state).
 
-    `active` (from `warpgroup_active`): 0 when none of this warpgroup's 64 rows of the
-    tile is stored (an expert's last tile with 64 rows or fewer left): it issues no wgmma,
-    so the other warpgroup has the tensor cores to itself and the tile costs about half;
-    it still waits for and releases every stage, and its accumulator stays 0. The flag
-    must be marked warp-uniform: a wgmma under a branch that ptxas takes for divergent
-    makes it serialize every wgmma of the kernel (C7520), which cost 10-35% on the H200;
-    the compile tier checks for that remark (tests/ptxas.py)."""
+    No wgmma may sit under a run-time branch inside this loop (say, to skip a warpgroup
+    whose rows are not stored): ptxas then serializes every wgmma of the kernel (C7520,
+    "wgmma.mma_async instructions are serialized"), which cost 10-35% on the H200; the
+    compile tier checks for it (tests/test_sm90_gemms.py)."""
     k_blocks = cute.size(tCrA, mode=[2])
     acc.fill(0.0)
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.fence()
     if k_tiles > 0:
         ab_pipeline.consumer_wait(read_state)
-        if active != 0:
-            for k_block in cutlass.range_constexpr(k_blocks):
-                coord = (None, None, k_block, read_state.index)
-                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+        for k_block in cutlass.range_constexpr(k_blocks):
+            coord = (None, None, k_block, read_state.index)
+            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
         warpgroup.commit_group()
         read_state.advance()
         for k_tile in range(1, k_tiles):
             ab_pipeline.consumer_wait(read_state)
-            if active != 0:
-                for k_block in cutlass.range_constexpr(k_blocks):
-                    coord = (None, None, k_block, read_state.index)
-                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+            for k_block in cutlass.range_constexpr(k_blocks):
+                coord = (None, None, k_block, read_state.index)
+                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
             warpgroup.commit_group()
             warpgroup.wait_group(1)
             ab_pipeline.consumer_release(release_state)
@@ -140,16 +134,6 @@ def mma_k_tiles(
         ab_pipeline.consumer_release(release_state)
         release_state.advance()
     return read_state, release_state
-
-
-def warpgroup_active(first_row_of_warpgroup: Int32, rows_stored: Int32) -> Int32:
-    """1 if the warpgroup whose rows start at `first_row_of_warpgroup` in the tile holds
-    any of the tile's first `rows_stored` rows, else 0; marked warp-uniform (it is: a
-    warpgroup's four warps share it), so that branching on it around wgmma is not taken
-    for divergence."""
-    return cute.arch.make_warp_uniform(
-        Int32(cutlass.select_(first_row_of_warpgroup < rows_stored, Int32(1), Int32(0)))
-    )
 
 
 def tma_partition(tma: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor):

@@ -169,10 +169,8 @@ class RaggedContractSm90(GemmSm90):
         while work_schedule.valid():
             expert, a_tile, b_tile, first_row, expert_rows = work_schedule.tile()
             k_tiles = (expert_rows + (self.tile_k - 1)) // self.tile_k
-            # Rows of the tile past a are never stored: their warpgroup issues no wgmma.
             read_state, release_state = mainloop.mma_k_tiles(
-                tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, k_tiles,
-                self._warpgroup_active(ctid, self.a - a_tile * self.tile_m),
+                tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, k_tiles
             )
             # (tile_m, epi_n, b / epi_n) of out[expert]'s a-block; TMA clips at a and b.
             gOut = cute.local_tile(mOut[None, None, expert], (self.tile_m, self.epi_n), (a_tile, None))

@@ -23,7 +23,6 @@ Features:
       last row.
     - Ragged groups from device memory (`group_tables`, `schedule`): no
       host sync, no padding; rows owned by no expert are extra work items storing zeros.
-      An expert's last tile with 64 rows or fewer left runs on one warpgroup's wgmma.
     - Deterministic by construction: every output element has one writer and one fixed
       summation order (the k loop), no atomics.
 
@@ -172,8 +171,7 @@ class RaggedGemmSm90(RaggedMGemmSm90):
                     _, prob = self._row_probs(mProb, tile_row, row0, rows_valid)
 
                 read_state, release_state = mainloop.mma_k_tiles(
-                    tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles,
-                    self._warpgroup_active(ctid, rows_valid),
+                    tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles
                 )
 
                 stores = self._stores(outputs, tile.first_row, tile.rows, tile.local_tile)
