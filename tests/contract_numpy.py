@@ -120,8 +120,13 @@ def tolerance(terms: np.ndarray, num_summed, out_dtype=np.float32) -> np.ndarray
 
 
 def grouped_gemm_dsrelu(
-    grad, weight, preact, prob, group_sizes, alpha=None, out_dtype=np.dtype(ml_dtypes.bfloat16)
+    grad, weight, preact, prob, group_sizes, alpha=None, out_dtype=np.dtype(ml_dtypes.bfloat16),
+    held_as=np.float64,
 ) -> Expected:
+    """The contract and its bounds, computed in float64 an expert at a time. `held_as`:
+    the dtype dh and act are kept in once computed (the bounds always come from the float64
+    values); float32 is 2^-24 relative, 2^15 times finer than a 16-bit output's bounds,
+    and halves what the largest cases hold."""
     # preact, the largest input, is widened an expert's rows at a time.
     grad, weight, prob = f64(grad), f64(weight), f64(prob)
     preact = np.asarray(preact)
@@ -136,8 +141,8 @@ def grouped_gemm_dsrelu(
 
     # The (m, n) bounds are kept in float32, rounded up: a bound only ever grows by it, and
     # the largest cases need half the memory.
-    dh, dh_bound = np.zeros((num_rows, num_cols)), np.zeros((num_rows, num_cols), np.float32)
-    act, act_bound = np.zeros((num_rows, num_cols)), np.zeros((num_rows, num_cols), np.float32)
+    dh, dh_bound = np.zeros((num_rows, num_cols), held_as), np.zeros((num_rows, num_cols), np.float32)
+    act, act_bound = np.zeros((num_rows, num_cols), held_as), np.zeros((num_rows, num_cols), np.float32)
     dprob, dprob_bound = np.zeros(num_rows), np.zeros(num_rows)
     dbias, dbias_bound = np.zeros((num_experts, num_cols)), np.zeros((num_experts, num_cols))
     amax, amax_bound = np.zeros(num_experts), np.zeros(num_experts)
@@ -154,13 +159,16 @@ def grouped_gemm_dsrelu(
             r = np.maximum(f64(preact[rows]), 0.0)
             p = prob[rows, None]
 
-            dh[rows] = 2.0 * g * r * p
-            dh_f32_error = g3 * np.abs(dh[rows]) + (1 + g3) * 2.0 * r * np.abs(p) * gemm_error + 3 * TINY_F32
-            dh_bound[rows] = rounded_up_f32(dh_f32_error + u_out * (np.abs(dh[rows]) + dh_f32_error) + sub_out)
+            expert_dh = 2.0 * g * r * p
+            dh[rows] = expert_dh
+            dh_f32_error = g3 * np.abs(expert_dh) + (1 + g3) * 2.0 * r * np.abs(p) * gemm_error + 3 * TINY_F32
+            dh_bound[rows] = rounded_up_f32(dh_f32_error + u_out * (np.abs(expert_dh) + dh_f32_error) + sub_out)
 
-            act[rows] = r * r * p
-            act_f32_error = g2 * np.abs(act[rows]) + 2 * TINY_F32
-            act_bound[rows] = rounded_up_f32(act_f32_error + u_out * (np.abs(act[rows]) + act_f32_error) + sub_out)
+            expert_act = r * r * p
+            act[rows] = expert_act
+            act_f32_error = g2 * np.abs(expert_act) + 2 * TINY_F32
+            act_bound[rows] = rounded_up_f32(act_f32_error + u_out * (np.abs(expert_act) + act_f32_error) + sub_out)
+            del expert_act
 
             dprob[rows] = np.sum(r * r * g, axis=1)
             dprob_bound[rows] = (
@@ -169,12 +177,12 @@ def grouped_gemm_dsrelu(
                 + 3 * num_cols * TINY_F32
             )
 
-            dbias[e] = np.sum(dh[rows], axis=0)
+            dbias[e] = np.sum(expert_dh, axis=0)
             summed_error = np.sum(dh_f32_error, axis=0)
             dbias_bound[e] = summed_error + gamma(end - start - 1, UNIT_ROUNDOFF_F32) * (
-                np.sum(np.abs(dh[rows]), axis=0) + summed_error
+                np.sum(np.abs(expert_dh), axis=0) + summed_error
             )
-            amax[e] = np.max(np.abs(dh[rows]))
+            amax[e] = np.max(np.abs(expert_dh))
             amax_bound[e] = np.max(dh_f32_error)
     return Expected(
         dh, dprob, dbias, act, amax, dh_bound, dprob_bound, dbias_bound, act_bound, amax_bound,
