@@ -208,7 +208,7 @@ def main():
     parser.add_argument("--commit", default=None)
     parser.add_argument("--shapes", type=parse_shapes, default=None,
                         help="m,d,f,E;... (contract and gemm; default CONTRACT_SHAPES or GEMM_SHAPES)")
-    parser.add_argument("--prebuild", action="store_true", help="compile the contraction candidates here, then stop")
+    parser.add_argument("--prebuild", action="store_true", help="compile the candidates of --kernel contract or gemm here, then stop")
     options = parser.parse_args()
     if options.kernel in ("contract", "gemm"):
         prebuild, sweep = (prebuild_contract, sweep_contract) if options.kernel == "contract" else (prebuild_gemm, sweep_gemm)

@@ -6,9 +6,9 @@ A `gpu` test is skipped only when JAX sees no CUDA device; any other failure is 
 
 from __future__ import annotations
 
-import functools
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 
@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="module")
 def release_compiled_programs():
-    """Drops every compiled program after each test module.
+    """Drops every compiled program after each test module, and hands the freed C heap back.
 
     JAX keeps each jitted program for the life of the process; a module's programs are
     rarely wanted by the next module, and keeping all of them made the suite's memory

@@ -63,7 +63,8 @@ TINY_F32 = float(np.finfo(np.float32).tiny)
 
 @dataclasses.dataclass
 class Expected:
-    """The contract's outputs in float64 (dh and act unrounded) and per-entry error bounds."""
+    """The contract's outputs computed in float64 (dh and act unrounded; held in float64
+    or, where asked, float32) and per-entry error bounds."""
 
     dh: np.ndarray  # (m, n)
     dprob: np.ndarray  # (m,)

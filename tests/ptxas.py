@@ -20,7 +20,10 @@ import pytest
 
 
 def find_ptxas() -> str | None:
-    candidates = [shutil.which("ptxas")] + sorted(glob.glob("/usr/local/cuda*/bin/ptxas"), reverse=True)
+    def version(path):
+        return [int(part) for part in re.findall(r"\d+", path)]
+
+    candidates = [shutil.which("ptxas")] + sorted(glob.glob("/usr/local/cuda*/bin/ptxas"), key=version, reverse=True)
     return next((path for path in candidates if path and os.access(path, os.X_OK)), None)
 
 

@@ -7,7 +7,7 @@ must accept, and outputs with the mistakes kernels make, each of which it must r
 an output never written, dbias missing each expert's last 128-row tile, dprob missing a
 256-column N-tile, a value 10% too large, an expert computed with another expert's
 weights, a dropped row, rows shifted by one, one element a few units in the last place off.
-The float64 reference is computed once per case.
+The float64 reference is computed once per case (dh and act held in float32: `Case`).
 """
 
 from __future__ import annotations

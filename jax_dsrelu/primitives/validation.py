@@ -55,12 +55,12 @@ def require_dim(name: str, array: Any, axis: int, expected: int, meaning: str) -
         )
 
 
-def require_layouts(*specs: tuple[str, Any, str], experts: str) -> dict[str, int]:
+def require_layouts(*specs: tuple[str, Any, str], experts: str) -> None:
     """Checks arrays against their layouts, each given as (name, array, "(m, k)"): every
     array's rank first, then that the array named `experts` has at least one expert
     along axis 0, then that a dimension named in several layouts has one size. The first
     array that names a dimension sets its size, and a mismatch names that array's axis
-    ("must equal grad.shape[1] (k)=64"). Returns the sizes by dimension name."""
+    ("must equal grad.shape[1] (k)=64")."""
     for name, array, layout in specs:
         require_rank(name, array, len(_dims(layout)), layout)
     require_experts(experts, dict((name, array) for name, array, _ in specs)[experts])
@@ -73,7 +73,6 @@ def require_layouts(*specs: tuple[str, Any, str], experts: str) -> dict[str, int
             else:
                 sizes[dim] = array.shape[axis]
                 origins[dim] = f"{name}.shape[{axis}]"
-    return sizes
 
 
 def _dims(layout: str) -> list[str]:

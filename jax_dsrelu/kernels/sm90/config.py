@@ -1,4 +1,4 @@
-"""Tile configuration of the SM90 kernel, its constraints, and the heuristic that picks one.
+"""Tile configurations of the SM90 kernel family, their constraints, and the rules that pick them.
 
 Imports no CuTe DSL: backend choice asks `cannot_implement` without loading the kernel.
 """
@@ -159,14 +159,19 @@ def choose_tile_n(n: int) -> int:
     to 1920 with 192 (3%) against 2048 with 256 (10%) and 1920 with 128 (the narrower
     tile), and 2688 = 14 * 192 exactly; multiples of 256 keep 256. On an H200 at n = 1856
     the forward GEMM ran 4% faster with 192 than with 128 and 10% faster than with 256,
-    and at n = 2688 within 1% of 256 (benchmarks/results/fine_grained/sweep_gemm_*.json)."""
+    and at n = 2688 within 1% of 256; at n = 768 with 256 experts the rule's 256 ran 7%
+    slower than 192 for the forward GEMM (two outputs, so fewer stages), and is kept
+    until a wider sweep says how to tell that case (benchmarks/results/fine_grained/
+    sweep_gemm_*.json)."""
     if n < 128:
         return 64
     return min((256, 192, 128), key=lambda tile: -(-n // tile) * tile)
 
 
 def _most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int:
-    """The most operand stages, from `fewest` up to `most`, with which a config fits."""
+    """`fewest` operand stages, or more, up to `most`, while a config with one more fits.
+    `fewest` itself is not checked: the family's smallest configs fit at every supported
+    expert count (tests/test_sm90_gemms.py checks the chosen ones at E = 256)."""
     stages = fewest
     while stages < most and fits(stages + 1):
         stages += 1

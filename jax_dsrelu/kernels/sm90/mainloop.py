@@ -107,7 +107,7 @@ def mma_k_tiles(
 
     No wgmma may sit under a run-time branch inside this loop (say, to skip a warpgroup
     whose rows are not stored): ptxas then serializes every wgmma of the kernel (C7520,
-    "wgmma.mma_async instructions are serialized"), which cost 10-35% on the H200; the
+    "wgmma.mma_async instructions are serialized"): the steps ran 10-19% slower on the H200; the
     compile tier checks for it (tests/ptxas.py). Behind a flag marked warp-uniform the
     skip assembles unserialized but with fences that made the steps slower (docs/sm90.md)."""
     k_blocks = cute.size(tCrA, mode=[2])

@@ -55,7 +55,7 @@ class RaggedGemmSm90(RaggedMGemmSm90):
         if request.epilogue not in ("none", "srelu"):
             raise ValueError(f"epilogue must be 'none' or 'srelu', got {request.epilogue!r}")
         if request.with_bias and request.epilogue != "srelu":
-            raise ValueError("a bias is added only by the 'srelu' epilogue")
+            raise ValueError(f"with_bias=True needs epilogue='srelu' (only it adds a bias), got epilogue={request.epilogue!r}")
         super().__init__(config, request.num_experts, request.n, request.k)
         self.rhs_layout = request.rhs_layout
         self.srelu = request.epilogue == "srelu"

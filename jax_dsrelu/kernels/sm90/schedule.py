@@ -14,8 +14,9 @@ squared-ReLU GEMMs), over output tiles of rows:
                                                   the order of `group_tables`), N-tile
                                                   w % n_tiles; N fastest, so the CTAs in
                                                   flight share A tiles in L2
-    expert_work <= w < all_work                   a tile of the rows owned by no expert
-                                                  ([row_start[E], m)), stored as zeros
+    expert_work <= w < expert_work                a tile of the rows owned by no expert
+        + ceil((m - row_start[E]) / tile_m)       ([row_start[E], m)), stored as zeros
+          * n_tiles
 
 M-tiles never mix experts: expert e's rows [row_start[e], row_start[e + 1]) are cut into
 ceil(size_e / tile_m) tiles, the last one partial. The expert cursor only moves forward,
