@@ -43,7 +43,7 @@ class GemmSm90:
     producer_warps = 4  # warpgroup 0
     consumer_warps = 8  # warpgroups 1 and 2
     threads = 128 * 3
-    consumer_threads = 32 * 8
+    consumer_threads = 32 * consumer_warps
     producer_registers = 40
     consumer_registers = 232
     # The per-CTA expert tables in shared memory, E + 1 int32 each.
@@ -188,6 +188,17 @@ class GemmSm90:
         sub_shape = thr_r2s.partition_S(cute.make_identity_tensor((self.tile_m, self.epi_n))).shape
         return tiled_copy_c, tiled_r2s, thr_r2s, sub_shape
 
+    @cute.jit
+    def _store_subtile(self, tiled_r2s, stores, store_pipeline, store_count: Int32, n_tile: Int32,
+                       subtile: cutlass.Constexpr, ctid: Int32):
+        """Stores subtile `subtile` of N-tile `n_tile` (`epilogue_store.store_subtile`
+        through the ring of store_stages buffers); returns the store count."""
+        epilogue_store.store_subtile(
+            tiled_r2s, stores, store_pipeline, store_count, n_tile * self.subtiles + subtile, ctid,
+            self.config.store_stages, self.consumer_threads,
+        )
+        return store_count + 1
+
     def _store_pipeline(self, stages: int):
         return pipeline.PipelineTmaStore.create(
             num_stages=stages,
@@ -292,19 +303,5 @@ class RaggedMGemmSm90(GemmSm90):
         for i in cutlass.range_constexpr(len(outputs)):
             outputs[i][0].fill(0.0)
         for subtile in cutlass.range_constexpr(self.subtiles):
-            epilogue_store.store_subtile(
-                tiled_r2s, stores, store_pipeline, store_count, n_tile * self.subtiles + subtile, ctid,
-                self.config.store_stages, self.consumer_threads,
-            )
-            store_count = store_count + 1
+            store_count = self._store_subtile(tiled_r2s, stores, store_pipeline, store_count, n_tile, subtile, ctid)
         return store_count
-
-    @cute.jit
-    def _store_subtile(self, tiled_r2s, stores, store_pipeline, store_count: Int32, n_tile: Int32,
-                       subtile: cutlass.Constexpr, ctid: Int32):
-        """Stores subtile `subtile` of the current tile; returns the store count."""
-        epilogue_store.store_subtile(
-            tiled_r2s, stores, store_pipeline, store_count, n_tile * self.subtiles + subtile, ctid,
-            self.config.store_stages, self.consumer_threads,
-        )
-        return store_count + 1

@@ -184,11 +184,8 @@ class RaggedContractSm90(GemmSm90):
                 for subtile in cutlass.range_constexpr(self.subtiles):
                     for v in cutlass.range_constexpr(sub_values):
                         tRS_rD[v] = tRS_rAcc[subtile * sub_values + v]
-                    epilogue_store.store_subtile(
-                        tiled_r2s, outputs, store_pipeline, store_count, b_tile * self.subtiles + subtile, ctid,
-                        self.config.store_stages, self.consumer_threads,
-                    )
-                    store_count = store_count + 1
+                    store_count = self._store_subtile(tiled_r2s, outputs, store_pipeline, store_count, b_tile,
+                                                      subtile, ctid)
             work_schedule.advance()
         if ctid == 0:
             store_pipeline.producer_tail()
