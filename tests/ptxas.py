@@ -49,10 +49,9 @@ def assemble(ptx: str, arch: str = "sm_90a") -> str:
     return result.stderr
 
 
-def check_assembly(ptx: str, *, spills: bool = True) -> None:
-    """No serialized wgmma; with `spills`, no register spills either."""
+def check_assembly(ptx: str) -> None:
+    """No serialized wgmma, no register spills."""
     log = assemble(ptx)
     assert "C7520" not in log and "serialized" not in log, log[-2000:]
-    if spills:
-        found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-        assert found and all(stores == loads == "0" for stores, loads in found), log[-2000:]
+    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert found and all(stores == loads == "0" for stores, loads in found), log[-2000:]

@@ -217,7 +217,7 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
         epilogue) never holds back the grad/weight loads of the next tile."""
         state = self._producer_state(self.config.preact_stages)
         while work_schedule.owned():
-            tile = work_schedule.tile()
+            tile, work_schedule = work_schedule.located()
             row0 = tile.first_row + tile.local_tile * self.tile_m
             # (tile_m, epi_n, n / epi_n): subtile s of N-tile t is column block t * subtiles + s.
             gP = cute.local_tile(cute.domain_offset((row0, 0), mP), (self.tile_m, self.epi_n), (0, None))
@@ -274,7 +274,7 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
 
         while work_schedule.valid():
             if work_schedule.owned():
-                tile = work_schedule.tile()
+                tile, work_schedule = work_schedule.located()
                 row0, rows_valid = self._tile_rows(tile)
                 # The epilogue's per-row and per-expert scalars, loaded before the mainloop
                 # so that their latency hides behind it.

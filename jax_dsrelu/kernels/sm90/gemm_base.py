@@ -245,7 +245,7 @@ class RaggedMGemmSm90(GemmSm90):
         """Warp 0: the A/B k-tiles of every expert tile, in schedule order."""
         state = self._producer_state(self.config.ab_stages)
         while work_schedule.owned():
-            tile = work_schedule.tile()
+            tile, work_schedule = work_schedule.located()
             row0 = tile.first_row + tile.local_tile * self.tile_m
             # Rows past the expert are loaded and never stored; rows past m read as zeros.
             gA = cute.local_tile(cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None))

@@ -164,7 +164,7 @@ class RaggedGemmSm90(RaggedMGemmSm90):
         tile_row = [tCcAcc[0][0], tCcAcc[2][0]]
         while work_schedule.valid():
             if work_schedule.owned():
-                tile = work_schedule.tile()
+                tile, work_schedule = work_schedule.located()
                 row0, rows_valid = self._tile_rows(tile)
                 prob = [Float32(0.0), Float32(0.0)]
                 if cutlass.const_expr(self.srelu):

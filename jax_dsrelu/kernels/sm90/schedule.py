@@ -74,10 +74,8 @@ class RaggedMSchedule:
     @staticmethod
     def start(row_start, tile_start, num_rows: Int32, num_experts: int, n_tiles: int, tile_m: int,
               first: Int32, stride: Int32) -> "RaggedMSchedule":
-        walk = RaggedMSchedule(row_start, tile_start, num_rows, num_experts, n_tiles, tile_m,
+        return RaggedMSchedule(row_start, tile_start, num_rows, num_experts, n_tiles, tile_m,
                                first, stride, Int32(0))
-        walk._seek()
-        return walk
 
     def __extract_mlir_values__(self):
         return extract_mlir_values(self.work) + extract_mlir_values(self.stride) + extract_mlir_values(self.expert)
@@ -92,12 +90,6 @@ class RaggedMSchedule:
     def _expert_work(self) -> Int32:
         return self.tile_start[self.num_experts] * self.n_tiles
 
-    def _seek(self) -> None:
-        # Clamped to the last expert tile, so that the cursor stays below E on the
-        # unowned tiles (and at 0 when every expert is empty).
-        m_tile = cutlass.min(self.work // self.n_tiles, self.tile_start[self.num_experts] - 1)
-        self.expert = _seek_expert(self.tile_start, m_tile, self.expert)
-
     def owned(self):
         """Whether the current item is an expert tile (they come first)."""
         return self.work < self._expert_work()
@@ -110,20 +102,25 @@ class RaggedMSchedule:
 
     def advance(self) -> None:
         self.work = self.work + self.stride
-        self._seek()
 
-    def tile(self) -> ExpertTile:
-        """The current expert tile (valid when `owned`)."""
+    def located(self):
+        """(the current expert tile, this walk with its cursor at that tile's expert); for
+        an `owned` item. The caller rebinds its walk to the second: a loop or a branch
+        carries the cursor by name (the seek sits where the tile is needed, not in
+        `advance`, which keeps the producers' loop free of local-memory traffic)."""
         m_tile = self.work // self.n_tiles
-        first_row = self.row_start[self.expert]
+        expert = _seek_expert(self.tile_start, m_tile, self.expert)
+        walk = RaggedMSchedule(self.row_start, self.tile_start, self.num_rows, self.num_experts, self.n_tiles,
+                               self.tile_m, self.work, self.stride, expert)
+        first_row = self.row_start[expert]
         return ExpertTile(
-            expert=self.expert,
+            expert=expert,
             m_tile=m_tile,
             n_tile=self.work - m_tile * self.n_tiles,
-            local_tile=m_tile - self.tile_start[self.expert],
+            local_tile=m_tile - self.tile_start[expert],
             first_row=first_row,
-            rows=self.row_start[self.expert + 1] - first_row,
-        )
+            rows=self.row_start[expert + 1] - first_row,
+        ), walk
 
     def unowned_tile(self):
         """(tile index within the unowned rows, N-tile, first unowned row, unowned row
