@@ -353,7 +353,7 @@ def step_cells(row: dict) -> dict[str, str]:
 def render_layer_steps(results: dict) -> str:
     """The moe_mlp step at every benchmark shape, against the dense and the batched XLA ceilings."""
     lines = [
-        provenance(results, "fine_grained/bench_layer_step_17e85ae.json",
+        provenance(results, "fine_grained/bench_layer_step_d50fca1.json",
                    "bf16 with b1; a step is `jax.value_and_grad` in x, w1, b1, w2 and prob"),
         f"Throughput counts {results['flops']}. XLA dense MLP: one (m, d) x (d, f) MLP of the same FLOPs; "
         "XLA batched: the experts as E equal batches of m / E rows, batched GEMMs with no ragged edges, "
@@ -400,36 +400,57 @@ def render_moe_block(results: dict) -> str:
     return "\n".join(lines)
 
 
+def rows_computed_per_row_stored(group_sizes: list[int], tile_rows: int) -> float:
+    """What a ragged-M kernel computes per row it stores: every expert's rows are cut into
+    whole tiles of `tile_rows`, the last one partly empty."""
+    computed = sum(-(-size // tile_rows) * tile_rows for size in group_sizes if size > 0)
+    return computed / sum(size for size in group_sizes if size > 0)
+
+
 def render_gemm_ceilings(results: dict) -> str:
-    """Each GEMM of a layer step against cuBLAS on the same operands: a dense GEMM of the
-    same FLOPs and E equal batches."""
+    """Each GEMM of a layer step against cuBLAS on the same operands (a dense GEMM of the
+    same FLOPs, and E equal batches), with what the ragged-M kernels' 128-row tiles pad."""
+    gemms = list(GEMM_ROWS)
     lines = [
-        provenance(results, "fine_grained/bench_gemms_nano_17e85ae.json", "bf16"),
+        provenance(results, "fine_grained/bench_gemms_fine_d50fca1.json", "bf16"),
+        "Each cell: sm90's time per call, then sm90's speed as a share of cuBLAS batched over E equal "
+        "experts / of one dense cuBLAS GEMM of the same FLOPs (1.00: as fast). Padding: the rows the "
+        "ragged-M kernels (up, down, dsrelu, dx) compute per row they store, with the 128-row tiles "
+        "they use and with 64-row tiles.",
         "",
-        "| shape (m, d, f, E), groups | GEMM | sm90 | cuBLAS dense | cuBLAS batched, equal experts "
-        "| sm90 as a share of dense | of batched |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| shape (m, d, f, E), groups | padding, 128-row tiles (64-row) | " + " | ".join(gemms) + " | all six |",
+        "| --- | --- |" + " --- |" * (len(gemms) + 1),
     ]
     for row in results["shapes"]:
-        for gemm, entry in row["gemms"].items():
-            ms = {name: variant.get("ms") for name, variant in entry["variants"].items()}
-            share = lambda other: f"{ms[other] / ms['sm90']:.2f}" if ms.get(other) and ms.get("sm90") else "—"  # noqa: E731
-            cells = " | ".join(f"{ms[name]:.3f} ms" if ms.get(name) else "—" for name in ("sm90", "cublas_dense", "cublas_batched"))
-            lines.append(f"| {shape_text(row['shape'], 'mdfE')}, {row['grouping']} | {gemm} | {cells} "
-                         f"| {share('cublas_dense')} | {share('cublas_batched')} |")
+        totals = {"sm90": 0.0, "cublas_batched": 0.0, "cublas_dense": 0.0}
+        cells = []
+        for gemm in gemms:
+            ms = {name: variant.get("ms") for name, variant in row["gemms"][gemm]["variants"].items()}
+            if not all(ms.get(name) for name in totals):
+                cells.append("—")
+                totals = {name: float("nan") for name in totals}
+                continue
+            for name in totals:
+                totals[name] += ms[name]
+            cells.append(f"{ms['sm90']:.3f} ms ({ms['cublas_batched'] / ms['sm90']:.2f} / {ms['cublas_dense'] / ms['sm90']:.2f})")
+        cells.append(f"{totals['sm90']:.3f} ms ({totals['cublas_batched'] / totals['sm90']:.2f} "
+                     f"/ {totals['cublas_dense'] / totals['sm90']:.2f})")
+        sizes = row["group_sizes"]
+        padding = f"{rows_computed_per_row_stored(sizes, 128):.3f} ({rows_computed_per_row_stored(sizes, 64):.3f})"
+        lines.append(f"| {shape_text(row['shape'], 'mdfE')}, {row['grouping']} | {padding} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 # (document, marker name, recorded JSON, how its table is written); a JSON name with a *
 # takes every matching JSON, in a list.
 TABLES: list[tuple[str, str, str, Callable]] = [
-    ("README.md", "summary", "fine_grained/bench_layer_step_17e85ae.json", render_summary),
+    ("README.md", "summary", "fine_grained/bench_layer_step_d50fca1.json", render_summary),
     ("docs/performance.md", "sm90", "bench_dsrelu.json", render_dsrelu),
     ("docs/performance.md", "gemms", "bench_gemms.json", render_gemms),
     ("docs/performance.md", "layer", "bench_layer.json", render_layer),
-    ("docs/performance.md", "steps", "fine_grained/bench_layer_step_17e85ae.json", render_layer_steps),
+    ("docs/performance.md", "steps", "fine_grained/bench_layer_step_d50fca1.json", render_layer_steps),
     ("docs/performance.md", "moe_block", "bench_moe_block.json", render_moe_block),
-    ("docs/sm90.md", "gemm_ceilings", "fine_grained/bench_gemms_nano_17e85ae.json", render_gemm_ceilings),
+    ("docs/sm90.md", "gemm_ceilings", "fine_grained/bench_gemms_fine_d50fca1.json", render_gemm_ceilings),
     ("docs/determinism.md", "determinism", "determinism/determinism_parallel*.json", render_determinism),
 ]
 DOCUMENTS = list(dict.fromkeys(document for document, *_ in TABLES))

@@ -156,3 +156,10 @@ def test_every_python_block_runs_as_written(path):
     )
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     subprocess.run([sys.executable, "-c", "namespace = {}\n" + program], check=True, cwd=ROOT, env=env, timeout=600)
+
+
+def test_padding_counts_whole_tiles_per_expert():
+    # 129 rows in two experts: 1 tile + 1 tile of 128 rows; 3 tiles of 64; empty experts pad nothing.
+    assert readme_table.rows_computed_per_row_stored([128, 1, 0], 128) == 256 / 129
+    assert readme_table.rows_computed_per_row_stored([128, 1, 0], 64) == 192 / 129
+    assert readme_table.rows_computed_per_row_stored([384] * 4, 128) == 1.0
