@@ -27,6 +27,8 @@
 #             processes of each script side by side, kernels from the carried cache (warm) or
 #             compiled in each process (fresh), with the caller's XLA_FLAGS; JSON named
 #             PARALLEL_NAME_<mode>
+#   profile   benchmarks/profile_gemms.py under Nsight Compute: the counters of each GEMM of
+#             the Nano step, ours and cuBLAS batched (PROFILE_ARGS for other GEMMs or groups)
 #   sweep     benchmarks/sweep_configs.py (tile configurations at the benchmark shapes)
 #   sweep_contract  benchmarks/sweep_configs.py --kernel contract (the contraction's configurations)
 #   sweep_gemm  benchmarks/sweep_configs.py --kernel gemm (the ragged-M kernels' N tiles)
@@ -156,6 +158,18 @@ if [[ $stages == *,determinism_parallel,* ]]; then
     tail -3 "$OUT/determinism_parallel_$mode.out" | tee -a "$log"
   done
   echo "determinism_parallel done" | tee -a "$log"
+fi
+
+if [[ $stages == *,profile,* ]]; then
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  profiled=(--clock-control none --kernel-name "regex:^(kernel_cutlass|nvjet|sm90_xmma)" --section SpeedOfLight
+            --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --csv --page details
+            python3 benchmarks/profile_gemms.py run $PROFILE_ARGS)
+  timeout 400 "$ncu" "${profiled[@]}" > "$OUT/counters.csv" 2> "$OUT/profile_gemms.err"
+  echo "profile exit $?" | tee -a "$log"
+  python3 benchmarks/profile_gemms.py record "$OUT/counters.csv" --commit "$commit" --command "ncu ${profiled[*]}" \
+    --out "$OUT" $PROFILE_ARGS 2>&1 | tail -3 | tee -a "$log"
 fi
 
 if [[ $stages == *,sweep,* ]]; then
