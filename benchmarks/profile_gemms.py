@@ -13,7 +13,10 @@ on the GPU machine:
 `run` calls each selected variant of each GEMM once (sm90, then cuBLAS batched over equal
 experts), in the order grouping, GEMM, variant. `record` writes DIR/profile_gemms.json:
 each profiled launch with its metrics, labelled by that order (an sm90 kernel opens a
-GEMM's entry; the cuBLAS kernels after it are its batched GEMM's).
+GEMM's entry; the cuBLAS kernels after it are its batched GEMM's). The cuBLAS launches
+that ncu sees are those of XLA's autotuner, every algorithm it tries, twice each, once per
+GEMM shape (XLA runs the compiled program as a CUDA graph, whose launches ncu does not
+profile here); the fastest of them is the one XLA compiles, the one bench_gemms.py times.
 """
 
 from __future__ import annotations

@@ -441,6 +441,51 @@ def render_gemm_ceilings(results: dict) -> str:
     return "\n".join(lines)
 
 
+COUNTERS = [  # (column, Nsight Compute section: metric, scale to the column's unit)
+    ("time", "GPU Speed Of Light Throughput: Duration", 1e-6),
+    ("SM", "GPU Speed Of Light Throughput: Compute (SM) Throughput", 1.0),
+    ("L2", "GPU Speed Of Light Throughput: L2 Cache Throughput", 1.0),
+    ("DRAM", "GPU Speed Of Light Throughput: DRAM Throughput", 1.0),
+    ("clock", "GPU Speed Of Light Throughput: SM Frequency", 1e-9),
+]
+
+
+def counter_cells(launch: dict) -> str:
+    value = lambda name, scale: float(launch["metrics"][name]["value"].replace(",", "")) * scale  # noqa: E731
+    time, sm, l2, dram, clock = (value(name, scale) for _, name, scale in COUNTERS)
+    return f"{time:.3f} ms | {sm:.0f}% | {l2:.0f}% | {dram:.0f}% | {clock:.2f} GHz"
+
+
+def render_gemm_counters(results: dict) -> str:
+    """Nsight Compute's speed of light for each GEMM: ours beside cuBLAS batched's fastest
+    algorithm (profile_gemms.py)."""
+    shape = results["shape"]
+    lines = [
+        f"Measured on an {results['device']}, commit `{results['commit']}`, shape (m, d, f, E) = "
+        f"({shape['m']}, {shape['d']}, {shape['f']}, {shape['E']}): `{results['command']}` "
+        f"({results['tool']}). Raw results: `benchmarks/results/fine_grained/profile_gemms_nano_527754c.json`; "
+        "this table is generated from them by `benchmarks/readme_table.py`. SM, L2, DRAM: Nsight Compute's "
+        "throughputs as a share of their peak (SM: the busiest of the SM's units); clock: the SM "
+        "clock it measured. cuBLAS batched: the fastest of the algorithms XLA's autotuner ran (E equal "
+        "batches; the same kernel for either grouping).",
+        "",
+        "| GEMM, groups | sm90 | SM | L2 | DRAM | clock | cuBLAS batched | SM | L2 | DRAM | clock |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    duration = lambda launch: float(launch["metrics"][COUNTERS[0][1]]["value"].replace(",", ""))  # noqa: E731
+    cublas = {}
+    for launch in results["launches"]:
+        if launch["variant"] == "cublas_batched":
+            best = cublas.get(launch["gemm"])
+            cublas[launch["gemm"]] = launch if best is None or duration(launch) < duration(best) else best
+    for launch in results["launches"]:
+        if launch["variant"] != "sm90":
+            continue
+        theirs = counter_cells(cublas[launch["gemm"]]) if launch["gemm"] in cublas else "— | — | — | — | —"
+        lines.append(f"| {launch['gemm']}, {launch['grouping']} | {counter_cells(launch)} | {theirs} |")
+    return "\n".join(lines)
+
+
 # (document, marker name, recorded JSON, how its table is written); a JSON name with a *
 # takes every matching JSON, in a list.
 TABLES: list[tuple[str, str, str, Callable]] = [
@@ -451,6 +496,7 @@ TABLES: list[tuple[str, str, str, Callable]] = [
     ("docs/performance.md", "steps", "fine_grained/bench_layer_step_d50fca1.json", render_layer_steps),
     ("docs/performance.md", "moe_block", "bench_moe_block.json", render_moe_block),
     ("docs/sm90.md", "gemm_ceilings", "fine_grained/bench_gemms_fine_d50fca1.json", render_gemm_ceilings),
+    ("docs/sm90.md", "gemm_counters", "fine_grained/profile_gemms_nano_527754c.json", render_gemm_counters),
     ("docs/determinism.md", "determinism", "determinism/determinism_parallel*.json", render_determinism),
 ]
 DOCUMENTS = list(dict.fromkeys(document for document, *_ in TABLES))

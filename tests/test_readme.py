@@ -163,3 +163,21 @@ def test_padding_counts_whole_tiles_per_expert():
     assert readme_table.rows_computed_per_row_stored([128, 1, 0], 128) == 256 / 129
     assert readme_table.rows_computed_per_row_stored([128, 1, 0], 64) == 192 / 129
     assert readme_table.rows_computed_per_row_stored([384] * 4, 128) == 1.0
+
+
+def test_counters_put_each_kernel_beside_cublas_fastest_algorithm():
+    def launch(gemm, variant, microseconds, sm):
+        values = [microseconds * 1000, sm, 50.0, 40.0, 1.5e9]
+        metrics = {name: dict(unit="", value=f"{v:,.2f}") for (_, name, _), v in zip(readme_table.COUNTERS, values)}
+        return dict(gemm=gemm, grouping="dirichlet", variant=variant, kernel="k", metrics=metrics)
+
+    results = dict(device="NVIDIA H200", commit="abc1234", command="ncu ...", tool="Nsight Compute",
+                   shape=dict(m=1, d=2, f=3, E=4),
+                   launches=[launch("up", "sm90", 900, 70.0), launch("up", "cublas_batched", 800, 80.0),
+                             launch("up", "cublas_batched", 600, 90.0), launch("dx", "sm90", 700, 85.0)])
+    rows = [line for line in readme_table.render_gemm_counters(results).splitlines() if line.startswith("| up")
+            or line.startswith("| dx")]
+    assert rows == [
+        "| up, dirichlet | 0.900 ms | 70% | 50% | 40% | 1.50 GHz | 0.600 ms | 90% | 50% | 40% | 1.50 GHz |",
+        "| dx, dirichlet | 0.700 ms | 85% | 50% | 40% | 1.50 GHz | — | — | — | — | — |",
+    ]
