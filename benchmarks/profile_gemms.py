@@ -1,9 +1,9 @@
 """Hardware counters of the grouped GEMMs of a layer step beside cuBLAS's batched GEMM.
 
 Where bench_gemms.py says how long each kernel takes, this says what bounds it: Nsight
-Compute's speed-of-light, compute and memory sections for one launch of each kernel, on
-the same operands as bench_gemms.py (`make_operands`, one set per grouping). Two steps,
-on the GPU machine:
+Compute's speed-of-light, compute and memory sections for one launch of each kernel (ours
+on bench_gemms.py's operands, `make_operands`, one set per grouping). Two steps, on the
+GPU machine:
 
     ncu --clock-control none --kernel-name 'regex:^(kernel_cutlass|nvjet|sm90_xmma)' \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \\
@@ -13,10 +13,10 @@ on the GPU machine:
 `run` calls each selected variant of each GEMM once (sm90, then cuBLAS batched over equal
 experts), in the order grouping, GEMM, variant. `record` writes DIR/profile_gemms.json:
 each profiled launch with its metrics, labelled by that order (an sm90 kernel opens a
-GEMM's entry; the cuBLAS kernels after it are its batched GEMM's). The cuBLAS launches
-that ncu sees are those of XLA's autotuner, every algorithm it tries, twice each, once per
-GEMM shape (XLA runs the compiled program as a CUDA graph, whose launches ncu does not
-profile here); the fastest of them is the one XLA compiles, the one bench_gemms.py times.
+GEMM's entry; the cuBLAS kernels after it are its batched GEMM's). The cuBLAS launches in
+the report are those of XLA's autotuner, every algorithm it tries, twice each, on its own
+buffers, once per GEMM shape; the compiled program's own launch of the chosen one does not
+appear. The fastest of them is the one XLA compiles, the one bench_gemms.py times.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -59,18 +58,25 @@ def launches(csv_path: pathlib.Path) -> list[dict]:
     with open(csv_path, newline="") as handle:
         # ncu prints its own progress lines before the table: skip to the header.
         lines = handle.readlines()
-        start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
-        for row in csv.DictReader(lines[start:]):
-            launch = by_id.setdefault(row["ID"], dict(kernel=row["Kernel Name"], grid=row["Grid Size"],
-                                                      block=row["Block Size"], metrics={}))
-            launch["metrics"][f"{row['Section Name']}: {row['Metric Name']}"] = dict(
-                unit=row["Metric Unit"], value=row["Metric Value"])
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        raise ValueError(f"{csv_path}: no table with a header starting '\"ID\"' (ncu --csv --page details); "
+                         "ncu did not run, failed, or profiled no kernel")
+    for row in csv.DictReader(lines[start:]):
+        launch = by_id.setdefault(row["ID"], dict(kernel=row["Kernel Name"], grid=row["Grid Size"],
+                                                  block=row["Block Size"], metrics={}))
+        launch["metrics"][f"{row['Section Name']}: {row['Metric Name']}"] = dict(
+            unit=row["Metric Unit"], value=row["Metric Value"])
     return [by_id[key] for key in sorted(by_id, key=int)]
 
 
 def labelled(profiled: list[dict], groups: list[str], gemms: list[str]) -> list[dict]:
     """Each launch with the (grouping, GEMM, variant) that ran it (see the module doc)."""
     slots = [(grouping, gemm) for grouping in groups for gemm in gemms]
+    ours = sum(launch["kernel"].startswith(SM90_KERNEL_PREFIX) for launch in profiled)
+    if ours != len(slots):
+        raise ValueError(f"the report has {ours} launches of our kernels, expected one per GEMM run: "
+                         f"{len(slots)} ({groups} x {gemms}); a truncated report or another run's")
     slot = -1
     for launch in profiled:
         if launch["kernel"].startswith(SM90_KERNEL_PREFIX):
@@ -108,15 +114,16 @@ def main(argv=None) -> None:
     parser.add_argument("--shape", type=lambda text: tuple(int(v) for v in text.split(",")), default=NANO)
     parser.add_argument("--groups", default="dirichlet,equal")
     parser.add_argument("--gemms", default="up,down,dsrelu,dx,dw1,dw2")
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--command", default=os.environ.get("PROFILE_COMMAND"), help="record: the ncu command run")
+    parser.add_argument("--commit", default=None, help="record: the commit profiled")
+    parser.add_argument("--command", default=None, help="record: the ncu command that wrote the CSV")
     parser.add_argument("--out", default="benchmarks/results")
     options = parser.parse_args(argv)
     if options.mode == "run":
         run(options)
     else:
-        if options.csv is None:
-            parser.error("record needs the CSV report")
+        missing = [name for name in ("csv", "commit", "command") if getattr(options, name) is None]
+        if missing:
+            parser.error(f"record needs {', '.join(missing)}: the CSV report and what produced it")
         record(options)
 
 

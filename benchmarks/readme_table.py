@@ -421,38 +421,48 @@ def render_gemm_ceilings(results: dict) -> str:
         "| shape (m, d, f, E), groups | padding, 128-row tiles (64-row) | " + " | ".join(gemms) + " | all six |",
         "| --- | --- |" + " --- |" * (len(gemms) + 1),
     ]
+    def share_cell(ms: dict) -> str:
+        return f"{ms['sm90']:.3f} ms ({ms['cublas_batched'] / ms['sm90']:.2f} / {ms['cublas_dense'] / ms['sm90']:.2f})"
+
     for row in results["shapes"]:
-        totals = {"sm90": 0.0, "cublas_batched": 0.0, "cublas_dense": 0.0}
-        cells = []
+        timed = {}
         for gemm in gemms:
-            ms = {name: variant.get("ms") for name, variant in row["gemms"][gemm]["variants"].items()}
-            if not all(ms.get(name) for name in totals):
-                cells.append("—")
-                totals = {name: float("nan") for name in totals}
-                continue
-            for name in totals:
-                totals[name] += ms[name]
-            cells.append(f"{ms['sm90']:.3f} ms ({ms['cublas_batched'] / ms['sm90']:.2f} / {ms['cublas_dense'] / ms['sm90']:.2f})")
-        cells.append(f"{totals['sm90']:.3f} ms ({totals['cublas_batched'] / totals['sm90']:.2f} "
-                     f"/ {totals['cublas_dense'] / totals['sm90']:.2f})")
+            variants = row["gemms"].get(gemm, {}).get("variants", {})
+            ms = {name: variants.get(name, {}).get("ms") for name in ("sm90", "cublas_batched", "cublas_dense")}
+            if all(ms.values()):
+                timed[gemm] = ms
+        cells = [share_cell(timed[gemm]) if gemm in timed else "—" for gemm in gemms]
+        # The sum only where every GEMM was timed: a partial sum would compare unlike things.
+        cells.append(share_cell({name: sum(ms[name] for ms in timed.values()) for name in ("sm90", "cublas_batched", "cublas_dense")})
+                     if len(timed) == len(gemms) else "—")
         sizes = row["group_sizes"]
         padding = f"{rows_computed_per_row_stored(sizes, 128):.3f} ({rows_computed_per_row_stored(sizes, 64):.3f})"
         lines.append(f"| {shape_text(row['shape'], 'mdfE')}, {row['grouping']} | {padding} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-COUNTERS = [  # (column, Nsight Compute section: metric, scale to the column's unit)
-    ("time", "GPU Speed Of Light Throughput: Duration", 1e-6),
-    ("SM", "GPU Speed Of Light Throughput: Compute (SM) Throughput", 1.0),
-    ("L2", "GPU Speed Of Light Throughput: L2 Cache Throughput", 1.0),
-    ("DRAM", "GPU Speed Of Light Throughput: DRAM Throughput", 1.0),
-    ("clock", "GPU Speed Of Light Throughput: SM Frequency", 1e-9),
+COUNTERS = [  # (column, Nsight Compute section: metric, the unit recorded, scale to the column's unit)
+    ("time", "GPU Speed Of Light Throughput: Duration", "ns", 1e-6),
+    ("SM", "GPU Speed Of Light Throughput: Compute (SM) Throughput", "%", 1.0),
+    ("L2", "GPU Speed Of Light Throughput: L2 Cache Throughput", "%", 1.0),
+    ("DRAM", "GPU Speed Of Light Throughput: DRAM Throughput", "%", 1.0),
+    ("clock", "GPU Speed Of Light Throughput: SM Frequency", "hz", 1e-9),
 ]
 
 
+def counter(launch: dict, name: str, unit: str, scale: float) -> float:
+    """One recorded metric of a profiled launch, in the column's unit."""
+    entry = launch["metrics"].get(name)
+    if entry is None or entry["unit"] != unit:
+        raise ValueError(f"{launch['kernel'][:60]}: metric {name!r} should be recorded in {unit!r}, got {entry}")
+    try:
+        return float(entry["value"].replace(",", "")) * scale
+    except ValueError:
+        raise ValueError(f"{launch['kernel'][:60]}: metric {name!r} has no number: {entry['value']!r}") from None
+
+
 def counter_cells(launch: dict) -> str:
-    value = lambda name, scale: float(launch["metrics"][name]["value"].replace(",", "")) * scale  # noqa: E731
-    time, sm, l2, dram, clock = (value(name, scale) for _, name, scale in COUNTERS)
+    time, sm, l2, dram, clock = (counter(launch, name, unit, scale) for _, name, unit, scale in COUNTERS)
     return f"{time:.3f} ms | {sm:.0f}% | {l2:.0f}% | {dram:.0f}% | {clock:.2f} GHz"
 
 
@@ -472,7 +482,7 @@ def render_gemm_counters(results: dict) -> str:
         "| GEMM, groups | sm90 | SM | L2 | DRAM | clock | cuBLAS batched | SM | L2 | DRAM | clock |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    duration = lambda launch: float(launch["metrics"][COUNTERS[0][1]]["value"].replace(",", ""))  # noqa: E731
+    duration = lambda launch: counter(launch, *COUNTERS[0][1:])  # noqa: E731
     cublas = {}
     for launch in results["launches"]:
         if launch["variant"] == "cublas_batched":

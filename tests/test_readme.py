@@ -168,7 +168,7 @@ def test_padding_counts_whole_tiles_per_expert():
 def test_counters_put_each_kernel_beside_cublas_fastest_algorithm():
     def launch(gemm, variant, microseconds, sm):
         values = [microseconds * 1000, sm, 50.0, 40.0, 1.5e9]
-        metrics = {name: dict(unit="", value=f"{v:,.2f}") for (_, name, _), v in zip(readme_table.COUNTERS, values)}
+        metrics = {name: dict(unit=unit, value=f"{v:,.2f}") for (_, name, unit, _), v in zip(readme_table.COUNTERS, values)}
         return dict(gemm=gemm, grouping="dirichlet", variant=variant, kernel="k", metrics=metrics)
 
     results = dict(device="NVIDIA H200", commit="abc1234", command="ncu ...", tool="Nsight Compute",
@@ -181,3 +181,17 @@ def test_counters_put_each_kernel_beside_cublas_fastest_algorithm():
         "| up, dirichlet | 0.900 ms | 70% | 50% | 40% | 1.50 GHz | 0.600 ms | 90% | 50% | 40% | 1.50 GHz |",
         "| dx, dirichlet | 0.700 ms | 85% | 50% | 40% | 1.50 GHz | — | — | — | — | — |",
     ]
+
+
+def test_counters_refuse_a_metric_in_another_unit():
+    launch = dict(kernel="k", metrics={readme_table.COUNTERS[0][1]: dict(unit="us", value="900")})
+    with pytest.raises(ValueError, match="should be recorded in 'ns'"):
+        readme_table.counter(launch, *readme_table.COUNTERS[0][1:])
+
+
+def test_gemm_ceilings_leave_the_sum_out_when_a_gemm_is_missing():
+    timed = dict(variants=dict(sm90=dict(ms=2.0), cublas_batched=dict(ms=1.0), cublas_dense=dict(ms=0.5)))
+    results = dict(RUN, shapes=[dict(shape=dict(m=1024, d=256, f=512, E=4), grouping="equal",
+                                     group_sizes=[256] * 4, gemms=dict(up=timed))])
+    row = [line for line in readme_table.render_gemm_ceilings(results).splitlines() if line.startswith("| 1024")][0]
+    assert row == "| 1024, 256, 512, 4, equal | 1.000 (1.000) | 2.000 ms (0.50 / 0.25) | — | — | — | — | — | — |"
