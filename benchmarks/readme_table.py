@@ -421,6 +421,8 @@ def render_gemm_ceilings(results: dict) -> str:
         "| shape (m, d, f, E), groups | padding, 128-row tiles (64-row) | " + " | ".join(gemms) + " | all six |",
         "| --- | --- |" + " --- |" * (len(gemms) + 1),
     ]
+    compared = ("sm90", "cublas_batched", "cublas_dense")
+
     def share_cell(ms: dict) -> str:
         return f"{ms['sm90']:.3f} ms ({ms['cublas_batched'] / ms['sm90']:.2f} / {ms['cublas_dense'] / ms['sm90']:.2f})"
 
@@ -428,12 +430,12 @@ def render_gemm_ceilings(results: dict) -> str:
         timed = {}
         for gemm in gemms:
             variants = row["gemms"].get(gemm, {}).get("variants", {})
-            ms = {name: variants.get(name, {}).get("ms") for name in ("sm90", "cublas_batched", "cublas_dense")}
+            ms = {name: variants.get(name, {}).get("ms") for name in compared}
             if all(ms.values()):
                 timed[gemm] = ms
         cells = [share_cell(timed[gemm]) if gemm in timed else "—" for gemm in gemms]
         # The sum only where every GEMM was timed: a partial sum would compare unlike things.
-        cells.append(share_cell({name: sum(ms[name] for ms in timed.values()) for name in ("sm90", "cublas_batched", "cublas_dense")})
+        cells.append(share_cell({name: sum(ms[name] for ms in timed.values()) for name in compared})
                      if len(timed) == len(gemms) else "—")
         sizes = row["group_sizes"]
         padding = f"{rows_computed_per_row_stored(sizes, 128):.3f} ({rows_computed_per_row_stored(sizes, 64):.3f})"
@@ -482,12 +484,11 @@ def render_gemm_counters(results: dict) -> str:
         "| GEMM, groups | sm90 | SM | L2 | DRAM | clock | cuBLAS batched | SM | L2 | DRAM | clock |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    duration = lambda launch: counter(launch, *COUNTERS[0][1:])  # noqa: E731
-    cublas = {}
+    tried = {}
     for launch in results["launches"]:
         if launch["variant"] == "cublas_batched":
-            best = cublas.get(launch["gemm"])
-            cublas[launch["gemm"]] = launch if best is None or duration(launch) < duration(best) else best
+            tried.setdefault(launch["gemm"], []).append(launch)
+    cublas = {gemm: min(launches, key=lambda launch: counter(launch, *COUNTERS[0][1:])) for gemm, launches in tried.items()}
     for launch in results["launches"]:
         if launch["variant"] != "sm90":
             continue
