@@ -13,3 +13,6 @@ import enum
 class NamedBarrier(enum.IntEnum):
     EPILOGUE = 1  # consumers around a shared-memory epilogue buffer (epilogue_store.py)
     DBIAS = 2  # consumers around the dbias partials in shared memory (dsrelu_kernel.py)
+    # Where each consumer warpgroup works on its own tile (the ping-pong contraction),
+    # warpgroup g synchronizes its epilogue on EPILOGUE + 2 g: EPILOGUE, WARPGROUP_EPILOGUE.
+    WARPGROUP_EPILOGUE = 3

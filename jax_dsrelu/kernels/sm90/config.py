@@ -228,7 +228,12 @@ class GemmConfig(KernelTiles):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ContractConfig(KernelTiles):
     """The ragged contraction's configuration (`ragged_contract_kernel.py`): the family's,
-    tile_k expert rows per stage, at most a buffer per subtile."""
+    tile_k expert rows per stage, at most a buffer per subtile. With `pingpong`, each
+    consumer warpgroup works on a tile of its own (alternate work items), so that one
+    stores while the other multiplies; each then has a buffer for every subtile of its
+    tile."""
+
+    pingpong: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -237,12 +242,18 @@ class ContractConfig(KernelTiles):
                 f"store_stages must be at most the tile's {self.subtiles} subtiles (a buffer per "
                 f"subtile stores the whole tile at once), got {self.store_stages}"
             )
+        if self.pingpong and self.store_stages != self.subtiles:
+            raise ValueError(
+                f"a ping-pong contraction stores whole tiles: store_stages must be the tile's "
+                f"{self.subtiles} subtiles, got {self.store_stages}"
+            )
 
     def smem_bytes(self, num_experts: int, out_bytes: int) -> int:
         """Shared memory for this config with an output of `out_bytes` per element."""
         # row_start, tile_start and the expert order, E + 1 int32 each.
         tables = 3 * (num_experts + 1) * 4
-        return self._operand_bytes() + self._store_bytes(1, out_bytes) + tables + _SMEM_RESERVE
+        storing_warpgroups = 2 if self.pingpong else 1
+        return self._operand_bytes() + self._store_bytes(storing_warpgroups, out_bytes) + tables + _SMEM_RESERVE
 
 
 def _reason(kernel: str, num_experts: int, operand_dtype, out_dtype, out_dtypes, **extents: int) -> str | None:
@@ -316,6 +327,15 @@ def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAU
         raise ValueError(reason)
     out_bytes = np.dtype(request.out_dtype).itemsize
     tile_k = 32
+    pingpong = dict(tile_n=min(choose_tile_n(request.b), 128), tile_k=tile_k, epi_n=32, max_ctas=sm_count,
+                    pingpong=True)
+    pingpong["store_stages"] = pingpong["tile_n"] // pingpong["epi_n"]
+    pingpong_stages = _most_stages(
+        lambda stages: ContractConfig(ab_stages=stages, **pingpong).smem_bytes(request.num_experts, out_bytes)
+        <= SMEM_CAPACITY, 1, _CONTRACT_MAX_STAGES,
+    )
+    if pingpong_stages * tile_k >= _CONTRACT_MIN_ROWS_IN_FLIGHT:
+        return ContractConfig(ab_stages=pingpong_stages, **pingpong)
     base = dict(tile_n=choose_tile_n(request.b), tile_k=tile_k, epi_n=32, max_ctas=sm_count)
     subtiles = base["tile_n"] // base["epi_n"]
 

@@ -73,9 +73,11 @@ def store_tile(
     smem: cute.Tensor,  # (tile_m, epi_n, subtiles) the tile's shared buffers
     store_pipeline,  # PipelineTmaStore of one stage: one bulk group per tile
     first_block: Int32,
-    ctid: Int32,
+    ctid: Int32,  # the thread's index among the `consumer_threads` storing the tile
     subtiles: cutlass.Constexpr,
     consumer_threads: cutlass.Constexpr,
+    first_buffer: Int32,  # the tile's buffers are smem's [first_buffer, first_buffer + subtiles)
+    barrier_id: Int32,  # the named barrier of the storing threads
 ):
     """A whole tile at once: every subtile rounded and staged in its own buffer, then one
     barrier and the TMA stores as one bulk group.
@@ -87,17 +89,17 @@ def store_tile(
     sub_values = cute.size(rOut)
     if ctid == 0:
         store_pipeline.producer_acquire()
-    cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=consumer_threads)
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=consumer_threads)
     for subtile in cutlass.range_constexpr(subtiles):
         for v in cutlass.range_constexpr(sub_values):
             rF[v] = tRS_rAcc[subtile * sub_values + v]
         rOut.store(rF.load().to(rOut.element_type))
-        cute.copy(tiled_r2s, rOut, tRS_s[None, None, None, subtile])
+        cute.copy(tiled_r2s, rOut, tRS_s[None, None, None, first_buffer + subtile])
     # stmatrix writes are generic-proxy; the TMA engine reads through the async proxy.
     cute.arch.fence_proxy("async.shared", space="cta")
-    cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=consumer_threads)
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=consumer_threads)
     if ctid == 0:
         bSG_s, bSG_g = mainloop.tma_partition(tma, smem, gmem)
         for subtile in cutlass.range_constexpr(subtiles):
-            cute.copy(tma, bSG_s[None, subtile], bSG_g[None, first_block + subtile])
+            cute.copy(tma, bSG_s[None, first_buffer + subtile], bSG_g[None, first_block + subtile])
         store_pipeline.producer_commit()

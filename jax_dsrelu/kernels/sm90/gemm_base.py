@@ -60,14 +60,15 @@ class GemmSm90:
 
     # ------------------------------------------------------------------ host side
 
-    def _mma(self, ab_dtype, a_major: LayoutEnum, b_major: LayoutEnum):
-        """(tiled MMA, A ring layout, B ring layout): two 64-row warpgroups over a
-        tile_m x tile_n tile, operands in shared memory in the given majorness
-        (ROW_MAJOR: K-major, COL_MAJOR: MN-major)."""
+    def _mma(self, ab_dtype, a_major: LayoutEnum, b_major: LayoutEnum, warpgroups: int = 2):
+        """(tiled MMA, A ring layout, B ring layout) of a tile_m x tile_n tile, operands in
+        shared memory in the given majorness (ROW_MAJOR: K-major, COL_MAJOR: MN-major):
+        two warpgroups of 64 rows each (cooperative), or one warpgroup taking every
+        64-row slice of the tile (ping-pong, each warpgroup on its own tile)."""
         self.ab_dtype = ab_dtype
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             ab_dtype, ab_dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(), Float32,
-            (2, 1, 1), tiler_mn=(64, self.tile_n),
+            (warpgroups, 1, 1), tiler_mn=(64, self.tile_n),
         )
         tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
         stages = self.config.ab_stages
@@ -115,22 +116,24 @@ class GemmSm90:
 
     # ---------------------------------------------------------------- device side
 
-    def _operand_pipeline(self, storage, a_layout, b_layout) -> pipeline.PipelineTmaAsync:
-        """The A/B ring: warp 0 produces, the 8 consumer warps release."""
+    def _operand_pipeline(self, storage, a_layout, b_layout, releasing_warps: int = consumer_warps):
+        """The A/B ring: warp 0 produces, the consumer warps that read a stage release it
+        (all 8, or the 4 of one warpgroup where each works on its own tile)."""
         return self._tma_pipeline(
             storage.ab_barriers, self.config.ab_stages,
             cute.size_in_bytes(self.ab_dtype, cute.slice_(a_layout, (None, None, 0)))
             + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_layout, (None, None, 0))),
+            releasing_warps,
         )
 
-    def _tma_pipeline(self, barriers, stages: int, stage_bytes) -> pipeline.PipelineTmaAsync:
-        """A ring filled by one TMA-issuing thread and released by the consumer warps.
-        Its barriers are published by `_publish_tables`."""
+    def _tma_pipeline(self, barriers, stages: int, stage_bytes, releasing_warps: int = consumer_warps):
+        """A ring filled by one TMA-issuing thread and released by `releasing_warps`
+        consumer warps. Its barriers are published by `_publish_tables`."""
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers.data_ptr(),
             num_stages=stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_warps),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, releasing_warps),
             tx_count=stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True,
@@ -166,9 +169,9 @@ class GemmSm90:
     def _mma_fragments(self, tiled_mma, sA, sB, ctid: Int32):
         """(tCrA, tCrB, tCcAcc, acc): the warpgroup's wgmma fragments of the rings, the
         (tile_m, tile_n) coordinates of this thread's accumulator values, and the
-        accumulator."""
+        accumulator. `ctid` counts the threads of the tiled MMA (256 or 128)."""
         # wgmma fragments are per warpgroup: slice the tiled MMA by warpgroup for A/B.
-        thr_mma_wg = tiled_mma.get_slice(cute.make_layout(2, stride=128)(ctid // 128))
+        thr_mma_wg = tiled_mma.get_slice((ctid // 128) * 128)
         tCrA = tiled_mma.make_fragment_A(thr_mma_wg.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma_wg.partition_B(sB))
         tCcAcc = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
@@ -199,10 +202,10 @@ class GemmSm90:
         )
         return store_count + 1
 
-    def _store_pipeline(self, stages: int):
+    def _store_pipeline(self, stages: int, threads: int = consumer_threads):
         return pipeline.PipelineTmaStore.create(
             num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, threads),
         )
 
     @staticmethod

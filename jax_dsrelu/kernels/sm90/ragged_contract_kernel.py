@@ -50,6 +50,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from jax_dsrelu.kernels.request import RaggedContractRequest
 from jax_dsrelu.kernels.sm90 import epilogue_store, mainloop, schedule
+from jax_dsrelu.kernels.sm90.barriers import NamedBarrier
 from jax_dsrelu.kernels.sm90.config import ContractConfig
 from jax_dsrelu.kernels.sm90.gemm_base import GemmSm90
 
@@ -68,15 +69,22 @@ class RaggedContractSm90(GemmSm90):
         self.b_tiles = (self.b + config.tile_n - 1) // config.tile_n
         # A shared buffer for every subtile: the whole tile is stored at once.
         self.whole_tile = config.store_stages >= config.subtiles
+        # Ping-pong: each consumer warpgroup works on alternate work items, a whole tile
+        # each, so that one stores while the other multiplies; else both share each tile.
+        self.pingpong = config.pingpong
+        self.tile_warpgroups = 1 if config.pingpong else 2
 
     @cute.jit
     def __call__(self, stream: cuda.CUstream, lhs: cute.Tensor, rhs: cute.Tensor,
                  group_sizes: cute.Tensor, out: cute.Tensor):
         self.out_dtype = out.element_type
         # lhs seen as (a, m) and rhs as (b, m): a and b contiguous, the MN-major case.
-        tiled_mma, a_layout, b_layout = self._mma(lhs.element_type, LayoutEnum.COL_MAJOR, LayoutEnum.COL_MAJOR)
-        # out as (a, b, E) has b contiguous: row-major tiles of (a, b).
-        d_layout = self._epi_layout(self.out_dtype, self.config.store_stages)
+        tiled_mma, a_layout, b_layout = self._mma(
+            lhs.element_type, LayoutEnum.COL_MAJOR, LayoutEnum.COL_MAJOR, self.tile_warpgroups
+        )
+        # out as (a, b, E) has b contiguous: row-major tiles of (a, b). Ping-pong: the
+        # buffers of warpgroup g are [g store_stages, (g + 1) store_stages).
+        d_layout = self._epi_layout(self.out_dtype, self.config.store_stages * (3 - self.tile_warpgroups))
         tma_a, tma_lhs = self._tma_load(mainloop.ragged_view(lhs, 1), a_layout, (self.tile_m, self.tile_k))
         tma_b, tma_rhs = self._tma_load(mainloop.ragged_view(rhs, 1), b_layout, (self.tile_n, self.tile_k))
         tma_d, tma_out = self._tma_store(out, d_layout)
@@ -104,7 +112,7 @@ class RaggedContractSm90(GemmSm90):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         self._prefetch([tma_a, tma_b, tma_d])
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        ab_pipeline = self._operand_pipeline(storage, a_layout, b_layout)
+        ab_pipeline = self._operand_pipeline(storage, a_layout, b_layout, 4 * self.tile_warpgroups)
         row_start, _ = self._publish_tables(storage, mGroupSizes, num_rows, self.tile_k)
         expert_order = self._table(storage, "expert_order")
         schedule.rank_experts_by_size(row_start, expert_order, tidx, self.num_experts)
@@ -118,15 +126,24 @@ class RaggedContractSm90(GemmSm90):
                 self.load_operands(tma_a, mA, tma_b, mB, sA, sB, ab_pipeline, self._schedule(row_start, expert_order))
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
-            self.consume(tiled_mma, sA, sB, self._smem(storage.sD, d_layout), ab_pipeline, tma_d, mOut,
-                         self._schedule(row_start, expert_order), tidx - 128)
+            ctid = tidx - 128
+            if cutlass.const_expr(self.pingpong):
+                # From the warp index, which is warp-uniform: a warpgroup's walk is then not a
+                # divergent path to ptxas, and its wgmma are not serialized (C7520).
+                warpgroup = warp_idx // 4 - 1
+                self.consume_own_items(tiled_mma, sA, sB, self._smem(storage.sD, d_layout), ab_pipeline, tma_d,
+                                       mOut, row_start, expert_order, warpgroup, ctid % 128)
+            else:
+                self.consume(tiled_mma, sA, sB, self._smem(storage.sD, d_layout), ab_pipeline, tma_d, mOut,
+                             self._schedule(row_start, expert_order), ctid)
 
-    def _schedule(self, row_start, expert_order) -> schedule.ContractSchedule:
-        """A role's own walk of the work items, from this CTA's first."""
+    def _schedule(self, row_start, expert_order, first=0, every: int = 1) -> schedule.ContractSchedule:
+        """A role's own walk of the work items: from this CTA's item `first`, then every
+        `every`-th."""
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         return schedule.ContractSchedule(
-            row_start, expert_order, self.num_experts, self.a_tiles, self.b_tiles, bidx, grid
+            row_start, expert_order, self.num_experts, self.a_tiles, self.b_tiles, bidx + first * grid, every * grid
         )
 
     @cute.jit
@@ -177,7 +194,7 @@ class RaggedContractSm90(GemmSm90):
             if cutlass.const_expr(self.whole_tile):
                 epilogue_store.store_tile(
                     tiled_r2s, tRS_rAcc, tRS_rD, tRS_rDout, tRS_sD, tma_d, gOut, sD, store_pipeline,
-                    b_tile * self.subtiles, ctid, self.subtiles, self.consumer_threads,
+                    b_tile * self.subtiles, ctid, self.subtiles, self.consumer_threads, 0, int(NamedBarrier.EPILOGUE),
                 )
             else:
                 outputs = [(tRS_rD, tRS_rDout, tRS_sD, tma_d, gOut, sD)]
@@ -188,4 +205,49 @@ class RaggedContractSm90(GemmSm90):
                                                       subtile, ctid)
             work_schedule.advance()
         if ctid == 0:
+            store_pipeline.producer_tail()
+
+    def _k_tiles(self, expert_rows):
+        return (expert_rows + (self.tile_k - 1)) // self.tile_k
+
+    @cute.jit
+    def consume_own_items(self, tiled_mma, sA, sB, sD, ab_pipeline, tma_d, mOut, row_start, expert_order,
+                          warpgroup: Int32, wtid: Int32):
+        """Ping-pong consumers: warpgroup g takes the CTA's work items g, g + 2, ...,
+        each a whole tile: its mainloop, then its stores, which drain under its next
+        item's wgmma while the other warpgroup's tile computes. The operand ring holds
+        the items' k-tiles in schedule order, so before each of its items a warpgroup
+        steps its ring states past the other's item before it (which that one releases).
+        No wgmma sits under a branch: the walk is the warpgroup's own."""
+        tCrA, tCrB, _, acc = self._mma_fragments(tiled_mma, sA, sB, wtid)
+        _, tiled_r2s, thr_r2s, _ = self._store_copy(tiled_mma, self.out_dtype, wtid)
+        tRS_sD = thr_r2s.partition_D(sD)
+        tRS_rAcc = tiled_r2s.retile(acc)
+        sub_shape = thr_r2s.partition_S(cute.make_identity_tensor((self.tile_m, self.epi_n))).shape
+        tRS_rD = cute.make_rmem_tensor(sub_shape, Float32)
+        tRS_rDout = cute.make_rmem_tensor(sub_shape, self.out_dtype)
+        store_pipeline = self._store_pipeline(1, 128)
+        barrier_id = int(NamedBarrier.EPILOGUE) + 2 * warpgroup
+        read_state, release_state = self._consumer_states()
+        own = self._schedule(row_start, expert_order, warpgroup, 2)
+        other = self._schedule(row_start, expert_order, 1 - warpgroup, 2)
+        while own.valid():
+            # The other warpgroup's item just before this one: none before warpgroup 0's first.
+            if other.work < own.work:
+                _, _, _, _, other_rows = other.tile()
+                for _ in range(self._k_tiles(other_rows)):
+                    read_state.advance()
+                    release_state.advance()
+                other.advance()
+            expert, a_tile, b_tile, first_row, expert_rows = own.tile()
+            read_state, release_state = mainloop.mma_k_tiles(
+                tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self._k_tiles(expert_rows)
+            )
+            gOut = cute.local_tile(mOut[None, None, expert], (self.tile_m, self.epi_n), (a_tile, None))
+            epilogue_store.store_tile(
+                tiled_r2s, tRS_rAcc, tRS_rD, tRS_rDout, tRS_sD, tma_d, gOut, sD, store_pipeline,
+                b_tile * self.subtiles, wtid, self.subtiles, 128, warpgroup * self.subtiles, barrier_id,
+            )
+            own.advance()
+        if wtid == 0:
             store_pipeline.producer_tail()
