@@ -219,6 +219,53 @@ def test_ragged_contraction_compiles_for_sm90a(out_dtype, shape):
     ptxas.check_assembly(compiled.ptx)
 
 
+def subtile_registers(warpgroups, tile_n, threads, wrong_order=False):
+    """For each probed thread, subtile s and value v: the (row, col) of the accumulator
+    register `_subtile_order` names for it, and the (row, col) the store copy writes it
+    to (column s epi_n on); traced on the CPU, nothing runs."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.tensor_utils import LayoutEnum
+
+    from jax_dsrelu.kernels.sm90.gemm_base import GemmSm90
+
+    config = sm90_config.ContractConfig(tile_n=tile_n, tile_k=32, epi_n=32, ab_stages=4, store_stages=tile_n // 32,
+                                        max_ctas=132, pingpong=warpgroups == 1)
+    base = GemmSm90(config, 8)
+    pairs = []
+
+    @cute.jit
+    def trace():
+        tiled_mma, _, _ = base._mma(cutlass.BFloat16, LayoutEnum.COL_MAJOR, LayoutEnum.COL_MAJOR, warpgroups)
+        _, tiled_r2s, _, _ = base._store_copy(tiled_mma, cutlass.BFloat16, 0)
+        order = base._subtile_order(tiled_mma, tiled_r2s)
+        for k in cutlass.range_constexpr(len(threads)):
+            identity = cute.make_identity_tensor((base.tile_m, base.tile_n))
+            held = tiled_r2s.retile(tiled_mma.get_slice(threads[k]).partition_C(identity))
+            stored = tiled_r2s.get_slice(threads[k]).partition_S(cute.make_identity_tensor((base.tile_m, base.epi_n)))
+            values = cute.size(stored)
+            for s in cutlass.range_constexpr(base.subtiles):
+                for v in cutlass.range_constexpr(values):
+                    register = s * values + v if wrong_order else order[s][v]
+                    pairs.append(((int(held[register][0]), int(held[register][1])),
+                                  (int(stored[v][0]), int(stored[v][1]) + s * base.epi_n)))
+
+    cute.compile(trace)
+    return pairs
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("warpgroups, tile_n", [(2, 192), (1, 128), (1, 64)], ids=["cooperative", "pingpong", "pingpong_64"])
+def test_each_subtile_value_comes_from_the_register_holding_its_element(warpgroups, tile_n):
+    threads = (0, 1, 5, 37, 64, 127) + ((128, 200, 255) if warpgroups == 2 else ())
+    pairs = subtile_registers(warpgroups, tile_n, threads)
+    assert all(held == stored for held, stored in pairs)
+    if warpgroups == 1:
+        # Counting registers in order, subtile by subtile, is right for two 64-row
+        # warpgroups only: one warpgroup holds each column block in two row slices apart.
+        assert not all(held == stored for held, stored in subtile_registers(warpgroups, tile_n, threads, True))
+
+
 @pytest.mark.compile
 def test_backend_serves_the_gemm_requests():
     backend = backend_choice.kernel_backend("sm90")

@@ -65,6 +65,7 @@ def store_subtile(
 def store_tile(
     tiled_r2s: cute.TiledCopy,
     tRS_rAcc: cute.Tensor,  # the tile's accumulator, retiled for tiled_r2s
+    order,  # order[s][v]: the register of tRS_rAcc holding value v of subtile s
     rF: cute.Tensor,  # one subtile's registers in float32
     rOut: cute.Tensor,  # and in the output dtype
     tRS_s: cute.Tensor,  # (.., subtiles) this thread's part of the tile's shared buffers
@@ -92,7 +93,7 @@ def store_tile(
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=consumer_threads)
     for subtile in cutlass.range_constexpr(subtiles):
         for v in cutlass.range_constexpr(sub_values):
-            rF[v] = tRS_rAcc[subtile * sub_values + v]
+            rF[v] = tRS_rAcc[order[subtile][v]]
         rOut.store(rF.load().to(rOut.element_type))
         cute.copy(tiled_r2s, rOut, tRS_s[None, None, None, first_buffer + subtile])
     # stmatrix writes are generic-proxy; the TMA engine reads through the async proxy.

@@ -191,6 +191,18 @@ class GemmSm90:
         sub_shape = thr_r2s.partition_S(cute.make_identity_tensor((self.tile_m, self.epi_n))).shape
         return tiled_copy_c, tiled_r2s, thr_r2s, sub_shape
 
+    def _subtile_order(self, tiled_mma, tiled_r2s):
+        """order[s][v]: the accumulator register (as `tiled_r2s.retile` numbers them) that
+        holds value v of subtile s in `tiled_r2s`'s order. With two 64-row warpgroups on a
+        tile it is s v' + v (v' values per subtile); one warpgroup over two 64-row slices
+        holds each column block's values in both slices apart. The same for every thread,
+        so it is read off thread 0's coordinates when the kernel is traced."""
+        acc = tiled_r2s.retile(tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        sub = tiled_r2s.get_slice(0).partition_S(cute.make_identity_tensor((self.tile_m, self.epi_n)))
+        register = {(int(acc[j][0]), int(acc[j][1])): j for j in range(cute.size(acc))}
+        return [[register[(int(sub[v][0]), int(sub[v][1]) + s * self.epi_n)] for v in range(cute.size(sub))]
+                for s in range(self.subtiles)]
+
     @cute.jit
     def _store_subtile(self, tiled_r2s, stores, store_pipeline, store_count: Int32, n_tile: Int32,
                        subtile: cutlass.Constexpr, ctid: Int32):

@@ -193,7 +193,8 @@ class RaggedContractSm90(GemmSm90):
             gOut = cute.local_tile(mOut[None, None, expert], (self.tile_m, self.epi_n), (a_tile, None))
             if cutlass.const_expr(self.whole_tile):
                 epilogue_store.store_tile(
-                    tiled_r2s, tRS_rAcc, tRS_rD, tRS_rDout, tRS_sD, tma_d, gOut, sD, store_pipeline,
+                    tiled_r2s, tRS_rAcc, self._subtile_order(tiled_mma, tiled_r2s), tRS_rD, tRS_rDout, tRS_sD,
+                    tma_d, gOut, sD, store_pipeline,
                     b_tile * self.subtiles, ctid, self.subtiles, self.consumer_threads, 0, int(NamedBarrier.EPILOGUE),
                 )
             else:
@@ -217,8 +218,8 @@ class RaggedContractSm90(GemmSm90):
         each a whole tile: its mainloop, then its stores, which drain under its next
         item's wgmma while the other warpgroup's tile computes. The operand ring holds
         the items' k-tiles in schedule order, so before each of its items a warpgroup
-        steps its ring states past the other's item before it (which that one releases).
-        No wgmma sits under a branch: the walk is the warpgroup's own."""
+        steps its ring states past the other's item just before (which that one
+        releases). No branch: no wgmma on a path ptxas sees as divergent."""
         tCrA, tCrB, _, acc = self._mma_fragments(tiled_mma, sA, sB, wtid)
         _, tiled_r2s, thr_r2s, _ = self._store_copy(tiled_mma, self.out_dtype, wtid)
         tRS_sD = thr_r2s.partition_D(sD)
@@ -226,26 +227,27 @@ class RaggedContractSm90(GemmSm90):
         sub_shape = thr_r2s.partition_S(cute.make_identity_tensor((self.tile_m, self.epi_n))).shape
         tRS_rD = cute.make_rmem_tensor(sub_shape, Float32)
         tRS_rDout = cute.make_rmem_tensor(sub_shape, self.out_dtype)
+        order = self._subtile_order(tiled_mma, tiled_r2s)
         store_pipeline = self._store_pipeline(1, 128)
         barrier_id = int(NamedBarrier.EPILOGUE) + 2 * warpgroup
         read_state, release_state = self._consumer_states()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
         own = self._schedule(row_start, expert_order, warpgroup, 2)
-        other = self._schedule(row_start, expert_order, 1 - warpgroup, 2)
         while own.valid():
-            # The other warpgroup's item just before this one: none before warpgroup 0's first.
-            if other.work < own.work:
-                _, _, _, _, other_rows = other.tile()
-                for _ in range(self._k_tiles(other_rows)):
-                    read_state.advance()
-                    release_state.advance()
-                other.advance()
+            # The other warpgroup's item just before this one; none before the CTA's first.
+            before = own.work - grid
+            skipped_rows = own.rows_of(cutlass.max(before, bidx))
+            skipped = Int32(cutlass.select_(before >= bidx, self._k_tiles(skipped_rows), Int32(0)))
+            read_state.advance(skipped)
+            release_state.advance(skipped)
             expert, a_tile, b_tile, first_row, expert_rows = own.tile()
             read_state, release_state = mainloop.mma_k_tiles(
                 tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self._k_tiles(expert_rows)
             )
             gOut = cute.local_tile(mOut[None, None, expert], (self.tile_m, self.epi_n), (a_tile, None))
             epilogue_store.store_tile(
-                tiled_r2s, tRS_rAcc, tRS_rD, tRS_rDout, tRS_sD, tma_d, gOut, sD, store_pipeline,
+                tiled_r2s, tRS_rAcc, order, tRS_rD, tRS_rDout, tRS_sD, tma_d, gOut, sD, store_pipeline,
                 b_tile * self.subtiles, wtid, self.subtiles, 128, warpgroup * self.subtiles, barrier_id,
             )
             own.advance()
