@@ -16,3 +16,6 @@ class NamedBarrier(enum.IntEnum):
     # Where each consumer warpgroup works on its own tile (the ping-pong contraction),
     # warpgroup g synchronizes its epilogue on EPILOGUE + 2 g: EPILOGUE, WARPGROUP_EPILOGUE.
     WARPGROUP_EPILOGUE = 3
+    # The ping-pong contraction's turn: warpgroup g hands the mainloop to the other on
+    # TURN + g and waits for it on TURN + 1 - g (ragged_contract_kernel.py says why).
+    TURN = 4

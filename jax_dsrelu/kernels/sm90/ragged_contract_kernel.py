@@ -219,7 +219,16 @@ class RaggedContractSm90(GemmSm90):
         item's wgmma while the other warpgroup's tile computes. The operand ring holds
         the items' k-tiles in schedule order, so before each of its items a warpgroup
         steps its ring states past the other's item just before (which that one
-        releases). No branch: no wgmma on a path ptxas sees as divergent."""
+        releases).
+
+        The mainloops take turns: a warpgroup starts one only once the other has waited
+        on every stage of its item before. A stage's full barrier is waited on by phase
+        parity, so a warpgroup that stepped past the other's round of a stage must not
+        wait on its own next round before that skipped round has been filled: parity
+        would then take the fill two rounds back for the one it waits for. The turn
+        keeps every wait at most one round ahead of the barrier, as in a cooperative
+        mainloop that waits on every round. Both conditions are warp-uniform: no wgmma
+        on a path ptxas sees as divergent."""
         tCrA, tCrB, _, acc = self._mma_fragments(tiled_mma, sA, sB, wtid)
         _, tiled_r2s, thr_r2s, _ = self._store_copy(tiled_mma, self.out_dtype, wtid)
         tRS_sD = thr_r2s.partition_D(sD)
@@ -234,6 +243,8 @@ class RaggedContractSm90(GemmSm90):
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         own = self._schedule(row_start, expert_order, warpgroup, 2)
+        turn_given = int(NamedBarrier.TURN) + warpgroup
+        turn_taken = int(NamedBarrier.TURN) + 1 - warpgroup
         while own.valid():
             # The other warpgroup's item just before this one; none before the CTA's first.
             before = own.work - grid
@@ -241,10 +252,15 @@ class RaggedContractSm90(GemmSm90):
             skipped = Int32(cutlass.select_(before >= bidx, self._k_tiles(skipped_rows), Int32(0)))
             read_state.advance(skipped)
             release_state.advance(skipped)
+            if before >= bidx:
+                cute.arch.barrier(barrier_id=turn_taken, number_of_threads=256)
             expert, a_tile, b_tile, first_row, expert_rows = own.tile()
             read_state, release_state = mainloop.mma_k_tiles(
                 tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self._k_tiles(expert_rows)
             )
+            # Hand over the turn if the other warpgroup has an item after this one.
+            if own.work + grid < own.total:
+                cute.arch.barrier_arrive(barrier_id=turn_given, number_of_threads=256)
             gOut = cute.local_tile(mOut[None, None, expert], (self.tile_m, self.epi_n), (a_tile, None))
             epilogue_store.store_tile(
                 tiled_r2s, tRS_rAcc, order, tRS_rD, tRS_rDout, tRS_sD, tma_d, gOut, sD, store_pipeline,
