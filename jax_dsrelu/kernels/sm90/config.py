@@ -56,9 +56,9 @@ class KernelTiles:
     """What every kernel's static configuration holds: output tiles of tile_m x tile_n,
     tile_k of the contraction per operand stage, ab_stages operand stages, stored in
     (tile_m x epi_n) subtiles through store_stages shared buffers, by max_ctas persistent
-    CTAs. The consumer mode is cooperative: both consumer warpgroups work on the same
-    tile, 64 rows each, and run the epilogue together (docs/sm90.md says why there is no
-    ping-pong variant and what it would gain). The cluster is 1x1: a cluster along M
+    CTAs. The consumer mode is cooperative (both consumer warpgroups work on the same
+    tile, 64 rows each, and run the epilogue together) except in the contraction's
+    ping-pong configs (`ContractConfig.pingpong`). The cluster is 1x1: a cluster along M
     could span two experts, whose B tiles differ, so multicast of B would be wrong; along
     N it would save L2 traffic for A only. `__post_init__` is the one validity check."""
 

@@ -18,6 +18,10 @@ Features:
       k-tiles: the operand pipeline's state carries from one tile to the next, so warp 0
       streams the next tile's k-tiles while the consumers store the last one, and no
       tile pays a pipeline fill or drain.
+    - Consumers cooperative (both warpgroups on each tile) or, with `ContractConfig.pingpong`,
+      ping-pong: each warpgroup on alternate work items with a 128 x tile_n tile of its
+      own, the mainloops taking turns, so that one warpgroup's epilogue runs while the
+      other's wgmma do (`consume_own_items`).
     - Work order: experts largest first (the longest tiles start first, the short ones
       fill the tail), an expert's tiles b-block fastest (CTAs in flight share its lhs
       block in L2).
