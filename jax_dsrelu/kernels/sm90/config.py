@@ -32,7 +32,7 @@ def _check_tile(config, positive: tuple[str, ...]) -> None:
     consumers and wgmma allow, a pipeline deep enough to overlap loads and wgmma, and
     positive counts."""
     if config.tile_m != TILE_M:
-        raise ValueError(f"tile_m must be {TILE_M} (two 64-row consumer warpgroups), got {config.tile_m}")
+        raise ValueError(f"tile_m must be {TILE_M} (two 64-row slices, one per consumer warpgroup or both in one), got {config.tile_m}")
     if config.tile_n not in (64, 128, 192, 256):
         raise ValueError(f"tile_n must be 64, 128, 192 or 256 (a wgmma N), got {config.tile_n}")
     if config.tile_k not in (32, 64):
@@ -334,7 +334,9 @@ def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAU
         lambda stages: ContractConfig(ab_stages=stages, **pingpong).smem_bytes(request.num_experts, out_bytes)
         <= SMEM_CAPACITY, 1, _CONTRACT_MAX_STAGES,
     )
-    if pingpong_stages * tile_k >= _CONTRACT_MIN_ROWS_IN_FLIGHT:
+    # Ping-pong only where every CTA has two items or more: with one, a warpgroup idles.
+    items = request.num_experts * -(-request.a // TILE_M) * -(-request.b // pingpong["tile_n"])
+    if pingpong_stages * tile_k >= _CONTRACT_MIN_ROWS_IN_FLIGHT and items >= 2 * sm_count:
         return ContractConfig(ab_stages=pingpong_stages, **pingpong)
     base = dict(tile_n=choose_tile_n(request.b), tile_k=tile_k, epi_n=32, max_ctas=sm_count)
     subtiles = base["tile_n"] // base["epi_n"]

@@ -71,7 +71,7 @@ def store_tile(
     tRS_s: cute.Tensor,  # (.., subtiles) this thread's part of the tile's shared buffers
     tma: cute.CopyAtom,
     gmem: cute.Tensor,  # (tile_m, epi_n, column blocks) global view of the tile's rows
-    smem: cute.Tensor,  # (tile_m, epi_n, subtiles) the tile's shared buffers
+    smem: cute.Tensor,  # (tile_m, epi_n, buffers) the shared buffers, the tile's from first_buffer
     store_pipeline,  # PipelineTmaStore of one stage: one bulk group per tile
     first_block: Int32,
     ctid: Int32,  # the thread's index among the `consumer_threads` storing the tile

@@ -180,7 +180,7 @@ class GemmSm90:
     def _store_copy(self, tiled_mma, out_dtype, ctid: Int32):
         """(tiled_copy_c, tiled_r2s, thr_r2s, subtile register shape): stmatrix for 16-bit
         outputs, plain shared-memory stores for float32, in the accumulator's thread layout,
-        so that subtile s is accumulator values [s v, (s + 1) v) of v per subtile."""
+        so that subtile s is the accumulator values `_subtile_order` names."""
         tiled_copy_c = cute.make_tiled_copy_C_atom(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), out_dtype), tiled_mma
         )
