@@ -69,6 +69,8 @@ GROUPINGS = {
     # Fine-grained: many short experts, widths that are no tile multiple (a = 200 over
     # 128-row tiles, b = 328 over 192-column tiles): each persistent CTA walks many tiles.
     "many_experts": ((160, 200, 328), 24000, None),
+    # The most experts the kernels take: the contraction ranks 512 with 384 threads.
+    "experts_512": ((512, 200, 328), 24000, None),
 }
 FP16_GROUPINGS = ("ragged_with_empty", "negative")
 
@@ -193,7 +195,7 @@ def prebuild_requests():
             built += [matmul_request(shape, variant, dtype) for variant in MATMUL_VARIANTS]
             built += [contract_request(shape, F32, dtype), contract_request(shape, dtype, dtype)]
     return [(request, True) for request in sorted(set(built), key=repr)] + [
-        (contract_request(GROUPINGS[name][0], F32), False) for name in ("tile_n_256", "many_experts")
+        (contract_request(GROUPINGS[name][0], F32), False) for name in ("tile_n_256", "many_experts", "experts_512")
     ]
 
 
@@ -208,7 +210,7 @@ def test_ragged_matmul_compiles_for_sm90a(variant):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("shape", [(8, 4096, 2048), (128, 2688, 1856), (256, 1024, 768)], ids=str)
+@pytest.mark.parametrize("shape", [(8, 4096, 2048), (128, 2688, 1856), (256, 1024, 768), (512, 2048, 768)], ids=str)
 @pytest.mark.parametrize("out_dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_ragged_contraction_compiles_for_sm90a(out_dtype, shape):
     compiled = sm90_gemm.compile_kernel(contract_request(shape, out_dtype), keep=True)
@@ -296,15 +298,16 @@ def test_configs_validate_in_one_place():
         with pytest.raises(ValueError, match=field):
             sm90_config.ContractConfig(**dict(dict(good, tile_n=192), **{field: value}))
     # The chosen configs fit in shared memory at the largest expert count.
+    most = sm90_config.MAX_EXPERTS
     for variant in MATMUL_VARIANTS:
-        request = matmul_request((256, 4096, 2048), variant)
+        request = matmul_request((most, 4096, 2048), variant)
         config = sm90_config.choose_gemm_config(request)
         outputs = 2 if request.epilogue == "srelu" else 1
-        assert config.smem_bytes(256, outputs) <= sm90_config.SMEM_CAPACITY
+        assert config.smem_bytes(most, outputs) <= sm90_config.SMEM_CAPACITY
     for out_dtype in (F32, BF16):
         for b in (64, 512, 1856, 2688, 7168):
-            config = sm90_config.choose_contract_config(contract_request((256, 4096, b), out_dtype))
-            assert config.smem_bytes(256, out_dtype.itemsize) <= sm90_config.SMEM_CAPACITY
+            config = sm90_config.choose_contract_config(contract_request((most, 4096, b), out_dtype))
+            assert config.smem_bytes(most, out_dtype.itemsize) <= sm90_config.SMEM_CAPACITY
             assert config.ab_stages >= 3 and config.store_stages >= 2
     # Widths that are not a tile multiple take the tile that pads them least.
     assert sm90_config.choose_tile_n(1856) == 192 and sm90_config.choose_tile_n(2688) == 192
@@ -413,7 +416,7 @@ def test_ragged_contraction_matches_float64(hopper, name, dtype, out_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["tile_n_256", "many_experts"])
+@pytest.mark.parametrize("name", ["tile_n_256", "many_experts", "experts_512"])
 def test_ragged_contraction_is_bitwise_reproducible(hopper, name):
     (num_experts, a, b), m, sizes = grouping(name)
     rng = np.random.default_rng(9)
