@@ -162,7 +162,7 @@ REFUSALS = {
     "float32 out_dtype": (dict(out_dtype=np.float32), "out_dtype bfloat16 or float16, got float32"),
     "n not a multiple of 8": (dict(n=100), "n=100"),
     "k not a multiple of 8": (dict(k=36), "k=36"),
-    "too many experts": (dict(num_experts=300), "E=300"),
+    "too many experts": (dict(num_experts=513), "E=513"),
 }
 
 

@@ -210,10 +210,17 @@ def test_ragged_matmul_compiles_for_sm90a(variant):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("shape", [(8, 4096, 2048), (128, 2688, 1856), (256, 1024, 768), (512, 2048, 768)], ids=str)
+# (4, 256, 192) has too few tiles for ping-pong: cooperative consumers; the others ping-pong
+# where their output fits (bfloat16 everywhere, float32 at E = 8).
+@pytest.mark.parametrize("shape", [(4, 256, 192), (8, 4096, 2048), (128, 2688, 1856), (256, 1024, 768), (512, 2048, 768)],
+                         ids=str)
 @pytest.mark.parametrize("out_dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_ragged_contraction_compiles_for_sm90a(out_dtype, shape):
-    compiled = sm90_gemm.compile_kernel(contract_request(shape, out_dtype), keep=True)
+    request = contract_request(shape, out_dtype)
+    if out_dtype == BF16:
+        # float32 tiles of two warpgroups leave too few operand stages at most shapes.
+        assert sm90_config.choose_contract_config(request).pingpong == (shape[0] > 4)
+    compiled = sm90_gemm.compile_kernel(request, keep=True)
     assert "wgmma.mma_async" in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     # One writer per element and no split-K: no atomics of any kind.
@@ -276,7 +283,7 @@ def test_backend_serves_the_gemm_requests():
     refusals = {
         RaggedMatmulRequest(num_experts=4, k=60, n=64, rhs_layout="kn", operand_dtype=BF16, out_dtype=BF16): "k=60",
         RaggedMatmulRequest(num_experts=4, k=64, n=64, rhs_layout="kn", operand_dtype=F32, out_dtype=F32): "float32",
-        RaggedContractRequest(num_experts=300, a=64, b=64, operand_dtype=BF16, out_dtype=F32): "E=300",
+        RaggedContractRequest(num_experts=513, a=64, b=64, operand_dtype=BF16, out_dtype=F32): "E=513",
         RaggedContractRequest(num_experts=4, a=64, b=12, operand_dtype=BF16, out_dtype=F32): "b=12",
     }
     for request, message in refusals.items():

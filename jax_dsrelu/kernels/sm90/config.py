@@ -309,10 +309,12 @@ _CONTRACT_MAX_STAGES = 8
 
 
 def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAULT_SM_COUNT) -> ContractConfig:
-    """128 x choose_tile_n(b) output tiles, 32 expert rows per stage; a shared buffer for
-    every subtile of a tile (stored at once, two barriers per tile) if that leaves at
-    least 192 rows of operands in flight, else a ring of store buffers; then as many
-    operand stages as fit, up to 8.
+    """Ping-pong (`pingpong_contract_config`) where every CTA has two work items or more
+    and 192 rows of operands stay in flight; else cooperative
+    (`cooperative_contract_config`): 128 x choose_tile_n(b) output tiles, 32 expert rows
+    per stage; a shared buffer for every subtile of a tile (stored at once, two barriers
+    per tile) if that leaves at least 192 rows of operands in flight, else a ring of store
+    buffers; then as many operand stages as fit, up to 8.
 
     32-row stages rather than 64: with ragged experts every expert's last k-tile is
     partly empty, about half a k-tile per expert, 8% of the work at 384 rows per expert
@@ -325,19 +327,33 @@ def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAU
     reason = cannot_implement_contract(request)
     if reason is not None:
         raise ValueError(reason)
+    pingpong = pingpong_contract_config(request, sm_count)
+    # Ping-pong only where every CTA has two items or more: with one, a warpgroup idles.
+    items = request.num_experts * -(-request.a // TILE_M) * -(-request.b // pingpong.tile_n)
+    if pingpong.ab_stages * pingpong.tile_k >= _CONTRACT_MIN_ROWS_IN_FLIGHT and items >= 2 * sm_count:
+        return pingpong
+    return cooperative_contract_config(request, sm_count)
+
+
+def pingpong_contract_config(request: RaggedContractRequest, sm_count: int = DEFAULT_SM_COUNT) -> ContractConfig:
+    """Ping-pong: 128 x min(choose_tile_n(b), 128) tiles, one per consumer warpgroup, each
+    with a shared buffer for every subtile; as many 32-row operand stages as fit, up to 8."""
     out_bytes = np.dtype(request.out_dtype).itemsize
-    tile_k = 32
-    pingpong = dict(tile_n=min(choose_tile_n(request.b), 128), tile_k=tile_k, epi_n=32, max_ctas=sm_count,
-                    pingpong=True)
-    pingpong["store_stages"] = pingpong["tile_n"] // pingpong["epi_n"]
-    pingpong_stages = _most_stages(
-        lambda stages: ContractConfig(ab_stages=stages, **pingpong).smem_bytes(request.num_experts, out_bytes)
+    base = dict(tile_n=min(choose_tile_n(request.b), 128), tile_k=32, epi_n=32, max_ctas=sm_count, pingpong=True)
+    base["store_stages"] = base["tile_n"] // base["epi_n"]
+    stages = _most_stages(
+        lambda stages: ContractConfig(ab_stages=stages, **base).smem_bytes(request.num_experts, out_bytes)
         <= SMEM_CAPACITY, 1, _CONTRACT_MAX_STAGES,
     )
-    # Ping-pong only where every CTA has two items or more: with one, a warpgroup idles.
-    items = request.num_experts * -(-request.a // TILE_M) * -(-request.b // pingpong["tile_n"])
-    if pingpong_stages * tile_k >= _CONTRACT_MIN_ROWS_IN_FLIGHT and items >= 2 * sm_count:
-        return ContractConfig(ab_stages=pingpong_stages, **pingpong)
+    return ContractConfig(ab_stages=stages, **base)
+
+
+def cooperative_contract_config(request: RaggedContractRequest, sm_count: int = DEFAULT_SM_COUNT) -> ContractConfig:
+    """Cooperative: 128 x choose_tile_n(b) tiles, the whole tile staged at once if that
+    leaves 192 rows of operands in flight, else a ring of store buffers (see
+    `choose_contract_config`)."""
+    out_bytes = np.dtype(request.out_dtype).itemsize
+    tile_k = 32
     base = dict(tile_n=choose_tile_n(request.b), tile_k=tile_k, epi_n=32, max_ctas=sm_count)
     subtiles = base["tile_n"] // base["epi_n"]
 

@@ -226,7 +226,8 @@ class RaggedContractSm90(GemmSm90):
         releases).
 
         The mainloops take turns: a warpgroup starts one only once the other has waited
-        on every stage of its item before. A stage's full barrier is waited on by phase
+        on every stage of its item before (the turn passes while that item's last wgmma
+        are in flight, as in CUTLASS's ping-pong). A stage's full barrier is waited on by phase
         parity, so a warpgroup that stepped past the other's round of a stage must not
         wait on its own next round before that skipped round has been filled: parity
         would then take the fill two rounds back for the one it waits for. The turn
@@ -259,12 +260,15 @@ class RaggedContractSm90(GemmSm90):
             if before >= bidx:
                 cute.arch.barrier(barrier_id=turn_taken, number_of_threads=256)
             expert, a_tile, b_tile, first_row, expert_rows = own.tile()
-            read_state, release_state = mainloop.mma_k_tiles(
-                tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self._k_tiles(expert_rows)
+            k_tiles = self._k_tiles(expert_rows)
+            read_state, release_state = mainloop.issue_k_tiles(
+                tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, k_tiles
             )
-            # Hand over the turn if the other warpgroup has an item after this one.
+            # Every stage of this item waited on: hand over the turn, if the other warpgroup
+            # has an item after this one, while the last wgmma are still in flight.
             if own.work + grid < own.total:
                 cute.arch.barrier_arrive(barrier_id=turn_given, number_of_threads=256)
+            release_state = mainloop.finish_k_tiles(ab_pipeline, release_state, k_tiles)
             gOut = cute.local_tile(mOut[None, None, expert], (self.tile_m, self.epi_n), (a_tile, None))
             epilogue_store.store_tile(
                 tiled_r2s, tRS_rAcc, order, tRS_rD, tRS_rDout, tRS_sD, tma_d, gOut, sD, store_pipeline,
