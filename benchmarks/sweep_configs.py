@@ -61,8 +61,8 @@ def candidates(sm_count):
 
 def contract_candidates(sm_count, request):
     """The chosen config for a contraction request, the best of each consumer mode, and
-    alternatives of each mode (ping-pong with 64-row stages; cooperative tiles of
-    other widths, rows per stage and store rings)."""
+    alternatives of each mode (ping-pong with 64-row stages or 64-row tiles; cooperative
+    tiles of other widths and rows per stage)."""
     chosen = sm90_config.choose_contract_config(request, sm_count)
     pingpong = sm90_config.pingpong_contract_config(request, sm_count)
     common = dict(epi_n=32, max_ctas=sm_count)
@@ -71,6 +71,10 @@ def contract_candidates(sm_count, request):
         "cooperative": sm90_config.cooperative_contract_config(request, sm_count),
         "pingpong": pingpong,
         "pingpong k64 ab4": dataclasses.replace(pingpong, tile_k=64, ab_stages=4),
+        "pingpong 64x256 ab7": sm90_config.ContractConfig(tile_m=64, tile_n=256, tile_k=32, ab_stages=7, store_stages=8,
+                                                          pingpong=True, **common),
+        "pingpong 64x192 ab8": sm90_config.ContractConfig(tile_m=64, tile_n=192, tile_k=32, ab_stages=8, store_stages=6,
+                                                          pingpong=True, **common),
         "128x192 k64 ab4 whole": sm90_config.ContractConfig(tile_n=192, tile_k=64, ab_stages=4, store_stages=6, **common),
         "128x256 k32 ab6 whole": sm90_config.ContractConfig(tile_n=256, tile_k=32, ab_stages=6, store_stages=8, **common),
     }

@@ -21,6 +21,7 @@ import os
 # Before anything imports CuTe DSL: on a machine without a GPU it cannot detect one.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+import dataclasses  # noqa: E402
 import re  # noqa: E402
 import zlib  # noqa: E402
 
@@ -73,6 +74,21 @@ GROUPINGS = {
     "experts_512": ((512, 200, 328), 24000, None),
 }
 FP16_GROUPINGS = ("ragged_with_empty", "negative")
+
+# Each consumer mode and tile shape of the contraction (`choose_contract_config` and the
+# sweep's), on 3 CTAs so that each walks many work items: in ping-pong, both warpgroups,
+# their turns and the ring states stepped past the other's items.
+_CONTRACT_TILES = dict(tile_k=32, epi_n=32, max_ctas=3)
+CONTRACT_MODES = {
+    "cooperative_128x192": sm90_config.ContractConfig(tile_n=192, ab_stages=8, store_stages=6, **_CONTRACT_TILES),
+    "pingpong_128x128": sm90_config.ContractConfig(tile_n=128, ab_stages=8, store_stages=4, pingpong=True,
+                                                   **_CONTRACT_TILES),
+    "pingpong_64x256": sm90_config.ContractConfig(tile_m=64, tile_n=256, ab_stages=7, store_stages=8, pingpong=True,
+                                                  **_CONTRACT_TILES),
+    "pingpong_64x192": sm90_config.ContractConfig(tile_m=64, tile_n=192, ab_stages=8, store_stages=6, pingpong=True,
+                                                  **_CONTRACT_TILES),
+}
+CONTRACT_MODE_GROUPINGS = ("many_experts", "negative", "exact_tile")
 
 
 def grouping(name):
@@ -186,7 +202,8 @@ def contract_request(shape, out_dtype, dtype=BF16):
 
 
 def prebuild_requests():
-    """Every (request, outputs_in_place) the GPU tier below runs, for the kernel cache."""
+    """Every (request, config or None for the chosen one, outputs_in_place) the GPU tier
+    below runs, for the kernel cache."""
     built = []
     for name in GROUPINGS:
         shape = GROUPINGS[name][0]
@@ -194,8 +211,12 @@ def prebuild_requests():
         for dtype in dtypes:
             built += [matmul_request(shape, variant, dtype) for variant in MATMUL_VARIANTS]
             built += [contract_request(shape, F32, dtype), contract_request(shape, dtype, dtype)]
-    return [(request, True) for request in sorted(set(built), key=repr)] + [
-        (contract_request(GROUPINGS[name][0], F32), False) for name in ("tile_n_256", "many_experts", "experts_512")
+    chosen = [(request, None, True) for request in sorted(set(built), key=repr)] + [
+        (contract_request(GROUPINGS[name][0], F32), None, False) for name in ("tile_n_256", "many_experts", "experts_512")
+    ]
+    return chosen + [
+        (contract_request(GROUPINGS[name][0], BF16), config, True)
+        for name in CONTRACT_MODE_GROUPINGS for config in CONTRACT_MODES.values()
     ]
 
 
@@ -228,7 +249,17 @@ def test_ragged_contraction_compiles_for_sm90a(out_dtype, shape):
     ptxas.check_assembly(compiled.ptx)
 
 
-def subtile_registers(warpgroups, tile_n, threads, wrong_order=False):
+@pytest.mark.compile
+@pytest.mark.parametrize("mode", sorted(CONTRACT_MODES))
+def test_each_contraction_mode_compiles_for_sm90a(mode):
+    config = dataclasses.replace(CONTRACT_MODES[mode], max_ctas=132)
+    compiled = sm90_gemm.compile_kernel(contract_request((128, 2688, 1856), BF16), config, keep=True)
+    assert "wgmma.mma_async" in compiled.ptx
+    assert not ATOMIC.search(compiled.ptx)
+    ptxas.check_assembly(compiled.ptx)
+
+
+def subtile_registers(warpgroups, tile_m, tile_n, threads, wrong_order=False):
     """For each probed thread, subtile s and value v: the (row, col) of the accumulator
     register `_subtile_order` names for it, and the (row, col) the store copy writes it
     to (column s epi_n on); traced on the CPU, nothing runs."""
@@ -238,8 +269,8 @@ def subtile_registers(warpgroups, tile_n, threads, wrong_order=False):
 
     from jax_dsrelu.kernels.sm90.gemm_base import GemmSm90
 
-    config = sm90_config.ContractConfig(tile_n=tile_n, tile_k=32, epi_n=32, ab_stages=4, store_stages=tile_n // 32,
-                                        max_ctas=132, pingpong=warpgroups == 1)
+    config = sm90_config.ContractConfig(tile_m=tile_m, tile_n=tile_n, tile_k=32, epi_n=32, ab_stages=4,
+                                        store_stages=tile_n // 32, max_ctas=132, pingpong=warpgroups == 1)
     base = GemmSm90(config, 8)
     pairs = []
 
@@ -264,15 +295,17 @@ def subtile_registers(warpgroups, tile_n, threads, wrong_order=False):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("warpgroups, tile_n", [(2, 192), (1, 128), (1, 64)], ids=["cooperative", "pingpong", "pingpong_64"])
-def test_each_subtile_value_comes_from_the_register_holding_its_element(warpgroups, tile_n):
+@pytest.mark.parametrize("warpgroups, tile_m, tile_n", [(2, 128, 192), (1, 128, 128), (1, 128, 64), (1, 64, 256)],
+                         ids=["cooperative", "pingpong", "pingpong_n64", "pingpong_m64"])
+def test_each_subtile_value_comes_from_the_register_holding_its_element(warpgroups, tile_m, tile_n):
     threads = (0, 1, 5, 37, 64, 127) + ((128, 200, 255) if warpgroups == 2 else ())
-    pairs = subtile_registers(warpgroups, tile_n, threads)
+    pairs = subtile_registers(warpgroups, tile_m, tile_n, threads)
     assert all(held == stored for held, stored in pairs)
-    if warpgroups == 1:
-        # Counting registers in order, subtile by subtile, is right for two 64-row
-        # warpgroups only: one warpgroup holds each column block in two row slices apart.
-        assert not all(held == stored for held, stored in subtile_registers(warpgroups, tile_n, threads, True))
+    if warpgroups == 1 and tile_m == 128:
+        # Counting registers in order, subtile by subtile, is right for 64-row slices of
+        # their own only: one warpgroup holds each column block in two row slices apart.
+        wrong = subtile_registers(warpgroups, tile_m, tile_n, threads, True)
+        assert not all(held == stored for held, stored in wrong)
 
 
 @pytest.mark.compile
@@ -337,9 +370,10 @@ def random_operands(rng, m, k, n, num_experts, dtype):
     return np.asarray(jnp.asarray(lhs, dtype)), np.asarray(jnp.asarray(rhs_kn, dtype))
 
 
-def run_poisoned(request, *arrays):
-    """The kernel with every output buffer NaN-filled first (aliased in and out)."""
-    run = sm90_gemm.implementation(request, outputs_in_place=True)
+def run_poisoned(request, *arrays, config=None):
+    """The kernel (of `config`, or the chosen one) with every output buffer NaN-filled
+    first (aliased in and out)."""
+    run = sm90_gemm.implementation(request, config, outputs_in_place=True)
     _, out_shapes = sm90_gemm._shapes(request, arrays[0].shape[0])
     _, outputs = sm90_gemm.matmul_operands(request) if isinstance(request, RaggedMatmulRequest) else sm90_gemm.contract_operands(request)
     filled = [jnp.full(shape, jnp.nan, operand.dtype) for operand, shape in zip(outputs, out_shapes)]
@@ -420,6 +454,28 @@ def test_ragged_contraction_matches_float64(hopper, name, dtype, out_dtype):
         abs_dot = np.abs(lhs64[start:end]).T @ np.abs(rhs64[start:end])
         err = np.abs(got[e] - ref)
         assert (err <= matmul_bound(abs_dot, end - start, ref, out_dtype)).all(), f"expert {e}: max error {err.max()}"
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", sorted(CONTRACT_MODES))
+@pytest.mark.parametrize("name", CONTRACT_MODE_GROUPINGS)
+def test_each_contraction_mode_matches_float64(hopper, name, mode):
+    (num_experts, a, b), m, sizes = grouping(name)
+    rng = np.random.default_rng(zlib.crc32(f"mode{name}{mode}".encode()))
+    lhs = np.asarray(jnp.asarray(rng.standard_normal((m, a)), BF16))
+    rhs = np.asarray(jnp.asarray(rng.standard_normal((m, b)), BF16))
+    request = contract_request((num_experts, a, b), BF16)
+    (out,) = run_poisoned(request, jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes, jnp.int32),
+                          config=CONTRACT_MODES[mode])
+    got = np.asarray(out, np.float64)
+    assert np.isfinite(got).all(), "an output element was not written (NaN poison left)"
+    lhs64, rhs64 = lhs.astype(np.float64), rhs.astype(np.float64)
+    for e, (start, end) in enumerate(clamped_bounds(sizes, m)):
+        ref = lhs64[start:end].T @ rhs64[start:end]
+        abs_dot = np.abs(lhs64[start:end]).T @ np.abs(rhs64[start:end])
+        err = np.abs(got[e] - ref)
+        assert (err <= matmul_bound(abs_dot, max(end - start, 1), ref, BF16)).all(), f"expert {e}: max error {err.max()}"
 
 
 @pytest.mark.gpu

@@ -31,8 +31,13 @@ def _check_tile(config, positive: tuple[str, ...]) -> None:
     """The checks every config of the family shares: the tile shape the cooperative
     consumers and wgmma allow, a pipeline deep enough to overlap loads and wgmma, and
     positive counts."""
-    if config.tile_m != TILE_M:
-        raise ValueError(f"tile_m must be {TILE_M} (two 64-row slices, one per consumer warpgroup or both in one), got {config.tile_m}")
+    # Cooperative: one 64-row slice per consumer warpgroup. Ping-pong: a warpgroup's own
+    # tile of one or two slices.
+    if getattr(config, "pingpong", False):
+        if config.tile_m not in (64, TILE_M):
+            raise ValueError(f"tile_m must be 64 or {TILE_M} (one or two 64-row slices), got {config.tile_m}")
+    elif config.tile_m != TILE_M:
+        raise ValueError(f"tile_m must be {TILE_M} (a 64-row slice per consumer warpgroup), got {config.tile_m}")
     if config.tile_n not in (64, 128, 192, 256):
         raise ValueError(f"tile_n must be 64, 128, 192 or 256 (a wgmma N), got {config.tile_n}")
     if config.tile_k not in (32, 64):
