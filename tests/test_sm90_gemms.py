@@ -456,7 +456,6 @@ def test_ragged_contraction_matches_float64(hopper, name, dtype, out_dtype):
         assert (err <= matmul_bound(abs_dot, end - start, ref, out_dtype)).all(), f"expert {e}: max error {err.max()}"
 
 
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", sorted(CONTRACT_MODES))
 @pytest.mark.parametrize("name", CONTRACT_MODE_GROUPINGS)
