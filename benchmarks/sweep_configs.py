@@ -6,9 +6,9 @@ inputs as bench_dsrelu.py. Writes sweep_configs.json to --out.
 
 --kernel contract: the ragged contraction (dW1 = x^T dh and dW2 = act^T dy, bf16 out) at
 the fine-grained layer shapes of bench_gemms.py with Dirichlet group sizes, the
-measurements behind `choose_contract_config`: ping-pong against cooperative consumers,
-N tiles of 128, 192 and 256 (b = 1856 and 2688 are no multiple of 256), 32- and 64-row
-k-tiles.
+measurements behind `choose_contract_config`: N tiles of 128, 192 and 256 (b = 1856 and
+2688 are no multiple of 256), 32- and 64-row k-tiles, a whole tile of store buffers
+against a ring of 3 (more operand stages).
 Writes sweep_contract.json to --out.
 
 --kernel gemm: the ragged-M kernels of a layer step (up: h, act = srelu(x W1[e] + b1);
@@ -60,23 +60,16 @@ def candidates(sm_count):
 
 
 def contract_candidates(sm_count, request):
-    """The chosen config for a contraction request, the best of each consumer mode, and
-    alternatives of each mode (ping-pong with 64-row stages or 64-row tiles; cooperative
-    tiles of other widths and rows per stage)."""
-    chosen = sm90_config.choose_contract_config(request, sm_count)
-    pingpong = sm90_config.pingpong_contract_config(request, sm_count)
+    """The chosen config for a contraction request and its alternatives: tiles of other
+    widths, rows per stage and store buffers."""
     common = dict(epi_n=32, max_ctas=sm_count)
     configs = {
-        "chosen": chosen,
-        "cooperative": sm90_config.cooperative_contract_config(request, sm_count),
-        "pingpong": pingpong,
-        "pingpong k64 ab4": dataclasses.replace(pingpong, tile_k=64, ab_stages=4),
-        "pingpong 64x256 ab7": sm90_config.ContractConfig(tile_m=64, tile_n=256, tile_k=32, ab_stages=7, store_stages=8,
-                                                          pingpong=True, **common),
-        "pingpong 64x192 ab8": sm90_config.ContractConfig(tile_m=64, tile_n=192, tile_k=32, ab_stages=8, store_stages=6,
-                                                          pingpong=True, **common),
+        "chosen": sm90_config.choose_contract_config(request, sm_count),
+        "128x192 k32 ab8 whole": sm90_config.ContractConfig(tile_n=192, tile_k=32, ab_stages=8, store_stages=6, **common),
         "128x192 k64 ab4 whole": sm90_config.ContractConfig(tile_n=192, tile_k=64, ab_stages=4, store_stages=6, **common),
         "128x256 k32 ab6 whole": sm90_config.ContractConfig(tile_n=256, tile_k=32, ab_stages=6, store_stages=8, **common),
+        "128x256 k32 ab7 ring3": sm90_config.ContractConfig(tile_n=256, tile_k=32, ab_stages=7, store_stages=3, **common),
+        "128x128 k32 ab8 whole": sm90_config.ContractConfig(tile_n=128, tile_k=32, ab_stages=8, store_stages=4, **common),
     }
     # A config under two names is timed once, under the first.
     unique = {}

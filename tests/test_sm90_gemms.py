@@ -75,20 +75,16 @@ GROUPINGS = {
 }
 FP16_GROUPINGS = ("ragged_with_empty", "negative")
 
-# Each consumer mode and tile shape of the contraction (`choose_contract_config` and the
-# sweep's), on 3 CTAs so that each walks many work items: in ping-pong, both warpgroups,
-# their turns and the ring states stepped past the other's items.
+# Tile configurations of the contraction (`choose_contract_config` picks among them), on 3
+# CTAs so that each walks many work items: the operand ring's state carried from item to
+# item, a whole tile of store buffers and a ring of them reused across items.
 _CONTRACT_TILES = dict(tile_k=32, epi_n=32, max_ctas=3)
-CONTRACT_MODES = {
-    "cooperative_128x192": sm90_config.ContractConfig(tile_n=192, ab_stages=8, store_stages=6, **_CONTRACT_TILES),
-    "pingpong_128x128": sm90_config.ContractConfig(tile_n=128, ab_stages=8, store_stages=4, pingpong=True,
-                                                   **_CONTRACT_TILES),
-    "pingpong_64x256": sm90_config.ContractConfig(tile_m=64, tile_n=256, ab_stages=7, store_stages=8, pingpong=True,
-                                                  **_CONTRACT_TILES),
-    "pingpong_64x192": sm90_config.ContractConfig(tile_m=64, tile_n=192, ab_stages=8, store_stages=6, pingpong=True,
-                                                  **_CONTRACT_TILES),
+CONTRACT_CONFIGS = {
+    "128x192_whole_tile": sm90_config.ContractConfig(tile_n=192, ab_stages=8, store_stages=6, **_CONTRACT_TILES),
+    "128x256_store_ring": sm90_config.ContractConfig(tile_n=256, ab_stages=7, store_stages=3, **_CONTRACT_TILES),
+    "128x128_whole_tile": sm90_config.ContractConfig(tile_n=128, ab_stages=8, store_stages=4, **_CONTRACT_TILES),
 }
-CONTRACT_MODE_GROUPINGS = ("many_experts", "negative", "exact_tile")
+CONTRACT_CONFIG_GROUPINGS = ("many_experts", "negative", "exact_tile")
 
 
 def grouping(name):
@@ -216,7 +212,7 @@ def prebuild_requests():
     ]
     return chosen + [
         (contract_request(GROUPINGS[name][0], BF16), config, True)
-        for name in CONTRACT_MODE_GROUPINGS for config in CONTRACT_MODES.values()
+        for name in CONTRACT_CONFIG_GROUPINGS for config in CONTRACT_CONFIGS.values()
     ]
 
 
@@ -231,17 +227,10 @@ def test_ragged_matmul_compiles_for_sm90a(variant):
 
 
 @pytest.mark.compile
-# (4, 256, 192) has too few tiles for ping-pong: cooperative consumers; the others ping-pong
-# where their output fits (bfloat16 everywhere, float32 at E = 8).
-@pytest.mark.parametrize("shape", [(4, 256, 192), (8, 4096, 2048), (128, 2688, 1856), (256, 1024, 768), (512, 2048, 768)],
-                         ids=str)
+@pytest.mark.parametrize("shape", [(8, 4096, 2048), (128, 2688, 1856), (256, 1024, 768), (512, 2048, 768)], ids=str)
 @pytest.mark.parametrize("out_dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_ragged_contraction_compiles_for_sm90a(out_dtype, shape):
-    request = contract_request(shape, out_dtype)
-    if out_dtype == BF16:
-        # float32 tiles of two warpgroups leave too few operand stages at most shapes.
-        assert sm90_config.choose_contract_config(request).pingpong == (shape[0] > 4)
-    compiled = sm90_gemm.compile_kernel(request, keep=True)
+    compiled = sm90_gemm.compile_kernel(contract_request(shape, out_dtype), keep=True)
     assert "wgmma.mma_async" in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     # One writer per element and no split-K: no atomics of any kind.
@@ -250,62 +239,13 @@ def test_ragged_contraction_compiles_for_sm90a(out_dtype, shape):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("mode", sorted(CONTRACT_MODES))
-def test_each_contraction_mode_compiles_for_sm90a(mode):
-    config = dataclasses.replace(CONTRACT_MODES[mode], max_ctas=132)
+@pytest.mark.parametrize("name", sorted(CONTRACT_CONFIGS))
+def test_each_contraction_config_compiles_for_sm90a(name):
+    config = dataclasses.replace(CONTRACT_CONFIGS[name], max_ctas=132)
     compiled = sm90_gemm.compile_kernel(contract_request((128, 2688, 1856), BF16), config, keep=True)
     assert "wgmma.mma_async" in compiled.ptx
     assert not ATOMIC.search(compiled.ptx)
     ptxas.check_assembly(compiled.ptx)
-
-
-def subtile_registers(warpgroups, tile_m, tile_n, threads, wrong_order=False):
-    """For each probed thread, subtile s and value v: the (row, col) of the accumulator
-    register `_subtile_order` names for it, and the (row, col) the store copy writes it
-    to (column s epi_n on); traced on the CPU, nothing runs."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.tensor_utils import LayoutEnum
-
-    from jax_dsrelu.kernels.sm90.gemm_base import GemmSm90
-
-    config = sm90_config.ContractConfig(tile_m=tile_m, tile_n=tile_n, tile_k=32, epi_n=32, ab_stages=4,
-                                        store_stages=tile_n // 32, max_ctas=132, pingpong=warpgroups == 1)
-    base = GemmSm90(config, 8)
-    pairs = []
-
-    @cute.jit
-    def trace():
-        tiled_mma, _, _ = base._mma(cutlass.BFloat16, LayoutEnum.COL_MAJOR, LayoutEnum.COL_MAJOR, warpgroups)
-        _, tiled_r2s, _, _ = base._store_copy(tiled_mma, cutlass.BFloat16, 0)
-        order = base._subtile_order(tiled_mma, tiled_r2s)
-        for k in cutlass.range_constexpr(len(threads)):
-            identity = cute.make_identity_tensor((base.tile_m, base.tile_n))
-            held = tiled_r2s.retile(tiled_mma.get_slice(threads[k]).partition_C(identity))
-            stored = tiled_r2s.get_slice(threads[k]).partition_S(cute.make_identity_tensor((base.tile_m, base.epi_n)))
-            values = cute.size(stored)
-            for s in cutlass.range_constexpr(base.subtiles):
-                for v in cutlass.range_constexpr(values):
-                    register = s * values + v if wrong_order else order[s][v]
-                    pairs.append(((int(held[register][0]), int(held[register][1])),
-                                  (int(stored[v][0]), int(stored[v][1]) + s * base.epi_n)))
-
-    cute.compile(trace)
-    return pairs
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("warpgroups, tile_m, tile_n", [(2, 128, 192), (1, 128, 128), (1, 128, 64), (1, 64, 256)],
-                         ids=["cooperative", "pingpong", "pingpong_n64", "pingpong_m64"])
-def test_each_subtile_value_comes_from_the_register_holding_its_element(warpgroups, tile_m, tile_n):
-    threads = (0, 1, 5, 37, 64, 127) + ((128, 200, 255) if warpgroups == 2 else ())
-    pairs = subtile_registers(warpgroups, tile_m, tile_n, threads)
-    assert all(held == stored for held, stored in pairs)
-    if warpgroups == 1 and tile_m == 128:
-        # Counting registers in order, subtile by subtile, is right for 64-row slices of
-        # their own only: one warpgroup holds each column block in two row slices apart.
-        wrong = subtile_registers(warpgroups, tile_m, tile_n, threads, True)
-        assert not all(held == stored for held, stored in wrong)
 
 
 @pytest.mark.compile
@@ -457,16 +397,16 @@ def test_ragged_contraction_matches_float64(hopper, name, dtype, out_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", sorted(CONTRACT_MODES))
-@pytest.mark.parametrize("name", CONTRACT_MODE_GROUPINGS)
-def test_each_contraction_mode_matches_float64(hopper, name, mode):
+@pytest.mark.parametrize("config_name", sorted(CONTRACT_CONFIGS))
+@pytest.mark.parametrize("name", CONTRACT_CONFIG_GROUPINGS)
+def test_each_contraction_config_matches_float64(hopper, name, config_name):
     (num_experts, a, b), m, sizes = grouping(name)
-    rng = np.random.default_rng(zlib.crc32(f"mode{name}{mode}".encode()))
+    rng = np.random.default_rng(zlib.crc32(f"config{name}{config_name}".encode()))
     lhs = np.asarray(jnp.asarray(rng.standard_normal((m, a)), BF16))
     rhs = np.asarray(jnp.asarray(rng.standard_normal((m, b)), BF16))
     request = contract_request((num_experts, a, b), BF16)
     (out,) = run_poisoned(request, jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes, jnp.int32),
-                          config=CONTRACT_MODES[mode])
+                          config=CONTRACT_CONFIGS[config_name])
     got = np.asarray(out, np.float64)
     assert np.isfinite(got).all(), "an output element was not written (NaN poison left)"
     lhs64, rhs64 = lhs.astype(np.float64), rhs.astype(np.float64)

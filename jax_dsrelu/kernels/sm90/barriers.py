@@ -13,9 +13,3 @@ import enum
 class NamedBarrier(enum.IntEnum):
     EPILOGUE = 1  # consumers around a shared-memory epilogue buffer (epilogue_store.py)
     DBIAS = 2  # consumers around the dbias partials in shared memory (dsrelu_kernel.py)
-    # Where each consumer warpgroup works on its own tile (the ping-pong contraction),
-    # warpgroup g synchronizes its epilogue on EPILOGUE + 2 g: EPILOGUE, WARPGROUP_EPILOGUE.
-    WARPGROUP_EPILOGUE = 3
-    # The ping-pong contraction's turn: warpgroup g hands the mainloop to the other on
-    # TURN + g and waits for it on TURN + 1 - g (ragged_contract_kernel.py says why).
-    TURN = 4

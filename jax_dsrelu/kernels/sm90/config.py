@@ -31,13 +31,8 @@ def _check_tile(config, positive: tuple[str, ...]) -> None:
     """The checks every config of the family shares: the tile shape the cooperative
     consumers and wgmma allow, a pipeline deep enough to overlap loads and wgmma, and
     positive counts."""
-    # Cooperative: one 64-row slice per consumer warpgroup. Ping-pong: a warpgroup's own
-    # tile of one or two slices.
-    if getattr(config, "pingpong", False):
-        if config.tile_m not in (64, TILE_M):
-            raise ValueError(f"tile_m must be 64 or {TILE_M} (one or two 64-row slices), got {config.tile_m}")
-    elif config.tile_m != TILE_M:
-        raise ValueError(f"tile_m must be {TILE_M} (a 64-row slice per consumer warpgroup), got {config.tile_m}")
+    if config.tile_m != TILE_M:
+        raise ValueError(f"tile_m must be {TILE_M} (two 64-row consumer warpgroups), got {config.tile_m}")
     if config.tile_n not in (64, 128, 192, 256):
         raise ValueError(f"tile_n must be 64, 128, 192 or 256 (a wgmma N), got {config.tile_n}")
     if config.tile_k not in (32, 64):
@@ -61,9 +56,9 @@ class KernelTiles:
     """What every kernel's static configuration holds: output tiles of tile_m x tile_n,
     tile_k of the contraction per operand stage, ab_stages operand stages, stored in
     (tile_m x epi_n) subtiles through store_stages shared buffers, by max_ctas persistent
-    CTAs. The consumer mode is cooperative (both consumer warpgroups work on the same
-    tile, 64 rows each, and run the epilogue together) except in the contraction's
-    ping-pong configs (`ContractConfig.pingpong`). The cluster is 1x1: a cluster along M
+    CTAs. The consumer mode is cooperative: both consumer warpgroups work on the same
+    tile, 64 rows each, and run the epilogue together (a ping-pong contraction was
+    measured slower at every benchmark shape: docs/sm90.md). The cluster is 1x1: a cluster along M
     could span two experts, whose B tiles differ, so multicast of B would be wrong; along
     N it would save L2 traffic for A only. `__post_init__` is the one validity check."""
 
@@ -233,12 +228,7 @@ class GemmConfig(KernelTiles):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ContractConfig(KernelTiles):
     """The ragged contraction's configuration (`ragged_contract_kernel.py`): the family's,
-    tile_k expert rows per stage, at most a buffer per subtile. With `pingpong`, each
-    consumer warpgroup works on a tile of its own (alternate work items), so that one
-    stores while the other multiplies; each then has a buffer for every subtile of its
-    tile."""
-
-    pingpong: bool = False
+    tile_k expert rows per stage, at most a buffer per subtile."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -247,18 +237,12 @@ class ContractConfig(KernelTiles):
                 f"store_stages must be at most the tile's {self.subtiles} subtiles (a buffer per "
                 f"subtile stores the whole tile at once), got {self.store_stages}"
             )
-        if self.pingpong and self.store_stages != self.subtiles:
-            raise ValueError(
-                f"a ping-pong contraction stores whole tiles: store_stages must be the tile's "
-                f"{self.subtiles} subtiles, got {self.store_stages}"
-            )
 
     def smem_bytes(self, num_experts: int, out_bytes: int) -> int:
         """Shared memory for this config with an output of `out_bytes` per element."""
         # row_start, tile_start and the expert order, E + 1 int32 each.
         tables = 3 * (num_experts + 1) * 4
-        storing_warpgroups = 2 if self.pingpong else 1
-        return self._operand_bytes() + self._store_bytes(storing_warpgroups, out_bytes) + tables + _SMEM_RESERVE
+        return self._operand_bytes() + self._store_bytes(1, out_bytes) + tables + _SMEM_RESERVE
 
 
 def _reason(kernel: str, num_experts: int, operand_dtype, out_dtype, out_dtypes, **extents: int) -> str | None:
@@ -314,12 +298,10 @@ _CONTRACT_MAX_STAGES = 8
 
 
 def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAULT_SM_COUNT) -> ContractConfig:
-    """Ping-pong (`pingpong_contract_config`) where every CTA has two work items or more
-    and 192 rows of operands stay in flight; else cooperative
-    (`cooperative_contract_config`): 128 x choose_tile_n(b) output tiles, 32 expert rows
-    per stage; a shared buffer for every subtile of a tile (stored at once, two barriers
-    per tile) if that leaves at least 192 rows of operands in flight, else a ring of store
-    buffers; then as many operand stages as fit, up to 8.
+    """128 x choose_tile_n(b) output tiles, 32 expert rows per stage; a shared buffer for
+    every subtile of a tile (stored at once, two barriers per tile) if that leaves at
+    least 192 rows of operands in flight, else a ring of store buffers; then as many
+    operand stages as fit, up to 8.
 
     32-row stages rather than 64: with ragged experts every expert's last k-tile is
     partly empty, about half a k-tile per expert, 8% of the work at 384 rows per expert
@@ -332,31 +314,6 @@ def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAU
     reason = cannot_implement_contract(request)
     if reason is not None:
         raise ValueError(reason)
-    pingpong = pingpong_contract_config(request, sm_count)
-    # Ping-pong only where every CTA has two items or more: with one, a warpgroup idles.
-    items = request.num_experts * -(-request.a // TILE_M) * -(-request.b // pingpong.tile_n)
-    if pingpong.ab_stages * pingpong.tile_k >= _CONTRACT_MIN_ROWS_IN_FLIGHT and items >= 2 * sm_count:
-        return pingpong
-    return cooperative_contract_config(request, sm_count)
-
-
-def pingpong_contract_config(request: RaggedContractRequest, sm_count: int = DEFAULT_SM_COUNT) -> ContractConfig:
-    """Ping-pong: 128 x min(choose_tile_n(b), 128) tiles, one per consumer warpgroup, each
-    with a shared buffer for every subtile; as many 32-row operand stages as fit, up to 8."""
-    out_bytes = np.dtype(request.out_dtype).itemsize
-    base = dict(tile_n=min(choose_tile_n(request.b), 128), tile_k=32, epi_n=32, max_ctas=sm_count, pingpong=True)
-    base["store_stages"] = base["tile_n"] // base["epi_n"]
-    stages = _most_stages(
-        lambda stages: ContractConfig(ab_stages=stages, **base).smem_bytes(request.num_experts, out_bytes)
-        <= SMEM_CAPACITY, 1, _CONTRACT_MAX_STAGES,
-    )
-    return ContractConfig(ab_stages=stages, **base)
-
-
-def cooperative_contract_config(request: RaggedContractRequest, sm_count: int = DEFAULT_SM_COUNT) -> ContractConfig:
-    """Cooperative: 128 x choose_tile_n(b) tiles, the whole tile staged at once if that
-    leaves 192 rows of operands in flight, else a ring of store buffers (see
-    `choose_contract_config`)."""
     out_bytes = np.dtype(request.out_dtype).itemsize
     tile_k = 32
     base = dict(tile_n=choose_tile_n(request.b), tile_k=tile_k, epi_n=32, max_ctas=sm_count)

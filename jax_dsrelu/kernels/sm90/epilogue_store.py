@@ -65,20 +65,17 @@ def store_subtile(
 def store_tile(
     tiled_r2s: cute.TiledCopy,
     tRS_rAcc: cute.Tensor,  # the tile's accumulator, retiled for tiled_r2s
-    order,  # order[s][v]: the register of tRS_rAcc holding value v of subtile s
     rF: cute.Tensor,  # one subtile's registers in float32
     rOut: cute.Tensor,  # and in the output dtype
     tRS_s: cute.Tensor,  # (.., subtiles) this thread's part of the tile's shared buffers
     tma: cute.CopyAtom,
     gmem: cute.Tensor,  # (tile_m, epi_n, column blocks) global view of the tile's rows
-    smem: cute.Tensor,  # (tile_m, epi_n, buffers) the shared buffers, the tile's from first_buffer
+    smem: cute.Tensor,  # (tile_m, epi_n, subtiles) the tile's shared buffers
     store_pipeline,  # PipelineTmaStore of one stage: one bulk group per tile
     first_block: Int32,
-    ctid: Int32,  # the thread's index among the `consumer_threads` storing the tile
+    ctid: Int32,
     subtiles: cutlass.Constexpr,
     consumer_threads: cutlass.Constexpr,
-    first_buffer: Int32,  # the tile's buffers are smem's [first_buffer, first_buffer + subtiles)
-    barrier_id: Int32,  # the named barrier of the storing threads
 ):
     """A whole tile at once: every subtile rounded and staged in its own buffer, then one
     barrier and the TMA stores as one bulk group.
@@ -90,17 +87,17 @@ def store_tile(
     sub_values = cute.size(rOut)
     if ctid == 0:
         store_pipeline.producer_acquire()
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=consumer_threads)
+    cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=consumer_threads)
     for subtile in cutlass.range_constexpr(subtiles):
         for v in cutlass.range_constexpr(sub_values):
-            rF[v] = tRS_rAcc[order[subtile][v]]
+            rF[v] = tRS_rAcc[subtile * sub_values + v]
         rOut.store(rF.load().to(rOut.element_type))
-        cute.copy(tiled_r2s, rOut, tRS_s[None, None, None, first_buffer + subtile])
+        cute.copy(tiled_r2s, rOut, tRS_s[None, None, None, subtile])
     # stmatrix writes are generic-proxy; the TMA engine reads through the async proxy.
     cute.arch.fence_proxy("async.shared", space="cta")
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=consumer_threads)
+    cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=consumer_threads)
     if ctid == 0:
         bSG_s, bSG_g = mainloop.tma_partition(tma, smem, gmem)
         for subtile in cutlass.range_constexpr(subtiles):
-            cute.copy(tma, bSG_s[None, first_buffer + subtile], bSG_g[None, first_block + subtile])
+            cute.copy(tma, bSG_s[None, subtile], bSG_g[None, first_block + subtile])
         store_pipeline.producer_commit()

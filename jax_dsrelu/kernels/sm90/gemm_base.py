@@ -60,15 +60,14 @@ class GemmSm90:
 
     # ------------------------------------------------------------------ host side
 
-    def _mma(self, ab_dtype, a_major: LayoutEnum, b_major: LayoutEnum, warpgroups: int = 2):
-        """(tiled MMA, A ring layout, B ring layout) of a tile_m x tile_n tile, operands in
-        shared memory in the given majorness (ROW_MAJOR: K-major, COL_MAJOR: MN-major):
-        two warpgroups of 64 rows each (cooperative), or one warpgroup taking every
-        64-row slice of the tile (ping-pong, each warpgroup on its own tile)."""
+    def _mma(self, ab_dtype, a_major: LayoutEnum, b_major: LayoutEnum):
+        """(tiled MMA, A ring layout, B ring layout): two 64-row warpgroups over a
+        tile_m x tile_n tile, operands in shared memory in the given majorness
+        (ROW_MAJOR: K-major, COL_MAJOR: MN-major)."""
         self.ab_dtype = ab_dtype
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             ab_dtype, ab_dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(), Float32,
-            (warpgroups, 1, 1), tiler_mn=(64, self.tile_n),
+            (2, 1, 1), tiler_mn=(64, self.tile_n),
         )
         tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
         stages = self.config.ab_stages
@@ -116,24 +115,22 @@ class GemmSm90:
 
     # ---------------------------------------------------------------- device side
 
-    def _operand_pipeline(self, storage, a_layout, b_layout, releasing_warps: int = consumer_warps):
-        """The A/B ring: warp 0 produces, the consumer warps that read a stage release it
-        (all 8, or the 4 of one warpgroup where each works on its own tile)."""
+    def _operand_pipeline(self, storage, a_layout, b_layout) -> pipeline.PipelineTmaAsync:
+        """The A/B ring: warp 0 produces, the 8 consumer warps release."""
         return self._tma_pipeline(
             storage.ab_barriers, self.config.ab_stages,
             cute.size_in_bytes(self.ab_dtype, cute.slice_(a_layout, (None, None, 0)))
             + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_layout, (None, None, 0))),
-            releasing_warps,
         )
 
-    def _tma_pipeline(self, barriers, stages: int, stage_bytes, releasing_warps: int = consumer_warps):
-        """A ring filled by one TMA-issuing thread and released by `releasing_warps`
-        consumer warps. Its barriers are published by `_publish_tables`."""
+    def _tma_pipeline(self, barriers, stages: int, stage_bytes) -> pipeline.PipelineTmaAsync:
+        """A ring filled by one TMA-issuing thread and released by the consumer warps.
+        Its barriers are published by `_publish_tables`."""
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers.data_ptr(),
             num_stages=stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, releasing_warps),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_warps),
             tx_count=stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True,
@@ -169,9 +166,9 @@ class GemmSm90:
     def _mma_fragments(self, tiled_mma, sA, sB, ctid: Int32):
         """(tCrA, tCrB, tCcAcc, acc): the warpgroup's wgmma fragments of the rings, the
         (tile_m, tile_n) coordinates of this thread's accumulator values, and the
-        accumulator. `ctid` counts the threads of the tiled MMA (256 or 128)."""
+        accumulator."""
         # wgmma fragments are per warpgroup: slice the tiled MMA by warpgroup for A/B.
-        thr_mma_wg = tiled_mma.get_slice((ctid // 128) * 128)
+        thr_mma_wg = tiled_mma.get_slice(cute.make_layout(2, stride=128)(ctid // 128))
         tCrA = tiled_mma.make_fragment_A(thr_mma_wg.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma_wg.partition_B(sB))
         tCcAcc = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
@@ -180,7 +177,7 @@ class GemmSm90:
     def _store_copy(self, tiled_mma, out_dtype, ctid: Int32):
         """(tiled_copy_c, tiled_r2s, thr_r2s, subtile register shape): stmatrix for 16-bit
         outputs, plain shared-memory stores for float32, in the accumulator's thread layout,
-        so that subtile s is the accumulator values `_subtile_order` names."""
+        so that subtile s is accumulator values [s v, (s + 1) v) of v per subtile."""
         tiled_copy_c = cute.make_tiled_copy_C_atom(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), out_dtype), tiled_mma
         )
@@ -190,18 +187,6 @@ class GemmSm90:
         thr_r2s = tiled_r2s.get_slice(ctid)
         sub_shape = thr_r2s.partition_S(cute.make_identity_tensor((self.tile_m, self.epi_n))).shape
         return tiled_copy_c, tiled_r2s, thr_r2s, sub_shape
-
-    def _subtile_order(self, tiled_mma, tiled_r2s):
-        """order[s][v]: the accumulator register (as `tiled_r2s.retile` numbers them) that
-        holds value v of subtile s in `tiled_r2s`'s order. With two 64-row warpgroups on a
-        tile it is s v' + v (v' values per subtile); one warpgroup over two 64-row slices
-        holds each column block's values in both slices apart. The same for every thread,
-        so it is read off thread 0's coordinates when the kernel is traced."""
-        acc = tiled_r2s.retile(tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-        sub = tiled_r2s.get_slice(0).partition_S(cute.make_identity_tensor((self.tile_m, self.epi_n)))
-        register = {(int(acc[j][0]), int(acc[j][1])): j for j in range(cute.size(acc))}
-        return [[register[(int(sub[v][0]), int(sub[v][1]) + s * self.epi_n)] for v in range(cute.size(sub))]
-                for s in range(self.subtiles)]
 
     @cute.jit
     def _store_subtile(self, tiled_r2s, stores, store_pipeline, store_count: Int32, n_tile: Int32,
@@ -214,10 +199,10 @@ class GemmSm90:
         )
         return store_count + 1
 
-    def _store_pipeline(self, stages: int, threads: int = consumer_threads):
+    def _store_pipeline(self, stages: int):
         return pipeline.PipelineTmaStore.create(
             num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, threads),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
         )
 
     @staticmethod

@@ -99,27 +99,7 @@ def mma_k_tiles(
     release_state: pipeline.PipelineState,
     k_tiles: Int32,
 ):
-    """Consumers: acc = sum over the tile's k-tiles of A B^T (acc = 0 for none):
-    `issue_k_tiles`, then `finish_k_tiles`. Returns (read_state, release_state)."""
-    read_state, release_state = issue_k_tiles(
-        tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, k_tiles
-    )
-    return read_state, finish_k_tiles(ab_pipeline, release_state, k_tiles)
-
-
-@cute.jit
-def issue_k_tiles(
-    tiled_mma: cute.TiledMma,
-    acc: cute.Tensor,
-    tCrA: cute.Tensor,
-    tCrB: cute.Tensor,
-    ab_pipeline: pipeline.PipelineTmaAsync,
-    read_state: pipeline.PipelineState,
-    release_state: pipeline.PipelineState,
-    k_tiles: Int32,
-):
-    """Consumers: waits on every k-tile of the tile and issues its wgmma into acc (zeroed
-    first); the last batch is left in flight for `finish_k_tiles`.
+    """Consumers: acc = sum over the tile's k-tiles of A B^T (acc = 0 for none).
 
     One wgmma batch stays in flight; a stage is released once the batch after the one
     reading it has been issued, so the producer refills it while the tensor cores work.
@@ -151,21 +131,10 @@ def issue_k_tiles(
             ab_pipeline.consumer_release(release_state)
             release_state.advance()
             read_state.advance()
-    return read_state, release_state
-
-
-@cute.jit
-def finish_k_tiles(ab_pipeline: pipeline.PipelineTmaAsync, release_state: pipeline.PipelineState, k_tiles: Int32):
-    """Consumers: waits for the tile's last wgmma batch and releases its stage. Returns
-    release_state."""
-    # Unconditional (a no-op with nothing in flight): ptxas does not tie this branch to
-    # `issue_k_tiles`' on the same k_tiles, and on a path it sees reading the accumulator
-    # with no wait it serializes every wgmma (C7514).
-    warpgroup.wait_group(0)
-    if k_tiles > 0:
+        warpgroup.wait_group(0)
         ab_pipeline.consumer_release(release_state)
         release_state.advance()
-    return release_state
+    return read_state, release_state
 
 
 def tma_partition(tma: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor):

@@ -18,10 +18,6 @@ Features:
       k-tiles: the operand pipeline's state carries from one tile to the next, so warp 0
       streams the next tile's k-tiles while the consumers store the last one, and no
       tile pays a pipeline fill or drain.
-    - Consumers cooperative (both warpgroups on each tile) or, with `ContractConfig.pingpong`,
-      ping-pong: each warpgroup on alternate work items with a 128 x tile_n tile of its
-      own, the mainloops taking turns, so that one warpgroup's epilogue runs while the
-      other's wgmma do (`consume_own_items`).
     - Work order: experts largest first (the longest tiles start first, the short ones
       fill the tail), an expert's tiles b-block fastest (CTAs in flight share its lhs
       block in L2).
@@ -54,7 +50,6 @@ from cutlass.tensor_utils import LayoutEnum
 
 from jax_dsrelu.kernels.request import RaggedContractRequest
 from jax_dsrelu.kernels.sm90 import epilogue_store, mainloop, schedule
-from jax_dsrelu.kernels.sm90.barriers import NamedBarrier
 from jax_dsrelu.kernels.sm90.config import ContractConfig
 from jax_dsrelu.kernels.sm90.gemm_base import GemmSm90
 
@@ -73,22 +68,15 @@ class RaggedContractSm90(GemmSm90):
         self.b_tiles = (self.b + config.tile_n - 1) // config.tile_n
         # A shared buffer for every subtile: the whole tile is stored at once.
         self.whole_tile = config.store_stages >= config.subtiles
-        # Ping-pong: each consumer warpgroup works on alternate work items, a whole tile
-        # each, so that one stores while the other multiplies; else both share each tile.
-        self.pingpong = config.pingpong
-        self.tile_warpgroups = 1 if config.pingpong else 2
 
     @cute.jit
     def __call__(self, stream: cuda.CUstream, lhs: cute.Tensor, rhs: cute.Tensor,
                  group_sizes: cute.Tensor, out: cute.Tensor):
         self.out_dtype = out.element_type
         # lhs seen as (a, m) and rhs as (b, m): a and b contiguous, the MN-major case.
-        tiled_mma, a_layout, b_layout = self._mma(
-            lhs.element_type, LayoutEnum.COL_MAJOR, LayoutEnum.COL_MAJOR, self.tile_warpgroups
-        )
-        # out as (a, b, E) has b contiguous: row-major tiles of (a, b). Ping-pong: the
-        # buffers of warpgroup g are [g store_stages, (g + 1) store_stages).
-        d_layout = self._epi_layout(self.out_dtype, self.config.store_stages * (3 - self.tile_warpgroups))
+        tiled_mma, a_layout, b_layout = self._mma(lhs.element_type, LayoutEnum.COL_MAJOR, LayoutEnum.COL_MAJOR)
+        # out as (a, b, E) has b contiguous: row-major tiles of (a, b).
+        d_layout = self._epi_layout(self.out_dtype, self.config.store_stages)
         tma_a, tma_lhs = self._tma_load(mainloop.ragged_view(lhs, 1), a_layout, (self.tile_m, self.tile_k))
         tma_b, tma_rhs = self._tma_load(mainloop.ragged_view(rhs, 1), b_layout, (self.tile_n, self.tile_k))
         tma_d, tma_out = self._tma_store(out, d_layout)
@@ -116,7 +104,7 @@ class RaggedContractSm90(GemmSm90):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         self._prefetch([tma_a, tma_b, tma_d])
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        ab_pipeline = self._operand_pipeline(storage, a_layout, b_layout, 4 * self.tile_warpgroups)
+        ab_pipeline = self._operand_pipeline(storage, a_layout, b_layout)
         row_start, _ = self._publish_tables(storage, mGroupSizes, num_rows, self.tile_k)
         expert_order = self._table(storage, "expert_order")
         schedule.rank_experts_by_size(row_start, expert_order, tidx, self.num_experts, self.threads)
@@ -130,24 +118,15 @@ class RaggedContractSm90(GemmSm90):
                 self.load_operands(tma_a, mA, tma_b, mB, sA, sB, ab_pipeline, self._schedule(row_start, expert_order))
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
-            ctid = tidx - 128
-            if cutlass.const_expr(self.pingpong):
-                # From the warp index, which is warp-uniform: a warpgroup's walk is then not a
-                # divergent path to ptxas, and its wgmma are not serialized (C7520).
-                warpgroup = warp_idx // 4 - 1
-                self.consume_own_items(tiled_mma, sA, sB, self._smem(storage.sD, d_layout), ab_pipeline, tma_d,
-                                       mOut, row_start, expert_order, warpgroup, ctid % 128)
-            else:
-                self.consume(tiled_mma, sA, sB, self._smem(storage.sD, d_layout), ab_pipeline, tma_d, mOut,
-                             self._schedule(row_start, expert_order), ctid)
+            self.consume(tiled_mma, sA, sB, self._smem(storage.sD, d_layout), ab_pipeline, tma_d, mOut,
+                         self._schedule(row_start, expert_order), tidx - 128)
 
-    def _schedule(self, row_start, expert_order, first=0, every: int = 1) -> schedule.ContractSchedule:
-        """A role's own walk of the work items: from this CTA's item `first`, then every
-        `every`-th."""
+    def _schedule(self, row_start, expert_order) -> schedule.ContractSchedule:
+        """A role's own walk of the work items, from this CTA's first."""
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         return schedule.ContractSchedule(
-            row_start, expert_order, self.num_experts, self.a_tiles, self.b_tiles, bidx + first * grid, every * grid
+            row_start, expert_order, self.num_experts, self.a_tiles, self.b_tiles, bidx, grid
         )
 
     @cute.jit
@@ -197,9 +176,8 @@ class RaggedContractSm90(GemmSm90):
             gOut = cute.local_tile(mOut[None, None, expert], (self.tile_m, self.epi_n), (a_tile, None))
             if cutlass.const_expr(self.whole_tile):
                 epilogue_store.store_tile(
-                    tiled_r2s, tRS_rAcc, self._subtile_order(tiled_mma, tiled_r2s), tRS_rD, tRS_rDout, tRS_sD,
-                    tma_d, gOut, sD, store_pipeline,
-                    b_tile * self.subtiles, ctid, self.subtiles, self.consumer_threads, 0, int(NamedBarrier.EPILOGUE),
+                    tiled_r2s, tRS_rAcc, tRS_rD, tRS_rDout, tRS_sD, tma_d, gOut, sD, store_pipeline,
+                    b_tile * self.subtiles, ctid, self.subtiles, self.consumer_threads,
                 )
             else:
                 outputs = [(tRS_rD, tRS_rDout, tRS_sD, tma_d, gOut, sD)]
@@ -210,70 +188,4 @@ class RaggedContractSm90(GemmSm90):
                                                       subtile, ctid)
             work_schedule.advance()
         if ctid == 0:
-            store_pipeline.producer_tail()
-
-    def _k_tiles(self, expert_rows):
-        return (expert_rows + (self.tile_k - 1)) // self.tile_k
-
-    @cute.jit
-    def consume_own_items(self, tiled_mma, sA, sB, sD, ab_pipeline, tma_d, mOut, row_start, expert_order,
-                          warpgroup: Int32, wtid: Int32):
-        """Ping-pong consumers: warpgroup g takes the CTA's work items g, g + 2, ...,
-        each a whole tile: its mainloop, then its stores, which drain under its next
-        item's wgmma while the other warpgroup's tile computes. The operand ring holds
-        the items' k-tiles in schedule order, so before each of its items a warpgroup
-        steps its ring states past the other's item just before (which that one
-        releases).
-
-        The mainloops take turns: a warpgroup starts one only once the other has waited
-        on every stage of its item before (the turn passes while that item's last wgmma
-        are in flight, as in CUTLASS's ping-pong). A stage's full barrier is waited on by phase
-        parity, so a warpgroup that stepped past the other's round of a stage must not
-        wait on its own next round before that skipped round has been filled: parity
-        would then take the fill two rounds back for the one it waits for. The turn
-        keeps every wait at most one round ahead of the barrier, as in a cooperative
-        mainloop that waits on every round. Both conditions are warp-uniform: no wgmma
-        on a path ptxas sees as divergent."""
-        tCrA, tCrB, _, acc = self._mma_fragments(tiled_mma, sA, sB, wtid)
-        _, tiled_r2s, thr_r2s, _ = self._store_copy(tiled_mma, self.out_dtype, wtid)
-        tRS_sD = thr_r2s.partition_D(sD)
-        tRS_rAcc = tiled_r2s.retile(acc)
-        sub_shape = thr_r2s.partition_S(cute.make_identity_tensor((self.tile_m, self.epi_n))).shape
-        tRS_rD = cute.make_rmem_tensor(sub_shape, Float32)
-        tRS_rDout = cute.make_rmem_tensor(sub_shape, self.out_dtype)
-        order = self._subtile_order(tiled_mma, tiled_r2s)
-        store_pipeline = self._store_pipeline(1, 128)
-        barrier_id = int(NamedBarrier.EPILOGUE) + 2 * warpgroup
-        read_state, release_state = self._consumer_states()
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        own = self._schedule(row_start, expert_order, warpgroup, 2)
-        turn_given = int(NamedBarrier.TURN) + warpgroup
-        turn_taken = int(NamedBarrier.TURN) + 1 - warpgroup
-        while own.valid():
-            # The other warpgroup's item just before this one; none before the CTA's first.
-            before = own.work - grid
-            skipped_rows = own.rows_of(cutlass.max(before, bidx))
-            skipped = Int32(cutlass.select_(before >= bidx, self._k_tiles(skipped_rows), Int32(0)))
-            read_state.advance(skipped)
-            release_state.advance(skipped)
-            if before >= bidx:
-                cute.arch.barrier(barrier_id=turn_taken, number_of_threads=256)
-            expert, a_tile, b_tile, first_row, expert_rows = own.tile()
-            k_tiles = self._k_tiles(expert_rows)
-            read_state, release_state = mainloop.issue_k_tiles(
-                tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, k_tiles
-            )
-            # Every stage of this item waited on: hand over the turn, if the other warpgroup
-            # has an item after this one, while the last wgmma are still in flight.
-            if own.work + grid < own.total:
-                cute.arch.barrier_arrive(barrier_id=turn_given, number_of_threads=256)
-            release_state = mainloop.finish_k_tiles(ab_pipeline, release_state, k_tiles)
-            gOut = cute.local_tile(mOut[None, None, expert], (self.tile_m, self.epi_n), (a_tile, None))
-            epilogue_store.store_tile(
-                tiled_r2s, tRS_rAcc, order, tRS_rD, tRS_rDout, tRS_sD, tma_d, gOut, sD, store_pipeline,
-                b_tile * self.subtiles, wtid, self.subtiles, 128, warpgroup * self.subtiles, barrier_id,
-            )
-            own.advance()
-        if wtid == 0:
             store_pipeline.producer_tail()

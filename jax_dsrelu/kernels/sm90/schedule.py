@@ -170,11 +170,6 @@ class ContractSchedule:
     def advance(self) -> None:
         self.work = self.work + self.stride
 
-    def rows_of(self, work: Int32) -> Int32:
-        """The expert rows of work item `work` (< total): its tile's k extent."""
-        expert = self.expert_order[work // self.per_expert]
-        return self.row_start[expert + 1] - self.row_start[expert]
-
     def tile(self):
         """(expert, a_tile, b_tile, first_row, expert_rows) of the current work item."""
         rank = self.work // self.per_expert
