@@ -207,8 +207,8 @@ def run_job(name: str) -> str:
     elif kind == "gemm test":
         from jax_dsrelu.kernels.sm90 import ragged_call as sm90_gemm
 
-        request, in_place = _gemm_requests()[index]
-        sm90_gemm.compile_kernel(request, outputs_in_place=in_place)
+        request, config, in_place = _gemm_requests()[index]
+        sm90_gemm.compile_kernel(request, config, outputs_in_place=in_place)
     elif kind == "layer test":
         import test_moe_mlp_sm90
 

@@ -497,6 +497,39 @@ def render_gemm_counters(results: dict) -> str:
     return "\n".join(lines)
 
 
+def contract_config_label(fields: dict) -> str:
+    mode = "ping-pong" if fields.get("pingpong") else "cooperative"
+    return (f"{mode} {fields.get('tile_m', 128)}x{fields['tile_n']}, {fields['tile_k']}-row stages x "
+            f"{fields['ab_stages']}, {fields['store_stages']} store buffers")
+
+
+def render_contract_modes(results: dict) -> str:
+    """The contraction under each consumer mode and tile configuration (sweep_configs.py
+    --kernel contract): time, and the ratio to the fastest cooperative config of its row."""
+    labels, times = [], {}
+    for row in results["rows"]:
+        label = contract_config_label(row["fields"])
+        if label not in labels:
+            labels.append(label)
+        times[(tuple(row["shape"]), row["gemm"], label)] = row["ms"]
+    lines = [
+        f"Measured on an {results['device']} (JAX {results['jax']}), commit `{results['commit']}`, bf16 operands "
+        f"and output, Dirichlet group sizes: `{results['command']}` ({results['timing']}). Raw results: "
+        "`benchmarks/results/fine_grained/sweep_contract_pingpong_7cd5117.json`; this table is generated from "
+        "them by `benchmarks/readme_table.py`. Each cell: ms (time over the fastest cooperative config of the row).",
+        "",
+        "| (m, d, f, E), GEMM | " + " | ".join(labels) + " |",
+        "| --- |" + " --- |" * len(labels),
+    ]
+    for shape, gemm in dict.fromkeys((key[0], key[1]) for key in times):
+        cooperative = min(ms for (s, g, label), ms in times.items()
+                          if (s, g) == (shape, gemm) and label.startswith("cooperative"))
+        cells = [f"{times[(shape, gemm, label)]:.3f} ({times[(shape, gemm, label)] / cooperative:.2f})"
+                 if (shape, gemm, label) in times else "—" for label in labels]
+        lines.append(f"| {', '.join(map(str, shape))}, {gemm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # (document, marker name, recorded JSON, how its table is written); a JSON name with a *
 # takes every matching JSON, in a list.
 TABLES: list[tuple[str, str, str, Callable]] = [
@@ -508,6 +541,7 @@ TABLES: list[tuple[str, str, str, Callable]] = [
     ("docs/performance.md", "moe_block", "bench_moe_block.json", render_moe_block),
     ("docs/sm90.md", "gemm_ceilings", "fine_grained/bench_gemms_fine_d50fca1.json", render_gemm_ceilings),
     ("docs/sm90.md", "gemm_counters", "fine_grained/profile_gemms_nano_527754c.json", render_gemm_counters),
+    ("docs/sm90.md", "contract_modes", "fine_grained/sweep_contract_pingpong_7cd5117.json", render_contract_modes),
     ("docs/determinism.md", "determinism", "determinism/determinism_parallel*.json", render_determinism),
 ]
 DOCUMENTS = list(dict.fromkeys(document for document, *_ in TABLES))

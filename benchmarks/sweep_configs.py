@@ -41,7 +41,7 @@ from jax_dsrelu.kernels.sm90 import config as sm90_config
 
 BF16 = np.dtype(jnp.bfloat16)
 # (m, d, f, E) and the contraction's (a, b) = (d, f) for dW1, (f, d) for dW2.
-CONTRACT_SHAPES = [(49152, 2688, 1856, 128), (65536, 2048, 768, 128), (32768, 7168, 2048, 32)]
+CONTRACT_SHAPES = [(49152, 2688, 1856, 128), (65536, 2048, 768, 128), (32768, 7168, 2048, 32), (16384, 4096, 2048, 8)]
 
 
 def candidates(sm_count):
@@ -59,22 +59,24 @@ def candidates(sm_count):
     }
 
 
-def contract_candidates(sm_count, b):
-    """The chosen config for a contraction of width b and its alternatives."""
-    chosen = sm90_config.choose_contract_config(contract_request(8, 128, b), sm_count)
+def contract_candidates(sm_count, request):
+    """The chosen config for a contraction request and its alternatives: tiles of other
+    widths, rows per stage and store buffers."""
     common = dict(epi_n=32, max_ctas=sm_count)
     configs = {
-        "chosen": chosen,
+        "chosen": sm90_config.choose_contract_config(request, sm_count),
         "128x192 k32 ab8 whole": sm90_config.ContractConfig(tile_n=192, tile_k=32, ab_stages=8, store_stages=6, **common),
         "128x192 k64 ab4 whole": sm90_config.ContractConfig(tile_n=192, tile_k=64, ab_stages=4, store_stages=6, **common),
-        "128x192 k32 ab8 ring3": sm90_config.ContractConfig(tile_n=192, tile_k=32, ab_stages=8, store_stages=3, **common),
         "128x256 k32 ab6 whole": sm90_config.ContractConfig(tile_n=256, tile_k=32, ab_stages=6, store_stages=8, **common),
-        "128x256 k64 ab4 ring3": sm90_config.ContractConfig(tile_n=256, tile_k=64, ab_stages=4, store_stages=3, **common),
+        "128x256 k32 ab7 ring3": sm90_config.ContractConfig(tile_n=256, tile_k=32, ab_stages=7, store_stages=3, **common),
         "128x128 k32 ab8 whole": sm90_config.ContractConfig(tile_n=128, tile_k=32, ab_stages=8, store_stages=4, **common),
     }
-    # An alternative equal to the chosen config would only be timed twice.
-    return {name: config for name, config in configs.items()
-            if (name == "chosen" or config != chosen) and config.smem_bytes(256, 2) <= sm90_config.SMEM_CAPACITY}
+    # A config under two names is timed once, under the first.
+    unique = {}
+    for name, config in configs.items():
+        if config not in unique.values() and config.smem_bytes(request.num_experts, 2) <= sm90_config.SMEM_CAPACITY:
+            unique[name] = config
+    return unique
 
 
 GEMM_SHAPES = [(49152, 2688, 1856, 128), (65536, 2048, 768, 256)]
@@ -176,7 +178,7 @@ def sweep_contract(reps, sm_count, shapes):
         rhs = jax.random.normal(keys[1], (m, request.b), jnp.bfloat16)
         sizes = jnp.asarray(group_sizes_for("dirichlet", m, request.num_experts, 0))
         flops = 2.0 * m * request.a * request.b
-        for name, config in contract_candidates(sm_count, request.b).items():
+        for name, config in contract_candidates(sm_count, request).items():
             run = jax.jit(sm90_gemm.implementation(request, config))
             ms, _ = cupti_ms(run, (lhs, rhs, sizes), reps)
             rows.append(dict(shape=list(shape), gemm=gemm, config=name, ms=ms, tflops=flops / (ms * 1e-3) / 1e12,
@@ -187,7 +189,7 @@ def sweep_contract(reps, sm_count, shapes):
 
 def prebuild_contract(sm_count):
     for _, _, request in contract_cases():
-        for config in contract_candidates(sm_count, request.b).values():
+        for config in contract_candidates(sm_count, request).values():
             sm90_gemm.compile_kernel(request, config)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 GROUPINGS = {
-    # name: (m, k, n, group sizes)
+    # name: (m, k, n, group sizes, or an expert count for Dirichlet-drawn sizes)
     "ragged_with_empty": (4096, 520, 320, [0, 700, 1, 0, 1500, 129, 1766, 0]),
     "short_of_m": (3000, 256, 384, [500, 0, 1200, 3]),
     "past_m": (2000, 128, 256, [900, 800, 700]),
@@ -18,7 +18,9 @@ GROUPINGS = {
     "all_empty": (700, 64, 128, [0, 0, 0]),
     "one_row": (1, 64, 64, [1]),
     "tile_n_256": (16384, 1024, 2048, [3000, 0, 2500, 128, 4000, 1, 3755, 3000]),
-    "rows_64k": (65536, 256, 1024, None),  # 32 Dirichlet-sized experts
+    "rows_64k": (65536, 256, 1024, 32),
+    # The most experts the sm90 kernels take, a few dozen rows each, many empty or short.
+    "experts_512": (24000, 200, 328, 512),
 }
 
 # The largest of them: where a bound that grew with the problem would stop rejecting.
@@ -28,9 +30,9 @@ LARGEST = ["ragged_with_empty", "tile_n_256", "rows_64k"]
 def grouping(name: str) -> tuple[int, int, int, list[int]]:
     """(m, k, n, group sizes) of a case."""
     m, k, n, sizes = GROUPINGS[name]
-    if sizes is None:
+    if isinstance(sizes, int):
         rng = np.random.default_rng(5)
-        sizes = np.floor(rng.dirichlet(np.ones(32)) * m).astype(int)
+        sizes = np.floor(rng.dirichlet(np.ones(sizes)) * m).astype(int)
         sizes[-1] += m - sizes.sum()
         sizes = sizes.tolist()
     return m, k, n, sizes

@@ -89,6 +89,19 @@ def lower_for_cuda(m, k, n, num_experts, deterministic, **options):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("deterministic", [False, True])
+def test_compiles_for_sm90a_with_the_most_experts(deterministic):
+    num_experts = sm90_config.MAX_EXPERTS
+    request = request_for(2048, 768, num_experts, deterministic=deterministic)
+    config = sm90_config.choose_config(request)
+    assert config.smem_bytes(num_experts, True, True) <= sm90_config.SMEM_CAPACITY
+    assert "wgmma.mma_async" in lowering.compile_kernel(request, config, keep=True).ptx
+    assert backend_choice.kernel_backend("sm90").cannot_implement(request) is None
+    assert "1 to 512 experts" in backend_choice.kernel_backend("sm90").cannot_implement(
+        request_for(2048, 768, num_experts + 1))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("shape", BENCHMARK_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_compiles_for_sm90a_at_benchmark_shapes(shape, deterministic):
     _, k, n, num_experts = shape
@@ -149,7 +162,7 @@ REFUSALS = {
     "float32 out_dtype": (dict(out_dtype=np.float32), "out_dtype bfloat16 or float16, got float32"),
     "n not a multiple of 8": (dict(n=100), "n=100"),
     "k not a multiple of 8": (dict(k=36), "k=36"),
-    "too many experts": (dict(num_experts=300), "E=300"),
+    "too many experts": (dict(num_experts=513), "E=513"),
 }
 
 

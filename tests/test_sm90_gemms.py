@@ -21,6 +21,7 @@ import os
 # Before anything imports CuTe DSL: on a machine without a GPU it cannot detect one.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+import dataclasses  # noqa: E402
 import re  # noqa: E402
 import zlib  # noqa: E402
 
@@ -69,8 +70,21 @@ GROUPINGS = {
     # Fine-grained: many short experts, widths that are no tile multiple (a = 200 over
     # 128-row tiles, b = 328 over 192-column tiles): each persistent CTA walks many tiles.
     "many_experts": ((160, 200, 328), 24000, None),
+    # The most experts the kernels take: the contraction ranks 512 with 384 threads.
+    "experts_512": ((512, 200, 328), 24000, None),
 }
 FP16_GROUPINGS = ("ragged_with_empty", "negative")
+
+# Tile configurations of the contraction (`choose_contract_config` picks among them), on 3
+# CTAs so that each walks many work items: the operand ring's state carried from item to
+# item, a whole tile of store buffers and a ring of them reused across items.
+_CONTRACT_TILES = dict(tile_k=32, epi_n=32, max_ctas=3)
+CONTRACT_CONFIGS = {
+    "128x192_whole_tile": sm90_config.ContractConfig(tile_n=192, ab_stages=8, store_stages=6, **_CONTRACT_TILES),
+    "128x256_store_ring": sm90_config.ContractConfig(tile_n=256, ab_stages=7, store_stages=3, **_CONTRACT_TILES),
+    "128x128_whole_tile": sm90_config.ContractConfig(tile_n=128, ab_stages=8, store_stages=4, **_CONTRACT_TILES),
+}
+CONTRACT_CONFIG_GROUPINGS = ("many_experts", "negative", "exact_tile")
 
 
 def grouping(name):
@@ -184,7 +198,8 @@ def contract_request(shape, out_dtype, dtype=BF16):
 
 
 def prebuild_requests():
-    """Every (request, outputs_in_place) the GPU tier below runs, for the kernel cache."""
+    """Every (request, config or None for the chosen one, outputs_in_place) the GPU tier
+    below runs, for the kernel cache."""
     built = []
     for name in GROUPINGS:
         shape = GROUPINGS[name][0]
@@ -192,8 +207,12 @@ def prebuild_requests():
         for dtype in dtypes:
             built += [matmul_request(shape, variant, dtype) for variant in MATMUL_VARIANTS]
             built += [contract_request(shape, F32, dtype), contract_request(shape, dtype, dtype)]
-    return [(request, True) for request in sorted(set(built), key=repr)] + [
-        (contract_request(GROUPINGS[name][0], F32), False) for name in ("tile_n_256", "many_experts")
+    chosen = [(request, None, True) for request in sorted(set(built), key=repr)] + [
+        (contract_request(GROUPINGS[name][0], F32), None, False) for name in ("tile_n_256", "many_experts", "experts_512")
+    ]
+    return chosen + [
+        (contract_request(GROUPINGS[name][0], BF16), config, True)
+        for name in CONTRACT_CONFIG_GROUPINGS for config in CONTRACT_CONFIGS.values()
     ]
 
 
@@ -208,13 +227,23 @@ def test_ragged_matmul_compiles_for_sm90a(variant):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("shape", [(8, 4096, 2048), (128, 2688, 1856), (256, 1024, 768)], ids=str)
+@pytest.mark.parametrize("shape", [(8, 4096, 2048), (128, 2688, 1856), (256, 1024, 768), (512, 2048, 768)], ids=str)
 @pytest.mark.parametrize("out_dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_ragged_contraction_compiles_for_sm90a(out_dtype, shape):
     compiled = sm90_gemm.compile_kernel(contract_request(shape, out_dtype), keep=True)
     assert "wgmma.mma_async" in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     # One writer per element and no split-K: no atomics of any kind.
+    assert not ATOMIC.search(compiled.ptx)
+    ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", sorted(CONTRACT_CONFIGS))
+def test_each_contraction_config_compiles_for_sm90a(name):
+    config = dataclasses.replace(CONTRACT_CONFIGS[name], max_ctas=132)
+    compiled = sm90_gemm.compile_kernel(contract_request((128, 2688, 1856), BF16), config, keep=True)
+    assert "wgmma.mma_async" in compiled.ptx
     assert not ATOMIC.search(compiled.ptx)
     ptxas.check_assembly(compiled.ptx)
 
@@ -227,7 +256,7 @@ def test_backend_serves_the_gemm_requests():
     refusals = {
         RaggedMatmulRequest(num_experts=4, k=60, n=64, rhs_layout="kn", operand_dtype=BF16, out_dtype=BF16): "k=60",
         RaggedMatmulRequest(num_experts=4, k=64, n=64, rhs_layout="kn", operand_dtype=F32, out_dtype=F32): "float32",
-        RaggedContractRequest(num_experts=300, a=64, b=64, operand_dtype=BF16, out_dtype=F32): "E=300",
+        RaggedContractRequest(num_experts=513, a=64, b=64, operand_dtype=BF16, out_dtype=F32): "E=513",
         RaggedContractRequest(num_experts=4, a=64, b=12, operand_dtype=BF16, out_dtype=F32): "b=12",
     }
     for request, message in refusals.items():
@@ -249,15 +278,16 @@ def test_configs_validate_in_one_place():
         with pytest.raises(ValueError, match=field):
             sm90_config.ContractConfig(**dict(dict(good, tile_n=192), **{field: value}))
     # The chosen configs fit in shared memory at the largest expert count.
+    most = sm90_config.MAX_EXPERTS
     for variant in MATMUL_VARIANTS:
-        request = matmul_request((256, 4096, 2048), variant)
+        request = matmul_request((most, 4096, 2048), variant)
         config = sm90_config.choose_gemm_config(request)
         outputs = 2 if request.epilogue == "srelu" else 1
-        assert config.smem_bytes(256, outputs) <= sm90_config.SMEM_CAPACITY
+        assert config.smem_bytes(most, outputs) <= sm90_config.SMEM_CAPACITY
     for out_dtype in (F32, BF16):
         for b in (64, 512, 1856, 2688, 7168):
-            config = sm90_config.choose_contract_config(contract_request((256, 4096, b), out_dtype))
-            assert config.smem_bytes(256, out_dtype.itemsize) <= sm90_config.SMEM_CAPACITY
+            config = sm90_config.choose_contract_config(contract_request((most, 4096, b), out_dtype))
+            assert config.smem_bytes(most, out_dtype.itemsize) <= sm90_config.SMEM_CAPACITY
             assert config.ab_stages >= 3 and config.store_stages >= 2
     # Widths that are not a tile multiple take the tile that pads them least.
     assert sm90_config.choose_tile_n(1856) == 192 and sm90_config.choose_tile_n(2688) == 192
@@ -280,9 +310,10 @@ def random_operands(rng, m, k, n, num_experts, dtype):
     return np.asarray(jnp.asarray(lhs, dtype)), np.asarray(jnp.asarray(rhs_kn, dtype))
 
 
-def run_poisoned(request, *arrays):
-    """The kernel with every output buffer NaN-filled first (aliased in and out)."""
-    run = sm90_gemm.implementation(request, outputs_in_place=True)
+def run_poisoned(request, *arrays, config=None):
+    """The kernel (of `config`, or the chosen one) with every output buffer NaN-filled
+    first (aliased in and out)."""
+    run = sm90_gemm.implementation(request, config, outputs_in_place=True)
     _, out_shapes = sm90_gemm._shapes(request, arrays[0].shape[0])
     _, outputs = sm90_gemm.matmul_operands(request) if isinstance(request, RaggedMatmulRequest) else sm90_gemm.contract_operands(request)
     filled = [jnp.full(shape, jnp.nan, operand.dtype) for operand, shape in zip(outputs, out_shapes)]
@@ -366,7 +397,28 @@ def test_ragged_contraction_matches_float64(hopper, name, dtype, out_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["tile_n_256", "many_experts"])
+@pytest.mark.parametrize("config_name", sorted(CONTRACT_CONFIGS))
+@pytest.mark.parametrize("name", CONTRACT_CONFIG_GROUPINGS)
+def test_each_contraction_config_matches_float64(hopper, name, config_name):
+    (num_experts, a, b), m, sizes = grouping(name)
+    rng = np.random.default_rng(zlib.crc32(f"config{name}{config_name}".encode()))
+    lhs = np.asarray(jnp.asarray(rng.standard_normal((m, a)), BF16))
+    rhs = np.asarray(jnp.asarray(rng.standard_normal((m, b)), BF16))
+    request = contract_request((num_experts, a, b), BF16)
+    (out,) = run_poisoned(request, jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes, jnp.int32),
+                          config=CONTRACT_CONFIGS[config_name])
+    got = np.asarray(out, np.float64)
+    assert np.isfinite(got).all(), "an output element was not written (NaN poison left)"
+    lhs64, rhs64 = lhs.astype(np.float64), rhs.astype(np.float64)
+    for e, (start, end) in enumerate(clamped_bounds(sizes, m)):
+        ref = lhs64[start:end].T @ rhs64[start:end]
+        abs_dot = np.abs(lhs64[start:end]).T @ np.abs(rhs64[start:end])
+        err = np.abs(got[e] - ref)
+        assert (err <= matmul_bound(abs_dot, max(end - start, 1), ref, BF16)).all(), f"expert {e}: max error {err.max()}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tile_n_256", "many_experts", "experts_512"])
 def test_ragged_contraction_is_bitwise_reproducible(hopper, name):
     (num_experts, a, b), m, sizes = grouping(name)
     rng = np.random.default_rng(9)

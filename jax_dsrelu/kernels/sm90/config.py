@@ -15,7 +15,7 @@ from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulReques
 
 # Largest expert count: the per-CTA expert tables (two int32 prefix sums of E + 1 entries)
 # live in shared memory next to the pipelines, and one warp builds them in E / 32 steps.
-MAX_EXPERTS = 256
+MAX_EXPERTS = 512
 # Usable shared memory per CTA on sm_90 (227 KiB), as the driver grants it with the opt-in.
 SMEM_CAPACITY = 232_448
 # Rows per work tile: two consumer warpgroups of 64 rows each (wgmma's M is 64).
@@ -57,8 +57,8 @@ class KernelTiles:
     tile_k of the contraction per operand stage, ab_stages operand stages, stored in
     (tile_m x epi_n) subtiles through store_stages shared buffers, by max_ctas persistent
     CTAs. The consumer mode is cooperative: both consumer warpgroups work on the same
-    tile, 64 rows each, and run the epilogue together (docs/sm90.md says why there is no
-    ping-pong variant and what it would gain). The cluster is 1x1: a cluster along M
+    tile, 64 rows each, and run the epilogue together (a ping-pong contraction was
+    measured slower at every benchmark shape: docs/sm90.md). The cluster is 1x1: a cluster along M
     could span two experts, whose B tiles differ, so multicast of B would be wrong; along
     N it would save L2 traffic for A only. `__post_init__` is the one validity check."""
 
@@ -171,7 +171,7 @@ def choose_tile_n(n: int) -> int:
 def _most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int:
     """`fewest` operand stages, or more, up to `most`, while a config with one more fits.
     `fewest` itself is not checked: the family's smallest configs fit at every supported
-    expert count (tests/test_sm90_gemms.py checks the chosen ones at E = 256)."""
+    expert count (tests/test_sm90_gemms.py checks the chosen ones at E = MAX_EXPERTS)."""
     stages = fewest
     while stages < most and fits(stages + 1):
         stages += 1

@@ -50,7 +50,7 @@ H100/H200); `dsrelu_call.py` builds the buffers and the call.
 
 Constraints:
     - grad and weight bfloat16 or float16 (same type), preact and out_dtype 16-bit float
-    - n and k multiples of 8 (16-byte TMA row strides); 1 <= E <= 256
+    - n and k multiples of 8 (16-byte TMA row strides); 1 <= E <= 512
     - fewer than 2^30 rows (ragged store coordinates stay in int32)
 """
 

@@ -39,7 +39,7 @@ Features:
 
 Constraints:
     - lhs and rhs bfloat16 or float16 (same type); out float32, bfloat16 or float16
-    - a and b multiples of 8 (16-byte TMA rows); 1 <= E <= 256; fewer than 2^30 rows
+    - a and b multiples of 8 (16-byte TMA rows); 1 <= E <= 512; fewer than 2^30 rows
 """
 
 import cuda.bindings.driver as cuda
@@ -107,7 +107,7 @@ class RaggedContractSm90(GemmSm90):
         ab_pipeline = self._operand_pipeline(storage, a_layout, b_layout)
         row_start, _ = self._publish_tables(storage, mGroupSizes, num_rows, self.tile_k)
         expert_order = self._table(storage, "expert_order")
-        schedule.rank_experts_by_size(row_start, expert_order, tidx, self.num_experts)
+        schedule.rank_experts_by_size(row_start, expert_order, tidx, self.num_experts, self.threads)
         cute.arch.sync_threads()
         sA = self._smem(storage.sA, a_layout)
         sB = self._smem(storage.sB, b_layout)

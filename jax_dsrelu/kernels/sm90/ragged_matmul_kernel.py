@@ -28,7 +28,7 @@ Features:
 
 Constraints:
     - lhs and rhs bfloat16 or float16 (same type), outputs 16-bit float
-    - n and k multiples of 8 (16-byte TMA rows); 1 <= E <= 256; fewer than 2^30 rows
+    - n and k multiples of 8 (16-byte TMA rows); 1 <= E <= 512; fewer than 2^30 rows
 """
 
 from typing import Optional

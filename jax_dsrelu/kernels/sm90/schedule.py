@@ -183,15 +183,15 @@ class ContractSchedule:
 
 @cute.jit
 def rank_experts_by_size(row_start: cute.Tensor, expert_order: cute.Tensor, tidx: Int32,
-                         num_experts: cutlass.Constexpr):
+                         num_experts: cutlass.Constexpr, threads: cutlass.Constexpr):
     """expert_order[r] = the expert of r-th largest clamped size, ties to the lower
-    index. Thread t < E ranks expert t against every other; the caller synchronises
-    before the order is read."""
-    if tidx < num_experts:
-        size = row_start[tidx + 1] - row_start[tidx]
+    index. Thread t ranks experts t, t + threads, ... against every other; the caller
+    synchronises before the order is read."""
+    for expert in range(tidx, num_experts, threads):
+        size = row_start[expert + 1] - row_start[expert]
         rank = Int32(0)
         for other in range(num_experts):
             other_size = row_start[other + 1] - row_start[other]
-            if other_size > size or (other_size == size and other < tidx):
+            if other_size > size or (other_size == size and other < expert):
                 rank = rank + 1
-        expert_order[rank] = tidx
+        expert_order[rank] = expert
