@@ -21,6 +21,9 @@ GROUPINGS = {
     "rows_64k": (65536, 256, 1024, 32),
     # The most experts the sm90 kernels take, a few dozen rows each, many empty or short.
     "experts_512": (24000, 200, 328, 512),
+    # Nemotron-3 Nano's expert width, no multiple of the 192-column tile (9 x 192 + 128),
+    # over a k of 768 (the 256-expert shape's width), a few hundred rows per expert.
+    "width_1856": (6000, 768, 1856, 16),
 }
 
 # The largest of them: where a bound that grew with the problem would stop rejecting.

@@ -72,6 +72,8 @@ GROUPINGS = {
     "many_experts": ((160, 200, 328), 24000, None),
     # The most experts the kernels take: the contraction ranks 512 with 384 threads.
     "experts_512": ((512, 200, 328), 24000, None),
+    # Nemotron-3 Nano's expert width as n and b (9 x 192 + 128 columns) over k = a = 768.
+    "width_1856": ((16, 768, 1856), 6000, None),
 }
 FP16_GROUPINGS = ("ragged_with_empty", "negative")
 
