@@ -33,7 +33,8 @@
 #   sweep_contract  benchmarks/sweep_configs.py --kernel contract (the contraction's configurations)
 #   sweep_gemm  benchmarks/sweep_configs.py --kernel gemm (the ragged-M kernels' N tiles)
 #   sanitize_contract  memcheck over the contraction's boundary cases (negative sizes,
-#             sums past m, exact tiles, many experts of widths no tile multiple)
+#             sums past m, exact tiles, many experts of widths no tile multiple, 512 experts),
+#             racecheck over some of them
 #   sanitize  a small subset of the GPU tests under compute-sanitizer (memcheck)
 #
 # Kernels come precompiled from benchmarks/prebuild_kernels.py in .kernels/ (carried along),
@@ -190,11 +191,11 @@ fi
 if [[ $stages == *,sanitize_contract,* ]]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   timeout 120 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q -rs -p no:cacheprovider \
-    -m gpu tests/test_sm90_gemms.py -k "contraction_matches and bfloat16 and (negative or past_m or exact_tile or many_experts)" \
+    -m gpu tests/test_sm90_gemms.py -k "contraction_matches and bfloat16 and (negative or past_m or exact_tile or many_experts or experts_512)" \
     2>&1 | tail -6 | tee -a "$log"
   echo "memcheck contraction exit $?" | tee -a "$log"
   timeout 120 compute-sanitizer --tool racecheck --print-limit 20 python3 -m pytest -q -rs -p no:cacheprovider \
-    -m gpu tests/test_sm90_gemms.py -k "contraction_matches and bfloat16 and (past_m or exact_tile)" \
+    -m gpu tests/test_sm90_gemms.py -k "contraction_matches and bfloat16 and (past_m or exact_tile or experts_512)" \
     2>&1 | tail -6 | tee -a "$log"
   echo "racecheck contraction exit $?" | tee -a "$log"
 fi

@@ -74,7 +74,8 @@ def contract_candidates(sm_count, request):
     # A config under two names is timed once, under the first.
     unique = {}
     for name, config in configs.items():
-        if config not in unique.values() and config.smem_bytes(request.num_experts, 2) <= sm90_config.SMEM_CAPACITY:
+        fits = config.smem_bytes(request.num_experts, np.dtype(request.out_dtype).itemsize) <= sm90_config.SMEM_CAPACITY
+        if config not in unique.values() and fits:
             unique[name] = config
     return unique
 

@@ -77,12 +77,15 @@ GROUPINGS = {
 }
 FP16_GROUPINGS = ("ragged_with_empty", "negative")
 
-# Tile configurations of the contraction (`choose_contract_config` picks among them), on 3
-# CTAs so that each walks many work items: the operand ring's state carried from item to
-# item, a whole tile of store buffers and a ring of them reused across items.
+# The contraction's tile configurations, each on 3 CTAs so that every CTA walks many work
+# items (the operand ring's state carried from item to item, store buffers reused across
+# items): the ones `choose_contract_config` picks at the benchmark shapes (a buffer per
+# subtile for 16-bit outputs, 128x192 where b is 1856 or 2688 and 128x256 where it is 768
+# or 2048; a ring of 3 buffers for float32 outputs with many experts), and 128x128.
 _CONTRACT_TILES = dict(tile_k=32, epi_n=32, max_ctas=3)
 CONTRACT_CONFIGS = {
     "128x192_whole_tile": sm90_config.ContractConfig(tile_n=192, ab_stages=8, store_stages=6, **_CONTRACT_TILES),
+    "128x256_whole_tile": sm90_config.ContractConfig(tile_n=256, ab_stages=6, store_stages=8, **_CONTRACT_TILES),
     "128x256_store_ring": sm90_config.ContractConfig(tile_n=256, ab_stages=7, store_stages=3, **_CONTRACT_TILES),
     "128x128_whole_tile": sm90_config.ContractConfig(tile_n=128, ab_stages=8, store_stages=4, **_CONTRACT_TILES),
 }
@@ -212,9 +215,10 @@ def prebuild_requests():
     chosen = [(request, None, True) for request in sorted(set(built), key=repr)] + [
         (contract_request(GROUPINGS[name][0], F32), None, False) for name in ("tile_n_256", "many_experts", "experts_512")
     ]
+    # Groupings of one shape share their kernels.
+    shapes = dict.fromkeys(GROUPINGS[name][0] for name in CONTRACT_CONFIG_GROUPINGS)
     return chosen + [
-        (contract_request(GROUPINGS[name][0], BF16), config, True)
-        for name in CONTRACT_CONFIG_GROUPINGS for config in CONTRACT_CONFIGS.values()
+        (contract_request(shape, BF16), config, True) for shape in shapes for config in CONTRACT_CONFIGS.values()
     ]
 
 
@@ -248,6 +252,15 @@ def test_each_contraction_config_compiles_for_sm90a(name):
     assert "wgmma.mma_async" in compiled.ptx
     assert not ATOMIC.search(compiled.ptx)
     ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.compile
+def test_a_config_too_large_for_shared_memory_is_refused_by_name():
+    # A whole 128x192 tile of float32 buffers and 8 operand stages: 264 KB, over sm_90's 227.
+    config = dataclasses.replace(CONTRACT_CONFIGS["128x192_whole_tile"], max_ctas=132)
+    with pytest.raises(ValueError, match=r"config=ContractConfig\(tile_n=192.*needs \d+ bytes of shared memory"):
+        sm90_gemm.implementation(contract_request((8, 512, 384), F32), config)
+    sm90_gemm.implementation(contract_request((8, 512, 384), BF16), config)
 
 
 @pytest.mark.compile
@@ -407,8 +420,9 @@ def test_each_contraction_config_matches_float64(hopper, name, config_name):
     lhs = np.asarray(jnp.asarray(rng.standard_normal((m, a)), BF16))
     rhs = np.asarray(jnp.asarray(rng.standard_normal((m, b)), BF16))
     request = contract_request((num_experts, a, b), BF16)
-    (out,) = run_poisoned(request, jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes, jnp.int32),
-                          config=CONTRACT_CONFIGS[config_name])
+    config = CONTRACT_CONFIGS[config_name]
+    assert config.smem_bytes(num_experts, BF16.itemsize) <= sm90_config.SMEM_CAPACITY
+    (out,) = run_poisoned(request, jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes, jnp.int32), config=config)
     got = np.asarray(out, np.float64)
     assert np.isfinite(got).all(), "an output element was not written (NaN poison left)"
     lhs64, rhs64 = lhs.astype(np.float64), rhs.astype(np.float64)
