@@ -224,6 +224,22 @@ class GemmConfig(KernelTiles):
         tables = 2 * (num_experts + 1) * 4
         return self._operand_bytes() + self._store_bytes(outputs) + tables + _SMEM_RESERVE
 
+    def check_fits(self, request: RaggedMatmulRequest) -> None:
+        _check_capacity(self, self.smem_bytes(request.num_experts, stored_outputs(request)), request)
+
+
+def stored_outputs(request: RaggedMatmulRequest) -> int:
+    """The 16-bit tensors a ragged-M kernel stores: h and act after the squared-ReLU
+    epilogue, else one."""
+    return 2 if request.epilogue == "srelu" else 1
+
+
+def _check_capacity(config, need: int, request) -> None:
+    """A config given by the caller must fit in shared memory with the request's tables and
+    outputs: else the launch would fail with no word of why."""
+    if need > SMEM_CAPACITY:
+        raise ValueError(f"config={config} needs {need} bytes of shared memory for {request}; sm_90 has {SMEM_CAPACITY}")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ContractConfig(KernelTiles):
@@ -243,6 +259,9 @@ class ContractConfig(KernelTiles):
         # row_start, tile_start and the expert order, E + 1 int32 each.
         tables = 3 * (num_experts + 1) * 4
         return self._operand_bytes() + self._store_bytes(1, out_bytes) + tables + _SMEM_RESERVE
+
+    def check_fits(self, request: RaggedContractRequest) -> None:
+        _check_capacity(self, self.smem_bytes(request.num_experts, np.dtype(request.out_dtype).itemsize), request)
 
 
 def _reason(kernel: str, num_experts: int, operand_dtype, out_dtype, out_dtypes, **extents: int) -> str | None:
@@ -281,7 +300,7 @@ def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_
     reason = cannot_implement_gemm(request)
     if reason is not None:
         raise ValueError(reason)
-    outputs = 2 if request.epilogue == "srelu" else 1
+    outputs = stored_outputs(request)
     base = dict(tile_n=choose_tile_n(request.n), tile_k=64, epi_n=32, store_stages=2, max_ctas=sm_count)
     return GemmConfig(
         ab_stages=_most_stages(

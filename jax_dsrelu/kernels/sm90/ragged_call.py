@@ -99,20 +99,6 @@ def _kernel_and_operands(request, config):
     return _matmul_kernel(request, config), matmul_operands(request)
 
 
-def _check_fits(request, config) -> None:
-    """A config given by the caller must fit in shared memory with the request's tables and
-    outputs: else the launch would fail with no word of why."""
-    if isinstance(request, RaggedContractRequest):
-        need = config.smem_bytes(request.num_experts, np.dtype(request.out_dtype).itemsize)
-    else:
-        need = config.smem_bytes(request.num_experts, 2 if request.epilogue == "srelu" else 1)
-    if need > sm90_config.SMEM_CAPACITY:
-        raise ValueError(
-            f"config={config} needs {need} bytes of shared memory for {request}; sm_90 has "
-            f"{sm90_config.SMEM_CAPACITY}"
-        )
-
-
 def choose_config(request):
     if isinstance(request, RaggedContractRequest):
         return sm90_config.choose_contract_config(request, sm_count())
@@ -164,7 +150,7 @@ def implementation(
     if reason is not None:
         raise NotImplementedError(f"backend='sm90' cannot serve this call: {reason}")
     config = config or choose_config(request)
-    _check_fits(request, config)
+    config.check_fits(request)
     kernel, (inputs, outputs) = _kernel_and_operands(request, config)
     srelu = isinstance(request, RaggedMatmulRequest) and request.epilogue == "srelu"
 
