@@ -514,10 +514,9 @@ def render_contract_modes(results: dict) -> str:
             labels.append(label)
         times[(tuple(row["shape"]), row["gemm"], label)] = row["ms"]
     lines = [
-        f"Measured on an {results['device']} (JAX {results['jax']}), commit `{results['commit']}`, bf16 operands "
-        f"and output, Dirichlet group sizes: `{results['command']}` ({results['timing']}). Raw results: "
-        "`benchmarks/results/fine_grained/sweep_contract_pingpong_7cd5117.json`; this table is generated from "
-        "them by `benchmarks/readme_table.py`. Each cell: ms (time over the fastest cooperative config of the row).",
+        provenance(results, "fine_grained/sweep_contract_pingpong_7cd5117.json",
+                   "bf16 operands and output, Dirichlet group sizes")
+        + " Each cell: ms (time over the fastest cooperative config of the row).",
         "",
         "| (m, d, f, E), GEMM | " + " | ".join(labels) + " |",
         "| --- |" + " --- |" * len(labels),
