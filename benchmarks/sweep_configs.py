@@ -56,6 +56,9 @@ def candidates(sm_count):
         "128x128 epi32 ab4": sm90_config.TileConfig(
             tile_n=128, ab_stages=4, epi_n=32, preact_stages=4, store_stages=2, **common
         ),
+        "128x128 epi32 ab4 overlap": sm90_config.TileConfig(
+            tile_n=128, ab_stages=4, epi_n=32, preact_stages=4, store_stages=2, overlap_epilogue=True, **common
+        ),
     }
 
 
@@ -111,6 +114,13 @@ def gemm_candidates(sm_count, request):
             while config.ab_stages < 8 and _fits(dataclasses.replace(config, ab_stages=config.ab_stages + 1), request):
                 config = dataclasses.replace(config, ab_stages=config.ab_stages + 1)
             configs[f"128x{tile_n} ab{config.ab_stages}"] = config
+    if isinstance(request, request_facts.Request):
+        # The fused kernel's 128-wide tiles with and without the epilogue beside the next
+        # tile's mainloop.
+        for name, config in list(configs.items()):
+            if config.tile_n == 128:
+                other = dataclasses.replace(config, overlap_epilogue=not config.overlap_epilogue)
+                configs[f"{name} {'overlap' if other.overlap_epilogue else 'plain'}"] = other
     return configs
 
 

@@ -95,7 +95,18 @@ class TileConfig(KernelTiles):
     subtiles in flight."""
 
     preact_stages: int
+    # Two accumulators, each tile's epilogue run beside the next tile's first wgmma
+    # batches (dsrelu_kernel.py `_consume_overlapped`); a second 64 x tile_n float32
+    # accumulator per warpgroup fits in registers only for tile_n <= 128.
+    overlap_epilogue: bool = False
     counts: ClassVar[tuple[str, ...]] = KernelTiles.counts + ("preact_stages",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.overlap_epilogue and self.tile_n > 128:
+            raise ValueError(
+                f"overlap_epilogue needs tile_n <= 128 (two accumulators in registers), got tile_n={self.tile_n}"
+            )
 
     def smem_bytes(self, num_experts: int, with_act: bool, with_dbias: bool) -> int:
         """Shared memory the kernel allocates for this config (16-bit operands and outputs)."""
@@ -202,7 +213,9 @@ def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileCon
     reason = cannot_implement(request)
     if reason is not None:
         raise ValueError(reason)
-    base = dict(tile_n=dsrelu_tile_n(request.n), tile_k=64, epi_n=32, preact_stages=4, store_stages=2, max_ctas=sm_count)
+    tile_n = dsrelu_tile_n(request.n)
+    base = dict(tile_n=tile_n, tile_k=64, epi_n=32, preact_stages=4, store_stages=2, max_ctas=sm_count,
+                overlap_epilogue=tile_n == 128)
     facts = (request.num_experts, request.with_act, request.with_dbias)
     config = TileConfig(
         ab_stages=_most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2),
