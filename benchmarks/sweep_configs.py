@@ -108,6 +108,8 @@ def gemm_candidates(sm_count, request):
     for tile_n in (128, 192, 256):
         if tile_n != chosen.tile_n:
             config = dataclasses.replace(chosen, tile_n=tile_n)
+            if isinstance(config, sm90_config.TileConfig):
+                config = dataclasses.replace(config, overlap_epilogue=False)
             # As many operand stages as fit with this tile, as the chooser would give it.
             while not _fits(config, request):
                 config = dataclasses.replace(config, ab_stages=config.ab_stages - 1)
@@ -249,7 +251,8 @@ def main():
             print(f"{m:>6} {k:>5} {n:>5} {num_experts:>3}  {name:<20} {ms:8.3f} ms", flush=True)
     os.makedirs(options.out, exist_ok=True)
     with open(os.path.join(options.out, "sweep_configs.json"), "w") as file:
-        json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), file, indent=1)
+        json.dump(dict(run_record.header(options.commit, "CUPTI kernel time, median of reps"), rows=rows),
+                  file, indent=1)
 
 
 if __name__ == "__main__":
