@@ -107,9 +107,9 @@ def gemm_candidates(sm_count, request):
     configs = {"chosen": chosen}
     for tile_n in (128, 192, 256):
         if tile_n != chosen.tile_n:
-            config = dataclasses.replace(chosen, tile_n=tile_n)
-            if isinstance(config, sm90_config.TileConfig):
-                config = dataclasses.replace(config, overlap_epilogue=False)
+            # The fused kernel overlaps its epilogue only on 128-wide tiles (two accumulators).
+            overlap = dict(overlap_epilogue=False) if isinstance(chosen, sm90_config.TileConfig) else {}
+            config = dataclasses.replace(chosen, tile_n=tile_n, **overlap)
             # As many operand stages as fit with this tile, as the chooser would give it.
             while not _fits(config, request):
                 config = dataclasses.replace(config, ab_stages=config.ab_stages - 1)
