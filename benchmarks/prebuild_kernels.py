@@ -74,7 +74,7 @@ def configs_for(request):
     overlapped-epilogue cases the same without the overlap."""
     cases = {(k, n, len(sizes)) for _, k, n, sizes in test_sm90.OVERLAP_CASES.values()}
     if (request.k, request.n, request.num_experts) in cases:
-        return test_sm90.overlap_configs(request.k, request.n, request.num_experts, request.deterministic)
+        return tuple(test_sm90.overlap_configs(request.k, request.n, request.num_experts, request.deterministic).values())
     return (sm90_config.choose_config(request, sm90_config.DEFAULT_SM_COUNT),)
 
 

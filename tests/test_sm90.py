@@ -133,16 +133,18 @@ NANO = (2688, 1856, 128)
 def test_overlapped_epilogue_compiles_without_spills_or_serialized_wgmma(deterministic):
     request = request_for(*NANO, deterministic=deterministic)
     config = sm90_config.choose_config(request)
-    assert config.tile_n == 128 and config.overlap_epilogue
+    assert config.tile_n == 128 and config.overlap_k_tiles
     ptxas.check_assembly(lowering.compile_kernel(request, config, keep=True).ptx)
 
 
 @pytest.mark.compile
-def test_overlapped_epilogue_needs_room_for_two_accumulators():
+def test_overlapped_epilogue_needs_two_accumulators_and_a_free_stage():
     good = dict(tile_n=128, tile_k=64, ab_stages=4, epi_n=32, preact_stages=4, store_stages=2, max_ctas=132)
-    assert sm90_config.TileConfig(overlap_epilogue=True, **good).overlap_epilogue
-    with pytest.raises(ValueError, match="overlap_epilogue needs tile_n <= 128.*got tile_n=256"):
-        sm90_config.TileConfig(overlap_epilogue=True, **dict(good, tile_n=256, ab_stages=3))
+    assert sm90_config.TileConfig(overlap_k_tiles=3, **good).overlap_k_tiles == 3
+    with pytest.raises(ValueError, match="overlap_k_tiles needs tile_n <= 128.*got tile_n=256"):
+        sm90_config.TileConfig(overlap_k_tiles=1, **dict(good, tile_n=256, ab_stages=3))
+    with pytest.raises(ValueError, match="overlap_k_tiles must be 0 to ab_stages - 1 = 3.*got 4"):
+        sm90_config.TileConfig(overlap_k_tiles=4, **good)
 
 
 @pytest.mark.compile
@@ -351,16 +353,20 @@ OVERLAP_CASES = {
 }
 
 
+OVERLAP_K_TILES = (1, 2, 3)
+
+
 def overlap_configs(k, n, num_experts, deterministic):
-    """(the chosen config, with the epilogue beside the mainloop; the same without)."""
+    """{k-tiles beside each epilogue subtile: the chosen 128-wide config with them}, 0 included."""
     chosen = sm90_config.choose_config(request_for(k, n, num_experts, deterministic=deterministic))
-    return chosen, dataclasses.replace(chosen, overlap_epilogue=False)
+    return {k_tiles: dataclasses.replace(chosen, overlap_k_tiles=k_tiles) for k_tiles in (0,) + OVERLAP_K_TILES}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("k_tiles", OVERLAP_K_TILES)
 @pytest.mark.parametrize("case", sorted(OVERLAP_CASES))
-def test_overlapped_epilogue_matches_float64_and_the_plain_epilogue(hopper, case, deterministic):
+def test_overlapped_epilogue_matches_float64_and_the_plain_epilogue(hopper, case, k_tiles, deterministic):
     """The same arithmetic in the same order, only scheduled beside the next tile's wgmma:
     every output meets the float64 contract, and in deterministic mode every output is
     bitwise the plain epilogue's."""
@@ -368,12 +374,12 @@ def test_overlapped_epilogue_matches_float64_and_the_plain_epilogue(hopper, case
     rng = np.random.default_rng(zlib.crc32(f"overlap{case}{deterministic}".encode()))
     inputs = make_inputs(rng, m, k, n, sizes, jnp.bfloat16)
     alpha = jnp.asarray(rng.uniform(-2.0, 2.0, len(sizes)), jnp.float32)
-    overlapped, plain = overlap_configs(k, n, len(sizes), deterministic)
-    assert overlapped.overlap_epilogue and overlapped.tile_n == 128
-    out = run_in_place(inputs, alpha, deterministic=deterministic, config=overlapped)
+    configs = overlap_configs(k, n, len(sizes), deterministic)
+    assert configs[k_tiles].tile_n == 128
+    out = run_in_place(inputs, alpha, deterministic=deterministic, config=configs[k_tiles])
     assert_matches_contract(out, inputs, alpha=alpha)
     if deterministic:
-        reference = run_in_place(inputs, alpha, deterministic=True, config=plain)
+        reference = run_in_place(inputs, alpha, deterministic=True, config=configs[0])
         for name in ("dh", "dprob", "dbias", "act", "amax"):
             np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(reference, name)),
                                           err_msg=name)

@@ -95,17 +95,24 @@ class TileConfig(KernelTiles):
     subtiles in flight."""
 
     preact_stages: int
-    # Two accumulators, each tile's epilogue run beside the next tile's first wgmma
-    # batches (dsrelu_kernel.py `_consume_overlapped`); a second 64 x tile_n float32
-    # accumulator per warpgroup fits in registers only for tile_n <= 128.
-    overlap_epilogue: bool = False
+    # Beside each epilogue subtile, the wgmma of this many k-tiles of the next tile run on
+    # the tensor cores (two accumulators: dsrelu_kernel.py `_consume_overlapped`); 0: each
+    # tile's epilogue follows its mainloop. A second 64 x tile_n float32 accumulator per
+    # warpgroup fits in registers only for tile_n <= 128, and the k-tiles in flight need
+    # their operand stages.
+    overlap_k_tiles: int = 0
     counts: ClassVar[tuple[str, ...]] = KernelTiles.counts + ("preact_stages",)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.overlap_epilogue and self.tile_n > 128:
+        if self.overlap_k_tiles and self.tile_n > 128:
             raise ValueError(
-                f"overlap_epilogue needs tile_n <= 128 (two accumulators in registers), got tile_n={self.tile_n}"
+                f"overlap_k_tiles needs tile_n <= 128 (two accumulators in registers), got tile_n={self.tile_n}"
+            )
+        if not 0 <= self.overlap_k_tiles < self.ab_stages:
+            raise ValueError(
+                f"overlap_k_tiles must be 0 to ab_stages - 1 = {self.ab_stages - 1} (a stage left to load "
+                f"into beside those in flight), got {self.overlap_k_tiles}"
             )
 
     def smem_bytes(self, num_experts: int, with_act: bool, with_dbias: bool) -> int:
@@ -215,7 +222,7 @@ def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileCon
         raise ValueError(reason)
     tile_n = dsrelu_tile_n(request.n)
     base = dict(tile_n=tile_n, tile_k=64, epi_n=32, preact_stages=4, store_stages=2, max_ctas=sm_count,
-                overlap_epilogue=tile_n == 128)
+                overlap_k_tiles=1 if tile_n == 128 else 0)
     facts = (request.num_experts, request.with_act, request.with_dbias)
     config = TileConfig(
         ab_stages=_most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2),

@@ -283,7 +283,7 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
         tma_d, mD, tma_act, mAct, mProb, mAlpha, mAmax, mDprob, mDbias, work_schedule, ctid: Int32,
     ):
         """Consumer warpgroups: wgmma mainloop, then the fused epilogue, per work item; with
-        `overlap_epilogue`, a tile's epilogue runs while the next tile's first wgmma batches
+        `overlap_k_tiles`, a tile's epilogue runs while the next tile's first wgmma batches
         are in flight (`_consume_overlapped`)."""
         tCrA, tCrB, tCcAcc, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
         # Epilogue copies: stmatrix for dh/act, ldmatrix for preact, both in the layout of
@@ -312,7 +312,7 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
         preact_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.preact_stages)
         store_count = Int32(0)
 
-        if cutlass.const_expr(self.config.overlap_epilogue):
+        if cutlass.const_expr(self.config.overlap_k_tiles > 0):
             read_state, release_state, preact_state, store_count, work_schedule = self._consume_overlapped(
                 tiled_mma, tCrA, tCrB, acc, ab_pipeline, read_state, release_state, epi, store_pipeline,
                 preact_state, store_count, work_schedule,
@@ -397,24 +397,30 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
         epi, store_pipeline, preact_state, store_count: Int32,
     ):
         """acc = the current tile's product (as `mainloop.mma_k_tiles`), with the epilogue
-        of the tile in `finished` (at `finished_walk`) run one subtile after each of the
-        first wgmma batches, while that batch computes. Batch j is retired after subtile j,
-        so a subtile runs beside one batch in flight; with fewer k-tiles than subtiles the
-        remaining subtiles run after the last batch is issued. Returns the states and the
-        store count."""
+        of the tile in `finished` (at `finished_walk`) run beside its first wgmma batches:
+        before each epilogue subtile, the next `overlap_k_tiles` k-tiles are issued, and
+        after it every batch but the newest is retired, so the tensor cores work through
+        those batches while the consumer warps run the subtile. With fewer k-tiles, the
+        last subtiles run after the last batch is issued. Returns the states and the store
+        count."""
         tile, _ = finished_walk.located()
         rows = self._epilogue_rows(epi, tile, self._row_inputs(epi, tile))
         mainloop.start_accumulator(tiled_mma, acc)
+        per_subtile = self.config.overlap_k_tiles
         for subtile in cutlass.range_constexpr(self.subtiles):
-            if cutlass.const_expr(subtile < self.k_tiles):
+            # k-tiles issued before and after this subtile's batches, and retired before them
+            # (all issued ones but the newest, as the previous subtile left them).
+            issued_before = min(subtile * per_subtile, self.k_tiles)
+            issued = min((subtile + 1) * per_subtile, self.k_tiles)
+            for _ in cutlass.range_constexpr(issued - issued_before):
                 read_state = mainloop.issue_k_tile(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state)
             preact_state, store_count = self._epilogue_subtile(
                 epi, rows, tile, finished, subtile, store_pipeline, preact_state, store_count
             )
-            if cutlass.const_expr(0 < subtile < self.k_tiles):
+            for _ in cutlass.range_constexpr(max(issued - 1, 0) - max(issued_before - 1, 0)):
                 release_state = mainloop.retire_k_tile(ab_pipeline, release_state, 1)
         self._epilogue_finish(epi, rows, tile)
-        for k_tile in range(self.subtiles, self.k_tiles):
+        for k_tile in range(min(self.subtiles * per_subtile, self.k_tiles), self.k_tiles):
             read_state = mainloop.issue_k_tile(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state)
             release_state = mainloop.retire_k_tile(ab_pipeline, release_state, 1)
         if cutlass.const_expr(self.k_tiles > 0):
