@@ -64,18 +64,6 @@ def requests():
                 ), False
         yield request_for(512, 2048, len(test_sm90.DETERMINISM_SIZES), deterministic=deterministic), False
     yield request_for(128, 256, 2), False  # NaN/Inf propagation
-    for m, k, n, sizes in test_sm90.OVERLAP_CASES.values():
-        for deterministic in (False, True):
-            yield request_for(k, n, len(sizes), deterministic=deterministic), True
-
-
-def configs_for(request):
-    """The configs tests/test_sm90.py runs `request` at: the chosen one, and for the
-    overlapped-epilogue cases the same without the overlap."""
-    cases = {(k, n, len(sizes)) for _, k, n, sizes in test_sm90.OVERLAP_CASES.values()}
-    if (request.k, request.n, request.num_experts) in cases:
-        return tuple(test_sm90.overlap_configs(request.k, request.n, request.num_experts, request.deterministic).values())
-    return (sm90_config.choose_config(request, sm90_config.DEFAULT_SM_COUNT),)
 
 
 def lower_tests_and_examples():
@@ -197,8 +185,8 @@ def _dsrelu_requests():
     """The distinct (request, config, in place) of tests/test_sm90.py's direct calls."""
     seen = {}
     for request, in_place in requests():
-        for config in configs_for(request):
-            seen.setdefault((lowering.kernel_request(request), config, in_place), (request, config, in_place))
+        config = sm90_config.choose_config(request, sm90_config.DEFAULT_SM_COUNT)
+        seen.setdefault((lowering.kernel_request(request), config, in_place), (request, config, in_place))
     return list(seen.values())
 
 

@@ -56,12 +56,6 @@ def candidates(sm_count):
         "128x128 epi32 ab4": sm90_config.TileConfig(
             tile_n=128, ab_stages=4, epi_n=32, preact_stages=4, store_stages=2, **common
         ),
-        **{
-            f"128x128 epi32 ab4 overlap{k_tiles}": sm90_config.TileConfig(
-                tile_n=128, ab_stages=4, epi_n=32, preact_stages=4, store_stages=2, overlap_k_tiles=k_tiles, **common
-            )
-            for k_tiles in (1, 2, 3)
-        },
     }
 
 
@@ -110,27 +104,13 @@ def gemm_candidates(sm_count, request):
     configs = {"chosen": chosen}
     for tile_n in (128, 192, 256):
         if tile_n != chosen.tile_n:
-            # The fused kernel overlaps its epilogue only on 128-wide tiles (two accumulators).
-            overlap = dict(overlap_k_tiles=0) if isinstance(chosen, sm90_config.TileConfig) else {}
-            config = dataclasses.replace(chosen, tile_n=tile_n, **overlap)
+            config = dataclasses.replace(chosen, tile_n=tile_n)
             # As many operand stages as fit with this tile, as the chooser would give it.
             while not _fits(config, request):
                 config = dataclasses.replace(config, ab_stages=config.ab_stages - 1)
             while config.ab_stages < 8 and _fits(dataclasses.replace(config, ab_stages=config.ab_stages + 1), request):
                 config = dataclasses.replace(config, ab_stages=config.ab_stages + 1)
             configs[f"128x{tile_n} ab{config.ab_stages}"] = config
-    if isinstance(request, request_facts.Request):
-        # The fused kernel's 128-wide tiles with 0 to 3 k-tiles of the next tile's mainloop
-        # beside each epilogue subtile, and with a store buffer per subtile (one operand
-        # stage fewer).
-        base = next(config for config in configs.values() if config.tile_n == 128)
-        for k_tiles in range(4):
-            config = dataclasses.replace(base, overlap_k_tiles=k_tiles)
-            if config not in configs.values():
-                configs[f"128x128 ab{config.ab_stages} overlap{k_tiles}"] = config
-        for k_tiles in (0, 2):
-            config = dataclasses.replace(base, ab_stages=3, store_stages=4, overlap_k_tiles=k_tiles)
-            configs[f"128x128 ab3 store4 overlap{k_tiles}"] = config
     return configs
 
 

@@ -20,7 +20,6 @@ import os
 # Before anything imports CuTe DSL: on a machine without a GPU it cannot detect one.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-import dataclasses  # noqa: E402
 import re  # noqa: E402
 import zlib  # noqa: E402
 
@@ -123,30 +122,6 @@ def test_compiles_for_sm90a_at_benchmark_shapes(shape, deterministic):
     ptxas.check_assembly(ptx)
 
 
-# The fused GEMM of the Nemotron-3-Nano layer (k = d = 2688, n = f = 1856, 128 experts),
-# whose 128-wide tiles run each epilogue beside the next tile's mainloop.
-NANO = (2688, 1856, 128)
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_overlapped_epilogue_compiles_without_spills_or_serialized_wgmma(deterministic):
-    request = request_for(*NANO, deterministic=deterministic)
-    config = sm90_config.choose_config(request)
-    assert config.tile_n == 128 and config.overlap_k_tiles
-    ptxas.check_assembly(lowering.compile_kernel(request, config, keep=True).ptx)
-
-
-@pytest.mark.compile
-def test_overlapped_epilogue_needs_two_accumulators_and_a_free_stage():
-    good = dict(tile_n=128, tile_k=64, ab_stages=4, epi_n=32, preact_stages=4, store_stages=2, max_ctas=132)
-    assert sm90_config.TileConfig(overlap_k_tiles=3, **good).overlap_k_tiles == 3
-    with pytest.raises(ValueError, match="overlap_k_tiles needs tile_n <= 128.*got tile_n=256"):
-        sm90_config.TileConfig(overlap_k_tiles=1, **dict(good, tile_n=256, ab_stages=3))
-    with pytest.raises(ValueError, match="overlap_k_tiles must be 0 to ab_stages - 1 = 3.*got 4"):
-        sm90_config.TileConfig(overlap_k_tiles=4, **good)
-
-
 @pytest.mark.compile
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_lowers_to_one_custom_call_without_scatter(deterministic):
@@ -231,9 +206,8 @@ def hopper():
         pytest.skip(f"the sm90 kernel runs on compute capability 9.0; this GPU has {capability}")
 
 
-def run_in_place(inputs, alpha, *, deterministic, with_dbias=True, with_act=True, out_dtype=None, config=None):
-    """Runs the kernel (at `config`, or the chosen one) with every output buffer NaN-filled
-    first (aliased in and out)."""
+def run_in_place(inputs, alpha, *, deterministic, with_dbias=True, with_act=True, out_dtype=None):
+    """Runs the kernel with every output buffer NaN-filled first (aliased in and out)."""
     grad, weight, preact, prob, group_sizes = inputs
     request = request_facts.request_from_avals(
         (grad, weight, preact, prob),
@@ -242,7 +216,7 @@ def run_in_place(inputs, alpha, *, deterministic, with_dbias=True, with_act=True
         with_act=with_act,
         deterministic=deterministic,
     )
-    config = config or sm90_config.choose_config(request, lowering.sm_count())
+    config = sm90_config.choose_config(request, lowering.sm_count())
     run = lowering.implementation(request, config, outputs_in_place=True)
     plan = lowering.buffer_plan(request, config, grad.shape[0])
     filled = {
@@ -343,46 +317,6 @@ def test_amax_ignores_the_padding_columns_of_a_partial_n_tile(hopper, n, tile_n,
     )
     out = run_in_place(poisoned, jnp.ones(len(sizes), jnp.float32), deterministic=deterministic)
     assert_matches_contract(out, poisoned)
-
-
-# (m, k, n, group sizes) where the epilogue runs beside the next tile's mainloop: many tiles
-# per CTA (12 k-tiles each), and 2 k-tiles per tile, fewer than the tile's 4 subtiles.
-OVERLAP_CASES = {
-    "k768": (6000, 768, 1856, [900, 0, 1, 2100, 129, 640, 1000, 130, 1100]),
-    "k128": (3000, 128, 320, [1000, 0, 37, 1500, 400]),
-}
-
-
-OVERLAP_K_TILES = (1, 2, 3)
-
-
-def overlap_configs(k, n, num_experts, deterministic):
-    """{k-tiles beside each epilogue subtile: the chosen 128-wide config with them}, 0 included."""
-    chosen = sm90_config.choose_config(request_for(k, n, num_experts, deterministic=deterministic))
-    return {k_tiles: dataclasses.replace(chosen, overlap_k_tiles=k_tiles) for k_tiles in (0,) + OVERLAP_K_TILES}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("k_tiles", OVERLAP_K_TILES)
-@pytest.mark.parametrize("case", sorted(OVERLAP_CASES))
-def test_overlapped_epilogue_matches_float64_and_the_plain_epilogue(hopper, case, k_tiles, deterministic):
-    """The same arithmetic in the same order, only scheduled beside the next tile's wgmma:
-    every output meets the float64 contract, and in deterministic mode every output is
-    bitwise the plain epilogue's."""
-    m, k, n, sizes = OVERLAP_CASES[case]
-    rng = np.random.default_rng(zlib.crc32(f"overlap{case}{deterministic}".encode()))
-    inputs = make_inputs(rng, m, k, n, sizes, jnp.bfloat16)
-    alpha = jnp.asarray(rng.uniform(-2.0, 2.0, len(sizes)), jnp.float32)
-    configs = overlap_configs(k, n, len(sizes), deterministic)
-    assert configs[k_tiles].tile_n == 128
-    out = run_in_place(inputs, alpha, deterministic=deterministic, config=configs[k_tiles])
-    assert_matches_contract(out, inputs, alpha=alpha)
-    if deterministic:
-        reference = run_in_place(inputs, alpha, deterministic=True, config=configs[0])
-        for name in ("dh", "dprob", "dbias", "act", "amax"):
-            np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(reference, name)),
-                                          err_msg=name)
 
 
 # The configuration at which atomic reductions were seen to vary from run to run (8 experts

@@ -95,25 +95,7 @@ class TileConfig(KernelTiles):
     subtiles in flight."""
 
     preact_stages: int
-    # Beside each epilogue subtile, the wgmma of this many k-tiles of the next tile run on
-    # the tensor cores (two accumulators: dsrelu_kernel.py `_consume_overlapped`); 0: each
-    # tile's epilogue follows its mainloop. A second 64 x tile_n float32 accumulator per
-    # warpgroup fits in registers only for tile_n <= 128, and the k-tiles in flight need
-    # their operand stages.
-    overlap_k_tiles: int = 0
     counts: ClassVar[tuple[str, ...]] = KernelTiles.counts + ("preact_stages",)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.overlap_k_tiles and self.tile_n > 128:
-            raise ValueError(
-                f"overlap_k_tiles needs tile_n <= 128 (two accumulators in registers), got tile_n={self.tile_n}"
-            )
-        if not 0 <= self.overlap_k_tiles < self.ab_stages:
-            raise ValueError(
-                f"overlap_k_tiles must be 0 to ab_stages - 1 = {self.ab_stages - 1} (a stage left to load "
-                f"into beside those in flight), got {self.overlap_k_tiles}"
-            )
 
     def smem_bytes(self, num_experts: int, with_act: bool, with_dbias: bool) -> int:
         """Shared memory the kernel allocates for this config (16-bit operands and outputs)."""
@@ -196,17 +178,26 @@ def _most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int
     return stages
 
 
+# The fused kernel's 128-wide tiles run this much slower per column computed than its
+# 256-wide ones (their operands cross shared memory and L2 a third more often per FLOP):
+# 256 is chosen wherever the padding it adds over 128 costs less.
+_DSRELU_NARROW_TILE_COST = 1.10
+
+
 def dsrelu_tile_n(n: int) -> int:
-    """The fused kernel's N tile: 256 where the last tile is at least 3/4 full, else 128
-    (64 for narrow problems).
+    """The fused kernel's N tile: 256 unless its padded width exceeds the 128-wide tiles'
+    by 10% or more; 64 for narrow problems.
 
     Not `choose_tile_n`'s 192: the fused kernel's preact ring, dh and act buffers and
-    column partials leave a 128x192 tile 3 operand stages, and on an H200 it ran 4-10%
-    slower than 128x128 at n = 1856 and than 128x256 at n = 768
-    (benchmarks/results/fine_grained/sweep_gemm_*.json)."""
+    column partials leave a 128x192 tile 3 operand stages, and it ran slower than both
+    others at n = 1856 and n = 768. On an H200 at n = 1856 (Nemotron-3 Nano's expert
+    width: 2048 columns computed with 256, 1920 with 128, 6.7% more) 128x256 ran 5-9%
+    faster than 128x128 (benchmarks/results/fine_grained/sweep_gemm_overlap_0defe86.json,
+    two runs); at n = 320 (512 against 384 columns) 128 stays."""
     if n < 128:
         return 64
-    return 256 if n >= 256 and n % 256 in (0, 192) else 128
+    padded = {tile: -(-n // tile) * tile for tile in (128, 256)}
+    return 256 if padded[256] < _DSRELU_NARROW_TILE_COST * padded[128] else 128
 
 
 def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
@@ -220,9 +211,7 @@ def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileCon
     reason = cannot_implement(request)
     if reason is not None:
         raise ValueError(reason)
-    tile_n = dsrelu_tile_n(request.n)
-    base = dict(tile_n=tile_n, tile_k=64, epi_n=32, preact_stages=4, store_stages=2, max_ctas=sm_count,
-                overlap_k_tiles=1 if tile_n == 128 else 0)
+    base = dict(tile_n=dsrelu_tile_n(request.n), tile_k=64, epi_n=32, preact_stages=4, store_stages=2, max_ctas=sm_count)
     facts = (request.num_experts, request.with_act, request.with_dbias)
     config = TileConfig(
         ab_stages=_most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2),

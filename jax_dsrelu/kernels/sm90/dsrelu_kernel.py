@@ -54,7 +54,6 @@ Constraints:
     - fewer than 2^30 rows (ragged store coordinates stay in int32)
 """
 
-import dataclasses
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -73,47 +72,6 @@ from jax_dsrelu.kernels.sm90.config import TileConfig
 from jax_dsrelu.kernels.sm90.gemm_base import RaggedMGemmSm90
 
 _ABS_MASK = 0x7FFFFFFF
-
-
-@dataclasses.dataclass
-class _EpilogueParts:
-    """What every tile's epilogue uses, made once per consumer thread: its copies and
-    registers, the shared and global tensors it reads and writes, the preact ring."""
-
-    tiled_r2s: object
-    outputs: list
-    tRS_rD: cute.Tensor
-    tRS_rAct: cute.Tensor
-    tiled_s2r: object
-    tSR_sP: cute.Tensor
-    tRS_rP: cute.Tensor
-    tSR_rP: cute.Tensor
-    tRS_rPf: cute.Tensor
-    tCcAcc: cute.Tensor
-    sDbias: Optional[cute.Tensor]
-    mProb: cute.Tensor
-    mAlpha: cute.Tensor
-    mAmax: cute.Tensor
-    mDprob: cute.Tensor
-    mDbias: Optional[cute.Tensor]
-    preact_pipeline: object
-    ctid: Int32
-
-
-@dataclasses.dataclass
-class _TileRows:
-    """One tile's epilogue values for this thread's two rows, and its running sums (the
-    lists are updated subtile by subtile)."""
-
-    row0: Int32
-    tile_row: list
-    alpha: Float32
-    valid: list
-    prob: list
-    row_scale: list
-    row_sum: list
-    row_max: list
-    stores: list
 
 
 class GroupedGemmDsreluSm90(RaggedMGemmSm90):
@@ -282,9 +240,9 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
         self, tiled_mma, sA, sB, sP, sD, sAct, sDbias, ab_pipeline, preact_pipeline,
         tma_d, mD, tma_act, mAct, mProb, mAlpha, mAmax, mDprob, mDbias, work_schedule, ctid: Int32,
     ):
-        """Consumer warpgroups: wgmma mainloop, then the fused epilogue, per work item; with
-        `overlap_k_tiles`, a tile's epilogue runs while the next tile's first wgmma batches
-        are in flight (`_consume_overlapped`)."""
+        """Consumer warpgroups: wgmma mainloop, then the fused epilogue, per work item."""
+        warp_c = ctid // 32  # consumer warp 0..7, rows [16 warp_c, 16 warp_c + 16) of the tile
+        lane = ctid % 32
         tCrA, tCrB, tCcAcc, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
         # Epilogue copies: stmatrix for dh/act, ldmatrix for preact, both in the layout of
         # the accumulator fragment (value v of a subtile is accumulator value 16 s + v).
@@ -299,231 +257,98 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
             cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), self.preact_dtype), tiled_copy_c
         )
         thr_s2r = tiled_s2r.get_slice(ctid)
+        tSR_sP = thr_s2r.partition_S(sP)
         tRS_rP = cute.make_rmem_tensor(sub_shape, self.preact_dtype)
-        epi = _EpilogueParts(
-            tiled_r2s=tiled_r2s, outputs=outputs, tRS_rD=tRS_rD, tRS_rAct=tRS_rAct,
-            tiled_s2r=tiled_s2r, tSR_sP=thr_s2r.partition_S(sP), tRS_rP=tRS_rP, tSR_rP=thr_s2r.retile(tRS_rP),
-            tRS_rPf=cute.make_rmem_tensor(sub_shape, Float32), tCcAcc=tCcAcc, sDbias=sDbias,
-            mProb=mProb, mAlpha=mAlpha, mAmax=mAmax, mDprob=mDprob, mDbias=mDbias,
-            preact_pipeline=preact_pipeline, ctid=ctid,
-        )
+        tSR_rP = thr_s2r.retile(tRS_rP)
+        tRS_rPf = cute.make_rmem_tensor(sub_shape, Float32)
+        sub_values = cute.size(tRS_rD)  # 2 rows x epi_n / 4 columns
+
         store_pipeline = self._store_pipeline(self.config.store_stages)
         read_state, release_state = self._consumer_states()
         preact_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.preact_stages)
         store_count = Int32(0)
 
-        if cutlass.const_expr(self.config.overlap_k_tiles > 0):
-            read_state, release_state, preact_state, store_count, work_schedule = self._consume_overlapped(
-                tiled_mma, tCrA, tCrB, acc, ab_pipeline, read_state, release_state, epi, store_pipeline,
-                preact_state, store_count, work_schedule,
-            )
-            # Items past the expert tiles (they come last in every CTA's walk): zero tiles.
-            while work_schedule.valid():
-                store_count = self._store_zero_tile(work_schedule, tiled_r2s, outputs, store_pipeline,
-                                                    store_count, ctid)
-                work_schedule.advance()
-        else:
-            while work_schedule.valid():
-                if work_schedule.owned():
-                    tile, work_schedule = work_schedule.located()
-                    inputs = self._row_inputs(epi, tile)
-                    read_state, release_state = mainloop.mma_k_tiles(
-                        tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles
-                    )
-                    rows = self._epilogue_rows(epi, tile, inputs)
-                    for subtile in cutlass.range_constexpr(self.subtiles):
-                        preact_state, store_count = self._epilogue_subtile(
-                            epi, rows, tile, acc, subtile, store_pipeline, preact_state, store_count
-                        )
-                    self._epilogue_finish(epi, rows, tile)
-                else:
-                    store_count = self._store_zero_tile(work_schedule, tiled_r2s, outputs, store_pipeline,
-                                                        store_count, ctid)
-                work_schedule.advance()
-        if ctid == 0:
-            store_pipeline.producer_tail()
-
-    @cute.jit
-    def _consume_overlapped(
-        self, tiled_mma, tCrA, tCrB, acc, ab_pipeline, read_state, release_state, epi, store_pipeline,
-        preact_state, store_count: Int32, work_schedule,
-    ):
-        """The expert tiles with two accumulators, each tile's epilogue beside the next
-        tile's mainloop: tiles alternate between `acc` and a second accumulator, and while
-        one tile's first wgmma batches run on the tensor cores the consumer warps run the
-        previous tile's epilogue from the other (`_mma_beside_epilogue`). The last tile's
-        epilogue runs alone. Returns the states, the store count and the walk."""
-        acc_other = cute.make_rmem_tensor(acc.shape, Float32)
-        pending = Int32(0)  # 1 while acc_other holds a finished tile, the one at `previous`
-        previous = work_schedule.copy()
-        if work_schedule.owned():
-            _, work_schedule = work_schedule.located()
-            previous = work_schedule.copy()
-            read_state, release_state = mainloop.mma_k_tiles(
-                tiled_mma, acc_other, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles
-            )
-            work_schedule.advance()
-            pending = Int32(1)
-            while work_schedule.owned():
-                _, work_schedule = work_schedule.located()
-                current = work_schedule.copy()
-                read_state, release_state, preact_state, store_count = self._mma_beside_epilogue(
-                    tiled_mma, tCrA, tCrB, acc, acc_other, previous, ab_pipeline, read_state, release_state,
-                    epi, store_pipeline, preact_state, store_count,
-                )
-                work_schedule.advance()
-                if work_schedule.owned():
-                    _, work_schedule = work_schedule.located()
-                    previous = work_schedule.copy()
-                    read_state, release_state, preact_state, store_count = self._mma_beside_epilogue(
-                        tiled_mma, tCrA, tCrB, acc_other, acc, current, ab_pipeline, read_state, release_state,
-                        epi, store_pipeline, preact_state, store_count,
-                    )
-                    work_schedule.advance()
-                else:
-                    preact_state, store_count = self._epilogue(
-                        epi, current, acc, store_pipeline, preact_state, store_count
-                    )
-                    pending = Int32(0)
-            if pending == 1:
-                preact_state, store_count = self._epilogue(
-                    epi, previous, acc_other, store_pipeline, preact_state, store_count
-                )
-        return read_state, release_state, preact_state, store_count, work_schedule
-
-    @cute.jit
-    def _mma_beside_epilogue(
-        self, tiled_mma, tCrA, tCrB, acc, finished, finished_walk, ab_pipeline, read_state, release_state,
-        epi, store_pipeline, preact_state, store_count: Int32,
-    ):
-        """acc = the current tile's product (as `mainloop.mma_k_tiles`), with the epilogue
-        of the tile in `finished` (at `finished_walk`) run beside its first wgmma batches:
-        before each epilogue subtile, the next `overlap_k_tiles` k-tiles are issued, and
-        after it every batch but the newest is retired, so the tensor cores work through
-        those batches while the consumer warps run the subtile. With fewer k-tiles, the
-        last subtiles run after the last batch is issued. Returns the states and the store
-        count."""
-        tile, _ = finished_walk.located()
-        rows = self._epilogue_rows(epi, tile, self._row_inputs(epi, tile))
-        mainloop.start_accumulator(tiled_mma, acc)
-        per_subtile = self.config.overlap_k_tiles
-        for subtile in cutlass.range_constexpr(self.subtiles):
-            # k-tiles issued before and after this subtile's batches, and retired before them
-            # (all issued ones but the newest, as the previous subtile left them).
-            issued_before = min(subtile * per_subtile, self.k_tiles)
-            issued = min((subtile + 1) * per_subtile, self.k_tiles)
-            for _ in cutlass.range_constexpr(issued - issued_before):
-                read_state = mainloop.issue_k_tile(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state)
-            preact_state, store_count = self._epilogue_subtile(
-                epi, rows, tile, finished, subtile, store_pipeline, preact_state, store_count
-            )
-            for _ in cutlass.range_constexpr(max(issued - 1, 0) - max(issued_before - 1, 0)):
-                release_state = mainloop.retire_k_tile(ab_pipeline, release_state, 1)
-        self._epilogue_finish(epi, rows, tile)
-        for k_tile in range(min(self.subtiles * per_subtile, self.k_tiles), self.k_tiles):
-            read_state = mainloop.issue_k_tile(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state)
-            release_state = mainloop.retire_k_tile(ab_pipeline, release_state, 1)
-        if cutlass.const_expr(self.k_tiles > 0):
-            release_state = mainloop.retire_k_tile(ab_pipeline, release_state, 0)
-        return read_state, release_state, preact_state, store_count
-
-    @cute.jit
-    def _epilogue(self, epi, walk, acc, store_pipeline, preact_state, store_count: Int32):
-        """The whole epilogue of the tile at `walk` from `acc`, with no mainloop beside it."""
-        tile, _ = walk.located()
-        rows = self._epilogue_rows(epi, tile, self._row_inputs(epi, tile))
-        for subtile in cutlass.range_constexpr(self.subtiles):
-            preact_state, store_count = self._epilogue_subtile(
-                epi, rows, tile, acc, subtile, store_pipeline, preact_state, store_count
-            )
-        self._epilogue_finish(epi, rows, tile)
-        return preact_state, store_count
-
-    def _row_inputs(self, epi, tile):
-        """(row0, tile_row, alpha, valid, prob): the tile's first row, this thread's two
-        rows in it, the expert's alpha, and the rows' validity and probs. Loaded before a
-        mainloop, so that the loads' latency hides behind it."""
-        row0, rows_valid = self._tile_rows(tile)
         # This thread's two rows in the tile (h = 0, 1: accumulator values 0 and 2). The wgmma
         # fragment holds value v = c + 2 h + 4 j at column 8 j + 2 (lane % 4) + c, row + 8 h.
-        tile_row = [epi.tCcAcc[0][0], epi.tCcAcc[2][0]]
-        valid, prob = self._row_probs(epi.mProb, tile_row, row0, rows_valid)
-        return row0, tile_row, epi.mAlpha[tile.expert], valid, prob
+        tile_row = [tCcAcc[0][0], tCcAcc[2][0]]
 
-    def _epilogue_rows(self, epi, tile, inputs) -> "_TileRows":
-        """The epilogue's per-row values of `tile` from its `_row_inputs`, and its running
-        sums."""
-        row0, tile_row, alpha, valid, prob = inputs
-        # dh = 2 alpha acc r prob = (2 alpha prob) acc r: one factor per row.
-        two_alpha = alpha + alpha
-        return _TileRows(
-            row0=row0, tile_row=tile_row, alpha=alpha, valid=valid, prob=prob,
-            row_scale=[two_alpha * prob[0], two_alpha * prob[1]],
-            # sum_j r^2 acc per row; alpha multiplies the row's total once at the end.
-            row_sum=[Float32(0.0), Float32(0.0)],
-            # Largest |dh| bit pattern per row, masked by the row's validity at the end.
-            row_max=[Int32(0), Int32(0)],
-            stores=self._stores(epi.outputs, tile.first_row, tile.rows, tile.local_tile),
-        )
+        while work_schedule.valid():
+            if work_schedule.owned():
+                tile, work_schedule = work_schedule.located()
+                row0, rows_valid = self._tile_rows(tile)
+                # The epilogue's per-row and per-expert scalars, loaded before the mainloop
+                # so that their latency hides behind it.
+                alpha = mAlpha[tile.expert]
+                valid, prob = self._row_probs(mProb, tile_row, row0, rows_valid)
 
-    @cute.jit
-    def _epilogue_subtile(self, epi, rows, tile, acc, subtile: cutlass.Constexpr, store_pipeline, preact_state,
-                          store_count: Int32):
-        """Subtile `subtile` of the tile's epilogue from `acc`: dh and act stored, the rows'
-        dprob and amax running values and the columns' dbias partials updated. Returns
-        (preact_state, store_count)."""
-        ctid = epi.ctid
-        sub_values = cute.size(epi.tRS_rD)  # 2 rows x epi_n / 4 columns
-        epi.preact_pipeline.consumer_wait(preact_state)
-        cute.copy(epi.tiled_s2r, epi.tSR_sP[None, None, None, preact_state.index], epi.tSR_rP)
-        epi.preact_pipeline.consumer_release(preact_state)
-        preact_state.advance()
-        epi.tRS_rPf.store(epi.tRS_rP.load().to(Float32))
+                read_state, release_state = mainloop.mma_k_tiles(
+                    tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles
+                )
 
-        columns = []
-        for v in cutlass.range_constexpr(sub_values):
-            h = (v // 2) % 2
-            a = acc[subtile * sub_values + v]
-            pre = epi.tRS_rPf[v]
-            # A select keeps NaN (NaN < 0 is false); fmax would drop it.
-            r = Float32(cutlass.select_(pre < Float32(0.0), Float32(0.0), pre))
-            r2 = r * r
-            dh = (rows.row_scale[h] * a) * r
-            epi.tRS_rD[v] = dh
-            epi.tRS_rAct[v] = r2 * rows.prob[h]
-            rows.row_sum[h] = rows.row_sum[h] + r2 * a
-            dh_bits = dh.bitcast(Int32) & Int32(_ABS_MASK)
-            if cutlass.const_expr(self.n % self.tile_n != 0):
-                # Padding columns of a partial N-tile: acc = r = 0 there, and an
-                # infinite row scale would make their dh NaN; amax is over the
-                # real columns only.
-                column = tile.n_tile * self.tile_n + epi.tCcAcc[subtile * sub_values + v][1]
-                dh_bits = Int32(cutlass.select_(column < self.n, dh_bits, Int32(0)))
-            rows.row_max[h] = cutlass.max(rows.row_max[h], dh_bits)
-            if cutlass.const_expr(h == 0):
-                columns.append(Float32(cutlass.select_(rows.valid[0], dh, Float32(0.0))))
+                # -------- epilogue
+                # dh = 2 alpha acc r prob = (2 alpha prob) acc r: one factor per row.
+                two_alpha = alpha + alpha
+                row_scale = [two_alpha * prob[0], two_alpha * prob[1]]
+                # sum_j r^2 acc per row; alpha multiplies the row's total once at the end.
+                row_sum = [Float32(0.0), Float32(0.0)]
+                # Largest |dh| bit pattern per row, masked by the row's validity at the end.
+                row_max = [Int32(0), Int32(0)]
+                stores = self._stores(outputs, tile.first_row, tile.rows, tile.local_tile)
+
+                for subtile in cutlass.range_constexpr(self.subtiles):
+                    preact_pipeline.consumer_wait(preact_state)
+                    cute.copy(tiled_s2r, tSR_sP[None, None, None, preact_state.index], tSR_rP)
+                    preact_pipeline.consumer_release(preact_state)
+                    preact_state.advance()
+                    tRS_rPf.store(tRS_rP.load().to(Float32))
+
+                    columns = []
+                    for v in cutlass.range_constexpr(sub_values):
+                        h = (v // 2) % 2
+                        a = acc[subtile * sub_values + v]
+                        pre = tRS_rPf[v]
+                        # A select keeps NaN (NaN < 0 is false); fmax would drop it.
+                        r = Float32(cutlass.select_(pre < Float32(0.0), Float32(0.0), pre))
+                        r2 = r * r
+                        dh = (row_scale[h] * a) * r
+                        tRS_rD[v] = dh
+                        tRS_rAct[v] = r2 * prob[h]
+                        row_sum[h] = row_sum[h] + r2 * a
+                        dh_bits = dh.bitcast(Int32) & Int32(_ABS_MASK)
+                        if cutlass.const_expr(self.n % self.tile_n != 0):
+                            # Padding columns of a partial N-tile: acc = r = 0 there, and an
+                            # infinite row scale would make their dh NaN; amax is over the
+                            # real columns only.
+                            column = tile.n_tile * self.tile_n + tCcAcc[subtile * sub_values + v][1]
+                            dh_bits = Int32(cutlass.select_(column < self.n, dh_bits, Int32(0)))
+                        row_max[h] = cutlass.max(row_max[h], dh_bits)
+                        if cutlass.const_expr(h == 0):
+                            columns.append(Float32(cutlass.select_(valid[0], dh, Float32(0.0))))
+                        else:
+                            # Column q = (v % 2) + 2 (v // 4): rows h = 0 then h = 1.
+                            q = (v % 2) + 2 * (v // 4)
+                            columns[q] = columns[q] + Float32(
+                                cutlass.select_(valid[1], dh, Float32(0.0))
+                            )
+                    store_count = self._store_subtile(tiled_r2s, stores, store_pipeline, store_count,
+                                                      tile.n_tile, subtile, ctid)
+                    if cutlass.const_expr(self.with_dbias):
+                        self._scatter_columns(columns, lane, warp_c, sDbias, subtile)
+
+                self._finish_rows(row_sum, alpha, valid, row0, tile_row, lane, tile.n_tile, mDprob)
+                amax_bits = cutlass.max(
+                    Int32(cutlass.select_(valid[0], row_max[0], Int32(0))),
+                    Int32(cutlass.select_(valid[1], row_max[1], Int32(0))),
+                )
+                self._finish_amax(amax_bits, lane, tile.expert, mAmax)
+                if cutlass.const_expr(self.with_dbias):
+                    self._finish_columns(sDbias, ctid, tile.n_tile, tile.m_tile, tile.expert, mDbias)
             else:
-                # Column q = (v % 2) + 2 (v // 4): rows h = 0 then h = 1.
-                q = (v % 2) + 2 * (v // 4)
-                columns[q] = columns[q] + Float32(cutlass.select_(rows.valid[1], dh, Float32(0.0)))
-        store_count = self._store_subtile(epi.tiled_r2s, rows.stores, store_pipeline, store_count,
-                                          tile.n_tile, subtile, ctid)
-        if cutlass.const_expr(self.with_dbias):
-            self._scatter_columns(columns, ctid % 32, ctid // 32, epi.sDbias, subtile)
-        return preact_state, store_count
-
-    def _epilogue_finish(self, epi, rows, tile):
-        """The tile's dprob, amax and dbias partials, after its last subtile."""
-        lane = epi.ctid % 32
-        self._finish_rows(rows.row_sum, rows.alpha, rows.valid, rows.row0, rows.tile_row, lane, tile.n_tile,
-                          epi.mDprob)
-        amax_bits = cutlass.max(
-            Int32(cutlass.select_(rows.valid[0], rows.row_max[0], Int32(0))),
-            Int32(cutlass.select_(rows.valid[1], rows.row_max[1], Int32(0))),
-        )
-        self._finish_amax(amax_bits, lane, tile.expert, epi.mAmax)
-        if cutlass.const_expr(self.with_dbias):
-            self._finish_columns(epi.sDbias, epi.ctid, tile.n_tile, tile.m_tile, tile.expert, epi.mDbias)
+                store_count = self._store_zero_tile(work_schedule, tiled_r2s, outputs, store_pipeline,
+                                                    store_count, ctid)
+            work_schedule.advance()
+        if ctid == 0:
+            store_pipeline.producer_tail()
 
     def _scatter_columns(self, columns, lane: Int32, warp_c: Int32, sDbias, subtile: cutlass.Constexpr):
         """Sums one subtile's column partials over the warp's 16 rows in a fixed tree.

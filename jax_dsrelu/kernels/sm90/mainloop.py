@@ -89,45 +89,6 @@ def load_k_tiles(
 
 
 @cute.jit
-def issue_k_tile(
-    tiled_mma: cute.TiledMma,
-    acc: cute.Tensor,
-    tCrA: cute.Tensor,
-    tCrB: cute.Tensor,
-    ab_pipeline: pipeline.PipelineTmaAsync,
-    read_state: pipeline.PipelineState,
-) -> pipeline.PipelineState:
-    """Consumers: waits for the next stage and issues its wgmma batch into acc, as one
-    commit group left in flight. Returns read_state, advanced."""
-    ab_pipeline.consumer_wait(read_state)
-    for k_block in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-        coord = (None, None, k_block, read_state.index)
-        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-    warpgroup.commit_group()
-    read_state.advance()
-    return read_state
-
-
-@cute.jit
-def retire_k_tile(ab_pipeline: pipeline.PipelineTmaAsync, release_state: pipeline.PipelineState,
-                  in_flight: cutlass.Constexpr) -> pipeline.PipelineState:
-    """Consumers: waits until at most `in_flight` wgmma batches are in flight and releases
-    the oldest stage not yet released. Returns release_state, advanced."""
-    warpgroup.wait_group(in_flight)
-    ab_pipeline.consumer_release(release_state)
-    release_state.advance()
-    return release_state
-
-
-@cute.jit
-def start_accumulator(tiled_mma: cute.TiledMma, acc: cute.Tensor):
-    """acc = 0, fenced for the wgmma that accumulate into it."""
-    acc.fill(0.0)
-    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.fence()
-
-
-@cute.jit
 def mma_k_tiles(
     tiled_mma: cute.TiledMma,
     acc: cute.Tensor,

@@ -87,11 +87,6 @@ class RaggedMSchedule:
             new_from_mlir_values(self.expert, [values[2]]),
         )
 
-    def copy(self) -> "RaggedMSchedule":
-        """This walk at its current item, to keep while this one advances."""
-        return RaggedMSchedule(self.row_start, self.tile_start, self.num_rows, self.num_experts, self.n_tiles,
-                               self.tile_m, self.work, self.stride, self.expert)
-
     def _expert_work(self) -> Int32:
         return self.tile_start[self.num_experts] * self.n_tiles
 
