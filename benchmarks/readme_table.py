@@ -530,6 +530,48 @@ def render_contract_modes(results: dict) -> str:
     return "\n".join(lines)
 
 
+def dsrelu_config_label(fields: dict) -> str:
+    beside = fields.get("overlap_k_tiles", 0)
+    overlap = f", epilogue beside {beside} k-tile{'s' * (beside > 1)}" if beside else ""
+    return (f"{fields.get('tile_m', 128)}x{fields['tile_n']}, {fields['ab_stages']} stages, "
+            f"{fields['store_stages']} store buffers{overlap}")
+
+
+def render_epilogue_overlap(results: list) -> str:
+    """The fused kernel with its epilogue beside the next tile's mainloop, as sweep_configs.py
+    timed it at 0defe86 (the overlap since removed): at the few-expert shapes (--kernel
+    dsrelu) and the fine-grained ones (--kernel gemm, its dsrelu rows); time, and the ratio
+    to the fastest config of the row whose epilogue follows its mainloop."""
+    labels, times = [], {}
+    for run in results:
+        for row in run["rows"]:
+            if row.get("gemm", "dsrelu") != "dsrelu" or row["fields"]["epi_n"] != 32:
+                continue
+            label = dsrelu_config_label(row["fields"])
+            if label not in labels:
+                labels.append(label)
+            times[(tuple(row["shape"]), label)] = (row["ms"], row["fields"].get("overlap_k_tiles", 0))
+    labels.sort(key=lambda label: (-int(label.split("x")[1].split(",")[0]), label))
+    commands = "; ".join(f"`{run['command']}`" for run in results)
+    lines = [
+        f"Measured on an {results[0]['device']} (JAX {results[0]['jax']}), commit `{results[0]['commit']}`, "
+        f"bf16, with dbias and act, Dirichlet group sizes, all variants on the same inputs in one process: "
+        f"{commands} ({results[0]['timing']}). Raw results: "
+        "`benchmarks/results/fine_grained/sweep_*_overlap_0defe86.json`; this table is generated from them "
+        "by `benchmarks/readme_table.py`. Each cell: ms (time over the fastest config of the row without "
+        "the overlap).",
+        "",
+        "| (m, d, f, E) | " + " | ".join(labels) + " |",
+        "| --- |" + " --- |" * len(labels),
+    ]
+    for shape in dict.fromkeys(key[0] for key in times):
+        plain = min(ms for (s, _), (ms, beside) in times.items() if s == shape and not beside)
+        cells = [f"{times[(shape, label)][0]:.3f} ({times[(shape, label)][0] / plain:.2f})"
+                 if (shape, label) in times else "—" for label in labels]
+        lines.append(f"| {', '.join(map(str, shape))} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # (document, marker name, recorded JSON, how its table is written); a JSON name with a *
 # takes every matching JSON, in a list.
 TABLES: list[tuple[str, str, str, Callable]] = [
@@ -542,6 +584,7 @@ TABLES: list[tuple[str, str, str, Callable]] = [
     ("docs/sm90.md", "gemm_ceilings", "fine_grained/bench_gemms_fine_d50fca1.json", render_gemm_ceilings),
     ("docs/sm90.md", "gemm_counters", "fine_grained/profile_gemms_nano_527754c.json", render_gemm_counters),
     ("docs/sm90.md", "contract_modes", "fine_grained/sweep_contract_pingpong_7cd5117.json", render_contract_modes),
+    ("docs/sm90.md", "epilogue_overlap", "fine_grained/sweep_*_overlap_0defe86.json", render_epilogue_overlap),
     ("docs/determinism.md", "determinism", "determinism/determinism_parallel*.json", render_determinism),
 ]
 DOCUMENTS = list(dict.fromkeys(document for document, *_ in TABLES))

@@ -178,9 +178,9 @@ def _most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int
     return stages
 
 
-# The fused kernel's 128-wide tiles run this much slower per column computed than its
-# 256-wide ones (their operands cross shared memory and L2 a third more often per FLOP):
-# 256 is chosen wherever the padding it adds over 128 costs less.
+# The fused kernel's 128-wide tiles took 16% more time per column computed than its
+# 256-wide ones at n = 1856 (their operands cross shared memory and L2 a third more often
+# per FLOP): with a margin, 256 is chosen unless it computes 10% more columns than 128.
 _DSRELU_NARROW_TILE_COST = 1.10
 
 
@@ -191,9 +191,9 @@ def dsrelu_tile_n(n: int) -> int:
     Not `choose_tile_n`'s 192: the fused kernel's preact ring, dh and act buffers and
     column partials leave a 128x192 tile 3 operand stages, and it ran slower than both
     others at n = 1856 and n = 768. On an H200 at n = 1856 (Nemotron-3 Nano's expert
-    width: 2048 columns computed with 256, 1920 with 128, 6.7% more) 128x256 ran 5-9%
-    faster than 128x128 (benchmarks/results/fine_grained/sweep_gemm_overlap_0defe86.json,
-    two runs); at n = 320 (512 against 384 columns) 128 stays."""
+    width: 2048 columns computed with 256, 1920 with 128, 6.7% more) 128x256 took 8% less
+    time than 128x128 (benchmarks/results/fine_grained/sweep_gemm_overlap_0defe86.json);
+    at n = 320 (512 against 384 columns) 128 stays."""
     if n < 128:
         return 64
     padded = {tile: -(-n // tile) * tile for tile in (128, 256)}
