@@ -88,6 +88,11 @@ if [[ $stages == *,gemm_tests,* ]]; then
   echo "gemm_tests exit $?" | tee -a "$log"
 fi
 
+if [[ $stages == *,dsrelu_tests,* ]]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rs --durations=5 -m gpu tests/test_sm90.py 2>&1 | tee -a "$log"
+  echo "dsrelu_tests exit $?" | tee -a "$log"
+fi
+
 if [[ $stages == *,examples,* ]]; then
   for example in ${EXAMPLES:-train_moe expert_parallel}; do
     for run in $(seq "${EXAMPLE_RUNS:-2}"); do
@@ -172,11 +177,6 @@ if [[ $stages == *,profile,* ]]; then
   echo "profile exit $?" | tee -a "$log"
   python3 benchmarks/profile_gemms.py record "$OUT/counters.csv" --commit "$commit" --command "ncu ${profiled[*]}" \
     --out "$OUT" $PROFILE_ARGS 2>&1 | tail -3 | tee -a "$log"
-fi
-
-if [[ $stages == *,dsrelu_tests,* ]]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -rs --durations=5 -m gpu tests/test_sm90.py 2>&1 | tee -a "$log"
-  echo "dsrelu_tests exit $?" | tee -a "$log"
 fi
 
 if [[ $stages == *,sweep,* ]]; then
