@@ -8,6 +8,7 @@
 #             the carried cache lacks (kernels and cubins into .kernels/)
 #   smoke     one small case with a hard time limit (a hang stops everything here)
 #   tests     the whole GPU tier: python -m pytest -m gpu tests/
+#   dsrelu_tests  the fused kernel's GPU tier: tests/test_sm90.py
 #   gemm_tests  the GPU tier of the grouped-GEMM family and of what runs on it:
 #             test_sm90_gemms.py (the contraction's 20-run bitwise check included),
 #             test_moe_mlp_sm90.py, test_determinism_gpu.py's deterministic cases
@@ -85,6 +86,11 @@ if [[ $stages == *,gemm_tests,* ]]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rs --durations=5 -m gpu tests/test_sm90_gemms.py \
     tests/test_moe_mlp_sm90.py tests/test_determinism_gpu.py -k "not default_mode_varies" 2>&1 | tee -a "$log"
   echo "gemm_tests exit $?" | tee -a "$log"
+fi
+
+if [[ $stages == *,dsrelu_tests,* ]]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rs --durations=5 -m gpu tests/test_sm90.py 2>&1 | tee -a "$log"
+  echo "dsrelu_tests exit $?" | tee -a "$log"
 fi
 
 if [[ $stages == *,examples,* ]]; then
@@ -174,7 +180,7 @@ if [[ $stages == *,profile,* ]]; then
 fi
 
 if [[ $stages == *,sweep,* ]]; then
-  timeout 120 python3 benchmarks/sweep_configs.py --out "$OUT" 2>&1 | tee -a "$log"
+  timeout 120 python3 benchmarks/sweep_configs.py --commit "$commit" --out "$OUT" 2>&1 | tee -a "$log"
   echo "sweep exit $?" | tee -a "$log"
 fi
 

@@ -353,7 +353,7 @@ def step_cells(row: dict) -> dict[str, str]:
 def render_layer_steps(results: dict) -> str:
     """The moe_mlp step at every benchmark shape, against the dense and the batched XLA ceilings."""
     lines = [
-        provenance(results, "fine_grained/bench_layer_step_d50fca1.json",
+        provenance(results, "fine_grained/bench_layer_step_13736a9.json",
                    "bf16 with b1; a step is `jax.value_and_grad` in x, w1, b1, w2 and prob"),
         f"Throughput counts {results['flops']}. XLA dense MLP: one (m, d) x (d, f) MLP of the same FLOPs; "
         "XLA batched: the experts as E equal batches of m / E rows, batched GEMMs with no ragged edges, "
@@ -530,18 +530,61 @@ def render_contract_modes(results: dict) -> str:
     return "\n".join(lines)
 
 
+def dsrelu_config_label(fields: dict) -> str:
+    beside = fields.get("overlap_k_tiles", 0)
+    overlap = f", epilogue beside {beside} k-tile{'s' * (beside > 1)}" if beside else ""
+    return (f"{fields.get('tile_m', 128)}x{fields['tile_n']}, {fields['ab_stages']} stages, "
+            f"{fields['store_stages']} store buffers{overlap}")
+
+
+def render_epilogue_overlap(results: list) -> str:
+    """The fused kernel with its epilogue beside the next tile's mainloop, as sweep_configs.py
+    timed it at 0defe86 (the overlap since removed): at the few-expert shapes (--kernel
+    dsrelu) and the fine-grained ones (--kernel gemm, its dsrelu rows); time, and the ratio
+    to the fastest config of the row whose epilogue follows its mainloop."""
+    labels, times = [], {}
+    for run in results:
+        for row in run["rows"]:
+            if row.get("gemm", "dsrelu") != "dsrelu" or row["fields"]["epi_n"] != 32:
+                continue
+            label = dsrelu_config_label(row["fields"])
+            if label not in labels:
+                labels.append(label)
+            times[(tuple(row["shape"]), label)] = (row["ms"], row["fields"].get("overlap_k_tiles", 0))
+    labels.sort(key=lambda label: (-int(label.split("x")[1].split(",")[0]), label))
+    commands = "; ".join(f"`{run['command']}`" for run in results)
+    lines = [
+        f"Measured on an {results[0]['device']} (JAX {results[0]['jax']}), commit `{results[0]['commit']}`, "
+        f"bf16, with dbias and act, Dirichlet group sizes, all variants on the same inputs in one process: "
+        f"{commands} ({results[0]['timing']}). Raw results: "
+        "`benchmarks/results/fine_grained/sweep_*_overlap_0defe86.json`; this table is generated from them "
+        "by `benchmarks/readme_table.py`. Each cell: ms (time over the fastest config of the row without "
+        "the overlap).",
+        "",
+        "| (m, d, f, E) | " + " | ".join(labels) + " |",
+        "| --- |" + " --- |" * len(labels),
+    ]
+    for shape in dict.fromkeys(key[0] for key in times):
+        plain = min(ms for (s, _), (ms, beside) in times.items() if s == shape and not beside)
+        cells = [f"{times[(shape, label)][0]:.3f} ({times[(shape, label)][0] / plain:.2f})"
+                 if (shape, label) in times else "—" for label in labels]
+        lines.append(f"| {', '.join(map(str, shape))} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # (document, marker name, recorded JSON, how its table is written); a JSON name with a *
 # takes every matching JSON, in a list.
 TABLES: list[tuple[str, str, str, Callable]] = [
-    ("README.md", "summary", "fine_grained/bench_layer_step_d50fca1.json", render_summary),
+    ("README.md", "summary", "fine_grained/bench_layer_step_13736a9.json", render_summary),
     ("docs/performance.md", "sm90", "bench_dsrelu.json", render_dsrelu),
     ("docs/performance.md", "gemms", "bench_gemms.json", render_gemms),
     ("docs/performance.md", "layer", "bench_layer.json", render_layer),
-    ("docs/performance.md", "steps", "fine_grained/bench_layer_step_d50fca1.json", render_layer_steps),
+    ("docs/performance.md", "steps", "fine_grained/bench_layer_step_13736a9.json", render_layer_steps),
     ("docs/performance.md", "moe_block", "bench_moe_block.json", render_moe_block),
     ("docs/sm90.md", "gemm_ceilings", "fine_grained/bench_gemms_fine_d50fca1.json", render_gemm_ceilings),
     ("docs/sm90.md", "gemm_counters", "fine_grained/profile_gemms_nano_527754c.json", render_gemm_counters),
     ("docs/sm90.md", "contract_modes", "fine_grained/sweep_contract_pingpong_7cd5117.json", render_contract_modes),
+    ("docs/sm90.md", "epilogue_overlap", "fine_grained/sweep_*_overlap_0defe86.json", render_epilogue_overlap),
     ("docs/determinism.md", "determinism", "determinism/determinism_parallel*.json", render_determinism),
 ]
 DOCUMENTS = list(dict.fromkeys(document for document, *_ in TABLES))

@@ -239,7 +239,8 @@ def main():
             print(f"{m:>6} {k:>5} {n:>5} {num_experts:>3}  {name:<20} {ms:8.3f} ms", flush=True)
     os.makedirs(options.out, exist_ok=True)
     with open(os.path.join(options.out, "sweep_configs.json"), "w") as file:
-        json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), file, indent=1)
+        json.dump(dict(run_record.header(options.commit, "CUPTI kernel time, median of reps"), rows=rows),
+                  file, indent=1)
 
 
 if __name__ == "__main__":

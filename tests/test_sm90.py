@@ -100,9 +100,14 @@ def test_compiles_for_sm90a_with_the_most_experts(deterministic):
         request_for(2048, 768, num_experts + 1))
 
 
+# The benchmark shapes and the fused GEMM of the Nemotron-3 Nano layer (k = d = 2688,
+# n = f = 1856: a partial last N-tile).
+COMPILE_SHAPES = BENCHMARK_SHAPES + [(49152, 2688, 1856, 128)]
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("shape", BENCHMARK_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", COMPILE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_compiles_for_sm90a_at_benchmark_shapes(shape, deterministic):
     _, k, n, num_experts = shape
     request = request_for(k, n, num_experts, deterministic=deterministic)

@@ -178,17 +178,26 @@ def _most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int
     return stages
 
 
+# The fused kernel's 128-wide tiles took 16% more time per column computed than its
+# 256-wide ones at n = 1856 (their operands cross shared memory and L2 a third more often
+# per FLOP): with a margin, 256 is chosen unless it computes 10% more columns than 128.
+_DSRELU_NARROW_TILE_COST = 1.10
+
+
 def dsrelu_tile_n(n: int) -> int:
-    """The fused kernel's N tile: 256 where the last tile is at least 3/4 full, else 128
-    (64 for narrow problems).
+    """The fused kernel's N tile: 256 unless its padded width exceeds the 128-wide tiles'
+    by 10% or more; 64 for narrow problems.
 
     Not `choose_tile_n`'s 192: the fused kernel's preact ring, dh and act buffers and
-    column partials leave a 128x192 tile 3 operand stages, and on an H200 it ran 4-10%
-    slower than 128x128 at n = 1856 and than 128x256 at n = 768
-    (benchmarks/results/fine_grained/sweep_gemm_*.json)."""
+    column partials leave a 128x192 tile 3 operand stages, and it ran slower than both
+    others at n = 1856 and n = 768. On an H200 at n = 1856 (Nemotron-3 Nano's expert
+    width: 2048 columns computed with 256, 1920 with 128, 6.7% more) 128x256 took 8% less
+    time than 128x128 (benchmarks/results/fine_grained/sweep_gemm_overlap_0defe86.json);
+    at n = 320 (512 against 384 columns) 128 stays."""
     if n < 128:
         return 64
-    return 256 if n >= 256 and n % 256 in (0, 192) else 128
+    padded = {tile: -(-n // tile) * tile for tile in (128, 256)}
+    return 256 if padded[256] < _DSRELU_NARROW_TILE_COST * padded[128] else 128
 
 
 def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
