@@ -141,6 +141,26 @@ class RaggedGemmSm90(RaggedMGemmSm90):
             self.consume(tiled_mma, sA, sB, sD, sAct, ab_pipeline, tma_d, mD, tma_act, mAct, mProb, mBias,
                          self._schedule(row_start, tile_start, num_rows), tidx - 128)
 
+    @staticmethod
+    def _bias_slot(value: int) -> int:
+        """The index in `_column_bias`'s list of accumulator value `value`'s column: the
+        wgmma fragment holds value v = c + 2 h + 4 j at column 8 j + 2 (lane % 4) + c of
+        row h, so both rows share slot c + 2 j."""
+        return value % 2 + 2 * (value // 4)
+
+    def _column_bias(self, mBias, tCcAcc, tile):
+        """The bias of every column this thread's accumulator holds (0 past n), loaded
+        before the mainloop so that the loads' latency hides behind it; [] without bias."""
+        if cutlass.const_expr(not (self.with_bias and self.config.prefetch_bias)):
+            return []
+        bias = []
+        for slot in range(cute.size(tCcAcc) // 2):
+            value = slot % 2 + 4 * (slot // 2)
+            column = tile.n_tile * self.tile_n + tCcAcc[value][1]
+            safe_column = Int32(cutlass.select_(column < self.n, column, Int32(0)))
+            bias.append(Float32(mBias[tile.expert, safe_column]))
+        return bias
+
     @cute.jit
     def consume(self, tiled_mma, sA, sB, sD, sAct, ab_pipeline, tma_d, mD, tma_act, mAct, mProb, mBias,
                 work_schedule, ctid: Int32):
@@ -169,6 +189,7 @@ class RaggedGemmSm90(RaggedMGemmSm90):
                 prob = [Float32(0.0), Float32(0.0)]
                 if cutlass.const_expr(self.srelu):
                     _, prob = self._row_probs(mProb, tile_row, row0, rows_valid)
+                bias = self._column_bias(mBias, tCcAcc, tile)
 
                 read_state, release_state = mainloop.mma_k_tiles(
                     tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles
@@ -179,7 +200,10 @@ class RaggedGemmSm90(RaggedMGemmSm90):
                     for v in cutlass.range_constexpr(sub_values):
                         tRS_rD[v] = acc[subtile * sub_values + v]
                     if cutlass.const_expr(self.srelu):
-                        if cutlass.const_expr(self.with_bias):
+                        if cutlass.const_expr(self.with_bias and self.config.prefetch_bias):
+                            for v in cutlass.range_constexpr(sub_values):
+                                tRS_rD[v] = tRS_rD[v] + bias[self._bias_slot(subtile * sub_values + v)]
+                        if cutlass.const_expr(self.with_bias and not self.config.prefetch_bias):
                             for v in cutlass.range_constexpr(sub_values):
                                 column = tile.n_tile * self.tile_n + tCcAcc[subtile * sub_values + v][1]
                                 safe_column = Int32(cutlass.select_(column < self.n, column, Int32(0)))
