@@ -111,8 +111,6 @@ def gemm_candidates(sm_count, request):
             while config.ab_stages < 8 and _fits(dataclasses.replace(config, ab_stages=config.ab_stages + 1), request):
                 config = dataclasses.replace(config, ab_stages=config.ab_stages + 1)
             configs[f"128x{tile_n} ab{config.ab_stages}"] = config
-    if not isinstance(request, request_facts.Request) and request.with_bias:
-        configs["chosen, bias loaded in the epilogue"] = dataclasses.replace(chosen, prefetch_bias=False)
     return configs
 
 

@@ -228,8 +228,6 @@ def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileCon
 class GemmConfig(KernelTiles):
     """The ragged-M GEMM's configuration (`ragged_matmul_kernel.py`): the family's."""
 
-    prefetch_bias: bool = True  # EXPERIMENT: the bias loaded before the mainloop or in the epilogue
-
     def smem_bytes(self, num_experts: int, outputs: int) -> int:
         """Shared memory for this config with `outputs` 16-bit output tensors."""
         tables = 2 * (num_experts + 1) * 4

@@ -149,9 +149,12 @@ class RaggedGemmSm90(RaggedMGemmSm90):
         return value % 2 + 2 * (value // 4)
 
     def _column_bias(self, mBias, tCcAcc, tile):
-        """The bias of every column this thread's accumulator holds (0 past n), loaded
-        before the mainloop so that the loads' latency hides behind it; [] without bias."""
-        if cutlass.const_expr(not (self.with_bias and self.config.prefetch_bias)):
+        """The bias of every column this thread's accumulator holds (column 0's past n,
+        where nothing is stored), loaded before the mainloop so that the loads' latency
+        hides behind it; [] without bias. Loaded in the epilogue instead, subtile by
+        subtile, the up-projection took 4% more time at Nemotron-3 Nano's shape and 6% more
+        at (65536, 2048, 768, 256) (benchmarks/results/fine_grained/sweep_gemm_bias_257da8f.json)."""
+        if cutlass.const_expr(not self.with_bias):
             return []
         bias = []
         for slot in range(cute.size(tCcAcc) // 2):
@@ -200,14 +203,9 @@ class RaggedGemmSm90(RaggedMGemmSm90):
                     for v in cutlass.range_constexpr(sub_values):
                         tRS_rD[v] = acc[subtile * sub_values + v]
                     if cutlass.const_expr(self.srelu):
-                        if cutlass.const_expr(self.with_bias and self.config.prefetch_bias):
+                        if cutlass.const_expr(self.with_bias):
                             for v in cutlass.range_constexpr(sub_values):
                                 tRS_rD[v] = tRS_rD[v] + bias[self._bias_slot(subtile * sub_values + v)]
-                        if cutlass.const_expr(self.with_bias and not self.config.prefetch_bias):
-                            for v in cutlass.range_constexpr(sub_values):
-                                column = tile.n_tile * self.tile_n + tCcAcc[subtile * sub_values + v][1]
-                                safe_column = Int32(cutlass.select_(column < self.n, column, Int32(0)))
-                                tRS_rD[v] = tRS_rD[v] + mBias[tile.expert, safe_column]
                         # act is computed from h as stored: round first, then widen again.
                         tRS_rDout.store(tRS_rD.load().to(self.out_dtype))
                         tRS_rH.store(tRS_rDout.load().to(Float32))
