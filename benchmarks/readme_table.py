@@ -353,7 +353,7 @@ def step_cells(row: dict) -> dict[str, str]:
 def render_layer_steps(results: dict) -> str:
     """The moe_mlp step at every benchmark shape, against the dense and the batched XLA ceilings."""
     lines = [
-        provenance(results, "fine_grained/bench_layer_step_13736a9.json",
+        provenance(results, "fine_grained/bench_layer_step_a3f3716.json",
                    "bf16 with b1; a step is `jax.value_and_grad` in x, w1, b1, w2 and prob"),
         f"Throughput counts {results['flops']}. XLA dense MLP: one (m, d) x (d, f) MLP of the same FLOPs; "
         "XLA batched: the experts as E equal batches of m / E rows, batched GEMMs with no ragged edges, "
@@ -575,11 +575,11 @@ def render_epilogue_overlap(results: list) -> str:
 # (document, marker name, recorded JSON, how its table is written); a JSON name with a *
 # takes every matching JSON, in a list.
 TABLES: list[tuple[str, str, str, Callable]] = [
-    ("README.md", "summary", "fine_grained/bench_layer_step_13736a9.json", render_summary),
+    ("README.md", "summary", "fine_grained/bench_layer_step_a3f3716.json", render_summary),
     ("docs/performance.md", "sm90", "bench_dsrelu.json", render_dsrelu),
     ("docs/performance.md", "gemms", "bench_gemms.json", render_gemms),
     ("docs/performance.md", "layer", "bench_layer.json", render_layer),
-    ("docs/performance.md", "steps", "fine_grained/bench_layer_step_13736a9.json", render_layer_steps),
+    ("docs/performance.md", "steps", "fine_grained/bench_layer_step_a3f3716.json", render_layer_steps),
     ("docs/performance.md", "moe_block", "bench_moe_block.json", render_moe_block),
     ("docs/sm90.md", "gemm_ceilings", "fine_grained/bench_gemms_fine_d50fca1.json", render_gemm_ceilings),
     ("docs/sm90.md", "gemm_counters", "fine_grained/profile_gemms_nano_527754c.json", render_gemm_counters),
