@@ -13,7 +13,8 @@ Writes sweep_contract.json to --out.
 
 --kernel gemm: the ragged-M kernels of a layer step (up: h, act = srelu(x W1[e] + b1);
 down: act W2[e]; dx: dh W1[e]^T read in place; and the fused dsReLU kernel) at the
-fine-grained shapes with Dirichlet group sizes, the measurements behind `choose_tile_n`:
+fine-grained shapes with Dirichlet group sizes, the measurements behind `choose_tile_n`
+and `dsrelu_tile_n`:
 N tiles of 128, 192 and 256 (n = 1856 and 2688 are no multiple of 256), each with as
 many operand stages as fit. Writes sweep_gemm.json to --out.
 

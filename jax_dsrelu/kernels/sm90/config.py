@@ -185,17 +185,22 @@ _DSRELU_NARROW_TILE_COST = 1.10
 
 
 def dsrelu_tile_n(n: int) -> int:
-    """The fused kernel's N tile: 256 unless its padded width exceeds the 128-wide tiles'
-    by 10% or more; 64 for narrow problems.
+    """The fused kernel's N tile: 64 below n = 128, 128 below n = 256, else 256 unless its
+    padded width exceeds the 128-wide tiles' by 10% or more.
 
     Not `choose_tile_n`'s 192: the fused kernel's preact ring, dh and act buffers and
-    column partials leave a 128x192 tile 3 operand stages, and it ran slower than both
-    others at n = 1856 and n = 768. On an H200 at n = 1856 (Nemotron-3 Nano's expert
-    width: 2048 columns computed with 256, 1920 with 128, 6.7% more) 128x256 took 8% less
-    time than 128x128 (benchmarks/results/fine_grained/sweep_gemm_overlap_0defe86.json);
-    at n = 320 (512 against 384 columns) 128 stays."""
+    column partials leave a 128x192 tile 3 operand stages; it ran slower than 128x256 at
+    n = 1856 and than both others at n = 768. On an H200 at n = 1856 (Nemotron-3 Nano's
+    expert width: 2048 columns computed with 256, 1920 with 128, 6.7% more) 128x256 took
+    8% less time than 128x128 (benchmarks/results/fine_grained/sweep_gemm_overlap_0defe86.json;
+    an earlier sweep, sweep_gemm_5aff945.json, had 128x128 1% ahead, before d50fca1 removed
+    register spills from the fused kernel); at n = 320 (512 against 384 columns) 128
+    stays. Below n = 256 a single 256-wide tile would cover the output; the GPU tier
+    checks no such width, so those keep 128."""
     if n < 128:
         return 64
+    if n < 256:
+        return 128
     padded = {tile: -(-n // tile) * tile for tile in (128, 256)}
     return 256 if padded[256] < _DSRELU_NARROW_TILE_COST * padded[128] else 128
 
