@@ -1,10 +1,8 @@
 """Writes the documentation's benchmark results from the recorded JSON; no figure by hand.
 
-Each table sits between its markers in its document (`TABLES`) and is generated from its
-JSON in benchmarks/results/: README.md's `<!-- summary:start -->` from bench_layer.json;
-docs/performance.md's `<!-- sm90:start -->` from bench_dsrelu.json, `<!-- gemms:start -->`
-from bench_gemms.json, `<!-- layer:start -->` from bench_layer.json; docs/determinism.md's
-`<!-- determinism:start -->` from every determinism/determinism_parallel*.json. A table whose
+Each table sits between its markers in its document and is generated from the JSON in
+benchmarks/results/ that `TABLES` names (a name with a * takes every match, in a list);
+its renderer is given that name, which the table's provenance line cites. A table whose
 JSON has not been recorded yet is left as it is.
 
     python benchmarks/readme_table.py            # rewrites the documents between the markers
@@ -99,9 +97,9 @@ def ratio(value: float | None, style: str) -> str:
     return f"{value:.1%}" if style == "percent" else f"{value:.2f}x"
 
 
-def render_dsrelu(results: dict) -> str:
+def render_dsrelu(results: dict, source: str) -> str:
     lines = [
-        provenance(results, "bench_dsrelu.json", "bf16, ragged (Dirichlet) group sizes"),
+        provenance(results, source, "bf16, ragged (Dirichlet) group sizes"),
         "",
         "| shape (m, k, n, E) | " + " | ".join(name for _, name in VARIANTS) + " |",
         "| --- |" + " --- |" * len(VARIANTS),
@@ -125,13 +123,13 @@ def render_dsrelu(results: dict) -> str:
             f"| {r['sm90_vs_cublas_throughput']:.1%} | {r['sm90_det_vs_cublas_throughput']:.1%} "
             f"| {r['det_overhead']:+.1%} | {r['speedup_vs_pallas']:.2f}x | {r['speedup_vs_xla']:.1f}x |"
         )
-    lines += ["", "![sm90 benchmark](benchmarks/results/bench_dsrelu.png)"]
+    lines += ["", "![sm90 benchmark](benchmarks/results/" + source.removesuffix(".json") + ".png)"]
     return "\n".join(lines)
 
 
-def render_gemms(results: dict) -> str:
+def render_gemms(results: dict, source: str) -> str:
     lines = [
-        provenance(results, "bench_gemms.json",
+        provenance(results, source,
                    f"bf16 operands, ragged (Dirichlet) group sizes, dW in {results['contract_out_dtype']}"),
         "Each cell: time per GEMM (TFLOP/s at 2 m d f). Pallas: ragged_dot_mgpu, or "
         "transposed_ragged_dot_mgpu for dW1 and dW2, best of its block configurations; the up "
@@ -154,13 +152,13 @@ def render_gemms(results: dict) -> str:
                 + f" | {ratio(ratios.get('sm90_vs_cublas_throughput'), 'percent')}"
                 + f" | {ratio(ratios.get('sm90_speedup_vs_pallas'), 'times')} |"
             )
-    lines += ["", "![grouped GEMM benchmark](benchmarks/results/bench_gemms.png)"]
+    lines += ["", "![grouped GEMM benchmark](benchmarks/results/" + source.removesuffix(".json") + ".png)"]
     return "\n".join(lines)
 
 
-def render_layer(results: dict) -> str:
+def render_layer(results: dict, source: str) -> str:
     lines = [
-        provenance(results, "bench_layer.json",
+        provenance(results, source,
                    "bf16 with b1, ragged (Dirichlet) group sizes; a step is `jax.value_and_grad` in "
                    "x, w1, b1, w2 and prob"),
         f"Throughput counts {results['flops']}. Peak memory: {results['memory']}. The Pallas MLP "
@@ -209,7 +207,7 @@ def render_layer(results: dict) -> str:
                 breakdown.append(f"- {shape_text(row['shape'], 'mdfE')} ({entry['ms']:.3f} ms): " + ", ".join(parts))
         if breakdown:
             lines += ["", "Where the sm90 step's time goes (CUPTI, per kernel name, largest first):", "", *breakdown]
-    lines += ["", "![layer benchmark](benchmarks/results/bench_layer.png)"]
+    lines += ["", "![layer benchmark](benchmarks/results/" + source.removesuffix(".json") + ".png)"]
     return "\n".join(lines)
 
 
@@ -227,7 +225,7 @@ DIGESTED = {
 EXAMPLE_ROW = ("`train_moe.py --dtype bfloat16 --deterministic`: final parameters", "train_moe's final parameters")
 
 
-def render_determinism(records: list[dict]) -> str:
+def render_determinism(records: list[dict], source: str) -> str:
     """One column per recorded run of determinism_parallel.sh: for each computation, how
     many distinct results its processes gave (1: bitwise identical), and whether any
     process saw its own repeated calls differ."""
@@ -241,8 +239,8 @@ def render_determinism(records: list[dict]) -> str:
 
     def label(record):
         flags = "XLA's default flags" if record["xla_flags"] == "default" else f"`XLA_FLAGS={record['xla_flags']}`"
-        source = "from the disk cache" if kernel_source(record) == "warm" else "compiled in each process"
-        return f"`{record['commit']}`: kernels {source}, {flags}"
+        kernels = "from the disk cache" if kernel_source(record) == "warm" else "compiled in each process"
+        return f"`{record['commit']}`: kernels {kernels}, {flags}"
 
     def across(values, processes):
         reported = [v for v in values if v is not None]
@@ -305,7 +303,7 @@ def render_determinism(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def render_summary(results: dict) -> str:
+def render_summary(results: dict, source: str) -> str:
     """The front page's table: the moe_mlp step on the kernels, both modes, against XLA's dense and batched GEMMs."""
     lines = [
         f"A `moe_mlp` training step (`jax.value_and_grad`, bf16 with b1, ragged group sizes) on an "
@@ -350,10 +348,10 @@ def step_cells(row: dict) -> dict[str, str]:
     )
 
 
-def render_layer_steps(results: dict) -> str:
+def render_layer_steps(results: dict, source: str) -> str:
     """The moe_mlp step at every benchmark shape, against the dense and the batched XLA ceilings."""
     lines = [
-        provenance(results, "fine_grained/bench_layer_step_a3f3716.json",
+        provenance(results, source,
                    "bf16 with b1; a step is `jax.value_and_grad` in x, w1, b1, w2 and prob"),
         f"Throughput counts {results['flops']}. XLA dense MLP: one (m, d) x (d, f) MLP of the same FLOPs; "
         "XLA batched: the experts as E equal batches of m / E rows, batched GEMMs with no ragged edges, "
@@ -377,14 +375,14 @@ def render_layer_steps(results: dict) -> str:
     return "\n".join(lines)
 
 
-def render_moe_block(results: dict) -> str:
+def render_moe_block(results: dict, source: str) -> str:
     """The Nemotron-3-Nano block's step: ours in both modes, on XLA, and its GEMMs alone."""
     block = results["block"]
     names = dict(auto="library, backend auto (sm90)", auto_det="the same, deterministic",
                  xla="library, backend xla", gemms="its GEMMs alone in XLA (batched over equal experts)")
     lines = [
         f"Measured on an {results['device']} (JAX {results['jax']}), commit `{results['commit']}`: "
-        f"`{results['command']}` ({results['timing']}). Raw results: `benchmarks/results/bench_moe_block.json`; "
+        f"`{results['command']}` ({results['timing']}). Raw results: `benchmarks/results/{source}`; "
         "this table is generated from them by `benchmarks/readme_table.py`. The block: "
         f"T = {block['tokens']} tokens, d = {block['d']}, {block['experts']} experts of f = {block['f']}, "
         f"top-{block['top_k']}, sigmoid scores with a selection bias, normalized, scale {block['scale']}, "
@@ -407,12 +405,12 @@ def rows_computed_per_row_stored(group_sizes: list[int], tile_rows: int) -> floa
     return computed / sum(size for size in group_sizes if size > 0)
 
 
-def render_gemm_ceilings(results: dict) -> str:
+def render_gemm_ceilings(results: dict, source: str) -> str:
     """Each GEMM of a layer step against cuBLAS on the same operands (a dense GEMM of the
     same FLOPs, and E equal batches), with what the ragged-M kernels' 128-row tiles pad."""
     gemms = list(GEMM_ROWS)
     lines = [
-        provenance(results, "fine_grained/bench_gemms_fine_d50fca1.json", "bf16"),
+        provenance(results, source, "bf16"),
         "Each cell: sm90's time per call, then sm90's speed as a share of cuBLAS batched over E equal "
         "experts / of one dense cuBLAS GEMM of the same FLOPs (1.00: as fast). Padding: the rows the "
         "ragged-M kernels (up, down, dsrelu, dx) compute per row they store, with the 128-row tiles "
@@ -468,14 +466,14 @@ def counter_cells(launch: dict) -> str:
     return f"{time:.3f} ms | {sm:.0f}% | {l2:.0f}% | {dram:.0f}% | {clock:.2f} GHz"
 
 
-def render_gemm_counters(results: dict) -> str:
+def render_gemm_counters(results: dict, source: str) -> str:
     """Nsight Compute's speed of light for each GEMM: ours beside cuBLAS batched's fastest
     algorithm (profile_gemms.py)."""
     shape = results["shape"]
     lines = [
         f"Measured on an {results['device']}, commit `{results['commit']}`, shape (m, d, f, E) = "
         f"({shape['m']}, {shape['d']}, {shape['f']}, {shape['E']}): `{results['command']}` "
-        f"({results['tool']}). Raw results: `benchmarks/results/fine_grained/profile_gemms_nano_527754c.json`; "
+        f"({results['tool']}). Raw results: `benchmarks/results/{source}`; "
         "this table is generated from them by `benchmarks/readme_table.py`. SM, L2, DRAM: Nsight Compute's "
         "throughputs as a share of their peak (SM: the busiest of the SM's units); clock: the SM "
         "clock it measured. cuBLAS batched: the fastest of the algorithms XLA's autotuner ran (E equal "
@@ -503,7 +501,7 @@ def contract_config_label(fields: dict) -> str:
             f"{fields['ab_stages']}, {fields['store_stages']} store buffers")
 
 
-def render_contract_modes(results: dict) -> str:
+def render_contract_modes(results: dict, source: str) -> str:
     """The contraction under each consumer mode and tile configuration, as sweep_configs.py
     --kernel contract timed them at 7cd5117 (with the ping-pong variants since removed):
     time, and the ratio to the fastest cooperative config of its row."""
@@ -514,7 +512,7 @@ def render_contract_modes(results: dict) -> str:
             labels.append(label)
         times[(tuple(row["shape"]), row["gemm"], label)] = row["ms"]
     lines = [
-        provenance(results, "fine_grained/sweep_contract_pingpong_7cd5117.json",
+        provenance(results, source,
                    "bf16 operands and output, Dirichlet group sizes")
         + " Each cell: ms (time over the fastest cooperative config of the row).",
         "",
@@ -537,7 +535,7 @@ def dsrelu_config_label(fields: dict) -> str:
             f"{fields['store_stages']} store buffers{overlap}")
 
 
-def render_epilogue_overlap(results: list) -> str:
+def render_epilogue_overlap(results: list, source: str) -> str:
     """The fused kernel with its epilogue beside the next tile's mainloop, as sweep_configs.py
     timed it at 0defe86 (the overlap since removed): at the few-expert shapes (--kernel
     dsrelu) and the fine-grained ones (--kernel gemm, its dsrelu rows); time, and the ratio
@@ -557,7 +555,7 @@ def render_epilogue_overlap(results: list) -> str:
         f"Measured on an {results[0]['device']} (JAX {results[0]['jax']}), commit `{results[0]['commit']}`, "
         f"bf16, with dbias and act, Dirichlet group sizes, all variants on the same inputs in one process: "
         f"{commands} ({results[0]['timing']}). Raw results: "
-        "`benchmarks/results/fine_grained/sweep_*_overlap_0defe86.json`; this table is generated from them "
+        f"`benchmarks/results/{source}`; this table is generated from them "
         "by `benchmarks/readme_table.py`. Each cell: ms (time over the fastest config of the row without "
         "the overlap).",
         "",
@@ -608,7 +606,7 @@ def updated_document(text: str, document: str, results_dir: pathlib.Path = RESUL
         head, rest = text.split(start)
         _, tail = rest.split(end)
         recorded = [json.loads(p.read_text()) for p in paths]
-        table = render(recorded if "*" in json_name else recorded[0])
+        table = render(recorded if "*" in json_name else recorded[0], json_name)
         # Renderers link from the repository's root; a document in a folder links from there.
         depth = document.count("/")
         table = table.replace("](benchmarks/", "](" + "../" * depth + "benchmarks/")
