@@ -190,6 +190,16 @@ def test_supported_request_is_accepted():
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("n, tile_n", [(64, 64), (120, 64), (128, 128), (200, 128), (248, 128), (256, 256),
+                                       (320, 128), (384, 128), (448, 256), (768, 256), (1856, 256), (2688, 256)])
+def test_fused_kernel_tile_width(n, tile_n):
+    # 256 from n = 256 unless it computes 10% more columns than 128 (320: 512 against 384);
+    # n = 1856 computes 2048 columns against 1920, and 256 was measured faster there.
+    assert sm90_config.dsrelu_tile_n(n) == tile_n
+    assert sm90_config.choose_config(request_for(256, n, 4)).tile_n == tile_n
+
+
+@pytest.mark.compile
 def test_tile_config_validates_in_one_place():
     good = dict(tile_n=256, tile_k=64, ab_stages=3, epi_n=32, preact_stages=4, store_stages=2, max_ctas=132)
     sm90_config.TileConfig(**good)
