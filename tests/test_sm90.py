@@ -190,6 +190,21 @@ def test_supported_request_is_accepted():
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("shape", [(2688, 1856, 128), (4096, 2048, 8), (2048, 768, 512)], ids=str)
+def test_shared_memory_estimate_covers_the_kernels_struct(shape, monkeypatch):
+    """The estimate that picks the operand stages never counts less than the shared-memory
+    struct the kernel allocates (a launch past the capacity fails with no word of why)."""
+    built = []
+    make = lowering._kernel
+    monkeypatch.setattr(lowering, "_kernel", lambda request, config: built.append(make(request, config)) or built[-1])
+    request = request_for(*shape)
+    config = sm90_config.choose_config(request)
+    lowering.compile_kernel(request, config, keep=True)
+    estimate = config.smem_bytes(request.num_experts, request.with_act, request.with_dbias)
+    assert built[-1].shared_storage.size_in_bytes() <= estimate <= sm90_config.SMEM_CAPACITY
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("n, tile_n", [(64, 64), (120, 64), (128, 128), (200, 128), (248, 128), (256, 256),
                                        (320, 128), (384, 128), (448, 256), (768, 256), (1856, 256), (2688, 256)])
 def test_fused_kernel_tile_width(n, tile_n):

@@ -247,6 +247,31 @@ def test_ragged_contraction_compiles_for_sm90a(out_dtype, shape):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("kind, shape", [
+    ("up_srelu_bias", (8, 4096, 2048)), ("up_srelu_bias", (128, 2048, 768)), ("up_srelu_bias", (512, 2048, 768)),
+    ("contraction", (128, 2688, 1856)), ("contraction", (512, 2048, 768)),
+], ids=str)
+def test_shared_memory_estimate_covers_the_kernels_struct(kind, shape, monkeypatch):
+    """The estimate that picks the operand stages never counts less than the shared-memory
+    struct the kernel allocates (a launch past the capacity fails with no word of why)."""
+    built = []
+    for name in ("_matmul_kernel", "_contract_kernel"):
+        make = getattr(sm90_gemm, name)
+        monkeypatch.setattr(sm90_gemm, name, lambda request, config, make=make: built.append(make(request, config))
+                            or built[-1])
+    if kind == "contraction":
+        request = contract_request(shape, BF16)
+        config = sm90_config.choose_contract_config(request)
+        estimate = config.smem_bytes(request.num_experts, 2)
+    else:
+        request = matmul_request(shape, kind)
+        config = sm90_config.choose_gemm_config(request)
+        estimate = config.smem_bytes(request.num_experts, sm90_config.stored_outputs(request))
+    sm90_gemm.compile_kernel(request, config, keep=True)
+    assert built[-1].shared_storage.size_in_bytes() <= estimate <= sm90_config.SMEM_CAPACITY
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("name", sorted(CONTRACT_CONFIGS))
 def test_each_contraction_config_compiles_for_sm90a(name):
     config = dataclasses.replace(CONTRACT_CONFIGS[name], max_ctas=132)
