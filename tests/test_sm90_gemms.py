@@ -259,16 +259,10 @@ def test_shared_memory_estimate_covers_the_kernels_struct(kind, shape, monkeypat
         make = getattr(sm90_gemm, name)
         monkeypatch.setattr(sm90_gemm, name, lambda request, config, make=make: built.append(make(request, config))
                             or built[-1])
-    if kind == "contraction":
-        request = contract_request(shape, BF16)
-        config = sm90_config.choose_contract_config(request)
-        estimate = config.smem_bytes(request.num_experts, 2)
-    else:
-        request = matmul_request(shape, kind)
-        config = sm90_config.choose_gemm_config(request)
-        estimate = config.smem_bytes(request.num_experts, sm90_config.stored_outputs(request))
+    request = contract_request(shape, BF16) if kind == "contraction" else matmul_request(shape, kind)
+    config = sm90_gemm.choose_config(request)
     sm90_gemm.compile_kernel(request, config, keep=True)
-    assert built[-1].shared_storage.size_in_bytes() <= estimate <= sm90_config.SMEM_CAPACITY
+    assert built[-1].shared_storage.size_in_bytes() <= config.request_bytes(request) <= sm90_config.SMEM_CAPACITY
 
 
 @pytest.mark.compile

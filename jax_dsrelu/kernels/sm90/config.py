@@ -165,7 +165,12 @@ def choose_tile_n(n: int) -> int:
     sweep_gemm_*.json)."""
     if n < 128:
         return 64
-    return min((256, 192, 128), key=lambda tile: -(-n // tile) * tile)
+    return min((256, 192, 128), key=lambda tile: _padded_width(n, tile))
+
+
+def _padded_width(n: int, tile: int) -> int:
+    """The columns computed for n with tile-wide N tiles."""
+    return -(-n // tile) * tile
 
 
 def _most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int:
@@ -201,8 +206,7 @@ def dsrelu_tile_n(n: int) -> int:
         return 64
     if n < 256:
         return 128
-    padded = {tile: -(-n // tile) * tile for tile in (128, 256)}
-    return 256 if padded[256] < _DSRELU_NARROW_TILE_COST * padded[128] else 128
+    return 256 if _padded_width(n, 256) < _DSRELU_NARROW_TILE_COST * _padded_width(n, 128) else 128
 
 
 def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
@@ -238,8 +242,12 @@ class GemmConfig(KernelTiles):
         tables = 2 * (num_experts + 1) * 4
         return self._operand_bytes() + self._store_bytes(outputs) + tables + _SMEM_RESERVE
 
+    def request_bytes(self, request: RaggedMatmulRequest) -> int:
+        """Shared memory for this config serving `request`."""
+        return self.smem_bytes(request.num_experts, stored_outputs(request))
+
     def check_fits(self, request: RaggedMatmulRequest) -> None:
-        _check_capacity(self, self.smem_bytes(request.num_experts, stored_outputs(request)), request)
+        _check_capacity(self, self.request_bytes(request), request)
 
 
 def stored_outputs(request: RaggedMatmulRequest) -> int:
@@ -274,8 +282,12 @@ class ContractConfig(KernelTiles):
         tables = 3 * (num_experts + 1) * 4
         return self._operand_bytes() + self._store_bytes(1, out_bytes) + tables + _SMEM_RESERVE
 
+    def request_bytes(self, request: RaggedContractRequest) -> int:
+        """Shared memory for this config serving `request`."""
+        return self.smem_bytes(request.num_experts, np.dtype(request.out_dtype).itemsize)
+
     def check_fits(self, request: RaggedContractRequest) -> None:
-        _check_capacity(self, self.smem_bytes(request.num_experts, np.dtype(request.out_dtype).itemsize), request)
+        _check_capacity(self, self.request_bytes(request), request)
 
 
 def _reason(kernel: str, num_experts: int, operand_dtype, out_dtype, out_dtypes, **extents: int) -> str | None:
