@@ -540,16 +540,15 @@ def render_epilogue_overlap(results: list, source: str) -> str:
     timed it at 0defe86 (the overlap since removed): at the few-expert shapes (--kernel
     dsrelu) and the fine-grained ones (--kernel gemm, its dsrelu rows); time, and the ratio
     to the fastest config of the row whose epilogue follows its mainloop."""
-    labels, times = [], {}
+    order, times = {}, {}  # order: label -> its sort key, widest tiles first
     for run in results:
         for row in run["rows"]:
             if row.get("gemm", "dsrelu") != "dsrelu" or row["fields"]["epi_n"] != 32:
                 continue
             label = dsrelu_config_label(row["fields"])
-            if label not in labels:
-                labels.append(label)
+            order[label] = (-row["fields"]["tile_n"], label)
             times[(tuple(row["shape"]), label)] = (row["ms"], row["fields"].get("overlap_k_tiles", 0))
-    labels.sort(key=lambda label: (-int(label.split("x")[1].split(",")[0]), label))
+    labels = sorted(order, key=order.get)
     commands = "; ".join(f"`{run['command']}`" for run in results)
     lines = [
         f"Measured on an {results[0]['device']} (JAX {results[0]['jax']}), commit `{results[0]['commit']}`, "
