@@ -181,11 +181,23 @@ LAYER_TEST_CASES = [
 ]
 
 
+def cluster_pair_requests():
+    """(request, config) of tests/test_sm90.py's calls in cluster pairs."""
+    request_for = test_sm90.request_for
+    for _, k, n, sizes in test_sm90.CLUSTER_CASES.values():
+        for deterministic in (False, True):
+            request = request_for(k, n, len(sizes), deterministic=deterministic)
+            yield request, test_sm90.cluster_pair(request)
+    request = request_for(512, 2048, len(test_sm90.DETERMINISM_SIZES), deterministic=True)
+    yield request, test_sm90.cluster_pair(request, 132)
+
+
 def _dsrelu_requests():
     """The distinct (request, config, in place) of tests/test_sm90.py's direct calls."""
     seen = {}
-    for request, in_place in requests():
-        config = sm90_config.choose_config(request, sm90_config.DEFAULT_SM_COUNT)
+    chosen = [(request, sm90_config.choose_config(request, sm90_config.DEFAULT_SM_COUNT), in_place)
+              for request, in_place in requests()]
+    for request, config, in_place in chosen + [(request, config, True) for request, config in cluster_pair_requests()]:
         seen.setdefault((lowering.kernel_request(request), config, in_place), (request, config, in_place))
     return list(seen.values())
 

@@ -13,10 +13,11 @@ Writes sweep_contract.json to --out.
 
 --kernel gemm: the ragged-M kernels of a layer step (up: h, act = srelu(x W1[e] + b1);
 down: act W2[e]; dx: dh W1[e]^T read in place; and the fused dsReLU kernel) at the
-fine-grained shapes with Dirichlet group sizes, the measurements behind `choose_tile_n`
-and `dsrelu_tile_n`:
+fine-grained shapes with Dirichlet group sizes, the measurements behind `choose_tile_n`,
+`dsrelu_tile_n` and the cluster size:
 N tiles of 128, 192 and 256 (n = 1856 and 2688 are no multiple of 256), each with as
-many operand stages as fit. Writes sweep_gemm.json to --out.
+many operand stages as fit, each also in clusters of two CTAs along N where its N-tiles
+pair up. Writes sweep_gemm.json to --out, with the clusters of two the GPU holds at once.
 
 All: CUPTI time of the custom call's kernels, median of --reps calls.
 """
@@ -112,6 +113,10 @@ def gemm_candidates(sm_count, request):
             while config.ab_stages < 8 and _fits(dataclasses.replace(config, ab_stages=config.ab_stages + 1), request):
                 config = dataclasses.replace(config, ab_stages=config.ab_stages + 1)
             configs[f"128x{tile_n} ab{config.ab_stages}"] = config
+    # Each in clusters of two CTAs along N (A multicast), where the N-tiles pair up.
+    for name, config in list(configs.items()):
+        if config.cluster_n == 1 and -(-request.n // config.tile_n) % 2 == 0:
+            configs[f"{name} cluster2"] = dataclasses.replace(config, cluster_n=2)
     return configs
 
 
@@ -195,6 +200,17 @@ def prebuild_contract(sm_count):
             sm90_gemm.compile_kernel(request, config)
 
 
+def max_active_clusters(size):
+    """How many clusters of `size` CTAs the GPU holds at once (one CTA per multiprocessor),
+    as the driver reports it: a persistent grid of more would run in two waves."""
+    import cutlass.utils
+
+    try:
+        return cutlass.utils.HardwareInfo().get_max_active_clusters(size)
+    except Exception as error:  # the sweep's times stand without it
+        return f"not known: {error}"
+
+
 def request_for(k, n, num_experts):
     bf16 = jnp.dtype(jnp.bfloat16)
     return request_facts.Request(
@@ -222,9 +238,11 @@ def main():
         default_shapes = CONTRACT_SHAPES if options.kernel == "contract" else GEMM_SHAPES
         rows = sweep(options.reps, lowering.sm_count(), options.shapes or default_shapes)
         os.makedirs(options.out, exist_ok=True)
+        record = run_record.header(options.commit, "CUPTI kernel time, median of reps")
+        if options.kernel == "gemm":
+            record["max_active_clusters_of_2"] = max_active_clusters(2)
         with open(os.path.join(options.out, f"sweep_{options.kernel}.json"), "w") as file:
-            json.dump(dict(run_record.header(options.commit, "CUPTI kernel time, median of reps"), rows=rows),
-                      file, indent=1)
+            json.dump(dict(record, rows=rows), file, indent=1)
         return
     rows = []
     for m, k, n, num_experts in SHAPES:

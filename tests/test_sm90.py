@@ -20,6 +20,7 @@ import os
 # Before anything imports CuTe DSL: on a machine without a GPU it cannot detect one.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+import dataclasses  # noqa: E402
 import re  # noqa: E402
 import zlib  # noqa: E402
 
@@ -214,13 +215,46 @@ def test_fused_kernel_tile_width(n, tile_n):
     assert sm90_config.choose_config(request_for(256, n, 4)).tile_n == tile_n
 
 
+# Where the fused kernel runs in clusters of two CTAs along N (A multicast), with as many
+# CTAs as the GPU tier below gives it: 3 clusters, so that every cluster walks many tiles.
+def cluster_pair(request, max_ctas=6):
+    return dataclasses.replace(sm90_config.choose_config(request), cluster_n=2, max_ctas=max_ctas)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_compiles_for_sm90a_in_cluster_pairs(deterministic):
+    """Each CTA of a pair loads half of every grad tile for both (TMA multicast); the
+    consumers release each stage in both CTAs; one cluster barrier publishes the
+    pipelines."""
+    request = request_for(2688, 1856, 128, deterministic=deterministic)
+    compiled = lowering.compile_kernel(request, cluster_pair(request, 132), keep=True)
+    assert "multicast::cluster" in compiled.ptx and "mapa.shared::cluster" in compiled.ptx
+    assert "barrier.cluster.wait" in compiled.ptx
+    assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
+    if deterministic:
+        assert not FLOAT_ATOMIC.search(compiled.ptx)
+    ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.compile
+def test_cluster_pairs_need_an_even_n_tile_count():
+    # n = 448 has two 256-wide N-tiles, n = 320 three 128-wide ones.
+    lowering.compile_kernel(request_for(256, 448, 4), cluster_pair(request_for(256, 448, 4)))
+    with pytest.raises(ValueError, match=r"cluster_n=2 must divide the 3 N-tiles of n=320 with tile_n=128"):
+        lowering.compile_kernel(request_for(256, 320, 4), cluster_pair(request_for(256, 320, 4)))
+
+
 @pytest.mark.compile
 def test_tile_config_validates_in_one_place():
     good = dict(tile_n=256, tile_k=64, ab_stages=3, epi_n=32, preact_stages=4, store_stages=2, max_ctas=132)
     sm90_config.TileConfig(**good)
-    for field, value in [("tile_n", 96), ("epi_n", 16), ("ab_stages", 1), ("tile_k", 128), ("tile_m", 64)]:
+    for field, value in [("tile_n", 96), ("epi_n", 16), ("ab_stages", 1), ("tile_k", 128), ("tile_m", 64),
+                         ("cluster_n", 3)]:
         with pytest.raises(ValueError, match=field):
             sm90_config.TileConfig(**dict(good, **{field: value}))
+    with pytest.raises(ValueError, match="max_ctas must be a multiple of cluster_n=2.*got 131"):
+        sm90_config.TileConfig(**dict(good, cluster_n=2, max_ctas=131))
     too_big = sm90_config.TileConfig(**dict(good, ab_stages=5))
     with pytest.raises(ValueError, match="shared memory"):
         too_big.check_fits(8, True, True)
@@ -236,8 +270,9 @@ def hopper():
         pytest.skip(f"the sm90 kernel runs on compute capability 9.0; this GPU has {capability}")
 
 
-def run_in_place(inputs, alpha, *, deterministic, with_dbias=True, with_act=True, out_dtype=None):
-    """Runs the kernel with every output buffer NaN-filled first (aliased in and out)."""
+def run_in_place(inputs, alpha, *, deterministic, with_dbias=True, with_act=True, out_dtype=None, config=None):
+    """Runs the kernel (of `config(request)`, or the chosen one) with every output buffer
+    NaN-filled first (aliased in and out)."""
     grad, weight, preact, prob, group_sizes = inputs
     request = request_facts.request_from_avals(
         (grad, weight, preact, prob),
@@ -246,7 +281,7 @@ def run_in_place(inputs, alpha, *, deterministic, with_dbias=True, with_act=True
         with_act=with_act,
         deterministic=deterministic,
     )
-    config = sm90_config.choose_config(request, lowering.sm_count())
+    config = config(request) if config else sm90_config.choose_config(request, lowering.sm_count())
     run = lowering.implementation(request, config, outputs_in_place=True)
     plan = lowering.buffer_plan(request, config, grad.shape[0])
     filled = {
@@ -273,6 +308,38 @@ def test_matches_float64_contract(hopper, name, dtype, deterministic):
     # reject wrong outputs at these shapes by test_tolerances.py; NaN left in any buffer
     # fails them.
     assert_matches_contract(out, inputs, alpha=alpha, out_dtype=dtype)
+
+
+# (m, k, n, group sizes) with an even number of N-tiles, for the kernel in cluster pairs:
+# the GPU tier's groupings that have one, and negative sizes, sizes past m and rows owned
+# by no expert (zero tiles) at n = 512 (two 256-wide tiles).
+CLUSTER_CASES = {
+    **{name: grouping(name) for name in ("tile_n_256", "rows_64k", "width_1856")},
+    "negative_and_unowned": (3000, 256, 512, [-5, 1000, -1, 1300, 7, 0]),
+    "past_m": (2000, 128, 512, [900, 800, 700]),
+    "one_row": (1, 64, 512, [1, 0]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("name", sorted(CLUSTER_CASES))
+def test_cluster_pairs_match_float64_contract(hopper, name, deterministic):
+    m, k, n, sizes = CLUSTER_CASES[name]
+    rng = np.random.default_rng(zlib.crc32(f"cluster{name}{deterministic}".encode()))
+    inputs = make_inputs(rng, m, k, n, sizes, jnp.bfloat16)
+    alpha = jnp.asarray(rng.uniform(-2.0, 2.0, len(sizes)), jnp.float32)
+    out = run_in_place(inputs, alpha, deterministic=deterministic, config=cluster_pair)
+    assert_matches_contract(out, inputs, alpha=alpha)
+
+
+@pytest.mark.gpu
+def test_cluster_pairs_deterministic_mode_is_bitwise_stable(hopper, determinism_inputs):
+    alpha = jnp.ones(len(DETERMINISM_SIZES), jnp.float32)
+    run = lambda *inputs: run_in_place(inputs, alpha, deterministic=True,  # noqa: E731
+                                       config=lambda request: cluster_pair(request, 132))
+    assert distinct_results(run, *determinism_inputs, runs=RUNS) == 1
+    assert_matches_contract(run(*determinism_inputs), determinism_inputs)
 
 
 @pytest.mark.gpu

@@ -217,9 +217,11 @@ def prebuild_requests():
     ]
     # Groupings of one shape share their kernels.
     shapes = dict.fromkeys(GROUPINGS[name][0] for name in CONTRACT_CONFIG_GROUPINGS)
+    pairs = {request: cluster_pair(request) for request in
+             (matmul_request(GROUPINGS[name][0], variant) for name in GROUPINGS for variant in MATMUL_VARIANTS)}
     return chosen + [
         (contract_request(shape, BF16), config, True) for shape in shapes for config in CONTRACT_CONFIGS.values()
-    ]
+    ] + [(request, config, True) for request, config in sorted(pairs.items(), key=repr)]
 
 
 @pytest.mark.compile
@@ -276,6 +278,31 @@ def test_each_contraction_config_compiles_for_sm90a(name):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("variant", sorted(MATMUL_VARIANTS))
+def test_ragged_matmul_compiles_for_sm90a_in_cluster_pairs(variant):
+    """Each CTA of a pair loads half of every A tile for both (TMA multicast); the
+    consumers release each stage in both CTAs; one cluster barrier publishes the
+    pipelines."""
+    request = matmul_request((128, 2688, 1856), variant)
+    compiled = sm90_gemm.compile_kernel(request, cluster_pair(request, 132), keep=True)
+    assert "multicast::cluster" in compiled.ptx and "mapa.shared::cluster" in compiled.ptx
+    assert "barrier.cluster.wait" in compiled.ptx
+    assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
+    assert not ATOMIC.search(compiled.ptx)
+    ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.compile
+def test_cluster_pairs_are_refused_where_they_cannot_run():
+    # n = 768 has three 256-wide N-tiles; the contraction's schedule pairs no tiles.
+    request = matmul_request((8, 512, 768), "down_kn")
+    with pytest.raises(ValueError, match=r"cluster_n=2 must divide the 3 N-tiles of n=768 with tile_n=256"):
+        sm90_gemm.compile_kernel(request, cluster_pair(request))
+    with pytest.raises(ValueError, match="cluster_n=2"):
+        dataclasses.replace(sm90_config.choose_contract_config(contract_request((8, 512, 768), F32)), cluster_n=2)
+
+
+@pytest.mark.compile
 def test_a_config_too_large_for_shared_memory_is_refused_by_name():
     # A whole 128x192 tile of float32 buffers and 8 operand stages: 264 KB, over sm_90's 227.
     config = dataclasses.replace(CONTRACT_CONFIGS["128x192_whole_tile"], max_ctas=132)
@@ -307,7 +334,7 @@ def test_backend_serves_the_gemm_requests():
 def test_configs_validate_in_one_place():
     good = dict(tile_n=256, tile_k=64, ab_stages=4, epi_n=32, store_stages=2, max_ctas=132)
     sm90_config.GemmConfig(**good)
-    for field, value in [("tile_n", 96), ("epi_n", 16), ("ab_stages", 1), ("tile_k", 128)]:
+    for field, value in [("tile_n", 96), ("epi_n", 16), ("ab_stages", 1), ("tile_k", 128), ("cluster_n", 4)]:
         with pytest.raises(ValueError, match=field):
             sm90_config.GemmConfig(**dict(good, **{field: value}))
     for field, value in [("tile_n", 100), ("ab_stages", 1), ("tile_k", 16), ("epi_n", 48), ("store_stages", 0)]:
@@ -368,22 +395,43 @@ def gpu_cases():
 @pytest.mark.parametrize("variant", sorted(MATMUL_VARIANTS))
 @pytest.mark.parametrize("name, dtype", gpu_cases())
 def test_ragged_matmul_matches_float64(hopper, name, dtype, variant):
+    check_ragged_matmul(name, dtype, variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", sorted(MATMUL_VARIANTS))
+@pytest.mark.parametrize("name", sorted(GROUPINGS))
+def test_ragged_matmul_in_cluster_pairs_matches_float64(hopper, name, variant):
+    # Every grouping's width has an even number of N-tiles with the chosen tile.
+    check_ragged_matmul(name, BF16, variant, cluster_pair)
+
+
+def cluster_pair(request, max_ctas=6):
+    """The chosen config in clusters of two CTAs along N (A multicast), on 3 clusters
+    unless told otherwise, so that every cluster walks many tiles."""
+    return dataclasses.replace(sm90_config.choose_gemm_config(request), cluster_n=2, max_ctas=max_ctas)
+
+
+def check_ragged_matmul(name, dtype, variant, config=None):
+    """The kernel (of `config(request)`, or the chosen one) on grouping `name` against
+    float64, every output NaN-filled first."""
     (num_experts, k, n), m, sizes = grouping(name)
     rng = np.random.default_rng(zlib.crc32(f"{name}{dtype.name}{variant}".encode()))
     lhs, rhs_kn = random_operands(rng, m, k, n, num_experts, dtype)
     request = matmul_request((num_experts, k, n), variant, dtype)
+    config = config(request) if config else None
     rhs = rhs_kn if request.rhs_layout == "kn" else np.ascontiguousarray(np.swapaxes(rhs_kn, 1, 2))
     group_sizes = jnp.asarray(sizes, jnp.int32)
     lhs64, rhs64 = lhs.astype(np.float64), rhs_kn.astype(np.float64)
     if request.epilogue == "none":
-        (out,) = run_poisoned(request, jnp.asarray(lhs), jnp.asarray(rhs), group_sizes)
+        (out,) = run_poisoned(request, jnp.asarray(lhs), jnp.asarray(rhs), group_sizes, config=config)
         check_matmul(out, lhs64, rhs64, sizes, dtype)
         return
     prob = rng.uniform(0.05, 1.0, m).astype(np.float32)
     bias = rng.standard_normal((num_experts, n)).astype(np.float32) if request.with_bias else None
     h, act = run_poisoned(
         request, jnp.asarray(lhs), jnp.asarray(rhs), group_sizes, jnp.asarray(prob),
-        None if bias is None else jnp.asarray(bias),
+        None if bias is None else jnp.asarray(bias), config=config,
     )
     # h against float64: the bias enters the exact sum, one more float32 addition.
     bounds = clamped_bounds(sizes, m)

@@ -37,6 +37,10 @@ def _check_tile(config, positive: tuple[str, ...]) -> None:
         raise ValueError(f"tile_n must be 64, 128, 192 or 256 (a wgmma N), got {config.tile_n}")
     if config.tile_k not in (32, 64):
         raise ValueError(f"tile_k must be 32 or 64 (a 64- or 128-byte swizzle row), got {config.tile_k}")
+    if config.cluster_n not in (1, 2):
+        raise ValueError(f"cluster_n must be 1 or 2 (CTAs sharing an A tile by multicast), got {config.cluster_n}")
+    if config.max_ctas % config.cluster_n:
+        raise ValueError(f"max_ctas must be a multiple of cluster_n={config.cluster_n} (whole clusters), got {config.max_ctas}")
     if config.ab_stages < 2:
         raise ValueError(f"ab_stages must be at least 2 to overlap loads and wgmma, got {config.ab_stages}")
     for name in positive:
@@ -58,9 +62,11 @@ class KernelTiles:
     (tile_m x epi_n) subtiles through store_stages shared buffers, by max_ctas persistent
     CTAs. The consumer mode is cooperative: both consumer warpgroups work on the same
     tile, 64 rows each, and run the epilogue together (a ping-pong contraction was
-    measured slower at every benchmark shape: docs/sm90.md). The cluster is 1x1: a cluster along M
-    could span two experts, whose B tiles differ, so multicast of B would be wrong; along
-    N it would save L2 traffic for A only. `__post_init__` is the one validity check."""
+    measured slower at every benchmark shape: docs/sm90.md). cluster_n CTAs (1 or 2) form
+    a cluster along N: they take neighbouring N-tiles of the same rows, and each loads
+    half of the shared A tile and multicasts it to both, so A crosses from L2 once per
+    cluster. Along M a cluster could span two experts, whose B tiles differ.
+    `__post_init__` is the one validity check."""
 
     tile_n: int  # columns per work tile (the N extent of each wgmma)
     tile_k: int  # k per pipeline stage
@@ -69,6 +75,7 @@ class KernelTiles:
     store_stages: int  # output subtile buffers, each a TMA store in flight
     max_ctas: int  # persistent grid size: one CTA per multiprocessor
     tile_m: int = TILE_M
+    cluster_n: int = 1  # CTAs per cluster along N, sharing each A tile by multicast
 
     # Fields that count something and must be positive, beyond the tile's own.
     counts: ClassVar[tuple[str, ...]] = ("store_stages", "max_ctas")
@@ -270,6 +277,8 @@ class ContractConfig(KernelTiles):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.cluster_n != 1:
+            raise ValueError(f"the contraction runs in 1x1 clusters (its schedule pairs no tiles), got cluster_n={self.cluster_n}")
         if self.store_stages > self.subtiles:
             raise ValueError(
                 f"store_stages must be at most the tile's {self.subtiles} subtiles (a buffer per "

@@ -123,7 +123,7 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
         tiled_mma, a_layout, b_layout = self._mma(grad.element_type, LayoutEnum.ROW_MAJOR, LayoutEnum.ROW_MAJOR)
         p_layout = self._epi_layout(self.preact_dtype, self.config.preact_stages)
         d_layout = self._epi_layout(self.out_dtype, self.config.store_stages)
-        tma_a, tma_grad = self._tma_load(grad, a_layout, (self.tile_m, self.tile_k))
+        tma_a, tma_grad = self._tma_load(grad, a_layout, (self.tile_m, self.tile_k), self.config.cluster_n)
         tma_b, tma_weight = self._tma_load(weight, b_layout, (self.tile_n, self.tile_k))
         tma_p, tma_preact = self._tma_load(preact, p_layout, (self.tile_m, self.epi_n))
         tma_d, tma_dh = self._tma_store(mainloop.ragged_view(dh, 0), d_layout)

@@ -76,12 +76,19 @@ def load_k_tiles(
     ab_pipeline: pipeline.PipelineTmaAsync,
     state: pipeline.PipelineState,
     k_tiles: Int32,
+    a_multicast: cutlass.Constexpr = 1,
 ) -> pipeline.PipelineState:
-    """Producer: k-tiles 0 .. k_tiles - 1 of one work tile into the ring, in order."""
+    """Producer: k-tiles 0 .. k_tiles - 1 of one work tile into the ring, in order. With
+    `a_multicast` CTAs in the cluster, this CTA's slice of each A box (`tma_partition`
+    with its rank) goes to all of them."""
     for k_tile in range(k_tiles):
         ab_pipeline.producer_acquire(state)
         barrier = ab_pipeline.producer_get_barrier(state)
-        cute.copy(tma_a, tAgA[None, k_tile], tAsA[None, state.index], tma_bar_ptr=barrier)
+        if cutlass.const_expr(a_multicast > 1):
+            cute.copy(tma_a, tAgA[None, k_tile], tAsA[None, state.index], tma_bar_ptr=barrier,
+                      mcast_mask=cutlass.Int16((1 << a_multicast) - 1))
+        else:
+            cute.copy(tma_a, tAgA[None, k_tile], tAsA[None, state.index], tma_bar_ptr=barrier)
         cute.copy(tma_b, tBgB[None, k_tile], tBsB[None, state.index], tma_bar_ptr=barrier)
         ab_pipeline.producer_commit(state)
         state.advance()
@@ -137,8 +144,9 @@ def mma_k_tiles(
     return read_state, release_state
 
 
-def tma_partition(tma: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor):
-    """(shared, global) TMA partitions of a tile-by-tile copy in a 1x1 cluster."""
+def tma_partition(tma: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor, rank=0, ctas: int = 1):
+    """(shared, global) TMA partitions of a tile-by-tile copy: of the whole box, or, for a
+    box multicast by `ctas` CTAs, of the slice that CTA `rank` of them loads."""
     return cpasync.tma_partition(
-        tma, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2), cute.group_modes(gmem, 0, 2)
+        tma, rank, cute.make_layout(ctas), cute.group_modes(smem, 0, 2), cute.group_modes(gmem, 0, 2)
     )

@@ -88,7 +88,7 @@ class RaggedGemmSm90(RaggedMGemmSm90):
         b_major = LayoutEnum.COL_MAJOR if cutlass.const_expr(self.rhs_layout == "kn") else LayoutEnum.ROW_MAJOR
         tiled_mma, a_layout, b_layout = self._mma(lhs.element_type, LayoutEnum.ROW_MAJOR, b_major)
         d_layout = self._epi_layout(self.out_dtype, self.config.store_stages)
-        tma_a, tma_lhs = self._tma_load(lhs, a_layout, (self.tile_m, self.tile_k))
+        tma_a, tma_lhs = self._tma_load(lhs, a_layout, (self.tile_m, self.tile_k), self.config.cluster_n)
         tma_b, tma_rhs = self._tma_load(rhs, b_layout, (self.tile_n, self.tile_k))
         tma_d, tma_out = self._tma_store(mainloop.ragged_view(out, 0), d_layout)
         tma_act = None
