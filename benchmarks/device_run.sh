@@ -208,14 +208,15 @@ fi
 
 if [[ $stages == *,sanitize,* ]]; then
   # Boundary cases of every kernel, first under memcheck, then racecheck: the fused kernel
-  # in both modes with negative sizes and one row; the grouped-GEMM family with negative
-  # sizes, sums past m, one-row experts and an expert of exactly one tile.
+  # in both modes with negative sizes and one row, alone and in cluster pairs (with rows
+  # owned by no expert); the grouped-GEMM family (in pairs, as chosen at these widths)
+  # with negative sizes, sums past m, one-row experts and an expert of exactly one tile.
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   for check in \
       "memcheck|tests/test_sm90_gemms.py|bfloat16 and (negative or exact_tile or past_m)" \
       "racecheck|tests/test_sm90_gemms.py|bfloat16 and (exact_tile or past_m) and (dx_nk or up_srelu_bias or contraction)" \
-      "memcheck|tests/test_sm90.py|test_matches_float64_contract and bf16 and negative" \
-      "racecheck|tests/test_sm90.py|test_matches_float64_contract and bf16 and one_row"; do
+      "memcheck|tests/test_sm90.py|(test_matches_float64_contract and bf16 and negative) or (clusters_of_each_size and negative_and_unowned)" \
+      "racecheck|tests/test_sm90.py|(test_matches_float64_contract and bf16 and one_row) or (clusters_of_each_size and one_row and 2)"; do
     IFS="|" read -r tool file selection <<<"$check"
     timeout 75 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -rs \
       -p no:cacheprovider -m gpu "$file" -k "$selection" 2>&1 | tail -6 | tee -a "$log"

@@ -181,15 +181,13 @@ LAYER_TEST_CASES = [
 ]
 
 
-def cluster_pair_requests():
-    """(request, config) of tests/test_sm90.py's calls in cluster pairs."""
-    request_for = test_sm90.request_for
+def cluster_requests():
+    """(request, config) of tests/test_sm90.py's calls in clusters of a given size."""
     for _, k, n, sizes in test_sm90.CLUSTER_CASES.values():
         for deterministic in (False, True):
-            request = request_for(k, n, len(sizes), deterministic=deterministic)
-            yield request, test_sm90.cluster_pair(request)
-    request = request_for(512, 2048, len(test_sm90.DETERMINISM_SIZES), deterministic=True)
-    yield request, test_sm90.cluster_pair(request, 132)
+            request = test_sm90.request_for(k, n, len(sizes), deterministic=deterministic)
+            for cluster_n in (1, 2):
+                yield request, test_sm90.in_clusters(request, cluster_n)
 
 
 def _dsrelu_requests():
@@ -197,7 +195,7 @@ def _dsrelu_requests():
     seen = {}
     chosen = [(request, sm90_config.choose_config(request, sm90_config.DEFAULT_SM_COUNT), in_place)
               for request, in_place in requests()]
-    for request, config, in_place in chosen + [(request, config, True) for request, config in cluster_pair_requests()]:
+    for request, config, in_place in chosen + [(request, config, True) for request, config in cluster_requests()]:
         seen.setdefault((lowering.kernel_request(request), config, in_place), (request, config, in_place))
     return list(seen.values())
 

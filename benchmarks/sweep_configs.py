@@ -8,7 +8,7 @@ inputs as bench_dsrelu.py. Writes sweep_configs.json to --out.
 the fine-grained layer shapes of bench_gemms.py with Dirichlet group sizes, the
 measurements behind `choose_contract_config`: N tiles of 128, 192 and 256 (b = 1856 and
 2688 are no multiple of 256), 32- and 64-row k-tiles, a whole tile of store buffers
-against a ring of 3 (more operand stages).
+against a ring of 3 (more operand stages), and the chosen tiles in the other cluster size.
 Writes sweep_contract.json to --out.
 
 --kernel gemm: the ragged-M kernels of a layer step (up: h, act = srelu(x W1[e] + b1);
@@ -73,6 +73,11 @@ def contract_candidates(sm_count, request):
         "128x256 k32 ab7 ring3": sm90_config.ContractConfig(tile_n=256, tile_k=32, ab_stages=7, store_stages=3, **common),
         "128x128 k32 ab8 whole": sm90_config.ContractConfig(tile_n=128, tile_k=32, ab_stages=8, store_stages=4, **common),
     }
+    # The chosen tiles in the other cluster size, where the b-blocks pair up.
+    chosen = configs["chosen"]
+    if -(-request.b // chosen.tile_n) % 2 == 0:
+        other = 3 - chosen.cluster_n
+        configs[f"chosen cluster{other}"] = dataclasses.replace(chosen, cluster_n=other)
     # A config under two names is timed once, under the first.
     unique = {}
     for name, config in configs.items():

@@ -215,10 +215,10 @@ def test_fused_kernel_tile_width(n, tile_n):
     assert sm90_config.choose_config(request_for(256, n, 4)).tile_n == tile_n
 
 
-# Where the fused kernel runs in clusters of two CTAs along N (A multicast), with as many
-# CTAs as the GPU tier below gives it: 3 clusters, so that every cluster walks many tiles.
-def cluster_pair(request, max_ctas=6):
-    return dataclasses.replace(sm90_config.choose_config(request), cluster_n=2, max_ctas=max_ctas)
+def in_clusters(request, cluster_n, max_ctas=6):
+    """The chosen config in clusters of `cluster_n` CTAs along N (A multicast when 2) on
+    `max_ctas` CTAs: by default 6, so that every CTA of the GPU tier below walks many tiles."""
+    return dataclasses.replace(sm90_config.choose_config(request), cluster_n=cluster_n, max_ctas=max_ctas)
 
 
 @pytest.mark.compile
@@ -228,7 +228,8 @@ def test_compiles_for_sm90a_in_cluster_pairs(deterministic):
     consumers release each stage in both CTAs; one cluster barrier publishes the
     pipelines."""
     request = request_for(2688, 1856, 128, deterministic=deterministic)
-    compiled = lowering.compile_kernel(request, cluster_pair(request, 132), keep=True)
+    assert sm90_config.choose_config(request).cluster_n == 2  # 8 N-tiles of 256
+    compiled = lowering.compile_kernel(request, sm90_config.choose_config(request), keep=True)
     assert "multicast::cluster" in compiled.ptx and "mapa.shared::cluster" in compiled.ptx
     assert "barrier.cluster.wait" in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
@@ -240,9 +241,10 @@ def test_compiles_for_sm90a_in_cluster_pairs(deterministic):
 @pytest.mark.compile
 def test_cluster_pairs_need_an_even_n_tile_count():
     # n = 448 has two 256-wide N-tiles, n = 320 three 128-wide ones.
-    lowering.compile_kernel(request_for(256, 448, 4), cluster_pair(request_for(256, 448, 4)))
+    assert sm90_config.choose_config(request_for(256, 448, 4)).cluster_n == 2
+    assert sm90_config.choose_config(request_for(256, 320, 4)).cluster_n == 1
     with pytest.raises(ValueError, match=r"cluster_n=2 must divide the 3 N-tiles of n=320 with tile_n=128"):
-        lowering.compile_kernel(request_for(256, 320, 4), cluster_pair(request_for(256, 320, 4)))
+        lowering.compile_kernel(request_for(256, 320, 4), in_clusters(request_for(256, 320, 4), 2))
 
 
 @pytest.mark.compile
@@ -310,9 +312,9 @@ def test_matches_float64_contract(hopper, name, dtype, deterministic):
     assert_matches_contract(out, inputs, alpha=alpha, out_dtype=dtype)
 
 
-# (m, k, n, group sizes) with an even number of N-tiles, for the kernel in cluster pairs:
-# the GPU tier's groupings that have one, and negative sizes, sizes past m and rows owned
-# by no expert (zero tiles) at n = 512 (two 256-wide tiles).
+# (m, k, n, group sizes) with an even number of N-tiles, where the kernel runs in cluster
+# pairs: the GPU tier's groupings that have one, and negative sizes, sizes past m and rows
+# owned by no expert (zero tiles) at n = 512 (two 256-wide tiles).
 CLUSTER_CASES = {
     **{name: grouping(name) for name in ("tile_n_256", "rows_64k", "width_1856")},
     "negative_and_unowned": (3000, 256, 512, [-5, 1000, -1, 1300, 7, 0]),
@@ -322,24 +324,17 @@ CLUSTER_CASES = {
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cluster_n", [1, 2])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name", sorted(CLUSTER_CASES))
-def test_cluster_pairs_match_float64_contract(hopper, name, deterministic):
+def test_clusters_of_each_size_match_float64_contract(hopper, name, deterministic, cluster_n):
     m, k, n, sizes = CLUSTER_CASES[name]
-    rng = np.random.default_rng(zlib.crc32(f"cluster{name}{deterministic}".encode()))
+    rng = np.random.default_rng(zlib.crc32(f"cluster{name}{deterministic}{cluster_n}".encode()))
     inputs = make_inputs(rng, m, k, n, sizes, jnp.bfloat16)
     alpha = jnp.asarray(rng.uniform(-2.0, 2.0, len(sizes)), jnp.float32)
-    out = run_in_place(inputs, alpha, deterministic=deterministic, config=cluster_pair)
+    out = run_in_place(inputs, alpha, deterministic=deterministic,
+                       config=lambda request: in_clusters(request, cluster_n))
     assert_matches_contract(out, inputs, alpha=alpha)
-
-
-@pytest.mark.gpu
-def test_cluster_pairs_deterministic_mode_is_bitwise_stable(hopper, determinism_inputs):
-    alpha = jnp.ones(len(DETERMINISM_SIZES), jnp.float32)
-    run = lambda *inputs: run_in_place(inputs, alpha, deterministic=True,  # noqa: E731
-                                       config=lambda request: cluster_pair(request, 132))
-    assert distinct_results(run, *determinism_inputs, runs=RUNS) == 1
-    assert_matches_contract(run(*determinism_inputs), determinism_inputs)
 
 
 @pytest.mark.gpu

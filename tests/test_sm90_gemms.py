@@ -77,8 +77,8 @@ GROUPINGS = {
 }
 FP16_GROUPINGS = ("ragged_with_empty", "negative")
 
-# The contraction's tile configurations, each on 3 CTAs so that every CTA walks many work
-# items (the operand ring's state carried from item to item, store buffers reused across
+# The contraction's tile configurations, each on 3 CTAs (3 clusters of 2) so that every
+# CTA walks many work items (the operand ring's state carried from item to item, store buffers reused across
 # items): the ones `choose_contract_config` picks at the benchmark shapes (a buffer per
 # subtile for 16-bit outputs, 128x192 where b is 1856 or 2688 and 128x256 where it is 768
 # or 2048; a ring of 3 buffers for float32 outputs with many experts), and 128x128.
@@ -88,6 +88,11 @@ CONTRACT_CONFIGS = {
     "128x256_whole_tile": sm90_config.ContractConfig(tile_n=256, ab_stages=6, store_stages=8, **_CONTRACT_TILES),
     "128x256_store_ring": sm90_config.ContractConfig(tile_n=256, ab_stages=7, store_stages=3, **_CONTRACT_TILES),
     "128x128_whole_tile": sm90_config.ContractConfig(tile_n=128, ab_stages=8, store_stages=4, **_CONTRACT_TILES),
+    # Clusters of two CTAs along b (A multicast), as chosen where the b-blocks pair up.
+    "128x192_whole_tile_pairs": sm90_config.ContractConfig(
+        tile_n=192, ab_stages=8, store_stages=6, cluster_n=2, **dict(_CONTRACT_TILES, max_ctas=6)),
+    "128x256_store_ring_pairs": sm90_config.ContractConfig(
+        tile_n=256, ab_stages=7, store_stages=3, cluster_n=2, **dict(_CONTRACT_TILES, max_ctas=6)),
 }
 CONTRACT_CONFIG_GROUPINGS = ("many_experts", "negative", "exact_tile")
 
@@ -217,11 +222,12 @@ def prebuild_requests():
     ]
     # Groupings of one shape share their kernels.
     shapes = dict.fromkeys(GROUPINGS[name][0] for name in CONTRACT_CONFIG_GROUPINGS)
-    pairs = {request: cluster_pair(request) for request in
-             (matmul_request(GROUPINGS[name][0], variant) for name in GROUPINGS for variant in MATMUL_VARIANTS)}
+    clusters = {(request, in_clusters(request, cluster_n, 6)) for request in
+                (matmul_request(GROUPINGS[name][0], variant) for name in GROUPINGS for variant in MATMUL_VARIANTS)
+                for cluster_n in (1, 2)}
     return chosen + [
         (contract_request(shape, BF16), config, True) for shape in shapes for config in CONTRACT_CONFIGS.values()
-    ] + [(request, config, True) for request, config in sorted(pairs.items(), key=repr)]
+    ] + [(request, config, True) for request, config in sorted(clusters, key=repr)]
 
 
 @pytest.mark.compile
@@ -240,8 +246,12 @@ def test_ragged_matmul_compiles_for_sm90a(variant, shape):
 @pytest.mark.parametrize("shape", [(8, 4096, 2048), (128, 2688, 1856), (256, 1024, 768), (512, 2048, 768)], ids=str)
 @pytest.mark.parametrize("out_dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_ragged_contraction_compiles_for_sm90a(out_dtype, shape):
-    compiled = sm90_gemm.compile_kernel(contract_request(shape, out_dtype), keep=True)
+    request = contract_request(shape, out_dtype)
+    compiled = sm90_gemm.compile_kernel(request, keep=True)
     assert "wgmma.mma_async" in compiled.ptx
+    # In pairs where the b-blocks pair up (not b = 768: three 256-wide blocks).
+    pairs = sm90_config.choose_contract_config(request).cluster_n == 2
+    assert pairs == (shape[2] != 768) == ("multicast::cluster" in compiled.ptx)
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     # One writer per element and no split-K: no atomics of any kind.
     assert not ATOMIC.search(compiled.ptx)
@@ -284,7 +294,8 @@ def test_ragged_matmul_compiles_for_sm90a_in_cluster_pairs(variant):
     consumers release each stage in both CTAs; one cluster barrier publishes the
     pipelines."""
     request = matmul_request((128, 2688, 1856), variant)
-    compiled = sm90_gemm.compile_kernel(request, cluster_pair(request, 132), keep=True)
+    assert sm90_config.choose_gemm_config(request).cluster_n == 2  # 10 or 14 N-tiles of 192
+    compiled = sm90_gemm.compile_kernel(request, keep=True)
     assert "multicast::cluster" in compiled.ptx and "mapa.shared::cluster" in compiled.ptx
     assert "barrier.cluster.wait" in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
@@ -294,12 +305,14 @@ def test_ragged_matmul_compiles_for_sm90a_in_cluster_pairs(variant):
 
 @pytest.mark.compile
 def test_cluster_pairs_are_refused_where_they_cannot_run():
-    # n = 768 has three 256-wide N-tiles; the contraction's schedule pairs no tiles.
+    # n = 768 and b = 768 have three 256-wide N-tiles.
     request = matmul_request((8, 512, 768), "down_kn")
+    assert sm90_config.choose_gemm_config(request).cluster_n == 1
     with pytest.raises(ValueError, match=r"cluster_n=2 must divide the 3 N-tiles of n=768 with tile_n=256"):
-        sm90_gemm.compile_kernel(request, cluster_pair(request))
-    with pytest.raises(ValueError, match="cluster_n=2"):
-        dataclasses.replace(sm90_config.choose_contract_config(contract_request((8, 512, 768), F32)), cluster_n=2)
+        sm90_gemm.compile_kernel(request, in_clusters(request, 2, 132))
+    contraction = contract_request((8, 512, 768), F32)
+    with pytest.raises(ValueError, match=r"cluster_n=2 must divide the 3 N-tiles of b=768 with tile_n=256"):
+        sm90_gemm.compile_kernel(contraction, dataclasses.replace(sm90_gemm.choose_config(contraction), cluster_n=2))
 
 
 @pytest.mark.compile
@@ -399,17 +412,19 @@ def test_ragged_matmul_matches_float64(hopper, name, dtype, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cluster_n", [1, 2])
 @pytest.mark.parametrize("variant", sorted(MATMUL_VARIANTS))
 @pytest.mark.parametrize("name", sorted(GROUPINGS))
-def test_ragged_matmul_in_cluster_pairs_matches_float64(hopper, name, variant):
-    # Every grouping's width has an even number of N-tiles with the chosen tile.
-    check_ragged_matmul(name, BF16, variant, cluster_pair)
+def test_ragged_matmul_in_clusters_of_each_size_matches_float64(hopper, name, variant, cluster_n):
+    # Every grouping's width has an even number of N-tiles with the chosen tile, which
+    # therefore runs in pairs: here each size on 6 CTAs, so that every CTA walks many tiles.
+    check_ragged_matmul(name, BF16, variant, lambda request: in_clusters(request, cluster_n, 6))
 
 
-def cluster_pair(request, max_ctas=6):
-    """The chosen config in clusters of two CTAs along N (A multicast), on 3 clusters
-    unless told otherwise, so that every cluster walks many tiles."""
-    return dataclasses.replace(sm90_config.choose_gemm_config(request), cluster_n=2, max_ctas=max_ctas)
+def in_clusters(request, cluster_n, max_ctas):
+    """The chosen config in clusters of `cluster_n` CTAs along N (A multicast when 2) on
+    `max_ctas` CTAs."""
+    return dataclasses.replace(sm90_config.choose_gemm_config(request), cluster_n=cluster_n, max_ctas=max_ctas)
 
 
 def check_ragged_matmul(name, dtype, variant, config=None):

@@ -180,6 +180,20 @@ def _padded_width(n: int, tile: int) -> int:
     return -(-n // tile) * tile
 
 
+def cluster_size(n: int, tile_n: int) -> int:
+    """CTAs per cluster along N for the ragged-M kernels: 2 where the N-tiles pair up, so
+    that A crosses from L2 once per pair, else 1.
+
+    On an H200 at Nemotron-3 Nano's shape (benchmarks/results/fine_grained/
+    sweep_gemm_cluster_9ed3e2d.json, same process, same inputs) pairs took 8% less time
+    for the up-projection (K = 2688, two outputs), 2% less for down and dx and for the
+    fused kernel; at (65536, 2048, 768, 256) down and dx did not move (0.420 against 0.422
+    ms), while the fused kernel's 128-wide tiles ran 2% slower in pairs (its 256-wide
+    ones, chosen there, are three N-tiles and run alone). The H200 holds 66 clusters of
+    two at once, one CTA per multiprocessor: the whole persistent grid."""
+    return 2 if -(-n // tile_n) % 2 == 0 else 1
+
+
 def _most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int:
     """`fewest` operand stages, or more, up to `most`, while a config with one more fits.
     `fewest` itself is not checked: the family's smallest configs fit at every supported
@@ -217,8 +231,8 @@ def dsrelu_tile_n(n: int) -> int:
 
 
 def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
-    """The tile configuration for `request`: the N tile of `dsrelu_tile_n`, then as many
-    grad/weight stages as shared memory holds.
+    """The tile configuration for `request`: the N tile of `dsrelu_tile_n`, clusters of
+    `cluster_size`, then as many grad/weight stages as shared memory holds.
 
     On an H200 at the three few-expert benchmark shapes, 128x256 with 32-column subtiles
     and 3 stages beat 64-column subtiles by 1-4% and 128x128 with 4 stages by 6-18%
@@ -227,7 +241,10 @@ def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileCon
     reason = cannot_implement(request)
     if reason is not None:
         raise ValueError(reason)
-    base = dict(tile_n=dsrelu_tile_n(request.n), tile_k=64, epi_n=32, preact_stages=4, store_stages=2, max_ctas=sm_count)
+    tile_n = dsrelu_tile_n(request.n)
+    cluster_n = cluster_size(request.n, tile_n)
+    base = dict(tile_n=tile_n, tile_k=64, epi_n=32, preact_stages=4, store_stages=2, cluster_n=cluster_n,
+                max_ctas=sm_count - sm_count % cluster_n)
     facts = (request.num_experts, request.with_act, request.with_dbias)
     config = TileConfig(
         ab_stages=_most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2),
@@ -277,8 +294,6 @@ class ContractConfig(KernelTiles):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.cluster_n != 1:
-            raise ValueError(f"the contraction runs in 1x1 clusters (its schedule pairs no tiles), got cluster_n={self.cluster_n}")
         if self.store_stages > self.subtiles:
             raise ValueError(
                 f"store_stages must be at most the tile's {self.subtiles} subtiles (a buffer per "
@@ -331,12 +346,16 @@ def cannot_implement_contract(request: RaggedContractRequest) -> str | None:
 
 
 def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_COUNT) -> GemmConfig:
-    """The N tile of `choose_tile_n`, then as many stages as shared memory holds."""
+    """The N tile of `choose_tile_n`, clusters of `cluster_size`, then as many stages as
+    shared memory holds."""
     reason = cannot_implement_gemm(request)
     if reason is not None:
         raise ValueError(reason)
     outputs = stored_outputs(request)
-    base = dict(tile_n=choose_tile_n(request.n), tile_k=64, epi_n=32, store_stages=2, max_ctas=sm_count)
+    tile_n = choose_tile_n(request.n)
+    cluster_n = cluster_size(request.n, tile_n)
+    base = dict(tile_n=tile_n, tile_k=64, epi_n=32, store_stages=2, cluster_n=cluster_n,
+                max_ctas=sm_count - sm_count % cluster_n)
     return GemmConfig(
         ab_stages=_most_stages(
             lambda stages: GemmConfig(ab_stages=stages, **base).smem_bytes(request.num_experts, outputs) <= SMEM_CAPACITY, 2
@@ -352,7 +371,8 @@ _CONTRACT_MAX_STAGES = 8
 
 
 def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAULT_SM_COUNT) -> ContractConfig:
-    """128 x choose_tile_n(b) output tiles, 32 expert rows per stage; a shared buffer for
+    """128 x choose_tile_n(b) output tiles in clusters of `cluster_size` (the CTAs of a pair
+    take neighbouring b-blocks of the same a-block), 32 expert rows per stage; a shared buffer for
     every subtile of a tile (stored at once, two barriers per tile) if that leaves at
     least 192 rows of operands in flight, else a ring of store buffers; then as many
     operand stages as fit, up to 8.
@@ -370,7 +390,9 @@ def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAU
         raise ValueError(reason)
     out_bytes = np.dtype(request.out_dtype).itemsize
     tile_k = 32
-    base = dict(tile_n=choose_tile_n(request.b), tile_k=tile_k, epi_n=32, max_ctas=sm_count)
+    tile_n = choose_tile_n(request.b)
+    cluster_n = cluster_size(request.b, tile_n)
+    base = dict(tile_n=tile_n, tile_k=tile_k, epi_n=32, cluster_n=cluster_n, max_ctas=sm_count - sm_count % cluster_n)
     subtiles = base["tile_n"] // base["epi_n"]
 
     def fits(ab_stages, store_stages):

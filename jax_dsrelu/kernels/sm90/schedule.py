@@ -151,17 +151,22 @@ class ContractSchedule:
     lhs block in L2). Experts are ranked by clamped size, largest first (ties to the
     lower index): the longest tiles are taken first and the short ones fill the tail.
     Persistent CTA c of G takes w = c, c + G, c + 2G, ... Every output element belongs
-    to one work item, hence to one CTA: one writer.
+    to one work item, hence to one CTA: one writer. In clusters of cluster_n CTAs along b,
+    a work item is a group of cluster_n neighbouring b-blocks, walked by the clusters as
+    the CTAs walk single blocks, and the CTA of rank r takes the group's b-block r.
     """
 
     def __init__(self, row_start: cute.Tensor, expert_order: cute.Tensor, num_experts: int,
-                 a_tiles: int, b_tiles: int, work: Int32, stride: Int32):
+                 a_tiles: int, b_tiles: int, work: Int32, stride: Int32, cluster_n: int = 1, rank=0):
         self.row_start = row_start
         self.expert_order = expert_order
         self.num_experts = num_experts
         self.a_tiles = a_tiles
         self.b_tiles = b_tiles
-        self.per_expert = a_tiles * b_tiles
+        self.cluster_n = cluster_n
+        self.rank = Int32(rank)  # this CTA's rank in its cluster: its b-block of each group
+        self.b_groups = b_tiles // cluster_n
+        self.per_expert = a_tiles * self.b_groups
         self.total = num_experts * self.per_expert
         self.work = work
         self.stride = stride
@@ -173,6 +178,7 @@ class ContractSchedule:
         return ContractSchedule(
             self.row_start, self.expert_order, self.num_experts, self.a_tiles, self.b_tiles,
             new_from_mlir_values(self.work, [values[0]]), new_from_mlir_values(self.stride, [values[1]]),
+            self.cluster_n, self.rank,
         )
 
     def valid(self):
@@ -185,8 +191,8 @@ class ContractSchedule:
         """(expert, a_tile, b_tile, first_row, expert_rows) of the current work item."""
         rank = self.work // self.per_expert
         tile = self.work - rank * self.per_expert
-        a_tile = tile // self.b_tiles
-        b_tile = tile - a_tile * self.b_tiles
+        a_tile = tile // self.b_groups
+        b_tile = (tile - a_tile * self.b_groups) * self.cluster_n + self.rank
         expert = self.expert_order[rank]
         first_row = self.row_start[expert]
         return expert, a_tile, b_tile, first_row, self.row_start[expert + 1] - first_row
