@@ -569,6 +569,38 @@ def render_epilogue_overlap(results: list, source: str) -> str:
     return "\n".join(lines)
 
 
+def render_cluster_pairs(results: list, source: str) -> str:
+    """Each kernel's tile configs alone and in clusters of two CTAs along N (A multicast),
+    as sweep_configs.py timed them (--kernel gemm and --kernel contract): time alone,
+    time in pairs, and their ratio; the config chosen at that shape marked."""
+    times, chosen = {}, {}
+    for run in results:
+        for row in run["rows"]:
+            fields = row["fields"]
+            tiles = f"128x{fields['tile_n']}, k {fields['tile_k']}, {fields['ab_stages']} stages"
+            key = (tuple(row["shape"]), row["gemm"], tiles)
+            times.setdefault(key, {})[fields.get("cluster_n", 1)] = row["ms"]
+            if row["config"] == "chosen":
+                chosen[key] = fields.get("cluster_n", 1)
+    commands = "; ".join(f"`{run['command']}`" for run in results)
+    lines = [
+        f"Measured on an {results[0]['device']} (JAX {results[0]['jax']}), commits "
+        f"{', '.join(dict.fromkeys('`' + run['commit'] + '`' for run in results))}, bf16, Dirichlet group sizes, "
+        f"every config of a kernel on the same inputs in one process: {commands} ({results[0]['timing']}). "
+        f"Raw results: `benchmarks/results/{source}`; this table is generated from them by "
+        "`benchmarks/readme_table.py`. Chosen: the size the config rules picked when the sweep ran.",
+        "",
+        "| (m, d, f, E), kernel | tiles | alone | pairs | pairs / alone | chosen |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for (shape, gemm, tiles), by_size in times.items():
+        if 1 in by_size and 2 in by_size:
+            mark = {1: "alone", 2: "pairs"}.get(chosen.get((shape, gemm, tiles)), "")
+            lines.append(f"| {', '.join(map(str, shape))}, {gemm} | {tiles} | {by_size[1]:.3f} ms | "
+                         f"{by_size[2]:.3f} ms | {by_size[2] / by_size[1]:.3f} | {mark} |")
+    return "\n".join(lines)
+
+
 # (document, marker name, recorded JSON, how its table is written); a JSON name with a *
 # takes every matching JSON, in a list.
 TABLES: list[tuple[str, str, str, Callable]] = [
@@ -582,6 +614,7 @@ TABLES: list[tuple[str, str, str, Callable]] = [
     ("docs/sm90.md", "gemm_counters", "fine_grained/profile_gemms_nano_527754c.json", render_gemm_counters),
     ("docs/sm90.md", "contract_modes", "fine_grained/sweep_contract_pingpong_7cd5117.json", render_contract_modes),
     ("docs/sm90.md", "epilogue_overlap", "fine_grained/sweep_*_overlap_0defe86.json", render_epilogue_overlap),
+    ("docs/sm90.md", "cluster_pairs", "fine_grained/sweep_*_cluster_*.json", render_cluster_pairs),
     ("docs/determinism.md", "determinism", "determinism/determinism_parallel*.json", render_determinism),
 ]
 DOCUMENTS = list(dict.fromkeys(document for document, *_ in TABLES))

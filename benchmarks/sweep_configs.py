@@ -77,7 +77,7 @@ def contract_candidates(sm_count, request):
     chosen = configs["chosen"]
     if -(-request.b // chosen.tile_n) % 2 == 0:
         other = 3 - chosen.cluster_n
-        configs[f"chosen cluster{other}"] = dataclasses.replace(chosen, cluster_n=other)
+        configs[f"chosen cluster{other}"] = dataclasses.replace(chosen, cluster_n=other, max_ctas=sm_count - sm_count % other)
     # A config under two names is timed once, under the first.
     unique = {}
     for name, config in configs.items():
@@ -111,17 +111,19 @@ def gemm_candidates(sm_count, request):
     configs = {"chosen": chosen}
     for tile_n in (128, 192, 256):
         if tile_n != chosen.tile_n:
-            config = dataclasses.replace(chosen, tile_n=tile_n)
+            config = dataclasses.replace(chosen, tile_n=tile_n, cluster_n=1, max_ctas=sm_count)
             # As many operand stages as fit with this tile, as the chooser would give it.
             while not _fits(config, request):
                 config = dataclasses.replace(config, ab_stages=config.ab_stages - 1)
             while config.ab_stages < 8 and _fits(dataclasses.replace(config, ab_stages=config.ab_stages + 1), request):
                 config = dataclasses.replace(config, ab_stages=config.ab_stages + 1)
             configs[f"128x{tile_n} ab{config.ab_stages}"] = config
-    # Each in clusters of two CTAs along N (A multicast), where the N-tiles pair up.
+    # Each in the other cluster size (two CTAs along N, A multicast) where the N-tiles pair up.
     for name, config in list(configs.items()):
-        if config.cluster_n == 1 and -(-request.n // config.tile_n) % 2 == 0:
-            configs[f"{name} cluster2"] = dataclasses.replace(config, cluster_n=2)
+        if -(-request.n // config.tile_n) % 2 == 0:
+            other = 3 - config.cluster_n
+            configs[f"{name} cluster{other}"] = dataclasses.replace(config, cluster_n=other,
+                                                                    max_ctas=sm_count - sm_count % other)
     return configs
 
 
