@@ -75,7 +75,7 @@ def contract_candidates(sm_count, request):
     }
     # The chosen tiles in the other cluster size, where the b-blocks pair up.
     chosen = configs["chosen"]
-    if -(-request.b // chosen.tile_n) % 2 == 0:
+    if sm90_config.pairs_up(request.b, chosen.tile_n):
         other = 3 - chosen.cluster_n
         configs[f"chosen cluster{other}"] = dataclasses.replace(chosen, cluster_n=other, max_ctas=sm_count - sm_count % other)
     # A config under two names is timed once, under the first.
@@ -120,7 +120,7 @@ def gemm_candidates(sm_count, request):
             configs[f"128x{tile_n} ab{config.ab_stages}"] = config
     # Each in the other cluster size (two CTAs along N, A multicast) where the N-tiles pair up.
     for name, config in list(configs.items()):
-        if -(-request.n // config.tile_n) % 2 == 0:
+        if sm90_config.pairs_up(request.n, config.tile_n):
             other = 3 - config.cluster_n
             configs[f"{name} cluster{other}"] = dataclasses.replace(config, cluster_n=other,
                                                                     max_ctas=sm_count - sm_count % other)

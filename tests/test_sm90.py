@@ -228,8 +228,8 @@ def test_compiles_for_sm90a_in_cluster_pairs(deterministic):
     consumers release each stage in both CTAs; one cluster barrier publishes the
     pipelines."""
     request = request_for(2688, 1856, 128, deterministic=deterministic)
-    assert sm90_config.choose_config(request).cluster_n == 2  # 8 N-tiles of 256
-    compiled = lowering.compile_kernel(request, sm90_config.choose_config(request), keep=True)
+    assert sm90_config.choose_config(request).cluster_n == 1  # pairs are not chosen (docs/sm90.md)
+    compiled = lowering.compile_kernel(request, in_clusters(request, 2, 132), keep=True)
     assert "multicast::cluster" in compiled.ptx and "mapa.shared::cluster" in compiled.ptx
     assert "barrier.cluster.wait" in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
@@ -241,8 +241,7 @@ def test_compiles_for_sm90a_in_cluster_pairs(deterministic):
 @pytest.mark.compile
 def test_cluster_pairs_need_an_even_n_tile_count():
     # n = 448 has two 256-wide N-tiles, n = 320 three 128-wide ones.
-    assert sm90_config.choose_config(request_for(256, 448, 4)).cluster_n == 2
-    assert sm90_config.choose_config(request_for(256, 320, 4)).cluster_n == 1
+    lowering.compile_kernel(request_for(256, 448, 4), in_clusters(request_for(256, 448, 4), 2))
     with pytest.raises(ValueError, match=r"cluster_n=2 must divide the 3 N-tiles of n=320 with tile_n=128"):
         lowering.compile_kernel(request_for(256, 320, 4), in_clusters(request_for(256, 320, 4), 2))
 
@@ -312,9 +311,9 @@ def test_matches_float64_contract(hopper, name, dtype, deterministic):
     assert_matches_contract(out, inputs, alpha=alpha, out_dtype=dtype)
 
 
-# (m, k, n, group sizes) with an even number of N-tiles, where the kernel runs in cluster
-# pairs: the GPU tier's groupings that have one, and negative sizes, sizes past m and rows
-# owned by no expert (zero tiles) at n = 512 (two 256-wide tiles).
+# (m, k, n, group sizes) with an even number of N-tiles, where the kernel can run in
+# cluster pairs: the GPU tier's groupings that have one, and negative sizes, sizes past m
+# and rows owned by no expert (zero tiles) at n = 512 (two 256-wide tiles).
 CLUSTER_CASES = {
     **{name: grouping(name) for name in ("tile_n_256", "rows_64k", "width_1856")},
     "negative_and_unowned": (3000, 256, 512, [-5, 1000, -1, 1300, 7, 0]),

@@ -249,9 +249,8 @@ def test_ragged_contraction_compiles_for_sm90a(out_dtype, shape):
     request = contract_request(shape, out_dtype)
     compiled = sm90_gemm.compile_kernel(request, keep=True)
     assert "wgmma.mma_async" in compiled.ptx
-    # In pairs where the b-blocks pair up (not b = 768: three 256-wide blocks).
-    pairs = sm90_config.choose_contract_config(request).cluster_n == 2
-    assert pairs == (shape[2] != 768) == ("multicast::cluster" in compiled.ptx)
+    # Alone, as chosen (test_each_contraction_config_compiles_for_sm90a compiles pairs).
+    assert "multicast::cluster" not in compiled.ptx and "barrier.cluster" not in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     # One writer per element and no split-K: no atomics of any kind.
     assert not ATOMIC.search(compiled.ptx)
@@ -294,13 +293,25 @@ def test_ragged_matmul_compiles_for_sm90a_in_cluster_pairs(variant):
     consumers release each stage in both CTAs; one cluster barrier publishes the
     pipelines."""
     request = matmul_request((128, 2688, 1856), variant)
-    assert sm90_config.choose_gemm_config(request).cluster_n == 2  # 10 or 14 N-tiles of 192
-    compiled = sm90_gemm.compile_kernel(request, keep=True)
+    compiled = sm90_gemm.compile_kernel(request, in_clusters(request, 2, 132), keep=True)
     assert "multicast::cluster" in compiled.ptx and "mapa.shared::cluster" in compiled.ptx
     assert "barrier.cluster.wait" in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     assert not ATOMIC.search(compiled.ptx)
     ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.compile
+def test_cluster_pairs_are_chosen_for_the_plain_gemm_from_k_1024():
+    def chosen(variant, k, n):
+        return sm90_config.choose_gemm_config(matmul_request((128, k, n), variant)).cluster_n
+    # Nemotron-3 Nano's down and dx (k = 1856, 14 N-tiles of 192) and k = 2048, n = 4096.
+    assert chosen("down_kn", 1856, 2688) == chosen("dx_nk", 1856, 2688) == chosen("down_kn", 2048, 4096) == 2
+    # Short k, the squared-ReLU epilogue, and three N-tiles run alone.
+    assert chosen("down_kn", 768, 2048) == chosen("up_srelu_bias", 2688, 1856) == chosen("down_kn", 2048, 768) == 1
+    assert sm90_config.choose_contract_config(contract_request((128, 2688, 1856), BF16)).cluster_n == 1
+    # Pairs keep whole clusters on the grid.
+    assert sm90_config.choose_gemm_config(matmul_request((128, 1856, 2688), "down_kn"), sm_count=131).max_ctas == 130
 
 
 @pytest.mark.compile
@@ -416,8 +427,8 @@ def test_ragged_matmul_matches_float64(hopper, name, dtype, variant):
 @pytest.mark.parametrize("variant", sorted(MATMUL_VARIANTS))
 @pytest.mark.parametrize("name", sorted(GROUPINGS))
 def test_ragged_matmul_in_clusters_of_each_size_matches_float64(hopper, name, variant, cluster_n):
-    # Every grouping's width has an even number of N-tiles with the chosen tile, which
-    # therefore runs in pairs: here each size on 6 CTAs, so that every CTA walks many tiles.
+    # Every grouping's width has an even number of N-tiles with the chosen tile: here each
+    # cluster size on 6 CTAs, so that every CTA walks many tiles.
     check_ragged_matmul(name, BF16, variant, lambda request: in_clusters(request, cluster_n, 6))
 
 

@@ -180,18 +180,14 @@ def _padded_width(n: int, tile: int) -> int:
     return -(-n // tile) * tile
 
 
-def cluster_size(n: int, tile_n: int) -> int:
-    """CTAs per cluster along N for the ragged-M kernels: 2 where the N-tiles pair up, so
-    that A crosses from L2 once per pair, else 1.
+def pairs_up(n: int, tile_n: int) -> bool:
+    """Whether n's tile_n-wide N-tiles pair up, as clusters of two CTAs along N need."""
+    return -(-n // tile_n) % 2 == 0
 
-    On an H200 at Nemotron-3 Nano's shape (benchmarks/results/fine_grained/
-    sweep_gemm_cluster_9ed3e2d.json, same process, same inputs) pairs took 8% less time
-    for the up-projection (K = 2688, two outputs), 2% less for down and dx and for the
-    fused kernel; at (65536, 2048, 768, 256) down and dx did not move (0.420 against 0.422
-    ms), while the fused kernel's 128-wide tiles ran 2% slower in pairs (its 256-wide
-    ones, chosen there, are three N-tiles and run alone). The H200 holds 66 clusters of
-    two at once, one CTA per multiprocessor: the whole persistent grid."""
-    return 2 if -(-n // tile_n) % 2 == 0 else 1
+
+# The plain ragged-M GEMM runs in cluster pairs from this many k per tile (see
+# `choose_gemm_config`).
+_PAIRS_MIN_K = 1024
 
 
 def _most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int:
@@ -231,8 +227,9 @@ def dsrelu_tile_n(n: int) -> int:
 
 
 def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
-    """The tile configuration for `request`: the N tile of `dsrelu_tile_n`, clusters of
-    `cluster_size`, then as many grad/weight stages as shared memory holds.
+    """The tile configuration for `request`: the N tile of `dsrelu_tile_n`, then as many
+    grad/weight stages as shared memory holds. One CTA per cluster: in cluster pairs the
+    fused kernel took as long in the layer step at Nemotron-3 Nano's shape (docs/sm90.md).
 
     On an H200 at the three few-expert benchmark shapes, 128x256 with 32-column subtiles
     and 3 stages beat 64-column subtiles by 1-4% and 128x128 with 4 stages by 6-18%
@@ -241,10 +238,8 @@ def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileCon
     reason = cannot_implement(request)
     if reason is not None:
         raise ValueError(reason)
-    tile_n = dsrelu_tile_n(request.n)
-    cluster_n = cluster_size(request.n, tile_n)
-    base = dict(tile_n=tile_n, tile_k=64, epi_n=32, preact_stages=4, store_stages=2, cluster_n=cluster_n,
-                max_ctas=sm_count - sm_count % cluster_n)
+    base = dict(tile_n=dsrelu_tile_n(request.n), tile_k=64, epi_n=32, preact_stages=4, store_stages=2,
+                max_ctas=sm_count)
     facts = (request.num_experts, request.with_act, request.with_dbias)
     config = TileConfig(
         ab_stages=_most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2),
@@ -346,14 +341,21 @@ def cannot_implement_contract(request: RaggedContractRequest) -> str | None:
 
 
 def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_COUNT) -> GemmConfig:
-    """The N tile of `choose_tile_n`, clusters of `cluster_size`, then as many stages as
-    shared memory holds."""
+    """The N tile of `choose_tile_n`, cluster pairs for the plain GEMM (no epilogue) from
+    k = 1024 where its N-tiles pair up, then as many stages as shared memory holds.
+
+    Pairs share each A tile by multicast. In the layer step on an H200, against the same
+    kernels alone on the same machine (docs/sm90.md, cluster pairs), the plain GEMMs (down
+    and dx) took 3-4% less time at k = 1856 (Nemotron-3 Nano) and 1% less at k = 2048, and
+    up to 2.5% more at k = 768 and 512; the up-projection with its squared-ReLU epilogue
+    took 2% more at k = 2688."""
     reason = cannot_implement_gemm(request)
     if reason is not None:
         raise ValueError(reason)
     outputs = stored_outputs(request)
     tile_n = choose_tile_n(request.n)
-    cluster_n = cluster_size(request.n, tile_n)
+    pairs = request.epilogue == "none" and request.k >= _PAIRS_MIN_K and pairs_up(request.n, tile_n)
+    cluster_n = 2 if pairs else 1
     base = dict(tile_n=tile_n, tile_k=64, epi_n=32, store_stages=2, cluster_n=cluster_n,
                 max_ctas=sm_count - sm_count % cluster_n)
     return GemmConfig(
@@ -371,8 +373,9 @@ _CONTRACT_MAX_STAGES = 8
 
 
 def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAULT_SM_COUNT) -> ContractConfig:
-    """128 x choose_tile_n(b) output tiles in clusters of `cluster_size` (the CTAs of a pair
-    take neighbouring b-blocks of the same a-block), 32 expert rows per stage; a shared buffer for
+    """128 x choose_tile_n(b) output tiles, one CTA per cluster (in pairs sharing the a-block
+    the contraction took 1-2% more time in the layer step at Nemotron-3 Nano's shape:
+    docs/sm90.md), 32 expert rows per stage; a shared buffer for
     every subtile of a tile (stored at once, two barriers per tile) if that leaves at
     least 192 rows of operands in flight, else a ring of store buffers; then as many
     operand stages as fit, up to 8.
@@ -390,9 +393,7 @@ def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAU
         raise ValueError(reason)
     out_bytes = np.dtype(request.out_dtype).itemsize
     tile_k = 32
-    tile_n = choose_tile_n(request.b)
-    cluster_n = cluster_size(request.b, tile_n)
-    base = dict(tile_n=tile_n, tile_k=tile_k, epi_n=32, cluster_n=cluster_n, max_ctas=sm_count - sm_count % cluster_n)
+    base = dict(tile_n=choose_tile_n(request.b), tile_k=tile_k, epi_n=32, max_ctas=sm_count)
     subtiles = base["tile_n"] // base["epi_n"]
 
     def fits(ab_stages, store_stages):

@@ -112,8 +112,14 @@ class GemmSm90:
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def _launch(self, kernel, grid, stream) -> None:
-        kernel.launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=[self.config.cluster_n, 1, 1],
-                      min_blocks_per_mp=1, stream=stream)
+        """A cluster launch only for clusters of more than one CTA: launched with a cluster
+        shape of 1x1x1, the kernels that run alone took 1-4% more time in the layer step on
+        the H200 (docs/sm90.md, cluster pairs)."""
+        if self.config.cluster_n > 1:
+            kernel.launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=[self.config.cluster_n, 1, 1],
+                          min_blocks_per_mp=1, stream=stream)
+        else:
+            kernel.launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     # ---------------------------------------------------------------- device side
 
