@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import pathlib
 import sys
 from typing import Callable
@@ -574,11 +575,11 @@ def render_cluster_pairs(results: list, source: str) -> str:
     as sweep_configs.py timed them (--kernel gemm and --kernel contract): time alone,
     time in pairs, and their ratio; the config chosen at that shape marked."""
     times, chosen = {}, {}
-    for run in results:
+    for number, run in enumerate(results, 1):
         for row in run["rows"]:
             fields = row["fields"]
             tiles = f"128x{fields['tile_n']}, k {fields['tile_k']}, {fields['ab_stages']} stages"
-            key = (tuple(row["shape"]), row["gemm"], tiles)
+            key = (f"{number}: `{run['commit']}`", tuple(row["shape"]), row["gemm"], tiles)
             times.setdefault(key, {})[fields.get("cluster_n", 1)] = row["ms"]
             if row["config"] == "chosen":
                 chosen[key] = fields.get("cluster_n", 1)
@@ -588,33 +589,76 @@ def render_cluster_pairs(results: list, source: str) -> str:
         f"{', '.join(dict.fromkeys('`' + run['commit'] + '`' for run in results))}, bf16, Dirichlet group sizes, "
         f"every config of a kernel on the same inputs in one process: {commands} ({results[0]['timing']}). "
         f"Raw results: `benchmarks/results/{source}`; this table is generated from them by "
-        "`benchmarks/readme_table.py`. Chosen: the size the config rules picked when the sweep ran.",
+        "`benchmarks/readme_table.py`. Run: the JSON, in name order. Chosen: the size the config rules picked "
+        "when the sweep ran. At these commits a kernel alone was launched as a cluster of one.",
         "",
-        "| (m, d, f, E), kernel | tiles | alone | pairs | pairs / alone | chosen |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| run | (m, d, f, E), kernel | tiles | alone | pairs | pairs / alone | chosen |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for (shape, gemm, tiles), by_size in times.items():
+    for (run, shape, gemm, tiles), by_size in times.items():
         if 1 in by_size and 2 in by_size:
-            mark = {1: "alone", 2: "pairs"}.get(chosen.get((shape, gemm, tiles)), "")
-            lines.append(f"| {', '.join(map(str, shape))}, {gemm} | {tiles} | {by_size[1]:.3f} ms | "
+            mark = {1: "alone", 2: "pairs"}.get(chosen.get((run, shape, gemm, tiles)), "")
+            lines.append(f"| {run} | {', '.join(map(str, shape))}, {gemm} | {tiles} | {by_size[1]:.3f} ms | "
                          f"{by_size[2]:.3f} ms | {by_size[2] / by_size[1]:.3f} | {mark} |")
+    return "\n".join(lines)
+
+
+def render_step_ab(results: list, source: str) -> str:
+    """Two commits' moe_mlp steps on one machine (benchmarks/step_ab.sh: the older commit's
+    tree beside the newer one, rounds alternating the commits): per shape, each commit's
+    step in each round, the newer over the older per round, and the kernel classes at the
+    shape where they moved most."""
+    steps, summary = {}, {}
+    for run in results:
+        # step_ab.sh writes round r of a commit to --out .../<commit>-<r>.
+        round_ = re.search(r"--out \S+-(\d+)\b", run["command"]).group(1)
+        for row in run["shapes"]:
+            shape = shape_text(row["shape"], "mdfE")
+            for variant, entry in row["modes"]["step"]["variants"].items():
+                steps.setdefault((shape, variant), {})[(run["commit"], round_)] = entry["ms"]
+                if variant == "sm90" and entry.get("kernel_summary"):
+                    summary.setdefault(shape, {})[(run["commit"], round_)] = entry
+    # The JSON names say which commit is the newer: bench_layer_step_ab_<newer>_<commit>_r<round>.json.
+    new = source.split("_ab_")[1].split("_")[0]
+    (old,) = {run["commit"] for run in results} - {new}
+    rounds = sorted({round_ for times in steps.values() for _, round_ in times})
+    lines = [
+        f"Measured on an {results[0]['device']} (JAX {results[0]['jax']}), commits `{old}` and `{new}` on one "
+        f"machine in one device call, rounds {', '.join(rounds)} alternating them (`benchmarks/step_ab.sh`; "
+        f"each round `{results[0]['command'].split(' --out')[0]} ...`, {results[0]['timing']}). "
+        f"Raw results: `benchmarks/results/{source}`; this table is generated from them by `benchmarks/readme_table.py`.",
+        "",
+        "| step: shape (m, d, f, E), variant | " + " | ".join(f"`{c}` round {r}" for c in (old, new) for r in rounds)
+        + f" | `{new}` / `{old}`, per round |",
+        "| --- |" + " --- |" * (2 * len(rounds) + 1),
+    ]
+    for (shape, variant), times in steps.items():
+        cells = [f"{times[(c, r)]:.3f} ms" for c in (old, new) for r in rounds]
+        ratios = ", ".join(f"{times[(new, r)] / times[(old, r)]:.3f}" for r in rounds)
+        lines.append(f"| {shape}, {variant} | " + " | ".join(cells) + f" | {ratios} |")
+    lines += ["", "Where the sm90 step's time goes (CUPTI, ms, round 1):", ""]
+    for shape, entries in summary.items():
+        lines.append(f"- {shape}: `{old}` {step_breakdown(entries[(old, rounds[0])])}; "
+                     f"`{new}` {step_breakdown(entries[(new, rounds[0])])}")
     return "\n".join(lines)
 
 
 # (document, marker name, recorded JSON, how its table is written); a JSON name with a *
 # takes every matching JSON, in a list.
 TABLES: list[tuple[str, str, str, Callable]] = [
-    ("README.md", "summary", "fine_grained/bench_layer_step_a3f3716.json", render_summary),
+    ("README.md", "summary", "fine_grained/bench_layer_step_680d6e6.json", render_summary),
     ("docs/performance.md", "sm90", "bench_dsrelu.json", render_dsrelu),
     ("docs/performance.md", "gemms", "bench_gemms.json", render_gemms),
     ("docs/performance.md", "layer", "bench_layer.json", render_layer),
-    ("docs/performance.md", "steps", "fine_grained/bench_layer_step_a3f3716.json", render_layer_steps),
+    ("docs/performance.md", "steps", "fine_grained/bench_layer_step_680d6e6.json", render_layer_steps),
     ("docs/performance.md", "moe_block", "bench_moe_block.json", render_moe_block),
     ("docs/sm90.md", "gemm_ceilings", "fine_grained/bench_gemms_fine_d50fca1.json", render_gemm_ceilings),
     ("docs/sm90.md", "gemm_counters", "fine_grained/profile_gemms_nano_527754c.json", render_gemm_counters),
     ("docs/sm90.md", "contract_modes", "fine_grained/sweep_contract_pingpong_7cd5117.json", render_contract_modes),
     ("docs/sm90.md", "epilogue_overlap", "fine_grained/sweep_*_overlap_0defe86.json", render_epilogue_overlap),
     ("docs/sm90.md", "cluster_pairs", "fine_grained/sweep_*_cluster_*.json", render_cluster_pairs),
+    ("docs/sm90.md", "cluster_launch_ab", "fine_grained/bench_layer_step_ab_da0e55b_*.json", render_step_ab),
+    ("docs/sm90.md", "cluster_pairs_ab", "fine_grained/bench_layer_step_ab_680d6e6_*.json", render_step_ab),
     ("docs/determinism.md", "determinism", "determinism/determinism_parallel*.json", render_determinism),
 ]
 DOCUMENTS = list(dict.fromkeys(document for document, *_ in TABLES))
