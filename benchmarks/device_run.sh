@@ -209,12 +209,12 @@ fi
 if [[ $stages == *,sanitize,* ]]; then
   # Boundary cases of every kernel, first under memcheck, then racecheck: the fused kernel
   # in both modes with negative sizes and one row, alone and in cluster pairs (with rows
-  # owned by no expert); the grouped-GEMM family (in pairs, as chosen at these widths)
-  # with negative sizes, sums past m, one-row experts and an expert of exactly one tile.
+  # owned by no expert); the grouped-GEMM family, alone and in pairs, with negative sizes,
+  # sums past m, one-row experts and an expert of exactly one tile.
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   for check in \
-      "memcheck|tests/test_sm90_gemms.py|bfloat16 and (negative or exact_tile or past_m)" \
-      "racecheck|tests/test_sm90_gemms.py|bfloat16 and (exact_tile or past_m) and (dx_nk or up_srelu_bias or contraction)" \
+      "memcheck|tests/test_sm90_gemms.py|(bfloat16 and (negative or exact_tile or past_m)) or (clusters_of_each_size and (negative or exact_tile or past_m) and 2) or (_pairs and (negative or exact_tile))" \
+      "racecheck|tests/test_sm90_gemms.py|(bfloat16 and (exact_tile or past_m) and (dx_nk or up_srelu_bias or contraction)) or (clusters_of_each_size and (exact_tile or past_m) and (dx_nk or up_srelu_bias) and 2) or (_pairs and exact_tile)" \
       "memcheck|tests/test_sm90.py|(test_matches_float64_contract and bf16 and negative) or (clusters_of_each_size and negative_and_unowned)" \
       "racecheck|tests/test_sm90.py|(test_matches_float64_contract and bf16 and one_row) or (clusters_of_each_size and one_row and 2)"; do
     IFS="|" read -r tool file selection <<<"$check"

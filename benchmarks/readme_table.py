@@ -622,10 +622,12 @@ def render_step_ab(results: list, source: str) -> str:
     new = source.split("_ab_")[1].split("_")[0]
     (old,) = {run["commit"] for run in results} - {new}
     rounds = sorted({round_ for times in steps.values() for _, round_ in times})
+    pattern = re.sub(r"--out \S+", "--out <dir>/<commit>-<round>",
+                     re.sub(r"--commit \S+", "--commit <commit>", results[0]["command"]))
     lines = [
         f"Measured on an {results[0]['device']} (JAX {results[0]['jax']}), commits `{old}` and `{new}` on one "
         f"machine in one device call, rounds {', '.join(rounds)} alternating them (`benchmarks/step_ab.sh`; "
-        f"each round `{results[0]['command'].split(' --out')[0]} ...`, {results[0]['timing']}). "
+        f"each round `{pattern}`, {results[0]['timing']}). "
         f"Raw results: `benchmarks/results/{source}`; this table is generated from them by `benchmarks/readme_table.py`.",
         "",
         "| step: shape (m, d, f, E), variant | " + " | ".join(f"`{c}` round {r}" for c in (old, new) for r in rounds)

@@ -77,8 +77,8 @@ GROUPINGS = {
 }
 FP16_GROUPINGS = ("ragged_with_empty", "negative")
 
-# The contraction's tile configurations, each on 3 CTAs (3 clusters of 2) so that every
-# CTA walks many work items (the operand ring's state carried from item to item, store buffers reused across
+# The contraction's tile configurations, each on 3 CTAs, or 3 clusters of 2 (6 CTAs) for
+# the `_pairs` configs, so that every CTA walks many work items (the operand ring's state carried from item to item, store buffers reused across
 # items): the ones `choose_contract_config` picks at the benchmark shapes (a buffer per
 # subtile for 16-bit outputs, 128x192 where b is 1856 or 2688 and 128x256 where it is 768
 # or 2048; a ring of 3 buffers for float32 outputs with many experts), and 128x128.
@@ -88,7 +88,8 @@ CONTRACT_CONFIGS = {
     "128x256_whole_tile": sm90_config.ContractConfig(tile_n=256, ab_stages=6, store_stages=8, **_CONTRACT_TILES),
     "128x256_store_ring": sm90_config.ContractConfig(tile_n=256, ab_stages=7, store_stages=3, **_CONTRACT_TILES),
     "128x128_whole_tile": sm90_config.ContractConfig(tile_n=128, ab_stages=8, store_stages=4, **_CONTRACT_TILES),
-    # Clusters of two CTAs along b (A multicast), as chosen where the b-blocks pair up.
+    # Clusters of two CTAs along b (A multicast): not chosen, kept to hold the kernel in pairs
+    # to the same tests.
     "128x192_whole_tile_pairs": sm90_config.ContractConfig(
         tile_n=192, ab_stages=8, store_stages=6, cluster_n=2, **dict(_CONTRACT_TILES, max_ctas=6)),
     "128x256_store_ring_pairs": sm90_config.ContractConfig(
@@ -282,6 +283,10 @@ def test_each_contraction_config_compiles_for_sm90a(name):
     config = dataclasses.replace(CONTRACT_CONFIGS[name], max_ctas=132)
     compiled = sm90_gemm.compile_kernel(contract_request((128, 2688, 1856), BF16), config, keep=True)
     assert "wgmma.mma_async" in compiled.ptx
+    # In pairs: the a-block multicast, the releases in the partner CTA, the cluster barrier.
+    pairs = config.cluster_n == 2
+    for instruction in ("multicast::cluster", "mapa.shared::cluster", "barrier.cluster.wait"):
+        assert (instruction in compiled.ptx) == pairs, instruction
     assert not ATOMIC.search(compiled.ptx)
     ptxas.check_assembly(compiled.ptx)
 
@@ -302,11 +307,12 @@ def test_ragged_matmul_compiles_for_sm90a_in_cluster_pairs(variant):
 
 
 @pytest.mark.compile
-def test_cluster_pairs_are_chosen_for_the_plain_gemm_from_k_1024():
+def test_cluster_pairs_are_chosen_for_the_plain_gemm_from_k_1536():
     def chosen(variant, k, n):
         return sm90_config.choose_gemm_config(matmul_request((128, k, n), variant)).cluster_n
-    # Nemotron-3 Nano's down and dx (k = 1856, 14 N-tiles of 192) and k = 2048, n = 4096.
+    # Nemotron-3 Nano's down and dx (k = 1856, 14 N-tiles of 192), k = 2048, and the bound.
     assert chosen("down_kn", 1856, 2688) == chosen("dx_nk", 1856, 2688) == chosen("down_kn", 2048, 4096) == 2
+    assert chosen("down_kn", 1536, 2048) == 2 and chosen("down_kn", 1528, 2048) == chosen("dx_nk", 1024, 2048) == 1
     # Short k, the squared-ReLU epilogue, and three N-tiles run alone.
     assert chosen("down_kn", 768, 2048) == chosen("up_srelu_bias", 2688, 1856) == chosen("down_kn", 2048, 768) == 1
     assert sm90_config.choose_contract_config(contract_request((128, 2688, 1856), BF16)).cluster_n == 1

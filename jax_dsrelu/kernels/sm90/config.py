@@ -185,9 +185,10 @@ def pairs_up(n: int, tile_n: int) -> bool:
     return -(-n // tile_n) % 2 == 0
 
 
-# The plain ragged-M GEMM runs in cluster pairs from this many k per tile (see
-# `choose_gemm_config`).
-_PAIRS_MIN_K = 1024
+# The plain ragged-M GEMM runs in cluster pairs from this k (see `choose_gemm_config`):
+# between the largest k measured without a gain in the step (1024) and the smallest with
+# one (1856).
+_PAIRS_MIN_K = 1536
 
 
 def _most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int:
@@ -228,8 +229,9 @@ def dsrelu_tile_n(n: int) -> int:
 
 def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
     """The tile configuration for `request`: the N tile of `dsrelu_tile_n`, then as many
-    grad/weight stages as shared memory holds. One CTA per cluster: in cluster pairs the
-    fused kernel took as long in the layer step at Nemotron-3 Nano's shape (docs/sm90.md).
+    grad/weight stages as shared memory holds. Alone (cluster_n = 1, no cluster launch): in
+    cluster pairs the fused kernel took as long in the layer step at Nemotron-3 Nano's shape
+    and 1.6-2.6% longer at n = 1024 and 512 (docs/sm90.md).
 
     On an H200 at the three few-expert benchmark shapes, 128x256 with 32-column subtiles
     and 3 stages beat 64-column subtiles by 1-4% and 128x128 with 4 stages by 6-18%
@@ -342,13 +344,13 @@ def cannot_implement_contract(request: RaggedContractRequest) -> str | None:
 
 def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_COUNT) -> GemmConfig:
     """The N tile of `choose_tile_n`, cluster pairs for the plain GEMM (no epilogue) from
-    k = 1024 where its N-tiles pair up, then as many stages as shared memory holds.
+    k = 1536 where its N-tiles pair up, then as many stages as shared memory holds.
 
     Pairs share each A tile by multicast. In the layer step on an H200, against the same
     kernels alone on the same machine (docs/sm90.md, cluster pairs), the plain GEMMs (down
-    and dx) took 3-4% less time at k = 1856 (Nemotron-3 Nano) and 1% less at k = 2048, and
-    up to 2.5% more at k = 768 and 512; the up-projection with its squared-ReLU epilogue
-    took 2% more at k = 2688."""
+    and dx) took 2.4-3.6% less time at k = 1856 (Nemotron-3 Nano) and 0.3-2.2% less at
+    k = 2048, 0.5-0.8% more at k = 1024 and up to 2.5% more at k = 768 and 512; the
+    up-projection with its squared-ReLU epilogue took 2% more at k = 2688."""
     reason = cannot_implement_gemm(request)
     if reason is not None:
         raise ValueError(reason)
@@ -373,9 +375,9 @@ _CONTRACT_MAX_STAGES = 8
 
 
 def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAULT_SM_COUNT) -> ContractConfig:
-    """128 x choose_tile_n(b) output tiles, one CTA per cluster (in pairs sharing the a-block
-    the contraction took 1-2% more time in the layer step at Nemotron-3 Nano's shape:
-    docs/sm90.md), 32 expert rows per stage; a shared buffer for
+    """128 x choose_tile_n(b) output tiles, alone (cluster_n = 1, no cluster launch: in
+    pairs, sharing the a-block, the contraction took up to 1.7% more time in the layer step
+    at Nemotron-3 Nano's shape, docs/sm90.md), 32 expert rows per stage; a shared buffer for
     every subtile of a tile (stored at once, two barriers per tile) if that leaves at
     least 192 rows of operands in flight, else a ring of store buffers; then as many
     operand stages as fit, up to 8.

@@ -78,7 +78,7 @@ class RaggedMSchedule:
 
     @staticmethod
     def start(row_start, tile_start, num_rows: Int32, num_experts: int, n_tiles: int, tile_m: int,
-              first: Int32, stride: Int32, cluster_n: int = 1, rank=0) -> "RaggedMSchedule":
+              first: Int32, stride: Int32, cluster_n: int, rank) -> "RaggedMSchedule":
         """The walk from work item `first` by `stride` (in clusters when cluster_n > 1)."""
         return RaggedMSchedule(row_start, tile_start, num_rows, num_experts, n_tiles, tile_m,
                                first, stride, Int32(0), cluster_n, Int32(rank))
@@ -157,7 +157,7 @@ class ContractSchedule:
     """
 
     def __init__(self, row_start: cute.Tensor, expert_order: cute.Tensor, num_experts: int,
-                 a_tiles: int, b_tiles: int, work: Int32, stride: Int32, cluster_n: int = 1, rank=0):
+                 a_tiles: int, b_tiles: int, work: Int32, stride: Int32, cluster_n: int, rank):
         self.row_start = row_start
         self.expert_order = expert_order
         self.num_experts = num_experts
@@ -189,11 +189,11 @@ class ContractSchedule:
 
     def tile(self):
         """(expert, a_tile, b_tile, first_row, expert_rows) of the current work item."""
-        rank = self.work // self.per_expert
-        tile = self.work - rank * self.per_expert
+        size_rank = self.work // self.per_expert
+        tile = self.work - size_rank * self.per_expert
         a_tile = tile // self.b_groups
         b_tile = (tile - a_tile * self.b_groups) * self.cluster_n + self.rank
-        expert = self.expert_order[rank]
+        expert = self.expert_order[size_rank]
         first_row = self.row_start[expert]
         return expert, a_tile, b_tile, first_row, self.row_start[expert + 1] - first_row
 
