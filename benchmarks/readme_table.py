@@ -77,6 +77,18 @@ def provenance(results: dict, json_name: str, what: str) -> str:
     )
 
 
+def sweeps_provenance(results: list, json_name: str, what: str) -> str:
+    """`provenance` for a table drawn from several JSON, each a run of its own command."""
+    commits = list(dict.fromkeys(f"`{run['commit']}`" for run in results))
+    commands = "; ".join(f"`{run['command']}`" for run in results)
+    return (
+        f"Measured on an {results[0]['device']} (JAX {results[0]['jax']}), commit{'s' * (len(commits) > 1)} "
+        f"{', '.join(commits)}, {what}, all variants on the same inputs in one process: {commands} "
+        f"({results[0]['timing']}). Raw results: `benchmarks/results/{json_name}`; this table is generated "
+        "from them by `benchmarks/readme_table.py`."
+    )
+
+
 def shape_text(shape: dict, keys: str) -> str:
     return ", ".join(str(shape[key]) for key in keys)
 
@@ -550,14 +562,9 @@ def render_epilogue_overlap(results: list, source: str) -> str:
             order[label] = (-row["fields"]["tile_n"], label)
             times[(tuple(row["shape"]), label)] = (row["ms"], row["fields"].get("overlap_k_tiles", 0))
     labels = sorted(order, key=order.get)
-    commands = "; ".join(f"`{run['command']}`" for run in results)
     lines = [
-        f"Measured on an {results[0]['device']} (JAX {results[0]['jax']}), commit `{results[0]['commit']}`, "
-        f"bf16, with dbias and act, Dirichlet group sizes, all variants on the same inputs in one process: "
-        f"{commands} ({results[0]['timing']}). Raw results: "
-        f"`benchmarks/results/{source}`; this table is generated from them "
-        "by `benchmarks/readme_table.py`. Each cell: ms (time over the fastest config of the row without "
-        "the overlap).",
+        sweeps_provenance(results, source, "bf16, with dbias and act, Dirichlet group sizes")
+        + " Each cell: ms (time over the fastest config of the row without the overlap).",
         "",
         "| (m, d, f, E) | " + " | ".join(labels) + " |",
         "| --- |" + " --- |" * len(labels),
@@ -583,14 +590,10 @@ def render_cluster_pairs(results: list, source: str) -> str:
             times.setdefault(key, {})[fields.get("cluster_n", 1)] = row["ms"]
             if row["config"] == "chosen":
                 chosen[key] = fields.get("cluster_n", 1)
-    commands = "; ".join(f"`{run['command']}`" for run in results)
     lines = [
-        f"Measured on an {results[0]['device']} (JAX {results[0]['jax']}), commits "
-        f"{', '.join(dict.fromkeys('`' + run['commit'] + '`' for run in results))}, bf16, Dirichlet group sizes, "
-        f"every config of a kernel on the same inputs in one process: {commands} ({results[0]['timing']}). "
-        f"Raw results: `benchmarks/results/{source}`; this table is generated from them by "
-        "`benchmarks/readme_table.py`. Run: the JSON, in name order. Chosen: the size the config rules picked "
-        "when the sweep ran. At these commits a kernel alone was launched as a cluster of one.",
+        sweeps_provenance(results, source, "bf16, Dirichlet group sizes")
+        + " Run: the JSON, in name order. Chosen: the size the config rules picked when the sweep ran. At "
+        "these commits a kernel alone was launched as a cluster of one.",
         "",
         "| run | (m, d, f, E), kernel | tiles | alone | pairs | pairs / alone | chosen |",
         "| --- | --- | --- | --- | --- | --- | --- |",

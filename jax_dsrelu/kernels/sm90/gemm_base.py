@@ -115,11 +115,27 @@ class GemmSm90:
         """A cluster launch only for clusters of more than one CTA: launched with a cluster
         shape of 1x1x1, kernels that run alone took up to 4.8% more time in the layer step on
         the H200 (docs/sm90.md, cluster pairs)."""
-        if self.config.cluster_n > 1:
-            kernel.launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=[self.config.cluster_n, 1, 1],
-                          min_blocks_per_mp=1, stream=stream)
-        else:
-            kernel.launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream)
+        cluster = [self.config.cluster_n, 1, 1] if self.config.cluster_n > 1 else None
+        kernel.launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=cluster, min_blocks_per_mp=1,
+                      stream=stream)
+
+    def _check_pairs_up(self, n_tiles: int, extent: str) -> None:
+        """Refuses a cluster size that does not divide the N-tiles (`extent` names the
+        width, "n=1856"): a cluster takes neighbouring N-tiles of the same rows."""
+        if n_tiles % self.config.cluster_n:
+            raise ValueError(
+                f"cluster_n={self.config.cluster_n} must divide the {n_tiles} N-tiles of {extent} with "
+                f"tile_n={self.config.tile_n} (a cluster takes neighbouring N-tiles of the same rows)"
+            )
+
+    def _cluster_walk(self):
+        """(first work item, stride, rank) of this CTA's walk: the items are its cluster's,
+        every CTA of a cluster walks the same ones, and `rank` says which N-tile of each
+        is this CTA's."""
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        cluster_n = self.config.cluster_n
+        return bidx // cluster_n, grid // cluster_n, bidx % cluster_n
 
     # ---------------------------------------------------------------- device side
 
@@ -245,11 +261,7 @@ class RaggedMGemmSm90(GemmSm90):
         self.k = k
         self.n_tiles = (n + config.tile_n - 1) // config.tile_n
         self.k_tiles = (k + config.tile_k - 1) // config.tile_k
-        if self.n_tiles % config.cluster_n:
-            raise ValueError(
-                f"cluster_n={config.cluster_n} must divide the {self.n_tiles} N-tiles of n={n} with "
-                f"tile_n={config.tile_n} (a cluster takes neighbouring N-tiles of the same rows)"
-            )
+        self._check_pairs_up(self.n_tiles, f"n={n}")
 
     def _grid(self, num_rows: Int32) -> Int32:
         """Persistent CTAs, whole clusters, no more than there are work items: expert tiles
@@ -262,14 +274,11 @@ class RaggedMGemmSm90(GemmSm90):
         return clusters * cluster_n
 
     def _schedule(self, row_start, tile_start, num_rows: Int32) -> schedule.RaggedMSchedule:
-        """A role's own walk of the work items, from this CTA's cluster's first; the CTAs
-        of a cluster walk the same items, each on its own N-tile of them."""
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        cluster_n = self.config.cluster_n
+        """A role's own walk of the work items (`_cluster_walk`)."""
+        first, stride, rank = self._cluster_walk()
         return schedule.RaggedMSchedule.start(
             row_start, tile_start, num_rows, self.num_experts, self.n_tiles, self.tile_m,
-            bidx // cluster_n, grid // cluster_n, cluster_n, bidx % cluster_n,
+            first, stride, self.config.cluster_n, rank,
         )
 
     @cute.jit

@@ -66,11 +66,7 @@ class RaggedContractSm90(GemmSm90):
         self.b = request.b
         self.a_tiles = (self.a + config.tile_m - 1) // config.tile_m
         self.b_tiles = (self.b + config.tile_n - 1) // config.tile_n
-        if self.b_tiles % config.cluster_n:
-            raise ValueError(
-                f"cluster_n={config.cluster_n} must divide the {self.b_tiles} N-tiles of b={self.b} with "
-                f"tile_n={config.tile_n} (a cluster takes neighbouring b-blocks of the same expert rows)"
-            )
+        self._check_pairs_up(self.b_tiles, f"b={self.b}")
         # A shared buffer for every subtile: the whole tile is stored at once.
         self.whole_tile = config.store_stages >= config.subtiles
 
@@ -130,14 +126,11 @@ class RaggedContractSm90(GemmSm90):
                          self._schedule(row_start, expert_order), tidx - 128)
 
     def _schedule(self, row_start, expert_order) -> schedule.ContractSchedule:
-        """A role's own walk of the work items, from this CTA's cluster's first; the CTAs
-        of a cluster walk the same items, each on its own b-block of them."""
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        cluster_n = self.config.cluster_n
+        """A role's own walk of the work items (`_cluster_walk`)."""
+        first, stride, rank = self._cluster_walk()
         return schedule.ContractSchedule(
             row_start, expert_order, self.num_experts, self.a_tiles, self.b_tiles,
-            bidx // cluster_n, grid // cluster_n, cluster_n, bidx % cluster_n,
+            first, stride, self.config.cluster_n, rank,
         )
 
     @cute.jit
