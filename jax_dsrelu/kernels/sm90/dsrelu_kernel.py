@@ -282,7 +282,8 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
                 valid, prob = self._row_probs(mProb, tile_row, row0, rows_valid)
 
                 read_state, release_state = mainloop.mma_k_tiles(
-                    tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles
+                    tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles,
+                    self._warpgroup_active(ctid, rows_valid),
                 )
 
                 # -------- epilogue

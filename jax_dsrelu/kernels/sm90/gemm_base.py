@@ -299,6 +299,12 @@ class RaggedMGemmSm90(GemmSm90):
             work_schedule.advance()
         ab_pipeline.producer_tail(state)
 
+    @staticmethod
+    def _warpgroup_active(ctid: Int32, rows_valid: Int32) -> Int32:
+        """`mainloop.warpgroup_active` for this consumer thread's warpgroup, whose 64 rows
+        of the tile start at 64 (ctid // 128)."""
+        return mainloop.warpgroup_active((ctid // 128) * 64, rows_valid)
+
     def _tile_rows(self, tile: schedule.ExpertTile):
         """(the tile's first row, how many of its rows belong to the expert: may exceed
         tile_m, may be below)."""

@@ -105,6 +105,7 @@ def mma_k_tiles(
     read_state: pipeline.PipelineState,
     release_state: pipeline.PipelineState,
     k_tiles: Int32,
+    active=None,
 ):
     """Consumers: acc = sum over the tile's k-tiles of A B^T (acc = 0 for none).
 
@@ -112,11 +113,37 @@ def mma_k_tiles(
     reading it has been issued, so the producer refills it while the tensor cores work.
     Returns (read_state, release_state).
 
-    No wgmma may sit under a run-time branch inside this loop (say, to skip a warpgroup
-    whose rows are not stored): ptxas then serializes every wgmma of the kernel (C7520,
-    "wgmma.mma_async instructions are serialized"): the steps ran 10-19% slower on the H200; the
-    compile tier checks for it (tests/ptxas.py). Behind a flag marked warp-uniform the
-    skip assembles unserialized but with fences that made the steps slower (docs/sm90.md)."""
+    `active` (`warpgroup_active`, or None for always): 0 when none of this warpgroup's
+    rows of the tile is stored (an expert's last tile with 64 rows or fewer left). Such a
+    warpgroup issues no wgmma: it waits for and releases every stage in step with the
+    other, its accumulator stays 0, and the other warpgroup has the tensor cores to
+    itself, so the tile costs about half. The branch is taken once per tile, around two
+    whole loops: a wgmma under a run-time branch inside the loop made ptxas serialize every
+    wgmma of the kernel (C7520: the steps ran 10-19% slower on the H200), or, behind a
+    warp-uniform flag, inject fences that made the steps 3-4% slower (docs/sm90.md). The
+    compile tier checks the assembler's log for both (tests/ptxas.py)."""
+    if cutlass.const_expr(active is None):
+        read_state, release_state = _wgmma_k_tiles(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state,
+                                                   release_state, k_tiles)
+    else:
+        if active != 0:
+            read_state, release_state = _wgmma_k_tiles(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state,
+                                                       release_state, k_tiles)
+        else:
+            acc.fill(0.0)
+            for _ in range(k_tiles):
+                ab_pipeline.consumer_wait(read_state)
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
+                read_state.advance()
+    return read_state, release_state
+
+
+@cute.jit
+def _wgmma_k_tiles(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, k_tiles: Int32):
+    """`mma_k_tiles`' loop of wgmma batches. The accumulator is zeroed and fenced here,
+    past the caller's branch: a register write between the fence and the first wgmma
+    makes ptxas fence every wgmma batch itself (C7519)."""
     k_blocks = cute.size(tCrA, mode=[2])
     acc.fill(0.0)
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -142,6 +169,15 @@ def mma_k_tiles(
         ab_pipeline.consumer_release(release_state)
         release_state.advance()
     return read_state, release_state
+
+
+def warpgroup_active(first_row_of_warpgroup: Int32, rows_stored: Int32) -> Int32:
+    """1 if the warpgroup whose rows start at `first_row_of_warpgroup` in the tile holds
+    any of the tile's first `rows_stored` rows, else 0; marked warp-uniform (a
+    warpgroup's four warps share it)."""
+    return cute.arch.make_warp_uniform(
+        Int32(cutlass.select_(first_row_of_warpgroup < rows_stored, Int32(1), Int32(0)))
+    )
 
 
 def tma_partition(tma: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor, rank=0, ctas: int = 1):

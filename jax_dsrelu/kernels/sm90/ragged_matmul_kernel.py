@@ -195,7 +195,8 @@ class RaggedGemmSm90(RaggedMGemmSm90):
                 bias = self._column_bias(mBias, tCcAcc, tile)
 
                 read_state, release_state = mainloop.mma_k_tiles(
-                    tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles
+                    tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles,
+                    self._warpgroup_active(ctid, rows_valid),
                 )
 
                 stores = self._stores(outputs, tile.first_row, tile.rows, tile.local_tile)
