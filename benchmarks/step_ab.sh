@@ -5,6 +5,8 @@
 #
 #   bash benchmarks/step_ab.sh OLD_TREE OLD_COMMIT NEW_COMMIT [ROUNDS]
 #
+# STEP_AB_SHAPES (bench_layer.py's --shapes) narrows the run; by default every step shape.
+#
 # OLD_TREE holds the older commit's jax_dsrelu, benchmarks and tests (here:
 #   git archive OLD_COMMIT jax_dsrelu benchmarks tests pyproject.toml | tar -x -C OLD_TREE
 # carried in the kernel archive); the working tree is NEW_COMMIT. Both commits' kernels come
@@ -17,7 +19,7 @@ old_tree="$1"
 old_commit="$2"
 new_commit="$3"
 rounds="${4:-2}"
-shapes="16384,4096,2048,8;32768,7168,2048,8;65536,2048,1024,32;49152,2688,1856,128;65536,2048,768,128;65536,2048,512,128;32768,7168,2048,32;65536,2048,768,256"
+shapes="${STEP_AB_SHAPES:-16384,4096,2048,8;32768,7168,2048,8;65536,2048,1024,32;49152,2688,1856,128;65536,2048,768,128;65536,2048,512,128;32768,7168,2048,32;65536,2048,768,256}"
 source .gpu/activate.sh
 export JAX_DSRELU_KERNEL_CACHE="$PWD/.kernels/cache"
 export PYTHONUNBUFFERED=1
