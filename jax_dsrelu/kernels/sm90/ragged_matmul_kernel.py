@@ -194,9 +194,12 @@ class RaggedGemmSm90(RaggedMGemmSm90):
                     _, prob = self._row_probs(mProb, tile_row, row0, rows_valid)
                 bias = self._column_bias(mBias, tCcAcc, tile)
 
+                # Both warpgroups multiply every tile, an expert's last one too: with the
+                # idle warpgroup's wgmma skipped (`mma_k_tiles`' `active`), the up-projection
+                # was no faster and down and dx 6% slower in the Nano step on the H200
+                # (docs/sm90.md, "An expert's last tile on one warpgroup").
                 read_state, release_state = mainloop.mma_k_tiles(
-                    tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles,
-                    self._warpgroup_active(ctid, rows_valid),
+                    tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles
                 )
 
                 stores = self._stores(outputs, tile.first_row, tile.rows, tile.local_tile)
