@@ -256,7 +256,7 @@ def main():
     )
     os.makedirs(options.out, exist_ok=True)
     with open(os.path.join(options.out, "bench_dsrelu.json"), "w") as file:
-        json.dump(result, file, indent=1)
+        json.dump(result, file, separators=(",", ":"))
     plot(rows, os.path.join(options.out, "bench_dsrelu.png"))
     header = f"{'shape':>24} " + " ".join(f"{v:>12}" for v in ["xla", "pallas+xla", "sm90", "sm90_det", "cublas_dense"])
     print(header)

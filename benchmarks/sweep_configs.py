@@ -249,7 +249,7 @@ def main():
         if options.kernel == "gemm":
             record["max_active_clusters_of_2"] = max_active_clusters(2)
         with open(os.path.join(options.out, f"sweep_{options.kernel}.json"), "w") as file:
-            json.dump(dict(record, rows=rows), file, indent=1)
+            json.dump(dict(record, rows=rows), file, separators=(",", ":"))
         return
     rows = []
     for m, k, n, num_experts in SHAPES:
@@ -266,7 +266,7 @@ def main():
     os.makedirs(options.out, exist_ok=True)
     with open(os.path.join(options.out, "sweep_configs.json"), "w") as file:
         json.dump(dict(run_record.header(options.commit, "CUPTI kernel time, median of reps"), rows=rows),
-                  file, indent=1)
+                  file, separators=(",", ":"))
 
 
 if __name__ == "__main__":
