@@ -59,8 +59,8 @@ def error_entry(error: BaseException, stage: str) -> dict:
 
 def write_json(result: dict, directory: str, name: str) -> str:
     """Writes `result` without whitespace, as every benchmark script does: the records are
-    committed, and every GPU run carries the repository, within a size limit (an indented
-    record is 60% larger)."""
+    committed, and compact records keep the repository small (an indented record is 60%
+    larger)."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, name)
     with open(path, "w") as file:

@@ -117,11 +117,12 @@ def mma_k_tiles(
     rows of the tile is stored (an expert's last tile with 64 rows or fewer left). Such a
     warpgroup issues no wgmma: it waits for and releases every stage in step with the
     other, its accumulator stays 0, and the other warpgroup has the tensor cores to
-    itself, so the tile costs about half. The branch is taken once per tile, around two
-    whole loops: a wgmma under a run-time branch inside the loop made ptxas serialize every
-    wgmma of the kernel (C7520: the steps ran 10-19% slower on the H200), or, behind a
-    warp-uniform flag, inject fences that made the steps 3-4% slower (docs/sm90.md). The
-    compile tier checks the assembler's log for both (tests/ptxas.py)."""
+    itself. What that saves depends on the kernel: 1-2% of the fused dsReLU kernel's time
+    on the H200, while the ragged-M GEMM ran slower with it (docs/sm90.md, the last-tile
+    section). The branch is taken once per tile, around two whole loops: a wgmma under a
+    run-time branch inside the loop made ptxas serialize every wgmma of the kernel (C7520:
+    the steps ran 10-19% slower on the H200), or, behind a warp-uniform flag, slowed the
+    steps by 3-4%. The compile tier fails on serialization (tests/ptxas.py)."""
     if cutlass.const_expr(active is None):
         read_state, release_state = _wgmma_k_tiles(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state,
                                                    release_state, k_tiles)

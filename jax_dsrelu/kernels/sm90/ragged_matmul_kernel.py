@@ -196,7 +196,7 @@ class RaggedGemmSm90(RaggedMGemmSm90):
 
                 # Both warpgroups multiply every tile, an expert's last one too: with the
                 # idle warpgroup's wgmma skipped (`mma_k_tiles`' `active`), the up-projection
-                # was no faster and down and dx 6% slower in the Nano step on the H200
+                # was no faster and down and dx 5-7% slower in the Nano step on the H200
                 # (docs/sm90.md, "An expert's last tile on one warpgroup").
                 read_state, release_state = mainloop.mma_k_tiles(
                     tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles
