@@ -118,6 +118,15 @@ def gemm_candidates(sm_count, request):
             while config.ab_stages < 8 and _fits(dataclasses.replace(config, ab_stages=config.ab_stages + 1), request):
                 config = dataclasses.replace(config, ab_stages=config.ab_stages + 1)
             configs[f"128x{tile_n} ab{config.ab_stages}"] = config
+    # The fused kernel's preact ring holds 4 subtiles; with 2 the shared memory it frees can
+    # take another operand stage (at n = 1856, 192-wide tiles get 4 stages instead of 3).
+    if isinstance(request, request_facts.Request):
+        for name, config in list(configs.items()):
+            fewer = dataclasses.replace(config, preact_stages=2)
+            while config.ab_stages < 8 and _fits(dataclasses.replace(fewer, ab_stages=fewer.ab_stages + 1), request):
+                fewer = dataclasses.replace(fewer, ab_stages=fewer.ab_stages + 1)
+            if fewer.ab_stages > config.ab_stages:
+                configs[f"128x{fewer.tile_n} ab{fewer.ab_stages} preact2"] = fewer
     # Each in the other cluster size (two CTAs along N, A multicast) where the N-tiles pair up.
     for name, config in list(configs.items()):
         if sm90_config.pairs_up(request.n, config.tile_n):
