@@ -207,12 +207,17 @@ def test_shared_memory_estimate_covers_the_kernels_struct(shape, monkeypatch):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("n, tile_n", [(64, 64), (120, 64), (128, 128), (200, 128), (248, 128), (256, 256),
-                                       (320, 128), (384, 128), (448, 256), (768, 256), (1856, 256), (2688, 256)])
+                                       (320, 128), (384, 128), (448, 256), (768, 256), (1024, 256), (1856, 192),
+                                       (2688, 192)])
 def test_fused_kernel_tile_width(n, tile_n):
-    # 256 from n = 256 unless it computes 10% more columns than 128 (320: 512 against 384);
-    # n = 1856 computes 2048 columns against 1920, and 256 was measured faster there.
+    # 256 from n = 256 unless it computes 10% more columns than 128 (320: 512 against 384),
+    # 192 where it computes fewer than that choice (1856: 1920 against 2048; 2688: 2688
+    # against 2816), and then with 2 preact stages and the operand stage they make room for.
     assert sm90_config.dsrelu_tile_n(n) == tile_n
-    assert sm90_config.choose_config(request_for(256, n, 4)).tile_n == tile_n
+    config = sm90_config.choose_config(request_for(256, n, 4))
+    assert config.tile_n == tile_n
+    if tile_n == 192:
+        assert (config.ab_stages, config.preact_stages) == (4, 2)
 
 
 def in_clusters(request, cluster_n, max_ctas=6):

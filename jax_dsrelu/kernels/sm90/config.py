@@ -208,45 +208,56 @@ _DSRELU_NARROW_TILE_COST = 1.10
 
 
 def dsrelu_tile_n(n: int) -> int:
-    """The fused kernel's N tile: 64 below n = 128, 128 below n = 256, else 256 unless its
-    padded width exceeds the 128-wide tiles' by 10% or more.
+    """The fused kernel's N tile: 64 below n = 128, 128 below n = 256; else 256 unless its
+    padded width exceeds the 128-wide tiles' by 10% or more, and 192 where that pads less
+    than the choice between 256 and 128.
 
-    Not `choose_tile_n`'s 192: the fused kernel's preact ring, dh and act buffers and
-    column partials leave a 128x192 tile 3 operand stages; it ran slower than 128x256 at
-    n = 1856 and than both others at n = 768. On an H200 at n = 1856 (Nemotron-3 Nano's
-    expert width: 2048 columns computed with 256, 1920 with 128, 6.7% more) 128x256 took
-    8% less time than 128x128 (benchmarks/results/fine_grained/sweep_gemm_overlap_0defe86.json;
-    an earlier sweep, sweep_gemm_5aff945.json, had 128x128 1% ahead, before d50fca1 removed
-    register spills from the fused kernel); at n = 320 (512 against 384 columns) 128
-    stays. Below n = 256 a single 256-wide tile would cover the output; the GPU tier
-    checks no such width, so those keep 128."""
+    On an H200 at n = 1856 (Nemotron-3 Nano's expert width: 2048 columns computed with 256,
+    1920 with 192 or 128) 128x256 took 8% less time than 128x128
+    (benchmarks/results/fine_grained/sweep_gemm_overlap_0defe86.json), and 128x192, with
+    the 4 operand stages that 2 preact stages leave room for (`choose_config`), 3.6% less
+    than 128x256 (sweep_gemm_preact_cb6ff28.json); at n = 320 (512 against 384 columns) 128
+    stays. Where 192 and 256 pad alike (n = 768), 256 stays: 192 was 2% faster at 256
+    experts in that sweep, one shape too few to move the rule. Below n = 256 a single
+    256-wide tile would cover the output; the GPU tier checks no such width, so those keep
+    128."""
     if n < 128:
         return 64
     if n < 256:
         return 128
-    return 256 if _padded_width(n, 256) < _DSRELU_NARROW_TILE_COST * _padded_width(n, 128) else 128
+    wide = 256 if _padded_width(n, 256) < _DSRELU_NARROW_TILE_COST * _padded_width(n, 128) else 128
+    return 192 if _padded_width(n, 192) < _padded_width(n, wide) else wide
 
 
 def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
     """The tile configuration for `request`: the N tile of `dsrelu_tile_n`, then as many
-    grad/weight stages as shared memory holds. Alone (cluster_n = 1, no cluster launch): in
-    cluster pairs the fused kernel took as long in the layer step at Nemotron-3 Nano's shape
-    and 1.6-2.6% longer at n = 1024 and 512 (docs/sm90.md).
+    grad/weight stages as shared memory holds with 4 preact stages, or one more with 2
+    where that makes room for it. Alone (cluster_n = 1, no cluster launch): in cluster
+    pairs the fused kernel took as long in the layer step at Nemotron-3 Nano's shape and
+    1.6-2.6% longer at n = 1024 and 512 (docs/sm90.md).
 
     On an H200 at the three few-expert benchmark shapes, 128x256 with 32-column subtiles
     and 3 stages beat 64-column subtiles by 1-4% and 128x128 with 4 stages by 6-18%
-    (benchmarks/sweep_configs.py).
+    (benchmarks/sweep_configs.py). An operand stage is worth more than two preact stages:
+    128x192 took 9% less time with 4 operand and 2 preact stages than with 3 and 4, at
+    n = 1856 and at n = 768, and 128x128 0.6% and 4% less with 5 and 2 than with 4 and 4
+    (sweep_gemm_preact_cb6ff28.json).
     """
     reason = cannot_implement(request)
     if reason is not None:
         raise ValueError(reason)
-    base = dict(tile_n=dsrelu_tile_n(request.n), tile_k=64, epi_n=32, preact_stages=4, store_stages=2,
-                max_ctas=sm_count)
     facts = (request.num_experts, request.with_act, request.with_dbias)
-    config = TileConfig(
-        ab_stages=_most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2),
-        **base,
-    )
+
+    def most_stages(preact_stages):
+        base = dict(tile_n=dsrelu_tile_n(request.n), tile_k=64, epi_n=32, preact_stages=preact_stages,
+                    store_stages=2, max_ctas=sm_count)
+        stages = _most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2)
+        return TileConfig(ab_stages=stages, **base)
+
+    config = most_stages(4)
+    fewer_preact = most_stages(2)
+    if fewer_preact.ab_stages > config.ab_stages:
+        config = fewer_preact
     config.check_fits(*facts)
     return config
 
