@@ -239,7 +239,7 @@ def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileCon
     On an H200 at the three few-expert benchmark shapes, 128x256 with 32-column subtiles
     and 3 stages beat 64-column subtiles by 1-4% and 128x128 with 4 stages by 6-18%
     (benchmarks/sweep_configs.py). An operand stage is worth more than two preact stages:
-    128x192 took 9% less time with 4 operand and 2 preact stages than with 3 and 4, at
+    128x192 took 9-11% less time with 4 operand and 2 preact stages than with 3 and 4, at
     n = 1856 and at n = 768, and 128x128 0.6% and 4% less with 5 and 2 than with 4 and 4
     (sweep_gemm_preact_cb6ff28.json).
     """
