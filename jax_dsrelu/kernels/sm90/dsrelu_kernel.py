@@ -284,8 +284,9 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
                 valid, prob = self._row_probs(mProb, tile_row, row0, rows_valid)
 
                 # An expert's last tile with 64 rows or fewer runs on the first warpgroup's
-                # wgmma alone: 1.2-1.7% less time for this kernel in the Nano step on the H200
-                # (docs/sm90.md, "An expert's last tile on one warpgroup").
+                # wgmma alone: 1.2-1.7% less time for this kernel in the Nano step on the H200,
+                # with the 128x256 tiles it then took there (docs/sm90.md, "An expert's last
+                # tile on one warpgroup").
                 read_state, release_state = mainloop.mma_k_tiles(
                     tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles,
                     self._warpgroup_active(ctid, rows_valid),
