@@ -205,28 +205,33 @@ def _most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int
 # 256-wide ones at n = 1856 (their operands cross shared memory and L2 a third more often
 # per FLOP): with a margin, 256 is chosen unless it computes 10% more columns than 128.
 _DSRELU_NARROW_TILE_COST = 1.10
+# Its 128x192 tiles (4 operand and 2 preact stages) took 2.8% more time per column computed
+# than the 128x256 ones at n = 1856, where they computed 6.25% fewer columns: 192 is taken
+# where it computes at least 3% fewer columns than the choice between 256 and 128.
+_DSRELU_192_COLUMNS = 0.97
 
 
 def dsrelu_tile_n(n: int) -> int:
-    """The fused kernel's N tile: 64 below n = 128, 128 below n = 256; else 256 unless its
-    padded width exceeds the 128-wide tiles' by 10% or more, and 192 where that pads less
-    than the choice between 256 and 128.
+    """The fused kernel's N tile: 64 below n = 128, 128 below n = 256; from n = 256, 256
+    unless its padded width exceeds the 128-wide tiles' by 10% or more, and 192 where that
+    computes at least 3% fewer columns than this choice between 256 and 128.
 
     On an H200 at n = 1856 (Nemotron-3 Nano's expert width: 2048 columns computed with 256,
     1920 with 192 or 128) 128x256 took 8% less time than 128x128
     (benchmarks/results/fine_grained/sweep_gemm_overlap_0defe86.json), and 128x192, with
     the 4 operand stages that 2 preact stages leave room for (`choose_config`), 3.6% less
-    than 128x256 (sweep_gemm_preact_cb6ff28.json); at n = 320 (512 against 384 columns) 128
-    stays. Where 192 and 256 pad alike (n = 768), 256 stays: 192 was 2% faster at 256
-    experts in that sweep, one shape too few to move the rule. Below n = 256 a single
-    256-wide tile would cover the output; the GPU tier checks no such width, so those keep
-    128."""
+    than 128x256 and 7% less than 128x128 with 5 operand stages (sweep_gemm_preact_cb6ff28.json);
+    n = 1856 is the only width measured with 192. Where 192 ties with the choice (n = 768
+    with 256: 192 was 2% faster at 256 experts in that sweep; n = 264-384 and 1032-1152 with
+    128, where 192 was not measured) or saves fewer columns, the choice stays. Below
+    n = 256 a single 256-wide tile would cover the output; the GPU tier checks no such
+    width, so those keep 128."""
     if n < 128:
         return 64
     if n < 256:
         return 128
     wide = 256 if _padded_width(n, 256) < _DSRELU_NARROW_TILE_COST * _padded_width(n, 128) else 128
-    return 192 if _padded_width(n, 192) < _padded_width(n, wide) else wide
+    return 192 if _padded_width(n, 192) <= _DSRELU_192_COLUMNS * _padded_width(n, wide) else wide
 
 
 def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
