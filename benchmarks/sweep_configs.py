@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -111,20 +109,13 @@ def gemm_candidates(sm_count, request):
     configs = {"chosen": chosen}
     for tile_n in (128, 192, 256):
         if tile_n != chosen.tile_n:
-            config = dataclasses.replace(chosen, tile_n=tile_n, cluster_n=1, max_ctas=sm_count)
-            # As many operand stages as fit with this tile, as the chooser would give it.
-            while not _fits(config, request):
-                config = dataclasses.replace(config, ab_stages=config.ab_stages - 1)
-            while config.ab_stages < 8 and _fits(dataclasses.replace(config, ab_stages=config.ab_stages + 1), request):
-                config = dataclasses.replace(config, ab_stages=config.ab_stages + 1)
+            config = _most_stages(dataclasses.replace(chosen, tile_n=tile_n, cluster_n=1, max_ctas=sm_count), request)
             configs[f"128x{tile_n} ab{config.ab_stages}"] = config
     # The fused kernel's preact ring holds 4 subtiles; with 2 the shared memory it frees can
     # take another operand stage (at n = 1856, 192-wide tiles get 4 stages instead of 3).
     if isinstance(request, request_facts.Request):
         for name, config in list(configs.items()):
-            fewer = dataclasses.replace(config, preact_stages=2)
-            while config.ab_stages < 8 and _fits(dataclasses.replace(fewer, ab_stages=fewer.ab_stages + 1), request):
-                fewer = dataclasses.replace(fewer, ab_stages=fewer.ab_stages + 1)
+            fewer = _most_stages(dataclasses.replace(config, preact_stages=2), request)
             if fewer.ab_stages > config.ab_stages:
                 configs[f"128x{fewer.tile_n} ab{fewer.ab_stages} preact2"] = fewer
     # Each in the other cluster size (two CTAs along N, A multicast) where the N-tiles pair up.
@@ -134,6 +125,16 @@ def gemm_candidates(sm_count, request):
             configs[f"{name} cluster{other}"] = dataclasses.replace(config, cluster_n=other,
                                                                     max_ctas=sm_count - sm_count % other)
     return configs
+
+
+def _most_stages(config, request):
+    """`config` with as many operand stages as fit for `request` (up to 8), as the chooser
+    would give it."""
+    while not _fits(config, request):
+        config = dataclasses.replace(config, ab_stages=config.ab_stages - 1)
+    while config.ab_stages < 8 and _fits(dataclasses.replace(config, ab_stages=config.ab_stages + 1), request):
+        config = dataclasses.replace(config, ab_stages=config.ab_stages + 1)
+    return config
 
 
 def _fits(config, request):
@@ -253,12 +254,10 @@ def main():
             return
         default_shapes = CONTRACT_SHAPES if options.kernel == "contract" else GEMM_SHAPES
         rows = sweep(options.reps, lowering.sm_count(), options.shapes or default_shapes)
-        os.makedirs(options.out, exist_ok=True)
         record = run_record.header(options.commit, "CUPTI kernel time, median of reps")
         if options.kernel == "gemm":
             record["max_active_clusters_of_2"] = max_active_clusters(2)
-        with open(os.path.join(options.out, f"sweep_{options.kernel}.json"), "w") as file:
-            json.dump(dict(record, rows=rows), file, separators=(",", ":"))
+        run_record.write_json(dict(record, rows=rows), options.out, f"sweep_{options.kernel}.json")
         return
     rows = []
     for m, k, n, num_experts in SHAPES:
@@ -272,10 +271,8 @@ def main():
                              tflops=2.0 * m * n * k / (ms * 1e-3) / 1e12,
                              fields=dataclasses.asdict(config)))
             print(f"{m:>6} {k:>5} {n:>5} {num_experts:>3}  {name:<20} {ms:8.3f} ms", flush=True)
-    os.makedirs(options.out, exist_ok=True)
-    with open(os.path.join(options.out, "sweep_configs.json"), "w") as file:
-        json.dump(dict(run_record.header(options.commit, "CUPTI kernel time, median of reps"), rows=rows),
-                  file, separators=(",", ":"))
+    run_record.write_json(dict(run_record.header(options.commit, "CUPTI kernel time, median of reps"), rows=rows),
+                          options.out, "sweep_configs.json")
 
 
 if __name__ == "__main__":
