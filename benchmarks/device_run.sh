@@ -32,7 +32,8 @@
 #             the Nano step, ours and cuBLAS batched (PROFILE_ARGS for other GEMMs or groups)
 #   sweep     benchmarks/sweep_configs.py (tile configurations at the benchmark shapes)
 #   sweep_contract  benchmarks/sweep_configs.py --kernel contract (the contraction's configurations)
-#   sweep_gemm  benchmarks/sweep_configs.py --kernel gemm (the ragged-M kernels' N tiles)
+#   sweep_gemm  benchmarks/sweep_configs.py --kernel gemm (the ragged-M kernels' N tiles and
+#             stages; SWEEP_GEMM_ARGS for --gemms or --shapes)
 #   sanitize_contract  memcheck over the contraction's boundary cases (negative sizes,
 #             sums past m, exact tiles, many experts of widths no tile multiple, 512 experts),
 #             racecheck over some of them
@@ -185,7 +186,7 @@ if [[ $stages == *,sweep,* ]]; then
 fi
 
 if [[ $stages == *,sweep_gemm,* ]]; then
-  timeout 150 python3 benchmarks/sweep_configs.py --kernel gemm --commit "$commit" --out "$OUT" 2>&1 | tee -a "$log"
+  timeout 300 python3 benchmarks/sweep_configs.py --kernel gemm --commit "$commit" --out "$OUT" $SWEEP_GEMM_ARGS 2>&1 | tee -a "$log"
   echo "sweep_gemm exit $?" | tee -a "$log"
 fi
 

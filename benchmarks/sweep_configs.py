@@ -17,7 +17,9 @@ fine-grained shapes with Dirichlet group sizes, the measurements behind `choose_
 `dsrelu_tile_n` and the cluster size:
 N tiles of 128, 192 and 256 (n = 1856 and 2688 are no multiple of 256), each with as
 many operand stages as fit, each also in clusters of two CTAs along N where its N-tiles
-pair up. Writes sweep_gemm.json to --out, with the clusters of two the GPU holds at once.
+pair up; the kernels that store two outputs (up, dsrelu) also with one store buffer per
+output instead of two where that frees room for another operand stage. --gemms picks
+the kernels. Writes sweep_gemm.json to --out, with the clusters of two the GPU holds at once.
 
 All: CUPTI time of the custom call's kernels, median of --reps calls.
 """
@@ -85,12 +87,20 @@ def contract_candidates(sm_count, request):
     return unique
 
 
-GEMM_SHAPES = [(49152, 2688, 1856, 128), (65536, 2048, 768, 256)]
+# Nano's widths, and n = 768, where the 192- and 256-wide tiles pad alike, at 128 and 256 experts.
+GEMM_SHAPES = [(49152, 2688, 1856, 128), (65536, 2048, 768, 128), (65536, 2048, 768, 256)]
+GEMM_KERNELS = ("up", "down", "dx", "dsrelu")
 
 
-def gemm_cases(shapes=GEMM_SHAPES):
-    """(shape, gemm, request) of every timed ragged-M kernel: (k, n) = (d, f) for up and
-    dsrelu, (f, d) for down and dx."""
+def gemm_cases(shapes=GEMM_SHAPES, gemms=GEMM_KERNELS):
+    """(shape, gemm, request) of every timed ragged-M kernel of `gemms`: (k, n) = (d, f)
+    for up and dsrelu, (f, d) for down and dx."""
+    for shape, gemm, request in _all_gemm_cases(shapes):
+        if gemm in gemms:
+            yield shape, gemm, request
+
+
+def _all_gemm_cases(shapes):
     for m, d, f, num_experts in shapes:
         common = dict(num_experts=num_experts, operand_dtype=BF16, out_dtype=BF16)
         yield (m, d, f, num_experts), "up", request_facts.RaggedMatmulRequest(
@@ -124,6 +134,14 @@ def gemm_candidates(sm_count, request):
             other = 3 - config.cluster_n
             configs[f"{name} cluster{other}"] = dataclasses.replace(config, cluster_n=other,
                                                                     max_ctas=sm_count - sm_count % other)
+    # Two outputs (h and act, dh and act) take two store buffers each; with one each, the
+    # epilogue waits for a subtile's store before staging the next, and the room freed
+    # may take another operand stage (alone only: pairs have not paid for these kernels).
+    if _outputs(request) == 2:
+        for name, config in list(configs.items()):
+            single = _most_stages(dataclasses.replace(config, store_stages=1), request)
+            if config.cluster_n == 1 and single.ab_stages > config.ab_stages:
+                configs[f"{name} store1 ab{single.ab_stages}"] = single
     return configs
 
 
@@ -141,13 +159,20 @@ def _fits(config, request):
     if isinstance(request, request_facts.Request):
         need = config.smem_bytes(request.num_experts, request.with_act, request.with_dbias)
     else:
-        need = config.smem_bytes(request.num_experts, 2 if request.epilogue == "srelu" else 1)
+        need = config.smem_bytes(request.num_experts, _outputs(request))
     return need <= sm90_config.SMEM_CAPACITY
 
 
-def sweep_gemm(reps, sm_count, shapes):
+def _outputs(request):
+    """The 16-bit tensors the kernel serving `request` stores."""
+    if isinstance(request, request_facts.Request):
+        return 2 if request.with_act else 1
+    return sm90_config.stored_outputs(request)
+
+
+def sweep_gemm(reps, sm_count, shapes, gemms=GEMM_KERNELS):
     rows = []
-    for shape, gemm, request in gemm_cases(shapes):
+    for shape, gemm, request in gemm_cases(shapes, gemms):
         m, d, f, num_experts = shape
         keys = jax.random.split(jax.random.key(1), 4)
         sizes = jnp.asarray(group_sizes_for("dirichlet", m, num_experts, 0))
@@ -171,13 +196,17 @@ def sweep_gemm(reps, sm_count, shapes):
     return rows
 
 
-def prebuild_gemm(sm_count):
-    for _, gemm, request in gemm_cases():
-        for config in gemm_candidates(sm_count, request).values():
-            if gemm == "dsrelu":
-                lowering.compile_kernel(request, config)
-            else:
-                sm90_gemm.compile_kernel(request, config)
+def gemm_builds(sm_count, gemm):
+    """(request, config) of every candidate of kernel `gemm` at GEMM_SHAPES: one compile each."""
+    return [(request, config) for _, _, request in gemm_cases(gemms=(gemm,))
+            for config in gemm_candidates(sm_count, request).values()]
+
+
+def build_gemm(gemm, request, config):
+    if gemm == "dsrelu":
+        lowering.compile_kernel(request, config)
+    else:
+        sm90_gemm.compile_kernel(request, config)
 
 
 def contract_request(num_experts, a, b):
@@ -245,15 +274,23 @@ def main():
     parser.add_argument("--commit", default=None)
     parser.add_argument("--shapes", type=parse_shapes, default=None,
                         help="m,d,f,E;... (contract and gemm; default CONTRACT_SHAPES or GEMM_SHAPES)")
-    parser.add_argument("--prebuild", action="store_true", help="compile the candidates of --kernel contract or gemm here, then stop")
+    parser.add_argument("--gemms", default=",".join(GEMM_KERNELS), help="--kernel gemm: the kernels to time, comma-separated")
+    parser.add_argument("--prebuild", action="store_true", help="compile the candidates of --kernel contract here, then stop")
     options = parser.parse_args()
     if options.kernel in ("contract", "gemm"):
-        prebuild, sweep = (prebuild_contract, sweep_contract) if options.kernel == "contract" else (prebuild_gemm, sweep_gemm)
         if options.prebuild:
-            prebuild(sm90_config.DEFAULT_SM_COUNT)
+            if options.kernel == "gemm":
+                raise SystemExit("compile the gemm candidates with prebuild_kernels.py --only 'sweep gemm'")
+            prebuild_contract(sm90_config.DEFAULT_SM_COUNT)
             return
-        default_shapes = CONTRACT_SHAPES if options.kernel == "contract" else GEMM_SHAPES
-        rows = sweep(options.reps, lowering.sm_count(), options.shapes or default_shapes)
+        if options.kernel == "contract":
+            rows = sweep_contract(options.reps, lowering.sm_count(), options.shapes or CONTRACT_SHAPES)
+        else:
+            gemms = tuple(options.gemms.split(","))
+            unknown = set(gemms) - set(GEMM_KERNELS)
+            if unknown:
+                raise SystemExit(f"--gemms takes {', '.join(GEMM_KERNELS)}, got {', '.join(sorted(unknown))}")
+            rows = sweep_gemm(options.reps, lowering.sm_count(), options.shapes or GEMM_SHAPES, gemms)
         record = run_record.header(options.commit, "CUPTI kernel time, median of reps")
         if options.kernel == "gemm":
             record["max_active_clusters_of_2"] = max_active_clusters(2)
