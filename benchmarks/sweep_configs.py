@@ -17,9 +17,9 @@ fine-grained shapes with Dirichlet group sizes, the measurements behind `choose_
 `dsrelu_tile_n` and the cluster size:
 N tiles of 128, 192 and 256 (n = 1856 and 2688 are no multiple of 256), each with as
 many operand stages as fit, each also in clusters of two CTAs along N where its N-tiles
-pair up; the kernels that store two outputs (up, dsrelu) also with one store buffer per
-output instead of two where that frees room for another operand stage. --gemms picks
-the kernels. Writes sweep_gemm.json to --out, with the clusters of two the GPU holds at once.
+pair up; alone, each also with 32-deep k-tiles (twice the stages), and the kernels that
+store two outputs (up, dsrelu) with one store buffer per output instead of two where that
+frees room for another operand stage. --gemms picks the kernels. Writes sweep_gemm.json to --out, with the clusters of two the GPU holds at once.
 
 All: CUPTI time of the custom call's kernels, median of --reps calls.
 """
@@ -134,23 +134,29 @@ def gemm_candidates(sm_count, request):
             other = 3 - config.cluster_n
             configs[f"{name} cluster{other}"] = dataclasses.replace(config, cluster_n=other,
                                                                     max_ctas=sm_count - sm_count % other)
+    alone = {name: config for name, config in configs.items() if config.cluster_n == 1}
     # Two outputs (h and act, dh and act) take two store buffers each; with one each, the
     # epilogue waits for a subtile's store before staging the next, and the room freed
     # may take another operand stage (alone only: pairs have not paid for these kernels).
     if _outputs(request) == 2:
-        for name, config in list(configs.items()):
+        for name, config in alone.items():
             single = _most_stages(dataclasses.replace(config, store_stages=1), request)
-            if config.cluster_n == 1 and single.ab_stages > config.ab_stages:
+            if single.ab_stages > config.ab_stages:
                 configs[f"{name} store1 ab{single.ab_stages}"] = single
+    # 32-deep k-tiles: twice the stages for the same bytes, so that the stage a wgmma batch
+    # holds and the one it waits on are a smaller share of the ring (alone only).
+    for name, config in alone.items():
+        shallow = _most_stages(dataclasses.replace(config, tile_k=32), request, most=16)
+        configs[f"{name} k32 ab{shallow.ab_stages}"] = shallow
     return configs
 
 
-def _most_stages(config, request):
-    """`config` with as many operand stages as fit for `request` (up to 8), as the chooser
-    would give it."""
+def _most_stages(config, request, most=8):
+    """`config` with as many operand stages as fit for `request` (up to `most`), as the
+    chooser would give it."""
     while not _fits(config, request):
         config = dataclasses.replace(config, ab_stages=config.ab_stages - 1)
-    while config.ab_stages < 8 and _fits(dataclasses.replace(config, ab_stages=config.ab_stages + 1), request):
+    while config.ab_stages < most and _fits(dataclasses.replace(config, ab_stages=config.ab_stages + 1), request):
         config = dataclasses.replace(config, ab_stages=config.ab_stages + 1)
     return config
 
