@@ -207,12 +207,13 @@ def test_shared_memory_estimate_covers_the_kernels_struct(shape, monkeypatch):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("n, tile_n", [(64, 64), (120, 64), (128, 128), (200, 128), (248, 128), (256, 256),
-                                       (320, 128), (384, 128), (448, 256), (768, 256), (1024, 256), (1856, 192),
-                                       (2688, 192)])
+                                       (320, 128), (384, 128), (448, 256), (768, 192), (1024, 256), (1536, 192),
+                                       (1856, 192), (2688, 192)])
 def test_fused_kernel_tile_width(n, tile_n):
     # 256 from n = 256 unless it computes 10% more columns than 128 (320: 512 against 384),
     # 192 where it computes fewer than that choice (1856: 1920 against 2048; 2688: 2688
-    # against 2816), and then with 2 preact stages and the operand stage they make room for.
+    # against 2816) or as many as 256 (768, 1536), and then with 2 preact stages and the
+    # operand stage they make room for.
     assert sm90_config.dsrelu_tile_n(n) == tile_n
     config = sm90_config.choose_config(request_for(256, n, 4))
     assert config.tile_n == tile_n
@@ -320,7 +321,7 @@ def test_matches_float64_contract(hopper, name, dtype, deterministic):
 # cluster pairs: the GPU tier's groupings that have one, and negative sizes, sizes past m
 # and rows owned by no expert (zero tiles) at n = 512 (two 256-wide tiles).
 CLUSTER_CASES = {
-    **{name: grouping(name) for name in ("tile_n_256", "rows_64k", "width_1856")},
+    **{name: grouping(name) for name in ("tile_n_256", "rows_64k", "width_1856", "width_768")},
     "negative_and_unowned": (3000, 256, 512, [-5, 1000, -1, 1300, 7, 0]),
     "past_m": (2000, 128, 512, [900, 800, 700]),
     "one_row": (1, 64, 512, [1, 0]),

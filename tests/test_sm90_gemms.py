@@ -74,6 +74,10 @@ GROUPINGS = {
     "experts_512": ((512, 200, 328), 24000, None),
     # Nemotron-3 Nano's expert width as n and b (9 x 192 + 128 columns) over k = a = 768.
     "width_1856": ((16, 768, 1856), 6000, None),
+    # A multiple of 768, where 192- and 256-wide tiles pad alike: the up-projection takes
+    # 8 tiles of 192, the plain GEMMs and the contraction 6 of 256 (1536 rather than the
+    # benchmarks' 768, whose 3 tiles of 256 would not pair up in the cluster test).
+    "width_1536": ((16, 512, 1536), 5000, None),
 }
 FP16_GROUPINGS = ("ragged_with_empty", "negative")
 
@@ -385,6 +389,13 @@ def test_configs_validate_in_one_place():
     # Widths that are not a tile multiple take the tile that pads them least.
     assert sm90_config.choose_tile_n(1856) == 192 and sm90_config.choose_tile_n(2688) == 192
     assert sm90_config.choose_tile_n(2048) == 256 and sm90_config.choose_tile_n(768) == 256
+    # Beside two outputs, 192 where it pads as little as 256 (4 operand stages against 3).
+    assert sm90_config.choose_tile_n(768, 2) == sm90_config.choose_tile_n(1536, 2) == 192
+    assert sm90_config.choose_tile_n(512, 2) == sm90_config.choose_tile_n(2048, 2) == 256
+    assert sm90_config.choose_tile_n(1856, 2) == 192
+    up = sm90_config.choose_gemm_config(matmul_request((256, 2048, 768), "up_srelu_bias"))
+    down = sm90_config.choose_gemm_config(matmul_request((256, 2048, 768), "down_kn"))
+    assert (up.tile_n, up.ab_stages, down.tile_n, down.ab_stages) == (192, 4, 256, 4)
 
 
 # ----------------------------------------------------------------------------- GPU tier

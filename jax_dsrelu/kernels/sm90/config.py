@@ -156,23 +156,27 @@ def cannot_implement(request: Request) -> str | None:
     return None
 
 
-def choose_tile_n(n: int) -> int:
-    """The N tile of the ragged-M GEMM and the contraction: the one that pads n least,
-    ties to the wider tile; 64 for narrow problems.
+def choose_tile_n(n: int, stored_outputs: int = 1) -> int:
+    """The N tile of the ragged-M GEMM and the contraction: the one that pads n least;
+    between 256 and 192 padding alike (n a multiple of 768), 256 for one stored output
+    and 192 for two; otherwise ties to the wider tile; 64 for narrow problems.
 
     A partial last tile loads and computes columns that are never stored; a wider tile
     issues wider wgmma (more operand reuse per byte of shared memory read), so it wins
-    when the padding is equal. At the Nemotron-3 Nano widths, 1856 = 7 * 256 + 64 pads
-    to 1920 with 192 (3%) against 2048 with 256 (10%) and 1920 with 128 (the narrower
-    tile), and 2688 = 14 * 192 exactly; multiples of 256 keep 256. On an H200 at n = 1856
-    the forward GEMM ran 4% faster with 192 than with 128 and 10% faster than with 256,
-    and at n = 2688 within 1% of 256; at n = 768 with 256 experts the rule's 256 ran 7%
-    slower than 192 for the forward GEMM (two outputs, so fewer stages), and is kept
-    until a wider sweep says how to tell that case (benchmarks/results/fine_grained/
-    sweep_gemm_*.json)."""
+    when the padding is equal and the operand stages are too. At the Nemotron-3 Nano
+    widths, 1856 = 7 * 256 + 64 pads to 1920 with 192 (3%) against 2048 with 256 (10%)
+    and 1920 with 128 (the narrower tile), and 2688 = 14 * 192 exactly; multiples of 256
+    keep 256. On an H200 at n = 1856 the forward GEMM ran 4% faster with 192 than with
+    128 and 10% faster than with 256, and at n = 2688 within 1% of 256. Beside two
+    outputs' store buffers (the up-projection's h and act) a 128x256 tile gets 3 operand
+    stages and a 128x192 one 4: at n = 768 the up-projection took 2.5-4.7% less time with
+    192 in one process at 128 and 256 experts, and 0-7% less in every earlier sweep at
+    256; with one output, 256 gets 4 stages and took 4% less than 192 at n = 768
+    (benchmarks/results/fine_grained/sweep_gemm_*.json)."""
     if n < 128:
         return 64
-    return min((256, 192, 128), key=lambda tile: _padded_width(n, tile))
+    order = (256, 192, 128) if stored_outputs == 1 else (192, 256, 128)
+    return min(order, key=lambda tile: _padded_width(n, tile))
 
 
 def _padded_width(n: int, tile: int) -> int:
@@ -206,32 +210,36 @@ def _most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int
 # per FLOP): with a margin, 256 is chosen unless it computes 10% more columns than 128.
 _DSRELU_NARROW_TILE_COST = 1.10
 # Its 128x192 tiles (4 operand and 2 preact stages) took 2.8% more time per column computed
-# than the 128x256 ones at n = 1856, where they computed 6.25% fewer columns: 192 is taken
-# where it computes at least 3% fewer columns than the choice between 256 and 128.
+# than the 128x256 ones (3 operand stages) at n = 1856, where they computed 6.25% fewer
+# columns, and 1.9-4.5% less time at n = 768, where both compute 768: 192 is taken where it
+# computes at least 3% fewer columns than the choice between 256 and 128, or as many as 256.
 _DSRELU_192_COLUMNS = 0.97
 
 
 def dsrelu_tile_n(n: int) -> int:
     """The fused kernel's N tile: 64 below n = 128, 128 below n = 256; from n = 256, 256
     unless its padded width exceeds the 128-wide tiles' by 10% or more, and 192 where that
-    computes at least 3% fewer columns than this choice between 256 and 128.
+    computes at least 3% fewer columns than this choice between 256 and 128, or as many
+    as a 256-wide choice.
 
     On an H200 at n = 1856 (Nemotron-3 Nano's expert width: 2048 columns computed with 256,
     1920 with 192 or 128) 128x256 took 8% less time than 128x128
     (benchmarks/results/fine_grained/sweep_gemm_overlap_0defe86.json), and 128x192, with
     the 4 operand stages that 2 preact stages leave room for (`choose_config`), 3.6% less
-    than 128x256 and 7% less than 128x128 with 5 operand stages (sweep_gemm_preact_cb6ff28.json);
-    n = 1856 is the only width measured with 192. Where 192 ties with the choice (n = 768
-    with 256: 192 was 2% faster at 256 experts in that sweep; n = 264-384 and 1032-1152 with
-    128, where 192 was not measured) or saves fewer columns, the choice stays. Below
-    n = 256 a single 256-wide tile would cover the output; the GPU tier checks no such
-    width, so those keep 128."""
+    than 128x256 and 7% less than 128x128 with 5 operand stages (sweep_gemm_preact_cb6ff28.json).
+    At n = 768, where 192 and 256 both compute 768 columns, 128x192 took 1.9-4.5% less time
+    than 128x256 (3 operand stages) at 128 and 256 experts (sweep_gemm_b938ae4.json).
+    Where 192 ties with 128 (n = 264-384 and 1032-1152, not measured) or saves fewer
+    columns, the choice stays. Below n = 256 a single 256-wide tile would cover the
+    output; the GPU tier checks no such width, so those keep 128."""
     if n < 128:
         return 64
     if n < 256:
         return 128
     wide = 256 if _padded_width(n, 256) < _DSRELU_NARROW_TILE_COST * _padded_width(n, 128) else 128
-    return 192 if _padded_width(n, 192) <= _DSRELU_192_COLUMNS * _padded_width(n, wide) else wide
+    narrower = _padded_width(n, 192) <= _DSRELU_192_COLUMNS * _padded_width(n, wide)
+    as_many_as_256 = wide == 256 and _padded_width(n, 192) == _padded_width(n, 256)
+    return 192 if narrower or as_many_as_256 else wide
 
 
 def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
@@ -371,7 +379,7 @@ def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_
     if reason is not None:
         raise ValueError(reason)
     outputs = stored_outputs(request)
-    tile_n = choose_tile_n(request.n)
+    tile_n = choose_tile_n(request.n, outputs)
     pairs = request.epilogue == "none" and request.k >= _PAIRS_MIN_K and pairs_up(request.n, tile_n)
     cluster_n = 2 if pairs else 1
     base = dict(tile_n=tile_n, tile_k=64, epi_n=32, store_stages=2, cluster_n=cluster_n,
