@@ -606,6 +606,53 @@ def render_cluster_pairs(results: list, source: str) -> str:
     return "\n".join(lines)
 
 
+def render_gemm_tiles(results: dict, source: str) -> str:
+    """The ragged-M kernels' tile configs as sweep_configs.py --kernel gemm timed them: per
+    shape and kernel, the config chosen when the sweep ran, and the fastest of each kind
+    beside it: alone with 64-deep k-tiles by tile width, with 32-deep k-tiles, with one
+    store buffer per output, in cluster pairs."""
+    kinds = ("128-wide", "192-wide", "256-wide", "32-deep k-tiles", "one store buffer", "pairs")
+
+    def kind(fields: dict) -> str:
+        if fields.get("cluster_n", 1) == 2:
+            return "pairs"
+        if fields["tile_k"] == 32:
+            return "32-deep k-tiles"
+        if fields["store_stages"] == 1:
+            return "one store buffer"
+        return f"{fields['tile_n']}-wide"
+
+    def tiles(fields: dict) -> str:
+        preact = f", {fields['preact_stages']} preact" if "preact_stages" in fields else ""
+        return f"128x{fields['tile_n']}, {fields['ab_stages']} stages{preact}"
+
+    rows = {}
+    for row in results["rows"]:
+        rows.setdefault((tuple(row["shape"]), row["gemm"]), []).append(row)
+    lines = [
+        provenance(results, source, "bf16, Dirichlet group sizes")
+        + " Each cell: the fastest config of its kind, its time over the chosen one's, and its tiles "
+        "(operand stages of 64-deep k-tiles unless the column says 32); — where the sweep had none.",
+        "",
+        "| (m, d, f, E), kernel | chosen | " + " | ".join(kinds) + " |",
+        "| --- | --- |" + " --- |" * len(kinds),
+    ]
+    for (shape, gemm), candidates in rows.items():
+        (chosen,) = [row for row in candidates if row["config"] == "chosen"]
+        best = {}
+        for row in candidates:
+            if row is chosen:
+                continue
+            key = kind(row["fields"])
+            if key not in best or row["ms"] < best[key]["ms"]:
+                best[key] = row
+        cells = [f"{best[key]['ms']:.3f} ms ({best[key]['ms'] / chosen['ms']:.2f}), {tiles(best[key]['fields'])}"
+                 if key in best else "—" for key in kinds]
+        lines.append(f"| {', '.join(map(str, shape))}, {gemm} | {chosen['ms']:.3f} ms, {tiles(chosen['fields'])}"
+                     f"{', pairs' if chosen['fields'].get('cluster_n', 1) == 2 else ''} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def render_step_ab(results: list, source: str) -> str:
     """Two commits' moe_mlp steps on one machine (benchmarks/step_ab.sh: the older commit's
     tree beside the newer one, rounds alternating the commits): per shape, each commit's
@@ -668,6 +715,8 @@ TABLES: list[tuple[str, str, str, Callable]] = [
     ("docs/sm90.md", "last_tile_ab", "fine_grained/bench_layer_step_ab_a7bead4_*.json", render_step_ab),
     ("docs/sm90.md", "last_tile_fused_ab", "fine_grained/bench_layer_step_ab_1171e21_*.json", render_step_ab),
     ("docs/sm90.md", "fused_tile_192_ab", "fine_grained/bench_layer_step_ab_d0ff3db_*.json", render_step_ab),
+    ("docs/sm90.md", "tile_sweep_b938ae4", "fine_grained/sweep_gemm_b938ae4.json", render_gemm_tiles),
+    ("docs/sm90.md", "tile_192_ab", "fine_grained/bench_layer_step_ab_b34e26a_*.json", render_step_ab),
     ("docs/determinism.md", "determinism", "determinism/determinism_parallel*.json", render_determinism),
 ]
 DOCUMENTS = list(dict.fromkeys(document for document, *_ in TABLES))
