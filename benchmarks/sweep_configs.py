@@ -13,7 +13,7 @@ Writes sweep_contract.json to --out.
 
 --kernel gemm: the ragged-M kernels of a layer step (up: h, act = srelu(x W1[e] + b1);
 down: act W2[e]; dx: dh W1[e]^T read in place; and the fused dsReLU kernel) at the
-fine-grained shapes with Dirichlet group sizes, the measurements behind `choose_tile_n`,
+fine-grained and the few-expert shapes with Dirichlet group sizes, the measurements behind `choose_tile_n`,
 `dsrelu_tile_n` and the cluster size:
 N tiles of 128, 192 and 256 (n = 1856 and 2688 are no multiple of 256), each with as
 many operand stages as fit, each also in clusters of two CTAs along N where its N-tiles
@@ -87,8 +87,10 @@ def contract_candidates(sm_count, request):
     return unique
 
 
-# Nano's widths, and n = 768, where the 192- and 256-wide tiles pad alike, at 128 and 256 experts.
-GEMM_SHAPES = [(49152, 2688, 1856, 128), (65536, 2048, 768, 128), (65536, 2048, 768, 256)]
+# Nano's widths, and n = 768, where the 192- and 256-wide tiles pad alike, at 128 and 256
+# experts; the other fine-grained step shape, then the few-expert ones.
+GEMM_SHAPES = [(49152, 2688, 1856, 128), (65536, 2048, 768, 128), (65536, 2048, 768, 256),
+               (65536, 2048, 512, 128), (16384, 4096, 2048, 8), (32768, 7168, 2048, 8), (65536, 2048, 1024, 32)]
 GEMM_KERNELS = ("up", "down", "dx", "dsrelu")
 
 

@@ -78,6 +78,9 @@ GROUPINGS = {
     # 8 tiles of 192, the plain GEMMs and the contraction 6 of 256 (1536 rather than the
     # benchmarks' 768, whose 3 tiles of 256 would not pair up in the cluster test).
     "width_1536": ((16, 512, 1536), 5000, None),
+    # 256 experts at n = 512: the up-projection's 128x256 tiles with 4 operand stages take
+    # exactly the 227 KiB of shared memory sm_90 grants a CTA.
+    "experts_256": ((256, 256, 512), 20000, None),
 }
 FP16_GROUPINGS = ("ragged_with_empty", "negative")
 
@@ -265,11 +268,16 @@ def test_ragged_contraction_compiles_for_sm90a(out_dtype, shape):
 @pytest.mark.compile
 @pytest.mark.parametrize("kind, shape", [
     ("up_srelu_bias", (8, 4096, 2048)), ("up_srelu_bias", (128, 2048, 768)), ("up_srelu_bias", (512, 2048, 768)),
+    # 128x256 tiles with 4 operand stages beside h's and act's buffers: at 256 experts the
+    # struct is exactly the 227 KiB of sm_90.
+    ("up_srelu_bias", (128, 2048, 512)), ("up_srelu_bias", (256, 2048, 512)),
+    ("down_kn", (512, 1856, 2688)), ("dx_nk", (128, 2048, 768)),
     ("contraction", (128, 2688, 1856)), ("contraction", (512, 2048, 768)),
 ], ids=str)
-def test_shared_memory_estimate_covers_the_kernels_struct(kind, shape, monkeypatch):
-    """The estimate that picks the operand stages never counts less than the shared-memory
-    struct the kernel allocates (a launch past the capacity fails with no word of why)."""
+def test_shared_memory_estimate_is_the_kernels_struct(kind, shape, monkeypatch):
+    """The estimate that picks the operand stages is the shared-memory struct the kernel
+    allocates: never less (a launch past the capacity fails with no word of why), and
+    never more (a stage that fits would be left out)."""
     built = []
     for name in ("_matmul_kernel", "_contract_kernel"):
         make = getattr(sm90_gemm, name)
@@ -278,7 +286,9 @@ def test_shared_memory_estimate_covers_the_kernels_struct(kind, shape, monkeypat
     request = contract_request(shape, BF16) if kind == "contraction" else matmul_request(shape, kind)
     config = sm90_gemm.choose_config(request)
     sm90_gemm.compile_kernel(request, config, keep=True)
-    assert built[-1].shared_storage.size_in_bytes() <= config.request_bytes(request) <= sm90_config.SMEM_CAPACITY
+    assert built[-1].shared_storage.size_in_bytes() == config.request_bytes(request) <= sm90_config.SMEM_CAPACITY
+    if shape == (256, 2048, 512):
+        assert (config.tile_n, config.ab_stages, config.request_bytes(request)) == (256, 4, sm90_config.SMEM_CAPACITY)
 
 
 @pytest.mark.compile

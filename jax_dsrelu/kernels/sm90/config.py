@@ -20,8 +20,8 @@ MAX_EXPERTS = 512
 SMEM_CAPACITY = 232_448
 # Rows per work tile: two consumer warpgroups of 64 rows each (wgmma's M is 64).
 TILE_M = 128
-# Dynamic-shared-memory bytes reserved for barriers and alignment padding.
-_SMEM_RESERVE = 2048
+# Every shared buffer starts 1024-byte aligned (the swizzled layouts' requirement).
+_SMEM_ALIGN = 1024
 _SIXTEEN_BIT = (np.dtype("bfloat16"), np.dtype("float16"))
 # H100 and H200 SXM have 132 multiprocessors; used when no GPU is visible at lowering.
 DEFAULT_SM_COUNT = 132
@@ -88,12 +88,20 @@ class KernelTiles:
     def subtiles(self) -> int:
         return self.tile_n // self.epi_n
 
-    def _operand_bytes(self) -> int:
-        """The operand ring's shared memory, 16-bit operands."""
-        return self.ab_stages * (self.tile_m + self.tile_n) * self.tile_k * 2
+    def _shared_bytes(self, num_experts: int, tables: int, other_ring_stages: int, buffers) -> int:
+        """The shared-memory struct `gemm_base.GemmSm90._shared_storage` lays out: two
+        8-byte barriers per stage of the operand ring and of the variant's other rings,
+        `tables` int32 expert tables of E + 1 entries, padded to the first buffer's
+        alignment; then the operand ring's A and B buffers (16-bit operands) and the
+        variant's `buffers` (bytes each), each aligned. The compile tier checks it against
+        the struct the DSL builds (test_shared_memory_estimate_is_the_kernels_struct)."""
+        header = 16 * (self.ab_stages + other_ring_stages) + 4 * tables * (num_experts + 1)
+        operands = [self.ab_stages * rows * self.tile_k * 2 for rows in (self.tile_m, self.tile_n)]
+        return sum(-(-size // _SMEM_ALIGN) * _SMEM_ALIGN for size in [header, *operands, *buffers])
 
-    def _store_bytes(self, outputs: int, out_bytes: int = 2) -> int:
-        return self.store_stages * self.tile_m * self.epi_n * out_bytes * outputs
+    def _store_bytes(self, out_bytes: int = 2) -> int:
+        """One output's ring of store buffers."""
+        return self.store_stages * self.tile_m * self.epi_n * out_bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,13 +113,14 @@ class TileConfig(KernelTiles):
     counts: ClassVar[tuple[str, ...]] = KernelTiles.counts + ("preact_stages",)
 
     def smem_bytes(self, num_experts: int, with_act: bool, with_dbias: bool) -> int:
-        """Shared memory the kernel allocates for this config (16-bit operands and outputs)."""
+        """Shared memory the kernel allocates for this config (16-bit operands and outputs):
+        the preact ring, dh's and act's store buffers, and the per-warp column partials of
+        the tile (8 consumer warps, float32)."""
         preact = self.preact_stages * self.tile_m * self.epi_n * 2
-        # Per-warp column partials of the tile (8 consumer warps), float32.
-        dbias = 8 * self.tile_n * 4 if with_dbias else 0
-        tables = 2 * (num_experts + 1) * 4
-        return (self._operand_bytes() + preact + self._store_bytes(2 if with_act else 1) + dbias + tables
-                + _SMEM_RESERVE)
+        buffers = [preact] + [self._store_bytes()] * (2 if with_act else 1)
+        if with_dbias:
+            buffers.append(8 * self.tile_n * 4)
+        return self._shared_bytes(num_experts, 2, self.preact_stages, buffers)
 
     def check_fits(self, num_experts: int, with_act: bool, with_dbias: bool) -> None:
         need = self.smem_bytes(num_experts, with_act, with_dbias)
@@ -284,8 +293,7 @@ class GemmConfig(KernelTiles):
 
     def smem_bytes(self, num_experts: int, outputs: int) -> int:
         """Shared memory for this config with `outputs` 16-bit output tensors."""
-        tables = 2 * (num_experts + 1) * 4
-        return self._operand_bytes() + self._store_bytes(outputs) + tables + _SMEM_RESERVE
+        return self._shared_bytes(num_experts, 2, 0, [self._store_bytes()] * outputs)
 
     def request_bytes(self, request: RaggedMatmulRequest) -> int:
         """Shared memory for this config serving `request`."""
@@ -322,10 +330,9 @@ class ContractConfig(KernelTiles):
             )
 
     def smem_bytes(self, num_experts: int, out_bytes: int) -> int:
-        """Shared memory for this config with an output of `out_bytes` per element."""
-        # row_start, tile_start and the expert order, E + 1 int32 each.
-        tables = 3 * (num_experts + 1) * 4
-        return self._operand_bytes() + self._store_bytes(1, out_bytes) + tables + _SMEM_RESERVE
+        """Shared memory for this config with an output of `out_bytes` per element; its
+        tables are row_start, tile_start and the expert order."""
+        return self._shared_bytes(num_experts, 3, 0, [self._store_bytes(out_bytes)])
 
     def request_bytes(self, request: RaggedContractRequest) -> int:
         """Shared memory for this config serving `request`."""
