@@ -74,10 +74,11 @@ GROUPINGS = {
     "experts_512": ((512, 200, 328), 24000, None),
     # Nemotron-3 Nano's expert width as n and b (9 x 192 + 128 columns) over k = a = 768.
     "width_1856": ((16, 768, 1856), 6000, None),
-    # A multiple of 768, where 192- and 256-wide tiles pad alike: the up-projection takes
-    # 8 tiles of 192, the plain GEMMs and the contraction 6 of 256 (1536 rather than the
-    # benchmarks' 768, whose 3 tiles of 256 would not pair up in the cluster test).
-    "width_1536": ((16, 512, 1536), 5000, None),
+    # A multiple of 768, where 192- and 256-wide tiles pad alike: at 512 experts the
+    # up-projection takes 8 tiles of 192 (256-wide ones would get 3 operand stages), the
+    # plain GEMMs and the contraction 6 of 256 (1536 rather than the benchmarks' 768, whose
+    # 3 tiles of 256 would not pair up in the cluster test).
+    "width_1536": ((512, 512, 1536), 12000, None),
     # 256 experts at n = 512: the up-projection's 128x256 tiles with 4 operand stages take
     # exactly the 227 KiB of shared memory sm_90 grants a CTA.
     "experts_256": ((256, 256, 512), 20000, None),
@@ -399,13 +400,20 @@ def test_configs_validate_in_one_place():
     # Widths that are not a tile multiple take the tile that pads them least.
     assert sm90_config.choose_tile_n(1856) == 192 and sm90_config.choose_tile_n(2688) == 192
     assert sm90_config.choose_tile_n(2048) == 256 and sm90_config.choose_tile_n(768) == 256
-    # Beside two outputs, 192 where it pads as little as 256 (4 operand stages against 3).
-    assert sm90_config.choose_tile_n(768, 2) == sm90_config.choose_tile_n(1536, 2) == 192
-    assert sm90_config.choose_tile_n(512, 2) == sm90_config.choose_tile_n(2048, 2) == 256
-    assert sm90_config.choose_tile_n(1856, 2) == 192
-    up = sm90_config.choose_gemm_config(matmul_request((256, 2048, 768), "up_srelu_bias"))
-    down = sm90_config.choose_gemm_config(matmul_request((256, 2048, 768), "down_kn"))
-    assert (up.tile_n, up.ab_stages, down.tile_n, down.ab_stages) == (192, 4, 256, 4)
+    # Where 192 and 256 pad alike, the wider unless it gets fewer than 4 operand stages:
+    # beside two outputs, 256-wide tiles get 4 up to 375 experts and 3 beyond.
+    assert sm90_config.choose_tile_n(768, lambda tile: tile < 256) == 192
+    assert sm90_config.choose_tile_n(1856, lambda tile: False) == 192
+    assert sm90_config.choose_tile_n(512, lambda tile: False) == 256
+
+    def chosen(variant, num_experts, n):
+        config = sm90_config.choose_gemm_config(matmul_request((num_experts, 2048, n), variant))
+        return config.tile_n, config.ab_stages
+
+    assert chosen("up_srelu_bias", 375, 768) == chosen("down_kn", 512, 768) == (256, 4)
+    assert chosen("up_srelu_bias", 376, 768) == chosen("up_srelu", 512, 1536) == (192, 4)
+    # At n = 512, 128 pads as little as 256 (192 more): 5 stages beat 3.
+    assert chosen("up_srelu_bias", 512, 512) == (128, 5) and chosen("up_srelu_bias", 375, 512) == (256, 4)
 
 
 # ----------------------------------------------------------------------------- GPU tier

@@ -165,10 +165,10 @@ def cannot_implement(request: Request) -> str | None:
     return None
 
 
-def choose_tile_n(n: int, stored_outputs: int = 1) -> int:
-    """The N tile of the ragged-M GEMM and the contraction: the one that pads n least;
-    between 256 and 192 padding alike (n a multiple of 768), 256 for one stored output
-    and 192 for two; otherwise ties to the wider tile; 64 for narrow problems.
+def choose_tile_n(n: int, enough_stages: Callable[[int], bool] = lambda tile_n: True) -> int:
+    """The N tile of the ragged-M GEMM and the contraction: of the tiles that pad n least,
+    the widest for which `enough_stages(tile_n)` holds (the GEMM asks for 4 operand
+    stages: `choose_gemm_config`), else the widest; 64 for narrow problems.
 
     A partial last tile loads and computes columns that are never stored; a wider tile
     issues wider wgmma (more operand reuse per byte of shared memory read), so it wins
@@ -176,16 +176,13 @@ def choose_tile_n(n: int, stored_outputs: int = 1) -> int:
     widths, 1856 = 7 * 256 + 64 pads to 1920 with 192 (3%) against 2048 with 256 (10%)
     and 1920 with 128 (the narrower tile), and 2688 = 14 * 192 exactly; multiples of 256
     keep 256. On an H200 at n = 1856 the forward GEMM ran 4% faster with 192 than with
-    128 and 10% faster than with 256, and at n = 2688 within 1% of 256. Beside two
-    outputs' store buffers (the up-projection's h and act) a 128x256 tile gets 3 operand
-    stages and a 128x192 one 4: at n = 768 the up-projection took 2.5-4.7% less time with
-    192 in one process at 128 and 256 experts, and 0-7% less in every earlier sweep at
-    256; with one output, 256 gets 4 stages and took 4% less than 192 at n = 768
+    128 and 10% faster than with 256, and at n = 2688 within 1% of 256
     (benchmarks/results/fine_grained/sweep_gemm_*.json)."""
     if n < 128:
         return 64
-    order = (256, 192, 128) if stored_outputs == 1 else (192, 256, 128)
-    return min(order, key=lambda tile: _padded_width(n, tile))
+    least = min(_padded_width(n, tile) for tile in (256, 192, 128))
+    widest_first = [tile for tile in (256, 192, 128) if _padded_width(n, tile) == least]
+    return next((tile for tile in widest_first if enough_stages(tile)), widest_first[0])
 
 
 def _padded_width(n: int, tile: int) -> int:
@@ -373,9 +370,24 @@ def cannot_implement_contract(request: RaggedContractRequest) -> str | None:
                    (np.dtype(np.float32),) + _SIXTEEN_BIT, a=request.a, b=request.b)
 
 
+# Operand stages a ragged-M GEMM's tile should have before a wider one is taken over a
+# narrower one that pads alike.
+_GEMM_ENOUGH_STAGES = 4
+
+
 def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_COUNT) -> GemmConfig:
-    """The N tile of `choose_tile_n`, cluster pairs for the plain GEMM (no epilogue) from
-    k = 1536 where its N-tiles pair up, then as many stages as shared memory holds.
+    """The N tile of `choose_tile_n` (the widest of those that pad n least that gets 4
+    operand stages), cluster pairs for the plain GEMM (no epilogue) from k = 1536 where
+    its N-tiles pair up, then as many stages as shared memory holds.
+
+    Where 192 and 256 pad alike (n a multiple of 768), the stages decide: beside two
+    outputs' store buffers (the up-projection's h and act) a 128x256 tile gets 4 operand
+    stages up to 375 experts and 3 beyond (the expert tables share the shared memory),
+    a 128x192 one 4. On an H200 at n = 768 the up-projection's 128x256 tiles took 2.5-4.7%
+    more time than 128x192 ones with 3 stages (when the shared-memory estimate still left
+    them 3 at 128 experts) and 0.8% less at 128 experts and 4% less at 256 with 4
+    (sweep_gemm_b938ae4.json, sweep_gemm_70248d4.json); with one output 256 gets 4
+    stages and took 4% less than 192.
 
     Pairs share each A tile by multicast. In the layer step on an H200, against the same
     kernels alone on the same machine (docs/sm90.md, cluster pairs), the plain GEMMs (down
@@ -386,17 +398,16 @@ def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_
     if reason is not None:
         raise ValueError(reason)
     outputs = stored_outputs(request)
-    tile_n = choose_tile_n(request.n, outputs)
+
+    def most_stages(tile_n, cluster_n=1):
+        base = dict(tile_n=tile_n, tile_k=64, epi_n=32, store_stages=2, cluster_n=cluster_n,
+                    max_ctas=sm_count - sm_count % cluster_n)
+        fits = lambda stages: GemmConfig(ab_stages=stages, **base).smem_bytes(request.num_experts, outputs) <= SMEM_CAPACITY  # noqa: E731
+        return GemmConfig(ab_stages=_most_stages(fits, 2), **base)
+
+    tile_n = choose_tile_n(request.n, lambda tile: most_stages(tile).ab_stages >= _GEMM_ENOUGH_STAGES)
     pairs = request.epilogue == "none" and request.k >= _PAIRS_MIN_K and pairs_up(request.n, tile_n)
-    cluster_n = 2 if pairs else 1
-    base = dict(tile_n=tile_n, tile_k=64, epi_n=32, store_stages=2, cluster_n=cluster_n,
-                max_ctas=sm_count - sm_count % cluster_n)
-    return GemmConfig(
-        ab_stages=_most_stages(
-            lambda stages: GemmConfig(ab_stages=stages, **base).smem_bytes(request.num_experts, outputs) <= SMEM_CAPACITY, 2
-        ),
-        **base,
-    )
+    return most_stages(tile_n, 2 if pairs else 1)
 
 
 # Fewest expert rows in flight in the contraction's operand ring when the whole output tile
