@@ -78,7 +78,7 @@ GROUPINGS = {
     # up-projection takes 8 tiles of 192 (256-wide ones would get 3 operand stages), the
     # plain GEMMs and the contraction 6 of 256 (1536 rather than the benchmarks' 768, whose
     # 3 tiles of 256 would not pair up in the cluster test).
-    "width_1536": ((512, 512, 1536), 12000, None),
+    "width_1536": ((512, 256, 1536), 6000, None),
     # 256 experts at n = 512: the up-projection's 128x256 tiles with 4 operand stages take
     # exactly the 227 KiB of shared memory sm_90 grants a CTA.
     "experts_256": ((256, 256, 512), 20000, None),
