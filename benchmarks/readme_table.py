@@ -698,11 +698,11 @@ def render_step_ab(results: list, source: str) -> str:
 # (document, marker name, recorded JSON, how its table is written); a JSON name with a *
 # takes every matching JSON, in a list.
 TABLES: list[tuple[str, str, str, Callable]] = [
-    ("README.md", "summary", "fine_grained/bench_layer_step_d0ff3db.json", render_summary),
+    ("README.md", "summary", "fine_grained/bench_layer_step_20001df.json", render_summary),
     ("docs/performance.md", "sm90", "bench_dsrelu.json", render_dsrelu),
     ("docs/performance.md", "gemms", "bench_gemms.json", render_gemms),
     ("docs/performance.md", "layer", "bench_layer.json", render_layer),
-    ("docs/performance.md", "steps", "fine_grained/bench_layer_step_d0ff3db.json", render_layer_steps),
+    ("docs/performance.md", "steps", "fine_grained/bench_layer_step_20001df.json", render_layer_steps),
     ("docs/performance.md", "moe_block", "bench_moe_block.json", render_moe_block),
     ("docs/sm90.md", "gemm_ceilings", "fine_grained/bench_gemms_fine_d50fca1.json", render_gemm_ceilings),
     ("docs/sm90.md", "gemm_ceilings_1171e21", "fine_grained/bench_gemms_fine_1171e21.json", render_gemm_ceilings),
@@ -717,6 +717,9 @@ TABLES: list[tuple[str, str, str, Callable]] = [
     ("docs/sm90.md", "fused_tile_192_ab", "fine_grained/bench_layer_step_ab_d0ff3db_*.json", render_step_ab),
     ("docs/sm90.md", "tile_sweep_b938ae4", "fine_grained/sweep_gemm_b938ae4.json", render_gemm_tiles),
     ("docs/sm90.md", "tile_192_ab", "fine_grained/bench_layer_step_ab_b34e26a_*.json", render_step_ab),
+    ("docs/sm90.md", "tile_sweep_70248d4", "fine_grained/sweep_gemm_70248d4.json", render_gemm_tiles),
+    ("docs/sm90.md", "tile_stages_ab", "fine_grained/bench_layer_step_ab_20001df_*.json", render_step_ab),
+    ("docs/sm90.md", "gemm_ceilings_e65b77e", "fine_grained/bench_gemms_fine_e65b77e.json", render_gemm_ceilings),
     ("docs/determinism.md", "determinism", "determinism/determinism_parallel*.json", render_determinism),
 ]
 DOCUMENTS = list(dict.fromkeys(document for document, *_ in TABLES))
