@@ -17,7 +17,7 @@ fine-grained and the few-expert shapes with Dirichlet group sizes, the measureme
 `dsrelu_tile_n` and the cluster size:
 N tiles of 128, 192 and 256 (n = 1856 and 2688 are no multiple of 256), each with as
 many operand stages as fit, each also in clusters of two CTAs along N where its N-tiles
-pair up; alone, each also with 32-deep k-tiles (twice the stages), and the kernels that
+pair up; alone, each also with 32-deep k-tiles (as many stages as fit, about twice), and the kernels that
 store two outputs (up, dsrelu) with one store buffer per output instead of two where that
 frees room for another operand stage. --gemms picks the kernels. Writes sweep_gemm.json to --out, with the clusters of two the GPU holds at once.
 
@@ -145,7 +145,7 @@ def gemm_candidates(sm_count, request):
             single = _most_stages(dataclasses.replace(config, store_stages=1), request)
             if single.ab_stages > config.ab_stages:
                 configs[f"{name} store1 ab{single.ab_stages}"] = single
-    # 32-deep k-tiles: twice the stages for the same bytes, so that the stage a wgmma batch
+    # 32-deep k-tiles: about twice the stages in the same bytes, so that the stage a wgmma batch
     # holds and the one it waits on are a smaller share of the ring (alone only).
     for name, config in alone.items():
         shallow = _most_stages(dataclasses.replace(config, tile_k=32), request, most=16)

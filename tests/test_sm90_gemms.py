@@ -400,8 +400,9 @@ def test_configs_validate_in_one_place():
     # Widths that are not a tile multiple take the tile that pads them least.
     assert sm90_config.choose_tile_n(1856) == 192 and sm90_config.choose_tile_n(2688) == 192
     assert sm90_config.choose_tile_n(2048) == 256 and sm90_config.choose_tile_n(768) == 256
-    # Where 192 and 256 pad alike, the wider unless it gets fewer than 4 operand stages:
-    # beside two outputs, 256-wide tiles get 4 up to 375 experts and 3 beyond.
+    # Where 192 and 256 pad alike, 256 unless it gets fewer than 4 operand stages: beside
+    # two outputs, 256-wide tiles get 4 up to 375 experts and 3 beyond. 128 is never taken
+    # for its stages.
     assert sm90_config.choose_tile_n(768, lambda tile: tile < 256) == 192
     assert sm90_config.choose_tile_n(1856, lambda tile: False) == 192
     assert sm90_config.choose_tile_n(512, lambda tile: False) == 256
@@ -412,8 +413,7 @@ def test_configs_validate_in_one_place():
 
     assert chosen("up_srelu_bias", 375, 768) == chosen("down_kn", 512, 768) == (256, 4)
     assert chosen("up_srelu_bias", 376, 768) == chosen("up_srelu", 512, 1536) == (192, 4)
-    # At n = 512, 128 pads as little as 256 (192 more): 5 stages beat 3.
-    assert chosen("up_srelu_bias", 512, 512) == (128, 5) and chosen("up_srelu_bias", 375, 512) == (256, 4)
+    assert chosen("up_srelu_bias", 512, 512) == (256, 3) and chosen("up_srelu_bias", 375, 512) == (256, 4)
 
 
 # ----------------------------------------------------------------------------- GPU tier

@@ -167,22 +167,27 @@ def cannot_implement(request: Request) -> str | None:
 
 def choose_tile_n(n: int, enough_stages: Callable[[int], bool] = lambda tile_n: True) -> int:
     """The N tile of the ragged-M GEMM and the contraction: of the tiles that pad n least,
-    the widest for which `enough_stages(tile_n)` holds (the GEMM asks for 4 operand
-    stages: `choose_gemm_config`), else the widest; 64 for narrow problems.
+    the widest; where 256 and 192 both do (n a multiple of 768), 256 only if
+    `enough_stages(256)` holds (the GEMM asks for 4 operand stages: `choose_gemm_config`);
+    64 for narrow problems.
 
     A partial last tile loads and computes columns that are never stored; a wider tile
     issues wider wgmma (more operand reuse per byte of shared memory read), so it wins
     when the padding is equal and the operand stages are too. At the Nemotron-3 Nano
     widths, 1856 = 7 * 256 + 64 pads to 1920 with 192 (3%) against 2048 with 256 (10%)
-    and 1920 with 128 (the narrower tile), and 2688 = 14 * 192 exactly; multiples of 256
-    keep 256. On an H200 at n = 1856 the forward GEMM ran 4% faster with 192 than with
-    128 and 10% faster than with 256, and at n = 2688 within 1% of 256
-    (benchmarks/results/fine_grained/sweep_gemm_*.json)."""
+    and 1920 with 128 (the narrower tile), and 2688 = 14 * 192 exactly; other multiples of
+    256 keep 256, whatever its stages: 128x128 tiles with 5 stages took 6.5% more time than
+    128x256 ones with 3 for the up-projection at n = 1856 (sweep_gemm_b938ae4.json), and
+    no width where 128 and 256 pad alike was measured with 256 short of stages. On an H200
+    at n = 1856 the forward GEMM ran 4% faster with 192 than with 128 and 10% faster than
+    with 256, and at n = 2688 within 1% of 256 (benchmarks/results/fine_grained/sweep_gemm_*.json)."""
     if n < 128:
         return 64
     least = min(_padded_width(n, tile) for tile in (256, 192, 128))
     widest_first = [tile for tile in (256, 192, 128) if _padded_width(n, tile) == least]
-    return next((tile for tile in widest_first if enough_stages(tile)), widest_first[0])
+    if widest_first[:2] == [256, 192] and not enough_stages(256):
+        return 192
+    return widest_first[0]
 
 
 def _padded_width(n: int, tile: int) -> int:
@@ -217,7 +222,7 @@ def _most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int
 _DSRELU_NARROW_TILE_COST = 1.10
 # Its 128x192 tiles (4 operand and 2 preact stages) took 2.8% more time per column computed
 # than the 128x256 ones (3 operand stages) at n = 1856, where they computed 6.25% fewer
-# columns, and 1.9-4.5% less time at n = 768, where both compute 768: 192 is taken where it
+# columns, and 2.0-4.6% less time at n = 768, where both compute 768: 192 is taken where it
 # computes at least 3% fewer columns than the choice between 256 and 128, or as many as 256.
 _DSRELU_192_COLUMNS = 0.97
 
@@ -233,7 +238,7 @@ def dsrelu_tile_n(n: int) -> int:
     (benchmarks/results/fine_grained/sweep_gemm_overlap_0defe86.json), and 128x192, with
     the 4 operand stages that 2 preact stages leave room for (`choose_config`), 3.6% less
     than 128x256 and 7% less than 128x128 with 5 operand stages (sweep_gemm_preact_cb6ff28.json).
-    At n = 768, where 192 and 256 both compute 768 columns, 128x192 took 1.9-4.5% less time
+    At n = 768, where 192 and 256 both compute 768 columns, 128x192 took 2.0-4.6% less time
     than 128x256 (3 operand stages) at 128 and 256 experts (sweep_gemm_b938ae4.json).
     Where 192 ties with 128 (n = 264-384 and 1032-1152, not measured) or saves fewer
     columns, the choice stays. Below n = 256 a single 256-wide tile would cover the
@@ -370,24 +375,25 @@ def cannot_implement_contract(request: RaggedContractRequest) -> str | None:
                    (np.dtype(np.float32),) + _SIXTEEN_BIT, a=request.a, b=request.b)
 
 
-# Operand stages a ragged-M GEMM's tile should have before a wider one is taken over a
-# narrower one that pads alike.
+# Operand stages a ragged-M GEMM's 128x256 tile should have to be taken over a 128x192 one
+# that pads alike.
 _GEMM_ENOUGH_STAGES = 4
 
 
 def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_COUNT) -> GemmConfig:
-    """The N tile of `choose_tile_n` (the widest of those that pad n least that gets 4
-    operand stages), cluster pairs for the plain GEMM (no epilogue) from k = 1536 where
-    its N-tiles pair up, then as many stages as shared memory holds.
+    """The N tile of `choose_tile_n` (of those that pad n least, the widest; 192 over 256
+    where 256 would get fewer than 4 operand stages), cluster pairs for the plain GEMM (no
+    epilogue) from k = 1536 where its N-tiles pair up, then as many stages as shared
+    memory holds.
 
     Where 192 and 256 pad alike (n a multiple of 768), the stages decide: beside two
     outputs' store buffers (the up-projection's h and act) a 128x256 tile gets 4 operand
     stages up to 375 experts and 3 beyond (the expert tables share the shared memory),
-    a 128x192 one 4. On an H200 at n = 768 the up-projection's 128x256 tiles took 2.5-4.7%
-    more time than 128x192 ones with 3 stages (when the shared-memory estimate still left
-    them 3 at 128 experts) and 0.8% less at 128 experts and 4% less at 256 with 4
+    a 128x192 one 4. On an H200 at n = 768 the up-projection's 128x256 tiles took 2.5-5.2%
+    more time than 128x192 ones with 3 stages (under the old shared-memory estimate) and
+    0.6% less at 128 experts and 4.2% less at 256 with 4
     (sweep_gemm_b938ae4.json, sweep_gemm_70248d4.json); with one output 256 gets 4
-    stages and took 4% less than 192.
+    stages and took 3.1-4.0% less than 192.
 
     Pairs share each A tile by multicast. In the layer step on an H200, against the same
     kernels alone on the same machine (docs/sm90.md, cluster pairs), the plain GEMMs (down
