@@ -41,6 +41,8 @@ import jax_dsrelu
 from jax_dsrelu import groups
 from jax_dsrelu.primitives import reference
 
+import run_record
+
 SHAPES = [(16384, 4096, 2048, 8), (32768, 7168, 2048, 8), (65536, 2048, 1024, 32)]
 PALLAS_CONFIGS = [
     dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=2),
@@ -254,9 +256,7 @@ def main():
         seconds=time.time() - started,
         shapes=rows,
     )
-    os.makedirs(options.out, exist_ok=True)
-    with open(os.path.join(options.out, "bench_dsrelu.json"), "w") as file:
-        json.dump(result, file, indent=1)
+    run_record.write_json(result, options.out, "bench_dsrelu.json")
     plot(rows, os.path.join(options.out, "bench_dsrelu.png"))
     header = f"{'shape':>24} " + " ".join(f"{v:>12}" for v in ["xla", "pallas+xla", "sm90", "sm90_det", "cublas_dense"])
     print(header)

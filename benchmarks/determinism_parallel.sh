@@ -56,7 +56,7 @@ record["example_digests_distinct_across_processes"] = len(set(record["example_di
 names = sorted({name for d in record["digests"] if d for name in d["results"]})
 record["distinct_across_processes_by_computation"] = {
     name: len({json.dumps(d["results"].get(name), sort_keys=True) for d in record["digests"] if d}) for name in names}
-json.dump(record, open(f"{out}.json", "w"), indent=1)
+json.dump(record, open(f"{out}.json", "w"), separators=(",", ":"))
 print(json.dumps({k: record[k] for k in ("kernel_cache", "xla_flags", "distinct_across_processes_by_computation",
                                          "example_digests_distinct_across_processes", "example_digests")}))
 PY

@@ -32,7 +32,8 @@
 #             the Nano step, ours and cuBLAS batched (PROFILE_ARGS for other GEMMs or groups)
 #   sweep     benchmarks/sweep_configs.py (tile configurations at the benchmark shapes)
 #   sweep_contract  benchmarks/sweep_configs.py --kernel contract (the contraction's configurations)
-#   sweep_gemm  benchmarks/sweep_configs.py --kernel gemm (the ragged-M kernels' N tiles)
+#   sweep_gemm  benchmarks/sweep_configs.py --kernel gemm (the ragged-M kernels' N tiles and
+#             stages; SWEEP_GEMM_ARGS for --gemms or --shapes)
 #   sanitize_contract  memcheck over the contraction's boundary cases (negative sizes,
 #             sums past m, exact tiles, many experts of widths no tile multiple, 512 experts),
 #             racecheck over some of them
@@ -185,7 +186,7 @@ if [[ $stages == *,sweep,* ]]; then
 fi
 
 if [[ $stages == *,sweep_gemm,* ]]; then
-  timeout 150 python3 benchmarks/sweep_configs.py --kernel gemm --commit "$commit" --out "$OUT" 2>&1 | tee -a "$log"
+  timeout 300 python3 benchmarks/sweep_configs.py --kernel gemm --commit "$commit" --out "$OUT" $SWEEP_GEMM_ARGS 2>&1 | tee -a "$log"
   echo "sweep_gemm exit $?" | tee -a "$log"
 fi
 
@@ -208,14 +209,15 @@ fi
 
 if [[ $stages == *,sanitize,* ]]; then
   # Boundary cases of every kernel, first under memcheck, then racecheck: the fused kernel
-  # in both modes with negative sizes and one row; the grouped-GEMM family with negative
-  # sizes, sums past m, one-row experts and an expert of exactly one tile.
+  # in both modes with negative sizes and one row, alone and in cluster pairs (with rows
+  # owned by no expert); the grouped-GEMM family, alone and in pairs, with negative sizes,
+  # sums past m, one-row experts and an expert of exactly one tile.
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   for check in \
-      "memcheck|tests/test_sm90_gemms.py|bfloat16 and (negative or exact_tile or past_m)" \
-      "racecheck|tests/test_sm90_gemms.py|bfloat16 and (exact_tile or past_m) and (dx_nk or up_srelu_bias or contraction)" \
-      "memcheck|tests/test_sm90.py|test_matches_float64_contract and bf16 and negative" \
-      "racecheck|tests/test_sm90.py|test_matches_float64_contract and bf16 and one_row"; do
+      "memcheck|tests/test_sm90_gemms.py|(bfloat16 and (negative or exact_tile or past_m)) or (clusters_of_each_size and (negative or exact_tile or past_m) and 2) or (_pairs and (negative or exact_tile))" \
+      "racecheck|tests/test_sm90_gemms.py|(bfloat16 and (exact_tile or past_m) and (dx_nk or up_srelu_bias or contraction)) or (clusters_of_each_size and (exact_tile or past_m) and (dx_nk or up_srelu_bias) and 2) or (_pairs and exact_tile)" \
+      "memcheck|tests/test_sm90.py|(test_matches_float64_contract and bf16 and negative) or (clusters_of_each_size and negative_and_unowned)" \
+      "racecheck|tests/test_sm90.py|(test_matches_float64_contract and bf16 and one_row) or (clusters_of_each_size and one_row and 2)"; do
     IFS="|" read -r tool file selection <<<"$check"
     timeout 75 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -rs \
       -p no:cacheprovider -m gpu "$file" -k "$selection" 2>&1 | tail -6 | tee -a "$log"

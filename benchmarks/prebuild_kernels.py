@@ -168,8 +168,10 @@ def job_names() -> list[str]:
     names += [f"bench_dsrelu {i}" for i in range(len(bench_dsrelu.SHAPES))]
     names += [f"bench_gemms {i}" for i in range(len(bench_gemms.SHAPES))]
     names += [f"bench_layer {i}" for i in range(len(bench_layer.SHAPES))]
-    names += ["process_digests", "tests moe_mlp and examples", "determinism tests", "language model", "moe block",
-              "sweep gemm"]
+    names += ["process_digests", "tests moe_mlp and examples", "determinism tests", "language model", "moe block"]
+    for gemm in sweep_configs.GEMM_KERNELS:
+        count = len(sweep_configs.gemm_builds(sm90_config.DEFAULT_SM_COUNT, gemm))
+        names += [f"sweep gemm {gemm} {i}" for i in range(count)]
     return names
 
 
@@ -181,11 +183,21 @@ LAYER_TEST_CASES = [
 ]
 
 
+def cluster_requests():
+    """(request, config) of tests/test_sm90.py's calls in clusters of a given size."""
+    for _, k, n, sizes in test_sm90.CLUSTER_CASES.values():
+        for deterministic in (False, True):
+            request = test_sm90.request_for(k, n, len(sizes), deterministic=deterministic)
+            for cluster_n in (1, 2):
+                yield request, test_sm90.in_clusters(request, cluster_n)
+
+
 def _dsrelu_requests():
     """The distinct (request, config, in place) of tests/test_sm90.py's direct calls."""
     seen = {}
-    for request, in_place in requests():
-        config = sm90_config.choose_config(request, sm90_config.DEFAULT_SM_COUNT)
+    chosen = [(request, sm90_config.choose_config(request, sm90_config.DEFAULT_SM_COUNT), in_place)
+              for request, in_place in requests()]
+    for request, config, in_place in chosen + [(request, config, True) for request, config in cluster_requests()]:
         seen.setdefault((lowering.kernel_request(request), config, in_place), (request, config, in_place))
     return list(seen.values())
 
@@ -201,6 +213,10 @@ def run_job(name: str) -> str:
     if not index.isdigit():
         kind, index = name, "0"
     index = int(index)
+    if kind.startswith("sweep gemm "):
+        gemm = kind.removeprefix("sweep gemm ")
+        sweep_configs.build_gemm(gemm, *sweep_configs.gemm_builds(sm90_config.DEFAULT_SM_COUNT, gemm)[index])
+        return name
     if kind == "dsrelu test":
         request, config, in_place = _dsrelu_requests()[index]
         lowering.compile_kernel(request, config, outputs_in_place=in_place)
@@ -236,8 +252,6 @@ def run_job(name: str) -> str:
         lower_language_model()
     elif kind == "moe block":
         lower_moe_block()
-    elif kind == "sweep gemm":
-        sweep_configs.prebuild_gemm(sm90_config.DEFAULT_SM_COUNT)
     else:
         raise ValueError(f"unknown job {name!r}")
     return name
@@ -275,11 +289,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cubins", default=None, help="also write the benchmark kernels' cubins here")
     parser.add_argument("--jobs", type=int, default=1, help="parallel processes (one per group of kernels)")
-    parser.add_argument("--only", default=None, help="run only the jobs whose names start with this")
+    parser.add_argument("--only", default=None,
+                        help="run only the jobs whose names start with one of these comma-separated prefixes")
     options = parser.parse_args()
     if not os.environ.get(cutlass_bridge.CACHE_DIR_VARIABLE):
         raise SystemExit(f"set {cutlass_bridge.CACHE_DIR_VARIABLE} to the cache directory")
-    names = [name for name in job_names() if options.only is None or name.startswith(options.only)]
+    prefixes = None if options.only is None else tuple(options.only.split(","))
+    names = [name for name in job_names() if prefixes is None or name.startswith(prefixes)]
     if options.jobs > 1:
         # Workers only lower and compile: keep their JAX off any GPU.
         os.environ["JAX_PLATFORMS"] = "cpu"

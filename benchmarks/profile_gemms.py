@@ -104,7 +104,7 @@ def record(options) -> None:
     )
     out = pathlib.Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "profile_gemms.json").write_text(json.dumps(result, indent=1))
+    (out / "profile_gemms.json").write_text(json.dumps(result, separators=(",", ":")))
 
 
 def main(argv=None) -> None:

@@ -1,10 +1,8 @@
 """Writes the documentation's benchmark results from the recorded JSON; no figure by hand.
 
-Each table sits between its markers in its document (`TABLES`) and is generated from its
-JSON in benchmarks/results/: README.md's `<!-- summary:start -->` from bench_layer.json;
-docs/performance.md's `<!-- sm90:start -->` from bench_dsrelu.json, `<!-- gemms:start -->`
-from bench_gemms.json, `<!-- layer:start -->` from bench_layer.json; docs/determinism.md's
-`<!-- determinism:start -->` from every determinism/determinism_parallel*.json. A table whose
+Each table sits between its markers in its document and is generated from the JSON in
+benchmarks/results/ that `TABLES` names (a name with a * takes every match, in a list);
+its renderer is given that name, which the table's provenance line cites. A table whose
 JSON has not been recorded yet is left as it is.
 
     python benchmarks/readme_table.py            # rewrites the documents between the markers
@@ -15,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import pathlib
 import sys
 from typing import Callable
@@ -78,6 +77,18 @@ def provenance(results: dict, json_name: str, what: str) -> str:
     )
 
 
+def sweeps_provenance(results: list, json_name: str, what: str) -> str:
+    """`provenance` for a table drawn from several JSON, each a run of its own command."""
+    commits = list(dict.fromkeys(f"`{run['commit']}`" for run in results))
+    commands = "; ".join(f"`{run['command']}`" for run in results)
+    return (
+        f"Measured on an {results[0]['device']} (JAX {results[0]['jax']}), commit{'s' * (len(commits) > 1)} "
+        f"{', '.join(commits)}, {what}, all variants on the same inputs in one process: {commands} "
+        f"({results[0]['timing']}). Raw results: `benchmarks/results/{json_name}`; this table is generated "
+        "from them by `benchmarks/readme_table.py`."
+    )
+
+
 def shape_text(shape: dict, keys: str) -> str:
     return ", ".join(str(shape[key]) for key in keys)
 
@@ -99,9 +110,9 @@ def ratio(value: float | None, style: str) -> str:
     return f"{value:.1%}" if style == "percent" else f"{value:.2f}x"
 
 
-def render_dsrelu(results: dict) -> str:
+def render_dsrelu(results: dict, source: str) -> str:
     lines = [
-        provenance(results, "bench_dsrelu.json", "bf16, ragged (Dirichlet) group sizes"),
+        provenance(results, source, "bf16, ragged (Dirichlet) group sizes"),
         "",
         "| shape (m, k, n, E) | " + " | ".join(name for _, name in VARIANTS) + " |",
         "| --- |" + " --- |" * len(VARIANTS),
@@ -125,13 +136,13 @@ def render_dsrelu(results: dict) -> str:
             f"| {r['sm90_vs_cublas_throughput']:.1%} | {r['sm90_det_vs_cublas_throughput']:.1%} "
             f"| {r['det_overhead']:+.1%} | {r['speedup_vs_pallas']:.2f}x | {r['speedup_vs_xla']:.1f}x |"
         )
-    lines += ["", "![sm90 benchmark](benchmarks/results/bench_dsrelu.png)"]
+    lines += ["", "![sm90 benchmark](benchmarks/results/" + source.removesuffix(".json") + ".png)"]
     return "\n".join(lines)
 
 
-def render_gemms(results: dict) -> str:
+def render_gemms(results: dict, source: str) -> str:
     lines = [
-        provenance(results, "bench_gemms.json",
+        provenance(results, source,
                    f"bf16 operands, ragged (Dirichlet) group sizes, dW in {results['contract_out_dtype']}"),
         "Each cell: time per GEMM (TFLOP/s at 2 m d f). Pallas: ragged_dot_mgpu, or "
         "transposed_ragged_dot_mgpu for dW1 and dW2, best of its block configurations; the up "
@@ -154,13 +165,13 @@ def render_gemms(results: dict) -> str:
                 + f" | {ratio(ratios.get('sm90_vs_cublas_throughput'), 'percent')}"
                 + f" | {ratio(ratios.get('sm90_speedup_vs_pallas'), 'times')} |"
             )
-    lines += ["", "![grouped GEMM benchmark](benchmarks/results/bench_gemms.png)"]
+    lines += ["", "![grouped GEMM benchmark](benchmarks/results/" + source.removesuffix(".json") + ".png)"]
     return "\n".join(lines)
 
 
-def render_layer(results: dict) -> str:
+def render_layer(results: dict, source: str) -> str:
     lines = [
-        provenance(results, "bench_layer.json",
+        provenance(results, source,
                    "bf16 with b1, ragged (Dirichlet) group sizes; a step is `jax.value_and_grad` in "
                    "x, w1, b1, w2 and prob"),
         f"Throughput counts {results['flops']}. Peak memory: {results['memory']}. The Pallas MLP "
@@ -209,7 +220,7 @@ def render_layer(results: dict) -> str:
                 breakdown.append(f"- {shape_text(row['shape'], 'mdfE')} ({entry['ms']:.3f} ms): " + ", ".join(parts))
         if breakdown:
             lines += ["", "Where the sm90 step's time goes (CUPTI, per kernel name, largest first):", "", *breakdown]
-    lines += ["", "![layer benchmark](benchmarks/results/bench_layer.png)"]
+    lines += ["", "![layer benchmark](benchmarks/results/" + source.removesuffix(".json") + ".png)"]
     return "\n".join(lines)
 
 
@@ -227,7 +238,7 @@ DIGESTED = {
 EXAMPLE_ROW = ("`train_moe.py --dtype bfloat16 --deterministic`: final parameters", "train_moe's final parameters")
 
 
-def render_determinism(records: list[dict]) -> str:
+def render_determinism(records: list[dict], source: str) -> str:
     """One column per recorded run of determinism_parallel.sh: for each computation, how
     many distinct results its processes gave (1: bitwise identical), and whether any
     process saw its own repeated calls differ."""
@@ -241,8 +252,8 @@ def render_determinism(records: list[dict]) -> str:
 
     def label(record):
         flags = "XLA's default flags" if record["xla_flags"] == "default" else f"`XLA_FLAGS={record['xla_flags']}`"
-        source = "from the disk cache" if kernel_source(record) == "warm" else "compiled in each process"
-        return f"`{record['commit']}`: kernels {source}, {flags}"
+        kernels = "from the disk cache" if kernel_source(record) == "warm" else "compiled in each process"
+        return f"`{record['commit']}`: kernels {kernels}, {flags}"
 
     def across(values, processes):
         reported = [v for v in values if v is not None]
@@ -305,7 +316,7 @@ def render_determinism(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def render_summary(results: dict) -> str:
+def render_summary(results: dict, source: str) -> str:
     """The front page's table: the moe_mlp step on the kernels, both modes, against XLA's dense and batched GEMMs."""
     lines = [
         f"A `moe_mlp` training step (`jax.value_and_grad`, bf16 with b1, ragged group sizes) on an "
@@ -350,10 +361,10 @@ def step_cells(row: dict) -> dict[str, str]:
     )
 
 
-def render_layer_steps(results: dict) -> str:
+def render_layer_steps(results: dict, source: str) -> str:
     """The moe_mlp step at every benchmark shape, against the dense and the batched XLA ceilings."""
     lines = [
-        provenance(results, "fine_grained/bench_layer_step_13736a9.json",
+        provenance(results, source,
                    "bf16 with b1; a step is `jax.value_and_grad` in x, w1, b1, w2 and prob"),
         f"Throughput counts {results['flops']}. XLA dense MLP: one (m, d) x (d, f) MLP of the same FLOPs; "
         "XLA batched: the experts as E equal batches of m / E rows, batched GEMMs with no ragged edges, "
@@ -377,14 +388,14 @@ def render_layer_steps(results: dict) -> str:
     return "\n".join(lines)
 
 
-def render_moe_block(results: dict) -> str:
+def render_moe_block(results: dict, source: str) -> str:
     """The Nemotron-3-Nano block's step: ours in both modes, on XLA, and its GEMMs alone."""
     block = results["block"]
     names = dict(auto="library, backend auto (sm90)", auto_det="the same, deterministic",
                  xla="library, backend xla", gemms="its GEMMs alone in XLA (batched over equal experts)")
     lines = [
         f"Measured on an {results['device']} (JAX {results['jax']}), commit `{results['commit']}`: "
-        f"`{results['command']}` ({results['timing']}). Raw results: `benchmarks/results/bench_moe_block.json`; "
+        f"`{results['command']}` ({results['timing']}). Raw results: `benchmarks/results/{source}`; "
         "this table is generated from them by `benchmarks/readme_table.py`. The block: "
         f"T = {block['tokens']} tokens, d = {block['d']}, {block['experts']} experts of f = {block['f']}, "
         f"top-{block['top_k']}, sigmoid scores with a selection bias, normalized, scale {block['scale']}, "
@@ -407,12 +418,12 @@ def rows_computed_per_row_stored(group_sizes: list[int], tile_rows: int) -> floa
     return computed / sum(size for size in group_sizes if size > 0)
 
 
-def render_gemm_ceilings(results: dict) -> str:
+def render_gemm_ceilings(results: dict, source: str) -> str:
     """Each GEMM of a layer step against cuBLAS on the same operands (a dense GEMM of the
     same FLOPs, and E equal batches), with what the ragged-M kernels' 128-row tiles pad."""
     gemms = list(GEMM_ROWS)
     lines = [
-        provenance(results, "fine_grained/bench_gemms_fine_d50fca1.json", "bf16"),
+        provenance(results, source, "bf16"),
         "Each cell: sm90's time per call, then sm90's speed as a share of cuBLAS batched over E equal "
         "experts / of one dense cuBLAS GEMM of the same FLOPs (1.00: as fast). Padding: the rows the "
         "ragged-M kernels (up, down, dsrelu, dx) compute per row they store, with the 128-row tiles "
@@ -468,14 +479,14 @@ def counter_cells(launch: dict) -> str:
     return f"{time:.3f} ms | {sm:.0f}% | {l2:.0f}% | {dram:.0f}% | {clock:.2f} GHz"
 
 
-def render_gemm_counters(results: dict) -> str:
+def render_gemm_counters(results: dict, source: str) -> str:
     """Nsight Compute's speed of light for each GEMM: ours beside cuBLAS batched's fastest
     algorithm (profile_gemms.py)."""
     shape = results["shape"]
     lines = [
         f"Measured on an {results['device']}, commit `{results['commit']}`, shape (m, d, f, E) = "
         f"({shape['m']}, {shape['d']}, {shape['f']}, {shape['E']}): `{results['command']}` "
-        f"({results['tool']}). Raw results: `benchmarks/results/fine_grained/profile_gemms_nano_527754c.json`; "
+        f"({results['tool']}). Raw results: `benchmarks/results/{source}`; "
         "this table is generated from them by `benchmarks/readme_table.py`. SM, L2, DRAM: Nsight Compute's "
         "throughputs as a share of their peak (SM: the busiest of the SM's units); clock: the SM "
         "clock it measured. cuBLAS batched: the fastest of the algorithms XLA's autotuner ran (E equal "
@@ -503,7 +514,7 @@ def contract_config_label(fields: dict) -> str:
             f"{fields['ab_stages']}, {fields['store_stages']} store buffers")
 
 
-def render_contract_modes(results: dict) -> str:
+def render_contract_modes(results: dict, source: str) -> str:
     """The contraction under each consumer mode and tile configuration, as sweep_configs.py
     --kernel contract timed them at 7cd5117 (with the ping-pong variants since removed):
     time, and the ratio to the fastest cooperative config of its row."""
@@ -514,7 +525,7 @@ def render_contract_modes(results: dict) -> str:
             labels.append(label)
         times[(tuple(row["shape"]), row["gemm"], label)] = row["ms"]
     lines = [
-        provenance(results, "fine_grained/sweep_contract_pingpong_7cd5117.json",
+        provenance(results, source,
                    "bf16 operands and output, Dirichlet group sizes")
         + " Each cell: ms (time over the fastest cooperative config of the row).",
         "",
@@ -537,29 +548,23 @@ def dsrelu_config_label(fields: dict) -> str:
             f"{fields['store_stages']} store buffers{overlap}")
 
 
-def render_epilogue_overlap(results: list) -> str:
+def render_epilogue_overlap(results: list, source: str) -> str:
     """The fused kernel with its epilogue beside the next tile's mainloop, as sweep_configs.py
     timed it at 0defe86 (the overlap since removed): at the few-expert shapes (--kernel
     dsrelu) and the fine-grained ones (--kernel gemm, its dsrelu rows); time, and the ratio
     to the fastest config of the row whose epilogue follows its mainloop."""
-    labels, times = [], {}
+    order, times = {}, {}  # order: label -> its sort key, widest tiles first
     for run in results:
         for row in run["rows"]:
             if row.get("gemm", "dsrelu") != "dsrelu" or row["fields"]["epi_n"] != 32:
                 continue
             label = dsrelu_config_label(row["fields"])
-            if label not in labels:
-                labels.append(label)
+            order[label] = (-row["fields"]["tile_n"], label)
             times[(tuple(row["shape"]), label)] = (row["ms"], row["fields"].get("overlap_k_tiles", 0))
-    labels.sort(key=lambda label: (-int(label.split("x")[1].split(",")[0]), label))
-    commands = "; ".join(f"`{run['command']}`" for run in results)
+    labels = sorted(order, key=order.get)
     lines = [
-        f"Measured on an {results[0]['device']} (JAX {results[0]['jax']}), commit `{results[0]['commit']}`, "
-        f"bf16, with dbias and act, Dirichlet group sizes, all variants on the same inputs in one process: "
-        f"{commands} ({results[0]['timing']}). Raw results: "
-        "`benchmarks/results/fine_grained/sweep_*_overlap_0defe86.json`; this table is generated from them "
-        "by `benchmarks/readme_table.py`. Each cell: ms (time over the fastest config of the row without "
-        "the overlap).",
+        sweeps_provenance(results, source, "bf16, with dbias and act, Dirichlet group sizes")
+        + " Each cell: ms (time over the fastest config of the row without the overlap).",
         "",
         "| (m, d, f, E) | " + " | ".join(labels) + " |",
         "| --- |" + " --- |" * len(labels),
@@ -572,19 +577,149 @@ def render_epilogue_overlap(results: list) -> str:
     return "\n".join(lines)
 
 
+def render_cluster_pairs(results: list, source: str) -> str:
+    """Each kernel's tile configs alone and in clusters of two CTAs along N (A multicast),
+    as sweep_configs.py timed them (--kernel gemm and --kernel contract): time alone,
+    time in pairs, and their ratio; the config chosen at that shape marked."""
+    times, chosen = {}, {}
+    for number, run in enumerate(results, 1):
+        for row in run["rows"]:
+            fields = row["fields"]
+            tiles = f"128x{fields['tile_n']}, k {fields['tile_k']}, {fields['ab_stages']} stages"
+            key = (f"{number}: `{run['commit']}`", tuple(row["shape"]), row["gemm"], tiles)
+            times.setdefault(key, {})[fields.get("cluster_n", 1)] = row["ms"]
+            if row["config"] == "chosen":
+                chosen[key] = fields.get("cluster_n", 1)
+    lines = [
+        sweeps_provenance(results, source, "bf16, Dirichlet group sizes")
+        + " Run: the JSON, in name order. Chosen: the size the config rules picked when the sweep ran. At "
+        "these commits a kernel alone was launched as a cluster of one.",
+        "",
+        "| run | (m, d, f, E), kernel | tiles | alone | pairs | pairs / alone | chosen |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for (run, shape, gemm, tiles), by_size in times.items():
+        if 1 in by_size and 2 in by_size:
+            mark = {1: "alone", 2: "pairs"}.get(chosen.get((run, shape, gemm, tiles)), "")
+            lines.append(f"| {run} | {', '.join(map(str, shape))}, {gemm} | {tiles} | {by_size[1]:.3f} ms | "
+                         f"{by_size[2]:.3f} ms | {by_size[2] / by_size[1]:.3f} | {mark} |")
+    return "\n".join(lines)
+
+
+def render_gemm_tiles(results: dict, source: str) -> str:
+    """The ragged-M kernels' tile configs as sweep_configs.py --kernel gemm timed them: per
+    shape and kernel, the config chosen when the sweep ran, and the fastest of each kind
+    beside it: alone with 64-deep k-tiles by tile width, with 32-deep k-tiles, with one
+    store buffer per output, in cluster pairs."""
+    kinds = ("128-wide", "192-wide", "256-wide", "32-deep k-tiles", "one store buffer", "pairs")
+
+    def kind(fields: dict) -> str:
+        if fields.get("cluster_n", 1) == 2:
+            return "pairs"
+        if fields["tile_k"] == 32:
+            return "32-deep k-tiles"
+        if fields["store_stages"] == 1:
+            return "one store buffer"
+        return f"{fields['tile_n']}-wide"
+
+    def tiles(fields: dict) -> str:
+        preact = f", {fields['preact_stages']} preact" if "preact_stages" in fields else ""
+        return f"128x{fields['tile_n']}, {fields['ab_stages']} stages{preact}"
+
+    rows = {}
+    for row in results["rows"]:
+        rows.setdefault((tuple(row["shape"]), row["gemm"]), []).append(row)
+    lines = [
+        provenance(results, source, "bf16, Dirichlet group sizes")
+        + " Each cell: the fastest config of its kind, its time over the chosen one's, and its tiles "
+        "(operand stages of 64-deep k-tiles unless the column says 32); — where the sweep had none.",
+        "",
+        "| (m, d, f, E), kernel | chosen | " + " | ".join(kinds) + " |",
+        "| --- | --- |" + " --- |" * len(kinds),
+    ]
+    for (shape, gemm), candidates in rows.items():
+        (chosen,) = [row for row in candidates if row["config"] == "chosen"]
+        best = {}
+        for row in candidates:
+            if row is chosen:
+                continue
+            key = kind(row["fields"])
+            if key not in best or row["ms"] < best[key]["ms"]:
+                best[key] = row
+        cells = [f"{best[key]['ms']:.3f} ms ({best[key]['ms'] / chosen['ms']:.2f}), {tiles(best[key]['fields'])}"
+                 if key in best else "—" for key in kinds]
+        lines.append(f"| {', '.join(map(str, shape))}, {gemm} | {chosen['ms']:.3f} ms, {tiles(chosen['fields'])}"
+                     f"{', pairs' if chosen['fields'].get('cluster_n', 1) == 2 else ''} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_step_ab(results: list, source: str) -> str:
+    """Two commits' moe_mlp steps on one machine (benchmarks/step_ab.sh: the older commit's
+    tree beside the newer one, rounds alternating the commits): per shape, each commit's
+    step in each round, the newer over the older per round, and the kernel classes at the
+    shape where they moved most."""
+    steps, summary = {}, {}
+    for run in results:
+        # step_ab.sh writes round r of a commit to --out .../<commit>-<r>.
+        round_ = re.search(r"--out \S+-(\d+)\b", run["command"]).group(1)
+        for row in run["shapes"]:
+            shape = shape_text(row["shape"], "mdfE")
+            for variant, entry in row["modes"]["step"]["variants"].items():
+                steps.setdefault((shape, variant), {})[(run["commit"], round_)] = entry["ms"]
+                if variant == "sm90" and entry.get("kernel_summary"):
+                    summary.setdefault(shape, {})[(run["commit"], round_)] = entry
+    # The JSON names say which commit is the newer: bench_layer_step_ab_<newer>_<commit>_r<round>.json.
+    new = source.split("_ab_")[1].split("_")[0]
+    (old,) = {run["commit"] for run in results} - {new}
+    rounds = sorted({round_ for times in steps.values() for _, round_ in times})
+    pattern = re.sub(r"--out \S+", "--out <dir>/<commit>-<round>",
+                     re.sub(r"--commit \S+", "--commit <commit>", results[0]["command"]))
+    lines = [
+        f"Measured on an {results[0]['device']} (JAX {results[0]['jax']}), commits `{old}` and `{new}` on one "
+        f"machine in one device call, rounds {', '.join(rounds)} alternating them (`benchmarks/step_ab.sh`; "
+        f"each round `{pattern}`, {results[0]['timing']}). "
+        f"Raw results: `benchmarks/results/{source}`; this table is generated from them by `benchmarks/readme_table.py`.",
+        "",
+        "| step: shape (m, d, f, E), variant | " + " | ".join(f"`{c}` round {r}" for c in (old, new) for r in rounds)
+        + f" | `{new}` / `{old}`, per round |",
+        "| --- |" + " --- |" * (2 * len(rounds) + 1),
+    ]
+    for (shape, variant), times in steps.items():
+        cells = [f"{times[(c, r)]:.3f} ms" for c in (old, new) for r in rounds]
+        ratios = ", ".join(f"{times[(new, r)] / times[(old, r)]:.3f}" for r in rounds)
+        lines.append(f"| {shape}, {variant} | " + " | ".join(cells) + f" | {ratios} |")
+    lines += ["", "Where the sm90 step's time goes (CUPTI, ms, round 1):", ""]
+    for shape, entries in summary.items():
+        lines.append(f"- {shape}: `{old}` {step_breakdown(entries[(old, rounds[0])])}; "
+                     f"`{new}` {step_breakdown(entries[(new, rounds[0])])}")
+    return "\n".join(lines)
+
+
 # (document, marker name, recorded JSON, how its table is written); a JSON name with a *
 # takes every matching JSON, in a list.
 TABLES: list[tuple[str, str, str, Callable]] = [
-    ("README.md", "summary", "fine_grained/bench_layer_step_13736a9.json", render_summary),
+    ("README.md", "summary", "fine_grained/bench_layer_step_20001df.json", render_summary),
     ("docs/performance.md", "sm90", "bench_dsrelu.json", render_dsrelu),
     ("docs/performance.md", "gemms", "bench_gemms.json", render_gemms),
     ("docs/performance.md", "layer", "bench_layer.json", render_layer),
-    ("docs/performance.md", "steps", "fine_grained/bench_layer_step_13736a9.json", render_layer_steps),
+    ("docs/performance.md", "steps", "fine_grained/bench_layer_step_20001df.json", render_layer_steps),
     ("docs/performance.md", "moe_block", "bench_moe_block.json", render_moe_block),
     ("docs/sm90.md", "gemm_ceilings", "fine_grained/bench_gemms_fine_d50fca1.json", render_gemm_ceilings),
+    ("docs/sm90.md", "gemm_ceilings_1171e21", "fine_grained/bench_gemms_fine_1171e21.json", render_gemm_ceilings),
     ("docs/sm90.md", "gemm_counters", "fine_grained/profile_gemms_nano_527754c.json", render_gemm_counters),
     ("docs/sm90.md", "contract_modes", "fine_grained/sweep_contract_pingpong_7cd5117.json", render_contract_modes),
     ("docs/sm90.md", "epilogue_overlap", "fine_grained/sweep_*_overlap_0defe86.json", render_epilogue_overlap),
+    ("docs/sm90.md", "cluster_pairs", "fine_grained/sweep_*_cluster_*.json", render_cluster_pairs),
+    ("docs/sm90.md", "cluster_launch_ab", "fine_grained/bench_layer_step_ab_da0e55b_*.json", render_step_ab),
+    ("docs/sm90.md", "cluster_pairs_ab", "fine_grained/bench_layer_step_ab_680d6e6_*.json", render_step_ab),
+    ("docs/sm90.md", "last_tile_ab", "fine_grained/bench_layer_step_ab_a7bead4_*.json", render_step_ab),
+    ("docs/sm90.md", "last_tile_fused_ab", "fine_grained/bench_layer_step_ab_1171e21_*.json", render_step_ab),
+    ("docs/sm90.md", "fused_tile_192_ab", "fine_grained/bench_layer_step_ab_d0ff3db_*.json", render_step_ab),
+    ("docs/sm90.md", "tile_sweep_b938ae4", "fine_grained/sweep_gemm_b938ae4.json", render_gemm_tiles),
+    ("docs/sm90.md", "tile_192_ab", "fine_grained/bench_layer_step_ab_b34e26a_*.json", render_step_ab),
+    ("docs/sm90.md", "tile_sweep_70248d4", "fine_grained/sweep_gemm_70248d4.json", render_gemm_tiles),
+    ("docs/sm90.md", "tile_stages_ab", "fine_grained/bench_layer_step_ab_20001df_*.json", render_step_ab),
+    ("docs/sm90.md", "gemm_ceilings_e65b77e", "fine_grained/bench_gemms_fine_e65b77e.json", render_gemm_ceilings),
     ("docs/determinism.md", "determinism", "determinism/determinism_parallel*.json", render_determinism),
 ]
 DOCUMENTS = list(dict.fromkeys(document for document, *_ in TABLES))
@@ -608,7 +743,7 @@ def updated_document(text: str, document: str, results_dir: pathlib.Path = RESUL
         head, rest = text.split(start)
         _, tail = rest.split(end)
         recorded = [json.loads(p.read_text()) for p in paths]
-        table = render(recorded if "*" in json_name else recorded[0])
+        table = render(recorded if "*" in json_name else recorded[0], json_name)
         # Renderers link from the repository's root; a document in a folder links from there.
         depth = document.count("/")
         table = table.replace("](benchmarks/", "](" + "../" * depth + "benchmarks/")

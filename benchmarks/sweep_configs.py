@@ -8,14 +8,18 @@ inputs as bench_dsrelu.py. Writes sweep_configs.json to --out.
 the fine-grained layer shapes of bench_gemms.py with Dirichlet group sizes, the
 measurements behind `choose_contract_config`: N tiles of 128, 192 and 256 (b = 1856 and
 2688 are no multiple of 256), 32- and 64-row k-tiles, a whole tile of store buffers
-against a ring of 3 (more operand stages).
+against a ring of 3 (more operand stages), and the chosen tiles in the other cluster size.
 Writes sweep_contract.json to --out.
 
 --kernel gemm: the ragged-M kernels of a layer step (up: h, act = srelu(x W1[e] + b1);
 down: act W2[e]; dx: dh W1[e]^T read in place; and the fused dsReLU kernel) at the
-fine-grained shapes with Dirichlet group sizes, the measurements behind `choose_tile_n`:
+fine-grained and the few-expert shapes with Dirichlet group sizes, the measurements behind `choose_tile_n`,
+`dsrelu_tile_n` and the cluster size:
 N tiles of 128, 192 and 256 (n = 1856 and 2688 are no multiple of 256), each with as
-many operand stages as fit. Writes sweep_gemm.json to --out.
+many operand stages as fit, each also in clusters of two CTAs along N where its N-tiles
+pair up; alone, each also with 32-deep k-tiles (as many stages as fit, about twice), and the kernels that
+store two outputs (up, dsrelu) with one store buffer per output instead of two where that
+frees room for another operand stage. --gemms picks the kernels. Writes sweep_gemm.json to --out, with the clusters of two the GPU holds at once.
 
 All: CUPTI time of the custom call's kernels, median of --reps calls.
 """
@@ -24,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +73,11 @@ def contract_candidates(sm_count, request):
         "128x256 k32 ab7 ring3": sm90_config.ContractConfig(tile_n=256, tile_k=32, ab_stages=7, store_stages=3, **common),
         "128x128 k32 ab8 whole": sm90_config.ContractConfig(tile_n=128, tile_k=32, ab_stages=8, store_stages=4, **common),
     }
+    # The chosen tiles in the other cluster size, where the b-blocks pair up.
+    chosen = configs["chosen"]
+    if sm90_config.pairs_up(request.b, chosen.tile_n):
+        other = 3 - chosen.cluster_n
+        configs[f"chosen cluster{other}"] = dataclasses.replace(chosen, cluster_n=other, max_ctas=sm_count - sm_count % other)
     # A config under two names is timed once, under the first.
     unique = {}
     for name, config in configs.items():
@@ -80,12 +87,22 @@ def contract_candidates(sm_count, request):
     return unique
 
 
-GEMM_SHAPES = [(49152, 2688, 1856, 128), (65536, 2048, 768, 256)]
+# Nano's widths, and n = 768, where the 192- and 256-wide tiles pad alike, at 128 and 256
+# experts; the other fine-grained step shape, then the few-expert ones.
+GEMM_SHAPES = [(49152, 2688, 1856, 128), (65536, 2048, 768, 128), (65536, 2048, 768, 256),
+               (65536, 2048, 512, 128), (16384, 4096, 2048, 8), (32768, 7168, 2048, 8), (65536, 2048, 1024, 32)]
+GEMM_KERNELS = ("up", "down", "dx", "dsrelu")
 
 
-def gemm_cases(shapes=GEMM_SHAPES):
-    """(shape, gemm, request) of every timed ragged-M kernel: (k, n) = (d, f) for up and
-    dsrelu, (f, d) for down and dx."""
+def gemm_cases(shapes=GEMM_SHAPES, gemms=GEMM_KERNELS):
+    """(shape, gemm, request) of every timed ragged-M kernel of `gemms`: (k, n) = (d, f)
+    for up and dsrelu, (f, d) for down and dx."""
+    for shape, gemm, request in _all_gemm_cases(shapes):
+        if gemm in gemms:
+            yield shape, gemm, request
+
+
+def _all_gemm_cases(shapes):
     for m, d, f, num_experts in shapes:
         common = dict(num_experts=num_experts, operand_dtype=BF16, out_dtype=BF16)
         yield (m, d, f, num_experts), "up", request_facts.RaggedMatmulRequest(
@@ -104,27 +121,66 @@ def gemm_candidates(sm_count, request):
     configs = {"chosen": chosen}
     for tile_n in (128, 192, 256):
         if tile_n != chosen.tile_n:
-            config = dataclasses.replace(chosen, tile_n=tile_n)
-            # As many operand stages as fit with this tile, as the chooser would give it.
-            while not _fits(config, request):
-                config = dataclasses.replace(config, ab_stages=config.ab_stages - 1)
-            while config.ab_stages < 8 and _fits(dataclasses.replace(config, ab_stages=config.ab_stages + 1), request):
-                config = dataclasses.replace(config, ab_stages=config.ab_stages + 1)
+            config = _most_stages(dataclasses.replace(chosen, tile_n=tile_n, cluster_n=1, max_ctas=sm_count), request)
             configs[f"128x{tile_n} ab{config.ab_stages}"] = config
+    # The fused kernel's preact ring holds 4 subtiles; with 2 the shared memory it frees can
+    # take another operand stage (at n = 1856, 192-wide tiles get 4 stages instead of 3).
+    if isinstance(request, request_facts.Request):
+        for name, config in list(configs.items()):
+            fewer = _most_stages(dataclasses.replace(config, preact_stages=2), request)
+            if fewer.ab_stages > config.ab_stages:
+                configs[f"128x{fewer.tile_n} ab{fewer.ab_stages} preact2"] = fewer
+    # Each in the other cluster size (two CTAs along N, A multicast) where the N-tiles pair up.
+    for name, config in list(configs.items()):
+        if sm90_config.pairs_up(request.n, config.tile_n):
+            other = 3 - config.cluster_n
+            configs[f"{name} cluster{other}"] = dataclasses.replace(config, cluster_n=other,
+                                                                    max_ctas=sm_count - sm_count % other)
+    alone = {name: config for name, config in configs.items() if config.cluster_n == 1}
+    # Two outputs (h and act, dh and act) take two store buffers each; with one each, the
+    # epilogue waits for a subtile's store before staging the next, and the room freed
+    # may take another operand stage (alone only: pairs have not paid for these kernels).
+    if _outputs(request) == 2:
+        for name, config in alone.items():
+            single = _most_stages(dataclasses.replace(config, store_stages=1), request)
+            if single.ab_stages > config.ab_stages:
+                configs[f"{name} store1 ab{single.ab_stages}"] = single
+    # 32-deep k-tiles: about twice the stages in the same bytes, so that the stage a wgmma batch
+    # holds and the one it waits on are a smaller share of the ring (alone only).
+    for name, config in alone.items():
+        shallow = _most_stages(dataclasses.replace(config, tile_k=32), request, most=16)
+        configs[f"{name} k32 ab{shallow.ab_stages}"] = shallow
     return configs
+
+
+def _most_stages(config, request, most=8):
+    """`config` with as many operand stages as fit for `request` (up to `most`), as the
+    chooser would give it."""
+    while not _fits(config, request):
+        config = dataclasses.replace(config, ab_stages=config.ab_stages - 1)
+    while config.ab_stages < most and _fits(dataclasses.replace(config, ab_stages=config.ab_stages + 1), request):
+        config = dataclasses.replace(config, ab_stages=config.ab_stages + 1)
+    return config
 
 
 def _fits(config, request):
     if isinstance(request, request_facts.Request):
         need = config.smem_bytes(request.num_experts, request.with_act, request.with_dbias)
     else:
-        need = config.smem_bytes(request.num_experts, 2 if request.epilogue == "srelu" else 1)
+        need = config.smem_bytes(request.num_experts, _outputs(request))
     return need <= sm90_config.SMEM_CAPACITY
 
 
-def sweep_gemm(reps, sm_count, shapes):
+def _outputs(request):
+    """The 16-bit tensors the kernel serving `request` stores."""
+    if isinstance(request, request_facts.Request):
+        return 2 if request.with_act else 1
+    return sm90_config.stored_outputs(request)
+
+
+def sweep_gemm(reps, sm_count, shapes, gemms=GEMM_KERNELS):
     rows = []
-    for shape, gemm, request in gemm_cases(shapes):
+    for shape, gemm, request in gemm_cases(shapes, gemms):
         m, d, f, num_experts = shape
         keys = jax.random.split(jax.random.key(1), 4)
         sizes = jnp.asarray(group_sizes_for("dirichlet", m, num_experts, 0))
@@ -148,13 +204,17 @@ def sweep_gemm(reps, sm_count, shapes):
     return rows
 
 
-def prebuild_gemm(sm_count):
-    for _, gemm, request in gemm_cases():
-        for config in gemm_candidates(sm_count, request).values():
-            if gemm == "dsrelu":
-                lowering.compile_kernel(request, config)
-            else:
-                sm90_gemm.compile_kernel(request, config)
+def gemm_builds(sm_count, gemm):
+    """(request, config) of every candidate of kernel `gemm` at GEMM_SHAPES: one compile each."""
+    return [(request, config) for _, _, request in gemm_cases(gemms=(gemm,))
+            for config in gemm_candidates(sm_count, request).values()]
+
+
+def build_gemm(gemm, request, config):
+    if gemm == "dsrelu":
+        lowering.compile_kernel(request, config)
+    else:
+        sm90_gemm.compile_kernel(request, config)
 
 
 def contract_request(num_experts, a, b):
@@ -194,6 +254,17 @@ def prebuild_contract(sm_count):
             sm90_gemm.compile_kernel(request, config)
 
 
+def max_active_clusters(size):
+    """How many clusters of `size` CTAs the GPU holds at once (one CTA per multiprocessor),
+    as the driver reports it: a persistent grid of more would run in two waves."""
+    import cutlass.utils
+
+    try:
+        return cutlass.utils.HardwareInfo().get_max_active_clusters(size)
+    except Exception as error:  # the sweep's times stand without it
+        return f"not known: {error}"
+
+
 def request_for(k, n, num_experts):
     bf16 = jnp.dtype(jnp.bfloat16)
     return request_facts.Request(
@@ -211,19 +282,27 @@ def main():
     parser.add_argument("--commit", default=None)
     parser.add_argument("--shapes", type=parse_shapes, default=None,
                         help="m,d,f,E;... (contract and gemm; default CONTRACT_SHAPES or GEMM_SHAPES)")
-    parser.add_argument("--prebuild", action="store_true", help="compile the candidates of --kernel contract or gemm here, then stop")
+    parser.add_argument("--gemms", default=",".join(GEMM_KERNELS), help="--kernel gemm: the kernels to time, comma-separated")
+    parser.add_argument("--prebuild", action="store_true", help="compile the candidates of --kernel contract here, then stop")
     options = parser.parse_args()
     if options.kernel in ("contract", "gemm"):
-        prebuild, sweep = (prebuild_contract, sweep_contract) if options.kernel == "contract" else (prebuild_gemm, sweep_gemm)
         if options.prebuild:
-            prebuild(sm90_config.DEFAULT_SM_COUNT)
+            if options.kernel == "gemm":
+                raise SystemExit("compile the gemm candidates with prebuild_kernels.py --only 'sweep gemm'")
+            prebuild_contract(sm90_config.DEFAULT_SM_COUNT)
             return
-        default_shapes = CONTRACT_SHAPES if options.kernel == "contract" else GEMM_SHAPES
-        rows = sweep(options.reps, lowering.sm_count(), options.shapes or default_shapes)
-        os.makedirs(options.out, exist_ok=True)
-        with open(os.path.join(options.out, f"sweep_{options.kernel}.json"), "w") as file:
-            json.dump(dict(run_record.header(options.commit, "CUPTI kernel time, median of reps"), rows=rows),
-                      file, indent=1)
+        if options.kernel == "contract":
+            rows = sweep_contract(options.reps, lowering.sm_count(), options.shapes or CONTRACT_SHAPES)
+        else:
+            gemms = tuple(options.gemms.split(","))
+            unknown = set(gemms) - set(GEMM_KERNELS)
+            if unknown:
+                raise SystemExit(f"--gemms takes {', '.join(GEMM_KERNELS)}, got {', '.join(sorted(unknown))}")
+            rows = sweep_gemm(options.reps, lowering.sm_count(), options.shapes or GEMM_SHAPES, gemms)
+        record = run_record.header(options.commit, "CUPTI kernel time, median of reps")
+        if options.kernel == "gemm":
+            record["max_active_clusters_of_2"] = max_active_clusters(2)
+        run_record.write_json(dict(record, rows=rows), options.out, f"sweep_{options.kernel}.json")
         return
     rows = []
     for m, k, n, num_experts in SHAPES:
@@ -237,10 +316,8 @@ def main():
                              tflops=2.0 * m * n * k / (ms * 1e-3) / 1e12,
                              fields=dataclasses.asdict(config)))
             print(f"{m:>6} {k:>5} {n:>5} {num_experts:>3}  {name:<20} {ms:8.3f} ms", flush=True)
-    os.makedirs(options.out, exist_ok=True)
-    with open(os.path.join(options.out, "sweep_configs.json"), "w") as file:
-        json.dump(dict(run_record.header(options.commit, "CUPTI kernel time, median of reps"), rows=rows),
-                  file, indent=1)
+    run_record.write_json(dict(run_record.header(options.commit, "CUPTI kernel time, median of reps"), rows=rows),
+                          options.out, "sweep_configs.json")
 
 
 if __name__ == "__main__":

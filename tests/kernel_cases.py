@@ -24,6 +24,8 @@ GROUPINGS = {
     # Nemotron-3 Nano's expert width, no multiple of the 192-column tile (9 x 192 + 128),
     # over a k of 768 (the 256-expert shape's width), a few hundred rows per expert.
     "width_1856": (6000, 768, 1856, 16),
+    # The 128- and 256-expert shapes' width: 4 tiles of 192, as many columns as 3 of 256.
+    "width_768": (5000, 512, 768, 16),
 }
 
 # The largest of them: where a bound that grew with the problem would stop rejecting.

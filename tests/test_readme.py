@@ -175,7 +175,7 @@ def test_counters_put_each_kernel_beside_cublas_fastest_algorithm():
                    shape=dict(m=1, d=2, f=3, E=4),
                    launches=[launch("up", "sm90", 900, 70.0), launch("up", "cublas_batched", 800, 80.0),
                              launch("up", "cublas_batched", 600, 90.0), launch("dx", "sm90", 700, 85.0)])
-    rows = [line for line in readme_table.render_gemm_counters(results).splitlines() if line.startswith("| up")
+    rows = [line for line in readme_table.render_gemm_counters(results, "profile.json").splitlines() if line.startswith("| up")
             or line.startswith("| dx")]
     assert rows == [
         "| up, dirichlet | 0.900 ms | 70% | 50% | 40% | 1.50 GHz | 0.600 ms | 90% | 50% | 40% | 1.50 GHz |",
@@ -193,5 +193,5 @@ def test_gemm_ceilings_leave_the_sum_out_when_a_gemm_is_missing():
     timed = dict(variants=dict(sm90=dict(ms=2.0), cublas_batched=dict(ms=1.0), cublas_dense=dict(ms=0.5)))
     results = dict(RUN, shapes=[dict(shape=dict(m=1024, d=256, f=512, E=4), grouping="equal",
                                      group_sizes=[256] * 4, gemms=dict(up=timed))])
-    row = [line for line in readme_table.render_gemm_ceilings(results).splitlines() if line.startswith("| 1024")][0]
+    row = [line for line in readme_table.render_gemm_ceilings(results, "ceilings.json").splitlines() if line.startswith("| 1024")][0]
     assert row == "| 1024, 256, 512, 4, equal | 1.000 (1.000) | 2.000 ms (0.50 / 0.25) | — | — | — | — | — | — |"

@@ -20,6 +20,7 @@ import os
 # Before anything imports CuTe DSL: on a machine without a GPU it cannot detect one.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+import dataclasses  # noqa: E402
 import re  # noqa: E402
 import zlib  # noqa: E402
 
@@ -190,12 +191,78 @@ def test_supported_request_is_accepted():
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("shape", [(2688, 1856, 128), (4096, 2048, 8), (2048, 768, 512)], ids=str)
+def test_shared_memory_estimate_is_the_kernels_struct(shape, monkeypatch):
+    """The estimate that picks the operand stages is the shared-memory struct the kernel
+    allocates: never less (a launch past the capacity fails with no word of why), and
+    never more (a stage that fits would be left out)."""
+    built = []
+    make = lowering._kernel
+    monkeypatch.setattr(lowering, "_kernel", lambda request, config: built.append(make(request, config)) or built[-1])
+    request = request_for(*shape)
+    config = sm90_config.choose_config(request)
+    lowering.compile_kernel(request, config, keep=True)
+    estimate = config.smem_bytes(request.num_experts, request.with_act, request.with_dbias)
+    assert built[-1].shared_storage.size_in_bytes() == estimate <= sm90_config.SMEM_CAPACITY
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("n, tile_n", [(64, 64), (120, 64), (128, 128), (200, 128), (248, 128), (256, 256),
+                                       (320, 128), (384, 128), (448, 256), (768, 192), (1024, 256), (1536, 192),
+                                       (1856, 192), (2688, 192)])
+def test_fused_kernel_tile_width(n, tile_n):
+    # 256 from n = 256 unless it computes 10% more columns than 128 (320: 512 against 384),
+    # 192 where it computes fewer than that choice (1856: 1920 against 2048; 2688: 2688
+    # against 2816) or as many as 256 (768, 1536), and then with 2 preact stages and the
+    # operand stage they make room for.
+    assert sm90_config.dsrelu_tile_n(n) == tile_n
+    config = sm90_config.choose_config(request_for(256, n, 4))
+    assert config.tile_n == tile_n
+    if tile_n == 192:
+        assert (config.ab_stages, config.preact_stages) == (4, 2)
+
+
+def in_clusters(request, cluster_n, max_ctas=6):
+    """The chosen config in clusters of `cluster_n` CTAs along N (A multicast when 2) on
+    `max_ctas` CTAs: by default 6, so that every CTA of the GPU tier below walks many tiles."""
+    return dataclasses.replace(sm90_config.choose_config(request), cluster_n=cluster_n, max_ctas=max_ctas)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_compiles_for_sm90a_in_cluster_pairs(deterministic):
+    """Each CTA of a pair loads half of every grad tile for both (TMA multicast); the
+    consumers release each stage in both CTAs; one cluster barrier publishes the
+    pipelines."""
+    request = request_for(2688, 1856, 128, deterministic=deterministic)
+    assert sm90_config.choose_config(request).cluster_n == 1  # pairs are not chosen (docs/sm90.md)
+    compiled = lowering.compile_kernel(request, in_clusters(request, 2, 132), keep=True)
+    assert "multicast::cluster" in compiled.ptx and "mapa.shared::cluster" in compiled.ptx
+    assert "barrier.cluster.wait" in compiled.ptx
+    assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
+    if deterministic:
+        assert not FLOAT_ATOMIC.search(compiled.ptx)
+    ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.compile
+def test_cluster_pairs_need_an_even_n_tile_count():
+    # n = 448 has two 256-wide N-tiles, n = 320 three 128-wide ones.
+    lowering.compile_kernel(request_for(256, 448, 4), in_clusters(request_for(256, 448, 4), 2))
+    with pytest.raises(ValueError, match=r"cluster_n=2 must divide the 3 N-tiles of n=320 with tile_n=128"):
+        lowering.compile_kernel(request_for(256, 320, 4), in_clusters(request_for(256, 320, 4), 2))
+
+
+@pytest.mark.compile
 def test_tile_config_validates_in_one_place():
     good = dict(tile_n=256, tile_k=64, ab_stages=3, epi_n=32, preact_stages=4, store_stages=2, max_ctas=132)
     sm90_config.TileConfig(**good)
-    for field, value in [("tile_n", 96), ("epi_n", 16), ("ab_stages", 1), ("tile_k", 128), ("tile_m", 64)]:
+    for field, value in [("tile_n", 96), ("epi_n", 16), ("ab_stages", 1), ("tile_k", 128), ("tile_m", 64),
+                         ("cluster_n", 3)]:
         with pytest.raises(ValueError, match=field):
             sm90_config.TileConfig(**dict(good, **{field: value}))
+    with pytest.raises(ValueError, match="max_ctas must be a multiple of cluster_n=2.*got 131"):
+        sm90_config.TileConfig(**dict(good, cluster_n=2, max_ctas=131))
     too_big = sm90_config.TileConfig(**dict(good, ab_stages=5))
     with pytest.raises(ValueError, match="shared memory"):
         too_big.check_fits(8, True, True)
@@ -211,8 +278,9 @@ def hopper():
         pytest.skip(f"the sm90 kernel runs on compute capability 9.0; this GPU has {capability}")
 
 
-def run_in_place(inputs, alpha, *, deterministic, with_dbias=True, with_act=True, out_dtype=None):
-    """Runs the kernel with every output buffer NaN-filled first (aliased in and out)."""
+def run_in_place(inputs, alpha, *, deterministic, with_dbias=True, with_act=True, out_dtype=None, config=None):
+    """Runs the kernel (of `config(request)`, or the chosen one) with every output buffer
+    NaN-filled first (aliased in and out)."""
     grad, weight, preact, prob, group_sizes = inputs
     request = request_facts.request_from_avals(
         (grad, weight, preact, prob),
@@ -221,7 +289,7 @@ def run_in_place(inputs, alpha, *, deterministic, with_dbias=True, with_act=True
         with_act=with_act,
         deterministic=deterministic,
     )
-    config = sm90_config.choose_config(request, lowering.sm_count())
+    config = config(request) if config else sm90_config.choose_config(request, lowering.sm_count())
     run = lowering.implementation(request, config, outputs_in_place=True)
     plan = lowering.buffer_plan(request, config, grad.shape[0])
     filled = {
@@ -248,6 +316,31 @@ def test_matches_float64_contract(hopper, name, dtype, deterministic):
     # reject wrong outputs at these shapes by test_tolerances.py; NaN left in any buffer
     # fails them.
     assert_matches_contract(out, inputs, alpha=alpha, out_dtype=dtype)
+
+
+# (m, k, n, group sizes) with an even number of N-tiles, where the kernel can run in
+# cluster pairs: the GPU tier's groupings that have one, and negative sizes, sizes past m
+# and rows owned by no expert (zero tiles) at n = 512 (two 256-wide tiles).
+CLUSTER_CASES = {
+    **{name: grouping(name) for name in ("tile_n_256", "rows_64k", "width_1856", "width_768")},
+    "negative_and_unowned": (3000, 256, 512, [-5, 1000, -1, 1300, 7, 0]),
+    "past_m": (2000, 128, 512, [900, 800, 700]),
+    "one_row": (1, 64, 512, [1, 0]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster_n", [1, 2])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("name", sorted(CLUSTER_CASES))
+def test_clusters_of_each_size_match_float64_contract(hopper, name, deterministic, cluster_n):
+    m, k, n, sizes = CLUSTER_CASES[name]
+    rng = np.random.default_rng(zlib.crc32(f"cluster{name}{deterministic}{cluster_n}".encode()))
+    inputs = make_inputs(rng, m, k, n, sizes, jnp.bfloat16)
+    alpha = jnp.asarray(rng.uniform(-2.0, 2.0, len(sizes)), jnp.float32)
+    out = run_in_place(inputs, alpha, deterministic=deterministic,
+                       config=lambda request: in_clusters(request, cluster_n))
+    assert_matches_contract(out, inputs, alpha=alpha)
 
 
 @pytest.mark.gpu

@@ -74,11 +74,19 @@ GROUPINGS = {
     "experts_512": ((512, 200, 328), 24000, None),
     # Nemotron-3 Nano's expert width as n and b (9 x 192 + 128 columns) over k = a = 768.
     "width_1856": ((16, 768, 1856), 6000, None),
+    # A multiple of 768, where 192- and 256-wide tiles pad alike: at 512 experts the
+    # up-projection takes 8 tiles of 192 (256-wide ones would get 3 operand stages), the
+    # plain GEMMs and the contraction 6 of 256 (1536 rather than the benchmarks' 768, whose
+    # 3 tiles of 256 would not pair up in the cluster test).
+    "width_1536": ((512, 256, 1536), 6000, None),
+    # 256 experts at n = 512: the up-projection's 128x256 tiles with 4 operand stages take
+    # exactly the 227 KiB of shared memory sm_90 grants a CTA.
+    "experts_256": ((256, 256, 512), 20000, None),
 }
 FP16_GROUPINGS = ("ragged_with_empty", "negative")
 
-# The contraction's tile configurations, each on 3 CTAs so that every CTA walks many work
-# items (the operand ring's state carried from item to item, store buffers reused across
+# The contraction's tile configurations, each on 3 CTAs, or 3 clusters of 2 (6 CTAs) for
+# the `_pairs` configs, so that every CTA walks many work items (the operand ring's state carried from item to item, store buffers reused across
 # items): the ones `choose_contract_config` picks at the benchmark shapes (a buffer per
 # subtile for 16-bit outputs, 128x192 where b is 1856 or 2688 and 128x256 where it is 768
 # or 2048; a ring of 3 buffers for float32 outputs with many experts), and 128x128.
@@ -88,6 +96,12 @@ CONTRACT_CONFIGS = {
     "128x256_whole_tile": sm90_config.ContractConfig(tile_n=256, ab_stages=6, store_stages=8, **_CONTRACT_TILES),
     "128x256_store_ring": sm90_config.ContractConfig(tile_n=256, ab_stages=7, store_stages=3, **_CONTRACT_TILES),
     "128x128_whole_tile": sm90_config.ContractConfig(tile_n=128, ab_stages=8, store_stages=4, **_CONTRACT_TILES),
+    # Clusters of two CTAs along b (A multicast): not chosen, kept to hold the kernel in pairs
+    # to the same tests.
+    "128x192_whole_tile_pairs": sm90_config.ContractConfig(
+        tile_n=192, ab_stages=8, store_stages=6, cluster_n=2, **dict(_CONTRACT_TILES, max_ctas=6)),
+    "128x256_store_ring_pairs": sm90_config.ContractConfig(
+        tile_n=256, ab_stages=7, store_stages=3, cluster_n=2, **dict(_CONTRACT_TILES, max_ctas=6)),
 }
 CONTRACT_CONFIG_GROUPINGS = ("many_experts", "negative", "exact_tile")
 
@@ -217,15 +231,20 @@ def prebuild_requests():
     ]
     # Groupings of one shape share their kernels.
     shapes = dict.fromkeys(GROUPINGS[name][0] for name in CONTRACT_CONFIG_GROUPINGS)
+    clusters = {(request, in_clusters(request, cluster_n, 6)) for request in
+                (matmul_request(GROUPINGS[name][0], variant) for name in GROUPINGS for variant in MATMUL_VARIANTS)
+                for cluster_n in (1, 2)}
     return chosen + [
         (contract_request(shape, BF16), config, True) for shape in shapes for config in CONTRACT_CONFIGS.values()
-    ]
+    ] + [(request, config, True) for request, config in sorted(clusters, key=repr)]
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("shape", [(8, 4096, 2048), (128, 2688, 1856), (512, 2048, 768)], ids=str)
 @pytest.mark.parametrize("variant", sorted(MATMUL_VARIANTS))
-def test_ragged_matmul_compiles_for_sm90a(variant):
-    compiled = sm90_gemm.compile_kernel(matmul_request((8, 4096, 2048), variant), keep=True)
+def test_ragged_matmul_compiles_for_sm90a(variant, shape):
+    # (E, k, n): 256-wide tiles, Nemotron-3 Nano's 192-wide ones, and the most experts.
+    compiled = sm90_gemm.compile_kernel(matmul_request(shape, variant), keep=True)
     assert "wgmma.mma_async" in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     assert not ATOMIC.search(compiled.ptx)
@@ -236,12 +255,41 @@ def test_ragged_matmul_compiles_for_sm90a(variant):
 @pytest.mark.parametrize("shape", [(8, 4096, 2048), (128, 2688, 1856), (256, 1024, 768), (512, 2048, 768)], ids=str)
 @pytest.mark.parametrize("out_dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_ragged_contraction_compiles_for_sm90a(out_dtype, shape):
-    compiled = sm90_gemm.compile_kernel(contract_request(shape, out_dtype), keep=True)
+    request = contract_request(shape, out_dtype)
+    compiled = sm90_gemm.compile_kernel(request, keep=True)
     assert "wgmma.mma_async" in compiled.ptx
+    # Alone, as chosen (test_each_contraction_config_compiles_for_sm90a compiles pairs).
+    assert "multicast::cluster" not in compiled.ptx and "barrier.cluster" not in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     # One writer per element and no split-K: no atomics of any kind.
     assert not ATOMIC.search(compiled.ptx)
     ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kind, shape", [
+    ("up_srelu_bias", (8, 4096, 2048)), ("up_srelu_bias", (128, 2048, 768)), ("up_srelu_bias", (512, 2048, 768)),
+    # 128x256 tiles with 4 operand stages beside h's and act's buffers: at 256 experts the
+    # struct is exactly the 227 KiB of sm_90.
+    ("up_srelu_bias", (128, 2048, 512)), ("up_srelu_bias", (256, 2048, 512)),
+    ("down_kn", (512, 1856, 2688)), ("dx_nk", (128, 2048, 768)),
+    ("contraction", (128, 2688, 1856)), ("contraction", (512, 2048, 768)),
+], ids=str)
+def test_shared_memory_estimate_is_the_kernels_struct(kind, shape, monkeypatch):
+    """The estimate that picks the operand stages is the shared-memory struct the kernel
+    allocates: never less (a launch past the capacity fails with no word of why), and
+    never more (a stage that fits would be left out)."""
+    built = []
+    for name in ("_matmul_kernel", "_contract_kernel"):
+        make = getattr(sm90_gemm, name)
+        monkeypatch.setattr(sm90_gemm, name, lambda request, config, make=make: built.append(make(request, config))
+                            or built[-1])
+    request = contract_request(shape, BF16) if kind == "contraction" else matmul_request(shape, kind)
+    config = sm90_gemm.choose_config(request)
+    sm90_gemm.compile_kernel(request, config, keep=True)
+    assert built[-1].shared_storage.size_in_bytes() == config.request_bytes(request) <= sm90_config.SMEM_CAPACITY
+    if shape == (256, 2048, 512):
+        assert (config.tile_n, config.ab_stages, config.request_bytes(request)) == (256, 4, sm90_config.SMEM_CAPACITY)
 
 
 @pytest.mark.compile
@@ -250,8 +298,53 @@ def test_each_contraction_config_compiles_for_sm90a(name):
     config = dataclasses.replace(CONTRACT_CONFIGS[name], max_ctas=132)
     compiled = sm90_gemm.compile_kernel(contract_request((128, 2688, 1856), BF16), config, keep=True)
     assert "wgmma.mma_async" in compiled.ptx
+    # In pairs: the a-block multicast, the releases in the partner CTA, the cluster barrier.
+    pairs = config.cluster_n == 2
+    for instruction in ("multicast::cluster", "mapa.shared::cluster", "barrier.cluster.wait"):
+        assert (instruction in compiled.ptx) == pairs, instruction
     assert not ATOMIC.search(compiled.ptx)
     ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("variant", sorted(MATMUL_VARIANTS))
+def test_ragged_matmul_compiles_for_sm90a_in_cluster_pairs(variant):
+    """Each CTA of a pair loads half of every A tile for both (TMA multicast); the
+    consumers release each stage in both CTAs; one cluster barrier publishes the
+    pipelines."""
+    request = matmul_request((128, 2688, 1856), variant)
+    compiled = sm90_gemm.compile_kernel(request, in_clusters(request, 2, 132), keep=True)
+    assert "multicast::cluster" in compiled.ptx and "mapa.shared::cluster" in compiled.ptx
+    assert "barrier.cluster.wait" in compiled.ptx
+    assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
+    assert not ATOMIC.search(compiled.ptx)
+    ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.compile
+def test_cluster_pairs_are_chosen_for_the_plain_gemm_from_k_1536():
+    def chosen(variant, k, n):
+        return sm90_config.choose_gemm_config(matmul_request((128, k, n), variant)).cluster_n
+    # Nemotron-3 Nano's down and dx (k = 1856, 14 N-tiles of 192), k = 2048, and the bound.
+    assert chosen("down_kn", 1856, 2688) == chosen("dx_nk", 1856, 2688) == chosen("down_kn", 2048, 4096) == 2
+    assert chosen("down_kn", 1536, 2048) == 2 and chosen("down_kn", 1528, 2048) == chosen("dx_nk", 1024, 2048) == 1
+    # Short k, the squared-ReLU epilogue, and three N-tiles run alone.
+    assert chosen("down_kn", 768, 2048) == chosen("up_srelu_bias", 2688, 1856) == chosen("down_kn", 2048, 768) == 1
+    assert sm90_config.choose_contract_config(contract_request((128, 2688, 1856), BF16)).cluster_n == 1
+    # Pairs keep whole clusters on the grid.
+    assert sm90_config.choose_gemm_config(matmul_request((128, 1856, 2688), "down_kn"), sm_count=131).max_ctas == 130
+
+
+@pytest.mark.compile
+def test_cluster_pairs_are_refused_where_they_cannot_run():
+    # n = 768 and b = 768 have three 256-wide N-tiles.
+    request = matmul_request((8, 512, 768), "down_kn")
+    assert sm90_config.choose_gemm_config(request).cluster_n == 1
+    with pytest.raises(ValueError, match=r"cluster_n=2 must divide the 3 N-tiles of n=768 with tile_n=256"):
+        sm90_gemm.compile_kernel(request, in_clusters(request, 2, 132))
+    contraction = contract_request((8, 512, 768), F32)
+    with pytest.raises(ValueError, match=r"cluster_n=2 must divide the 3 N-tiles of b=768 with tile_n=256"):
+        sm90_gemm.compile_kernel(contraction, dataclasses.replace(sm90_gemm.choose_config(contraction), cluster_n=2))
 
 
 @pytest.mark.compile
@@ -286,7 +379,7 @@ def test_backend_serves_the_gemm_requests():
 def test_configs_validate_in_one_place():
     good = dict(tile_n=256, tile_k=64, ab_stages=4, epi_n=32, store_stages=2, max_ctas=132)
     sm90_config.GemmConfig(**good)
-    for field, value in [("tile_n", 96), ("epi_n", 16), ("ab_stages", 1), ("tile_k", 128)]:
+    for field, value in [("tile_n", 96), ("epi_n", 16), ("ab_stages", 1), ("tile_k", 128), ("cluster_n", 4)]:
         with pytest.raises(ValueError, match=field):
             sm90_config.GemmConfig(**dict(good, **{field: value}))
     for field, value in [("tile_n", 100), ("ab_stages", 1), ("tile_k", 16), ("epi_n", 48), ("store_stages", 0)]:
@@ -307,6 +400,20 @@ def test_configs_validate_in_one_place():
     # Widths that are not a tile multiple take the tile that pads them least.
     assert sm90_config.choose_tile_n(1856) == 192 and sm90_config.choose_tile_n(2688) == 192
     assert sm90_config.choose_tile_n(2048) == 256 and sm90_config.choose_tile_n(768) == 256
+    # Where 192 and 256 pad alike, 256 unless it gets fewer than 4 operand stages: beside
+    # two outputs, 256-wide tiles get 4 up to 375 experts and 3 beyond. 128 is never taken
+    # for its stages.
+    assert sm90_config.choose_tile_n(768, lambda tile: tile < 256) == 192
+    assert sm90_config.choose_tile_n(1856, lambda tile: False) == 192
+    assert sm90_config.choose_tile_n(512, lambda tile: False) == 256
+
+    def chosen(variant, num_experts, n):
+        config = sm90_config.choose_gemm_config(matmul_request((num_experts, 2048, n), variant))
+        return config.tile_n, config.ab_stages
+
+    assert chosen("up_srelu_bias", 375, 768) == chosen("down_kn", 512, 768) == (256, 4)
+    assert chosen("up_srelu_bias", 376, 768) == chosen("up_srelu", 512, 1536) == (192, 4)
+    assert chosen("up_srelu_bias", 512, 512) == (256, 3) and chosen("up_srelu_bias", 375, 512) == (256, 4)
 
 
 # ----------------------------------------------------------------------------- GPU tier
@@ -347,22 +454,45 @@ def gpu_cases():
 @pytest.mark.parametrize("variant", sorted(MATMUL_VARIANTS))
 @pytest.mark.parametrize("name, dtype", gpu_cases())
 def test_ragged_matmul_matches_float64(hopper, name, dtype, variant):
+    check_ragged_matmul(name, dtype, variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster_n", [1, 2])
+@pytest.mark.parametrize("variant", sorted(MATMUL_VARIANTS))
+@pytest.mark.parametrize("name", sorted(GROUPINGS))
+def test_ragged_matmul_in_clusters_of_each_size_matches_float64(hopper, name, variant, cluster_n):
+    # Every grouping's width has an even number of N-tiles with the chosen tile: here each
+    # cluster size on 6 CTAs, so that every CTA walks many tiles.
+    check_ragged_matmul(name, BF16, variant, lambda request: in_clusters(request, cluster_n, 6))
+
+
+def in_clusters(request, cluster_n, max_ctas):
+    """The chosen config in clusters of `cluster_n` CTAs along N (A multicast when 2) on
+    `max_ctas` CTAs."""
+    return dataclasses.replace(sm90_config.choose_gemm_config(request), cluster_n=cluster_n, max_ctas=max_ctas)
+
+
+def check_ragged_matmul(name, dtype, variant, config=None):
+    """The kernel (of `config(request)`, or the chosen one) on grouping `name` against
+    float64, every output NaN-filled first."""
     (num_experts, k, n), m, sizes = grouping(name)
     rng = np.random.default_rng(zlib.crc32(f"{name}{dtype.name}{variant}".encode()))
     lhs, rhs_kn = random_operands(rng, m, k, n, num_experts, dtype)
     request = matmul_request((num_experts, k, n), variant, dtype)
+    config = config(request) if config else None
     rhs = rhs_kn if request.rhs_layout == "kn" else np.ascontiguousarray(np.swapaxes(rhs_kn, 1, 2))
     group_sizes = jnp.asarray(sizes, jnp.int32)
     lhs64, rhs64 = lhs.astype(np.float64), rhs_kn.astype(np.float64)
     if request.epilogue == "none":
-        (out,) = run_poisoned(request, jnp.asarray(lhs), jnp.asarray(rhs), group_sizes)
+        (out,) = run_poisoned(request, jnp.asarray(lhs), jnp.asarray(rhs), group_sizes, config=config)
         check_matmul(out, lhs64, rhs64, sizes, dtype)
         return
     prob = rng.uniform(0.05, 1.0, m).astype(np.float32)
     bias = rng.standard_normal((num_experts, n)).astype(np.float32) if request.with_bias else None
     h, act = run_poisoned(
         request, jnp.asarray(lhs), jnp.asarray(rhs), group_sizes, jnp.asarray(prob),
-        None if bias is None else jnp.asarray(bias),
+        None if bias is None else jnp.asarray(bias), config=config,
     )
     # h against float64: the bias enters the exact sum, one more float32 addition.
     bounds = clamped_bounds(sizes, m)

@@ -20,8 +20,8 @@ MAX_EXPERTS = 512
 SMEM_CAPACITY = 232_448
 # Rows per work tile: two consumer warpgroups of 64 rows each (wgmma's M is 64).
 TILE_M = 128
-# Dynamic-shared-memory bytes reserved for barriers and alignment padding.
-_SMEM_RESERVE = 2048
+# Every shared buffer starts 1024-byte aligned (the swizzled layouts' requirement).
+_SMEM_ALIGN = 1024
 _SIXTEEN_BIT = (np.dtype("bfloat16"), np.dtype("float16"))
 # H100 and H200 SXM have 132 multiprocessors; used when no GPU is visible at lowering.
 DEFAULT_SM_COUNT = 132
@@ -37,6 +37,10 @@ def _check_tile(config, positive: tuple[str, ...]) -> None:
         raise ValueError(f"tile_n must be 64, 128, 192 or 256 (a wgmma N), got {config.tile_n}")
     if config.tile_k not in (32, 64):
         raise ValueError(f"tile_k must be 32 or 64 (a 64- or 128-byte swizzle row), got {config.tile_k}")
+    if config.cluster_n not in (1, 2):
+        raise ValueError(f"cluster_n must be 1 or 2 (CTAs sharing an A tile by multicast), got {config.cluster_n}")
+    if config.max_ctas % config.cluster_n:
+        raise ValueError(f"max_ctas must be a multiple of cluster_n={config.cluster_n} (whole clusters), got {config.max_ctas}")
     if config.ab_stages < 2:
         raise ValueError(f"ab_stages must be at least 2 to overlap loads and wgmma, got {config.ab_stages}")
     for name in positive:
@@ -58,9 +62,11 @@ class KernelTiles:
     (tile_m x epi_n) subtiles through store_stages shared buffers, by max_ctas persistent
     CTAs. The consumer mode is cooperative: both consumer warpgroups work on the same
     tile, 64 rows each, and run the epilogue together (a ping-pong contraction was
-    measured slower at every benchmark shape: docs/sm90.md). The cluster is 1x1: a cluster along M
-    could span two experts, whose B tiles differ, so multicast of B would be wrong; along
-    N it would save L2 traffic for A only. `__post_init__` is the one validity check."""
+    measured slower at every benchmark shape: docs/sm90.md). cluster_n CTAs (1 or 2) form
+    a cluster along N: they take neighbouring N-tiles of the same rows, and each loads
+    half of the shared A tile and multicasts it to both, so A crosses from L2 once per
+    cluster. Along M a cluster could span two experts, whose B tiles differ.
+    `__post_init__` is the one validity check."""
 
     tile_n: int  # columns per work tile (the N extent of each wgmma)
     tile_k: int  # k per pipeline stage
@@ -69,6 +75,7 @@ class KernelTiles:
     store_stages: int  # output subtile buffers, each a TMA store in flight
     max_ctas: int  # persistent grid size: one CTA per multiprocessor
     tile_m: int = TILE_M
+    cluster_n: int = 1  # CTAs per cluster along N, sharing each A tile by multicast
 
     # Fields that count something and must be positive, beyond the tile's own.
     counts: ClassVar[tuple[str, ...]] = ("store_stages", "max_ctas")
@@ -81,12 +88,20 @@ class KernelTiles:
     def subtiles(self) -> int:
         return self.tile_n // self.epi_n
 
-    def _operand_bytes(self) -> int:
-        """The operand ring's shared memory, 16-bit operands."""
-        return self.ab_stages * (self.tile_m + self.tile_n) * self.tile_k * 2
+    def _shared_bytes(self, num_experts: int, tables: int, other_ring_stages: int, buffers) -> int:
+        """The shared-memory struct `gemm_base.GemmSm90._shared_storage` lays out: two
+        8-byte barriers per stage of the operand ring and of the variant's other rings,
+        `tables` int32 expert tables of E + 1 entries, padded to the first buffer's
+        alignment; then the operand ring's A and B buffers (16-bit operands) and the
+        variant's `buffers` (bytes each), each aligned. The compile tier checks it against
+        the struct the DSL builds (test_shared_memory_estimate_is_the_kernels_struct)."""
+        header = 16 * (self.ab_stages + other_ring_stages) + 4 * tables * (num_experts + 1)
+        operands = [self.ab_stages * rows * self.tile_k * 2 for rows in (self.tile_m, self.tile_n)]
+        return sum(-(-size // _SMEM_ALIGN) * _SMEM_ALIGN for size in [header, *operands, *buffers])
 
-    def _store_bytes(self, outputs: int, out_bytes: int = 2) -> int:
-        return self.store_stages * self.tile_m * self.epi_n * out_bytes * outputs
+    def _store_bytes(self, out_bytes: int = 2) -> int:
+        """One output's ring of store buffers."""
+        return self.store_stages * self.tile_m * self.epi_n * out_bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,13 +113,14 @@ class TileConfig(KernelTiles):
     counts: ClassVar[tuple[str, ...]] = KernelTiles.counts + ("preact_stages",)
 
     def smem_bytes(self, num_experts: int, with_act: bool, with_dbias: bool) -> int:
-        """Shared memory the kernel allocates for this config (16-bit operands and outputs)."""
+        """Shared memory the kernel allocates for this config (16-bit operands and outputs):
+        the preact ring, dh's and act's store buffers, and the per-warp column partials of
+        the tile (8 consumer warps, float32)."""
         preact = self.preact_stages * self.tile_m * self.epi_n * 2
-        # Per-warp column partials of the tile (8 consumer warps), float32.
-        dbias = 8 * self.tile_n * 4 if with_dbias else 0
-        tables = 2 * (num_experts + 1) * 4
-        return (self._operand_bytes() + preact + self._store_bytes(2 if with_act else 1) + dbias + tables
-                + _SMEM_RESERVE)
+        buffers = [preact] + [self._store_bytes()] * (2 if with_act else 1)
+        if with_dbias:
+            buffers.append(8 * self.tile_n * 4)
+        return self._shared_bytes(num_experts, 2, self.preact_stages, buffers)
 
     def check_fits(self, num_experts: int, with_act: bool, with_dbias: bool) -> None:
         need = self.smem_bytes(num_experts, with_act, with_dbias)
@@ -149,23 +165,45 @@ def cannot_implement(request: Request) -> str | None:
     return None
 
 
-def choose_tile_n(n: int) -> int:
-    """The N tile of the ragged-M GEMM and the contraction: the one that pads n least,
-    ties to the wider tile; 64 for narrow problems.
+def choose_tile_n(n: int, enough_stages: Callable[[int], bool] = lambda tile_n: True) -> int:
+    """The N tile of the ragged-M GEMM and the contraction: of the tiles that pad n least,
+    the widest; where 256 and 192 both do (n a multiple of 768), 256 only if
+    `enough_stages(256)` holds (the GEMM asks for 4 operand stages: `choose_gemm_config`);
+    64 for narrow problems.
 
     A partial last tile loads and computes columns that are never stored; a wider tile
     issues wider wgmma (more operand reuse per byte of shared memory read), so it wins
-    when the padding is equal. At the Nemotron-3 Nano widths, 1856 = 7 * 256 + 64 pads
-    to 1920 with 192 (3%) against 2048 with 256 (10%) and 1920 with 128 (the narrower
-    tile), and 2688 = 14 * 192 exactly; multiples of 256 keep 256. On an H200 at n = 1856
-    the forward GEMM ran 4% faster with 192 than with 128 and 10% faster than with 256,
-    and at n = 2688 within 1% of 256; at n = 768 with 256 experts the rule's 256 ran 7%
-    slower than 192 for the forward GEMM (two outputs, so fewer stages), and is kept
-    until a wider sweep says how to tell that case (benchmarks/results/fine_grained/
-    sweep_gemm_*.json)."""
+    when the padding is equal and the operand stages are too. At the Nemotron-3 Nano
+    widths, 1856 = 7 * 256 + 64 pads to 1920 with 192 (3%) against 2048 with 256 (10%)
+    and 1920 with 128 (the narrower tile), and 2688 = 14 * 192 exactly; other multiples of
+    256 keep 256, whatever its stages: 128x128 tiles with 5 stages took 6.5% more time than
+    128x256 ones with 3 for the up-projection at n = 1856 (sweep_gemm_b938ae4.json), and
+    no width where 128 and 256 pad alike was measured with 256 short of stages. On an H200
+    at n = 1856 the forward GEMM ran 4% faster with 192 than with 128 and 10% faster than
+    with 256, and at n = 2688 within 1% of 256 (benchmarks/results/fine_grained/sweep_gemm_*.json)."""
     if n < 128:
         return 64
-    return min((256, 192, 128), key=lambda tile: -(-n // tile) * tile)
+    least = min(_padded_width(n, tile) for tile in (256, 192, 128))
+    widest_first = [tile for tile in (256, 192, 128) if _padded_width(n, tile) == least]
+    if widest_first[:2] == [256, 192] and not enough_stages(256):
+        return 192
+    return widest_first[0]
+
+
+def _padded_width(n: int, tile: int) -> int:
+    """The columns computed for n with tile-wide N tiles."""
+    return -(-n // tile) * tile
+
+
+def pairs_up(n: int, tile_n: int) -> bool:
+    """Whether n's tile_n-wide N-tiles pair up, as clusters of two CTAs along N need."""
+    return -(-n // tile_n) % 2 == 0
+
+
+# The plain ragged-M GEMM runs in cluster pairs from this k (see `choose_gemm_config`):
+# between the largest k measured without a gain in the step (1024) and the smallest with
+# one (1856).
+_PAIRS_MIN_K = 1536
 
 
 def _most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int:
@@ -182,41 +220,68 @@ def _most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int
 # 256-wide ones at n = 1856 (their operands cross shared memory and L2 a third more often
 # per FLOP): with a margin, 256 is chosen unless it computes 10% more columns than 128.
 _DSRELU_NARROW_TILE_COST = 1.10
+# Its 128x192 tiles (4 operand and 2 preact stages) took 2.8% more time per column computed
+# than the 128x256 ones (3 operand stages) at n = 1856, where they computed 6.25% fewer
+# columns, and 2.0-4.6% less time at n = 768, where both compute 768: 192 is taken where it
+# computes at least 3% fewer columns than the choice between 256 and 128, or as many as 256.
+_DSRELU_192_COLUMNS = 0.97
 
 
 def dsrelu_tile_n(n: int) -> int:
-    """The fused kernel's N tile: 256 unless its padded width exceeds the 128-wide tiles'
-    by 10% or more; 64 for narrow problems.
+    """The fused kernel's N tile: 64 below n = 128, 128 below n = 256; from n = 256, 256
+    unless its padded width exceeds the 128-wide tiles' by 10% or more, and 192 where that
+    computes at least 3% fewer columns than this choice between 256 and 128, or as many
+    as a 256-wide choice.
 
-    Not `choose_tile_n`'s 192: the fused kernel's preact ring, dh and act buffers and
-    column partials leave a 128x192 tile 3 operand stages, and it ran slower than both
-    others at n = 1856 and n = 768. On an H200 at n = 1856 (Nemotron-3 Nano's expert
-    width: 2048 columns computed with 256, 1920 with 128, 6.7% more) 128x256 took 8% less
-    time than 128x128 (benchmarks/results/fine_grained/sweep_gemm_overlap_0defe86.json);
-    at n = 320 (512 against 384 columns) 128 stays."""
+    On an H200 at n = 1856 (Nemotron-3 Nano's expert width: 2048 columns computed with 256,
+    1920 with 192 or 128) 128x256 took 8% less time than 128x128
+    (benchmarks/results/fine_grained/sweep_gemm_overlap_0defe86.json), and 128x192, with
+    the 4 operand stages that 2 preact stages leave room for (`choose_config`), 3.6% less
+    than 128x256 and 7% less than 128x128 with 5 operand stages (sweep_gemm_preact_cb6ff28.json).
+    At n = 768, where 192 and 256 both compute 768 columns, 128x192 took 2.0-4.6% less time
+    than 128x256 (3 operand stages) at 128 and 256 experts (sweep_gemm_b938ae4.json).
+    Where 192 ties with 128 (n = 264-384 and 1032-1152, not measured) or saves fewer
+    columns, the choice stays. Below n = 256 a single 256-wide tile would cover the
+    output; the GPU tier checks no such width, so those keep 128."""
     if n < 128:
         return 64
-    padded = {tile: -(-n // tile) * tile for tile in (128, 256)}
-    return 256 if padded[256] < _DSRELU_NARROW_TILE_COST * padded[128] else 128
+    if n < 256:
+        return 128
+    wide = 256 if _padded_width(n, 256) < _DSRELU_NARROW_TILE_COST * _padded_width(n, 128) else 128
+    narrower = _padded_width(n, 192) <= _DSRELU_192_COLUMNS * _padded_width(n, wide)
+    as_many_as_256 = wide == 256 and _padded_width(n, 192) == _padded_width(n, 256)
+    return 192 if narrower or as_many_as_256 else wide
 
 
 def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
     """The tile configuration for `request`: the N tile of `dsrelu_tile_n`, then as many
-    grad/weight stages as shared memory holds.
+    grad/weight stages as shared memory holds with 4 preact stages, or one more with 2
+    where that makes room for it. Alone (cluster_n = 1, no cluster launch): in cluster
+    pairs the fused kernel took as long in the layer step at Nemotron-3 Nano's shape and
+    1.6-2.6% longer at n = 1024 and 512 (docs/sm90.md).
 
     On an H200 at the three few-expert benchmark shapes, 128x256 with 32-column subtiles
     and 3 stages beat 64-column subtiles by 1-4% and 128x128 with 4 stages by 6-18%
-    (benchmarks/sweep_configs.py).
+    (benchmarks/sweep_configs.py). An operand stage is worth more than two preact stages:
+    128x192 took 9-11% less time with 4 operand and 2 preact stages than with 3 and 4, at
+    n = 1856 and at n = 768, and 128x128 0.6% and 4% less with 5 and 2 than with 4 and 4
+    (sweep_gemm_preact_cb6ff28.json).
     """
     reason = cannot_implement(request)
     if reason is not None:
         raise ValueError(reason)
-    base = dict(tile_n=dsrelu_tile_n(request.n), tile_k=64, epi_n=32, preact_stages=4, store_stages=2, max_ctas=sm_count)
     facts = (request.num_experts, request.with_act, request.with_dbias)
-    config = TileConfig(
-        ab_stages=_most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2),
-        **base,
-    )
+
+    def most_stages(preact_stages):
+        base = dict(tile_n=dsrelu_tile_n(request.n), tile_k=64, epi_n=32, preact_stages=preact_stages,
+                    store_stages=2, max_ctas=sm_count)
+        stages = _most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2)
+        return TileConfig(ab_stages=stages, **base)
+
+    config = most_stages(4)
+    fewer_preact = most_stages(2)
+    if fewer_preact.ab_stages > config.ab_stages:
+        config = fewer_preact
     config.check_fits(*facts)
     return config
 
@@ -230,11 +295,14 @@ class GemmConfig(KernelTiles):
 
     def smem_bytes(self, num_experts: int, outputs: int) -> int:
         """Shared memory for this config with `outputs` 16-bit output tensors."""
-        tables = 2 * (num_experts + 1) * 4
-        return self._operand_bytes() + self._store_bytes(outputs) + tables + _SMEM_RESERVE
+        return self._shared_bytes(num_experts, 2, 0, [self._store_bytes()] * outputs)
+
+    def request_bytes(self, request: RaggedMatmulRequest) -> int:
+        """Shared memory for this config serving `request`."""
+        return self.smem_bytes(request.num_experts, stored_outputs(request))
 
     def check_fits(self, request: RaggedMatmulRequest) -> None:
-        _check_capacity(self, self.smem_bytes(request.num_experts, stored_outputs(request)), request)
+        _check_capacity(self, self.request_bytes(request), request)
 
 
 def stored_outputs(request: RaggedMatmulRequest) -> int:
@@ -264,13 +332,16 @@ class ContractConfig(KernelTiles):
             )
 
     def smem_bytes(self, num_experts: int, out_bytes: int) -> int:
-        """Shared memory for this config with an output of `out_bytes` per element."""
-        # row_start, tile_start and the expert order, E + 1 int32 each.
-        tables = 3 * (num_experts + 1) * 4
-        return self._operand_bytes() + self._store_bytes(1, out_bytes) + tables + _SMEM_RESERVE
+        """Shared memory for this config with an output of `out_bytes` per element; its
+        tables are row_start, tile_start and the expert order."""
+        return self._shared_bytes(num_experts, 3, 0, [self._store_bytes(out_bytes)])
+
+    def request_bytes(self, request: RaggedContractRequest) -> int:
+        """Shared memory for this config serving `request`."""
+        return self.smem_bytes(request.num_experts, np.dtype(request.out_dtype).itemsize)
 
     def check_fits(self, request: RaggedContractRequest) -> None:
-        _check_capacity(self, self.smem_bytes(request.num_experts, np.dtype(request.out_dtype).itemsize), request)
+        _check_capacity(self, self.request_bytes(request), request)
 
 
 def _reason(kernel: str, num_experts: int, operand_dtype, out_dtype, out_dtypes, **extents: int) -> str | None:
@@ -304,19 +375,45 @@ def cannot_implement_contract(request: RaggedContractRequest) -> str | None:
                    (np.dtype(np.float32),) + _SIXTEEN_BIT, a=request.a, b=request.b)
 
 
+# Operand stages a ragged-M GEMM's 128x256 tile should have to be taken over a 128x192 one
+# that pads alike.
+_GEMM_ENOUGH_STAGES = 4
+
+
 def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_COUNT) -> GemmConfig:
-    """The N tile of `choose_tile_n`, then as many stages as shared memory holds."""
+    """The N tile of `choose_tile_n` (of those that pad n least, the widest; 192 over 256
+    where 256 would get fewer than 4 operand stages), cluster pairs for the plain GEMM (no
+    epilogue) from k = 1536 where its N-tiles pair up, then as many stages as shared
+    memory holds.
+
+    Where 192 and 256 pad alike (n a multiple of 768), the stages decide: beside two
+    outputs' store buffers (the up-projection's h and act) a 128x256 tile gets 4 operand
+    stages up to 375 experts and 3 beyond (the expert tables share the shared memory),
+    a 128x192 one 4. On an H200 at n = 768 the up-projection's 128x256 tiles took 2.5-5.2%
+    more time than 128x192 ones with 3 stages (under the old shared-memory estimate) and
+    0.6% less at 128 experts and 4.2% less at 256 with 4
+    (sweep_gemm_b938ae4.json, sweep_gemm_70248d4.json); with one output 256 gets 4
+    stages and took 3.1-4.0% less than 192.
+
+    Pairs share each A tile by multicast. In the layer step on an H200, against the same
+    kernels alone on the same machine (docs/sm90.md, cluster pairs), the plain GEMMs (down
+    and dx) took 2.4-3.6% less time at k = 1856 (Nemotron-3 Nano) and 0.3-2.2% less at
+    k = 2048, 0.5-0.8% more at k = 1024 and up to 2.5% more at k = 768 and 512; the
+    up-projection with its squared-ReLU epilogue took 2% more at k = 2688."""
     reason = cannot_implement_gemm(request)
     if reason is not None:
         raise ValueError(reason)
     outputs = stored_outputs(request)
-    base = dict(tile_n=choose_tile_n(request.n), tile_k=64, epi_n=32, store_stages=2, max_ctas=sm_count)
-    return GemmConfig(
-        ab_stages=_most_stages(
-            lambda stages: GemmConfig(ab_stages=stages, **base).smem_bytes(request.num_experts, outputs) <= SMEM_CAPACITY, 2
-        ),
-        **base,
-    )
+
+    def most_stages(tile_n, cluster_n=1):
+        base = dict(tile_n=tile_n, tile_k=64, epi_n=32, store_stages=2, cluster_n=cluster_n,
+                    max_ctas=sm_count - sm_count % cluster_n)
+        fits = lambda stages: GemmConfig(ab_stages=stages, **base).smem_bytes(request.num_experts, outputs) <= SMEM_CAPACITY  # noqa: E731
+        return GemmConfig(ab_stages=_most_stages(fits, 2), **base)
+
+    tile_n = choose_tile_n(request.n, lambda tile: most_stages(tile).ab_stages >= _GEMM_ENOUGH_STAGES)
+    pairs = request.epilogue == "none" and request.k >= _PAIRS_MIN_K and pairs_up(request.n, tile_n)
+    return most_stages(tile_n, 2 if pairs else 1)
 
 
 # Fewest expert rows in flight in the contraction's operand ring when the whole output tile
@@ -326,7 +423,9 @@ _CONTRACT_MAX_STAGES = 8
 
 
 def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAULT_SM_COUNT) -> ContractConfig:
-    """128 x choose_tile_n(b) output tiles, 32 expert rows per stage; a shared buffer for
+    """128 x choose_tile_n(b) output tiles, alone (cluster_n = 1, no cluster launch: in
+    pairs, sharing the a-block, the contraction took up to 1.7% more time in the layer step
+    at Nemotron-3 Nano's shape, docs/sm90.md), 32 expert rows per stage; a shared buffer for
     every subtile of a tile (stored at once, two barriers per tile) if that leaves at
     least 192 rows of operands in flight, else a ring of store buffers; then as many
     operand stages as fit, up to 8.

@@ -80,11 +80,12 @@ class GemmSm90:
         return sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, (self.tile_m, self.epi_n), stages)
 
     @staticmethod
-    def _tma_load(tensor: cute.Tensor, layout, box):
-        """(atom, TMA tensor) loading `box` tiles of `tensor` into one stage of `layout`."""
-        return cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), tensor, cute.slice_(layout, (None, None, 0)), box
-        )
+    def _tma_load(tensor: cute.Tensor, layout, box, multicast: int = 1):
+        """(atom, TMA tensor) loading `box` tiles of `tensor` into one stage of `layout`;
+        with `multicast` > 1 each of that many CTAs loads its slice of the box into all of
+        them."""
+        op = cpasync.CopyBulkTensorTileG2SMulticastOp() if multicast > 1 else cpasync.CopyBulkTensorTileG2SOp()
+        return cpasync.make_tiled_tma_atom(op, tensor, cute.slice_(layout, (None, None, 0)), box, num_multicast=multicast)
 
     def _tma_store(self, tensor: cute.Tensor, layout):
         """(atom, TMA tensor) storing one subtile buffer of `layout` to `tensor`."""
@@ -111,28 +112,57 @@ class GemmSm90:
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def _launch(self, kernel, grid, stream) -> None:
-        kernel.launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream)
+        """A cluster launch only for clusters of more than one CTA: launched with a cluster
+        shape of 1x1x1, kernels that run alone took up to 4.8% more time in the layer step on
+        the H200 (docs/sm90.md, cluster pairs)."""
+        cluster = [self.config.cluster_n, 1, 1] if self.config.cluster_n > 1 else None
+        kernel.launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=cluster, min_blocks_per_mp=1,
+                      stream=stream)
+
+    def _check_pairs_up(self, n_tiles: int, extent: str) -> None:
+        """Refuses a cluster size that does not divide the N-tiles (`extent` names the
+        width, "n=1856"): a cluster takes neighbouring N-tiles of the same rows."""
+        if n_tiles % self.config.cluster_n:
+            raise ValueError(
+                f"cluster_n={self.config.cluster_n} must divide the {n_tiles} N-tiles of {extent} with "
+                f"tile_n={self.config.tile_n} (a cluster takes neighbouring N-tiles of the same rows)"
+            )
+
+    def _cluster_walk(self):
+        """(first work item, stride, rank) of this CTA's walk: the items are its cluster's,
+        every CTA of a cluster walks the same ones, and `rank` says which N-tile of each
+        is this CTA's."""
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        cluster_n = self.config.cluster_n
+        return bidx // cluster_n, grid // cluster_n, bidx % cluster_n
 
     # ---------------------------------------------------------------- device side
 
     def _operand_pipeline(self, storage, a_layout, b_layout) -> pipeline.PipelineTmaAsync:
-        """The A/B ring: warp 0 produces, the 8 consumer warps release."""
+        """The A/B ring: warp 0 produces, the 8 consumer warps release. In a cluster along
+        N a stage's A tile is written by every CTA of the cluster, so each consumer warp
+        releases the stage in every CTA (one lane per CTA)."""
         return self._tma_pipeline(
             storage.ab_barriers, self.config.ab_stages,
             cute.size_in_bytes(self.ab_dtype, cute.slice_(a_layout, (None, None, 0)))
             + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_layout, (None, None, 0))),
+            self.config.cluster_n,
         )
 
-    def _tma_pipeline(self, barriers, stages: int, stage_bytes) -> pipeline.PipelineTmaAsync:
-        """A ring filled by one TMA-issuing thread and released by the consumer warps.
-        Its barriers are published by `_publish_tables`."""
+    def _tma_pipeline(self, barriers, stages: int, stage_bytes, multicast: int = 1) -> pipeline.PipelineTmaAsync:
+        """A ring filled by one TMA-issuing thread and released by the consumer warps,
+        of the `multicast` CTAs of a cluster along N that write into it. Its barriers are
+        published by `_publish_tables`."""
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers.data_ptr(),
             num_stages=stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_warps),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
             tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, 1, multicast, 1)),
+            mcast_mode_mn=(1, 0),
+            enable_multicast_signaling=True,
             defer_sync=True,
         )
 
@@ -149,14 +179,20 @@ class GemmSm90:
     @cute.jit
     def _publish_tables(self, storage, group_sizes: cute.Tensor, num_rows: Int32, tile_rows: cutlass.Constexpr):
         """The first consumer warp builds the expert tables (`group_tables`, tiles of
-        `tile_rows`); one CTA barrier then publishes them and every pipeline's barrier
-        initialisation to every warp. Returns (row_start, tile_start)."""
+        `tile_rows`); one barrier then publishes them and every pipeline's barrier
+        initialisation to every warp: of the CTA, or of the cluster, whose CTAs arrive on
+        each other's barriers. Returns (row_start, tile_start)."""
         row_start = self._table(storage, "row_start")
         tile_start = self._table(storage, "tile_start")
         if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == self.producer_warps:
             build_expert_tables(group_sizes, num_rows, row_start, tile_start, self.num_experts, tile_rows)
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if cutlass.const_expr(self.config.cluster_n > 1):
+            # Release and acquire: the tables are ordered as by sync_threads.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
         return row_start, tile_start
 
     @staticmethod
@@ -225,19 +261,24 @@ class RaggedMGemmSm90(GemmSm90):
         self.k = k
         self.n_tiles = (n + config.tile_n - 1) // config.tile_n
         self.k_tiles = (k + config.tile_k - 1) // config.tile_k
+        self._check_pairs_up(self.n_tiles, f"n={n}")
 
     def _grid(self, num_rows: Int32) -> Int32:
-        """Persistent CTAs, no more than there are work items: expert tiles number at
-        most m_tiles + E and the zero tiles at most m_tiles, per N-tile."""
+        """Persistent CTAs, whole clusters, no more than there are work items: expert tiles
+        number at most m_tiles + E and the zero tiles at most m_tiles, per group of
+        cluster_n N-tiles."""
         m_tiles = (num_rows + (self.tile_m - 1)) // self.tile_m
-        return cutlass.min((2 * m_tiles + self.num_experts) * self.n_tiles, Int32(self.config.max_ctas))
+        cluster_n = self.config.cluster_n
+        clusters = cutlass.min((2 * m_tiles + self.num_experts) * (self.n_tiles // cluster_n),
+                               Int32(self.config.max_ctas // cluster_n))
+        return clusters * cluster_n
 
     def _schedule(self, row_start, tile_start, num_rows: Int32) -> schedule.RaggedMSchedule:
-        """A role's own walk of the work items, from this CTA's first."""
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
+        """A role's own walk of the work items (`_cluster_walk`)."""
+        first, stride, rank = self._cluster_walk()
         return schedule.RaggedMSchedule.start(
-            row_start, tile_start, num_rows, self.num_experts, self.n_tiles, self.tile_m, bidx, grid
+            row_start, tile_start, num_rows, self.num_experts, self.n_tiles, self.tile_m,
+            first, stride, self.config.cluster_n, rank,
         )
 
     @cute.jit
@@ -250,11 +291,19 @@ class RaggedMGemmSm90(GemmSm90):
             # Rows past the expert are loaded and never stored; rows past m read as zeros.
             gA = cute.local_tile(cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None))
             gB = cute.local_tile(mB[None, None, tile.expert], (self.tile_n, self.tile_k), (tile.n_tile, None))
-            tAsA, tAgA = mainloop.tma_partition(tma_a, sA, gA)
+            # The CTAs of a cluster share the rows: each loads its slice of A for all.
+            tAsA, tAgA = mainloop.tma_partition(tma_a, sA, gA, work_schedule.rank, self.config.cluster_n)
             tBsB, tBgB = mainloop.tma_partition(tma_b, sB, gB)
-            state = mainloop.load_k_tiles(tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, self.k_tiles)
+            state = mainloop.load_k_tiles(tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, self.k_tiles,
+                                          self.config.cluster_n)
             work_schedule.advance()
         ab_pipeline.producer_tail(state)
+
+    @staticmethod
+    def _warpgroup_active(ctid: Int32, rows_valid: Int32) -> Int32:
+        """`mainloop.warpgroup_active` for this consumer thread's warpgroup, whose 64 rows
+        of the tile start at 64 (ctid // 128)."""
+        return mainloop.warpgroup_active((ctid // 128) * 64, rows_valid)
 
     def _tile_rows(self, tile: schedule.ExpertTile):
         """(the tile's first row, how many of its rows belong to the expert: may exceed

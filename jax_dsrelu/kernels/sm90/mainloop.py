@@ -76,12 +76,19 @@ def load_k_tiles(
     ab_pipeline: pipeline.PipelineTmaAsync,
     state: pipeline.PipelineState,
     k_tiles: Int32,
+    a_multicast: cutlass.Constexpr = 1,
 ) -> pipeline.PipelineState:
-    """Producer: k-tiles 0 .. k_tiles - 1 of one work tile into the ring, in order."""
+    """Producer: k-tiles 0 .. k_tiles - 1 of one work tile into the ring, in order. With
+    `a_multicast` CTAs in the cluster, this CTA's slice of each A box (`tma_partition`
+    with its rank) goes to all of them."""
     for k_tile in range(k_tiles):
         ab_pipeline.producer_acquire(state)
         barrier = ab_pipeline.producer_get_barrier(state)
-        cute.copy(tma_a, tAgA[None, k_tile], tAsA[None, state.index], tma_bar_ptr=barrier)
+        if cutlass.const_expr(a_multicast > 1):
+            cute.copy(tma_a, tAgA[None, k_tile], tAsA[None, state.index], tma_bar_ptr=barrier,
+                      mcast_mask=cutlass.Int16((1 << a_multicast) - 1))
+        else:
+            cute.copy(tma_a, tAgA[None, k_tile], tAsA[None, state.index], tma_bar_ptr=barrier)
         cute.copy(tma_b, tBgB[None, k_tile], tBsB[None, state.index], tma_bar_ptr=barrier)
         ab_pipeline.producer_commit(state)
         state.advance()
@@ -98,6 +105,7 @@ def mma_k_tiles(
     read_state: pipeline.PipelineState,
     release_state: pipeline.PipelineState,
     k_tiles: Int32,
+    active=None,
 ):
     """Consumers: acc = sum over the tile's k-tiles of A B^T (acc = 0 for none).
 
@@ -105,11 +113,38 @@ def mma_k_tiles(
     reading it has been issued, so the producer refills it while the tensor cores work.
     Returns (read_state, release_state).
 
-    No wgmma may sit under a run-time branch inside this loop (say, to skip a warpgroup
-    whose rows are not stored): ptxas then serializes every wgmma of the kernel (C7520,
-    "wgmma.mma_async instructions are serialized"): the steps ran 10-19% slower on the H200; the
-    compile tier checks for it (tests/ptxas.py). Behind a flag marked warp-uniform the
-    skip assembles unserialized but with fences that made the steps slower (docs/sm90.md)."""
+    `active` (`warpgroup_active`, or None for always): 0 when none of this warpgroup's
+    rows of the tile is stored (an expert's last tile with 64 rows or fewer left). Such a
+    warpgroup issues no wgmma: it waits for and releases every stage in step with the
+    other, its accumulator stays 0, and the other warpgroup has the tensor cores to
+    itself. What that saves depends on the kernel: 1-2% of the fused dsReLU kernel's time
+    on the H200, while the ragged-M GEMM ran slower with it (docs/sm90.md, the last-tile
+    section). The branch is taken once per tile, around two whole loops: a wgmma under a
+    run-time branch inside the loop made ptxas serialize every wgmma of the kernel (C7520:
+    the steps ran 10-19% slower on the H200), or, behind a warp-uniform flag, slowed the
+    steps by 3-4%. The compile tier fails on serialization (tests/ptxas.py)."""
+    if cutlass.const_expr(active is None):
+        read_state, release_state = _wgmma_k_tiles(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state,
+                                                   release_state, k_tiles)
+    else:
+        if active != 0:
+            read_state, release_state = _wgmma_k_tiles(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state,
+                                                       release_state, k_tiles)
+        else:
+            acc.fill(0.0)
+            for _ in range(k_tiles):
+                ab_pipeline.consumer_wait(read_state)
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
+                read_state.advance()
+    return read_state, release_state
+
+
+@cute.jit
+def _wgmma_k_tiles(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, k_tiles: Int32):
+    """`mma_k_tiles`' loop of wgmma batches. The accumulator is zeroed and fenced here,
+    past the caller's branch: a register write between the fence and the first wgmma
+    makes ptxas fence every wgmma batch itself (C7519)."""
     k_blocks = cute.size(tCrA, mode=[2])
     acc.fill(0.0)
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -137,8 +172,18 @@ def mma_k_tiles(
     return read_state, release_state
 
 
-def tma_partition(tma: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor):
-    """(shared, global) TMA partitions of a tile-by-tile copy in a 1x1 cluster."""
+def warpgroup_active(first_row_of_warpgroup: Int32, rows_stored: Int32) -> Int32:
+    """1 if the warpgroup whose rows start at `first_row_of_warpgroup` in the tile holds
+    any of the tile's first `rows_stored` rows, else 0; marked warp-uniform (a
+    warpgroup's four warps share it)."""
+    return cute.arch.make_warp_uniform(
+        Int32(cutlass.select_(first_row_of_warpgroup < rows_stored, Int32(1), Int32(0)))
+    )
+
+
+def tma_partition(tma: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor, rank=0, ctas: int = 1):
+    """(shared, global) TMA partitions of a tile-by-tile copy: of the whole box, or, for a
+    box multicast by `ctas` CTAs, of the slice that CTA `rank` of them loads."""
     return cpasync.tma_partition(
-        tma, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2), cute.group_modes(gmem, 0, 2)
+        tma, rank, cute.make_layout(ctas), cute.group_modes(smem, 0, 2), cute.group_modes(gmem, 0, 2)
     )

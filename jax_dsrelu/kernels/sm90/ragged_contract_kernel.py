@@ -66,6 +66,7 @@ class RaggedContractSm90(GemmSm90):
         self.b = request.b
         self.a_tiles = (self.a + config.tile_m - 1) // config.tile_m
         self.b_tiles = (self.b + config.tile_n - 1) // config.tile_n
+        self._check_pairs_up(self.b_tiles, f"b={self.b}")
         # A shared buffer for every subtile: the whole tile is stored at once.
         self.whole_tile = config.store_stages >= config.subtiles
 
@@ -77,17 +78,20 @@ class RaggedContractSm90(GemmSm90):
         tiled_mma, a_layout, b_layout = self._mma(lhs.element_type, LayoutEnum.COL_MAJOR, LayoutEnum.COL_MAJOR)
         # out as (a, b, E) has b contiguous: row-major tiles of (a, b).
         d_layout = self._epi_layout(self.out_dtype, self.config.store_stages)
-        tma_a, tma_lhs = self._tma_load(mainloop.ragged_view(lhs, 1), a_layout, (self.tile_m, self.tile_k))
+        tma_a, tma_lhs = self._tma_load(mainloop.ragged_view(lhs, 1), a_layout, (self.tile_m, self.tile_k),
+                                        self.config.cluster_n)
         tma_b, tma_rhs = self._tma_load(mainloop.ragged_view(rhs, 1), b_layout, (self.tile_n, self.tile_k))
         tma_d, tma_out = self._tma_store(out, d_layout)
         self.shared_storage = self._shared_storage(
             a_layout, b_layout, {}, {"sD": (self.out_dtype, cute.cosize(d_layout))}
         )
-        work = self.num_experts * self.a_tiles * self.b_tiles
+        # Whole clusters, no more than there are work items.
+        cluster_n = self.config.cluster_n
+        work = self.num_experts * self.a_tiles * (self.b_tiles // cluster_n)
         self._launch(
             self.kernel(tma_a, tma_lhs, tma_b, tma_rhs, tma_d, tma_out, group_sizes, cute.size(lhs, mode=[1]),
                         tiled_mma, a_layout, b_layout, d_layout),
-            min(work, self.config.max_ctas), stream,
+            min(work, self.config.max_ctas // cluster_n) * cluster_n, stream,
         )
 
     @cute.kernel
@@ -122,11 +126,11 @@ class RaggedContractSm90(GemmSm90):
                          self._schedule(row_start, expert_order), tidx - 128)
 
     def _schedule(self, row_start, expert_order) -> schedule.ContractSchedule:
-        """A role's own walk of the work items, from this CTA's first."""
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
+        """A role's own walk of the work items (`_cluster_walk`)."""
+        first, stride, rank = self._cluster_walk()
         return schedule.ContractSchedule(
-            row_start, expert_order, self.num_experts, self.a_tiles, self.b_tiles, bidx, grid
+            row_start, expert_order, self.num_experts, self.a_tiles, self.b_tiles,
+            first, stride, self.config.cluster_n, rank,
         )
 
     @cute.jit
@@ -143,10 +147,12 @@ class RaggedContractSm90(GemmSm90):
             gB = cute.local_tile(
                 mainloop.expert_rows(mB, 1, first_row, expert_rows), (self.tile_n, self.tile_k), (b_tile, None)
             )
-            tAsA, tAgA = mainloop.tma_partition(tma_a, sA, gA)
+            # The CTAs of a cluster share the a-block: each loads its slice of it for all.
+            tAsA, tAgA = mainloop.tma_partition(tma_a, sA, gA, work_schedule.rank, self.config.cluster_n)
             tBsB, tBgB = mainloop.tma_partition(tma_b, sB, gB)
             k_tiles = (expert_rows + (self.tile_k - 1)) // self.tile_k
-            state = mainloop.load_k_tiles(tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles)
+            state = mainloop.load_k_tiles(tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles,
+                                          self.config.cluster_n)
             work_schedule.advance()
         ab_pipeline.producer_tail(state)
 

@@ -88,7 +88,7 @@ class RaggedGemmSm90(RaggedMGemmSm90):
         b_major = LayoutEnum.COL_MAJOR if cutlass.const_expr(self.rhs_layout == "kn") else LayoutEnum.ROW_MAJOR
         tiled_mma, a_layout, b_layout = self._mma(lhs.element_type, LayoutEnum.ROW_MAJOR, b_major)
         d_layout = self._epi_layout(self.out_dtype, self.config.store_stages)
-        tma_a, tma_lhs = self._tma_load(lhs, a_layout, (self.tile_m, self.tile_k))
+        tma_a, tma_lhs = self._tma_load(lhs, a_layout, (self.tile_m, self.tile_k), self.config.cluster_n)
         tma_b, tma_rhs = self._tma_load(rhs, b_layout, (self.tile_n, self.tile_k))
         tma_d, tma_out = self._tma_store(mainloop.ragged_view(out, 0), d_layout)
         tma_act = None
@@ -141,6 +141,29 @@ class RaggedGemmSm90(RaggedMGemmSm90):
             self.consume(tiled_mma, sA, sB, sD, sAct, ab_pipeline, tma_d, mD, tma_act, mAct, mProb, mBias,
                          self._schedule(row_start, tile_start, num_rows), tidx - 128)
 
+    @staticmethod
+    def _bias_slot(value: int) -> int:
+        """The index in `_column_bias`'s list of accumulator value `value`'s column: the
+        wgmma fragment holds value v = c + 2 h + 4 j at column 8 j + 2 (lane % 4) + c of
+        row h, so both rows share slot c + 2 j."""
+        return value % 2 + 2 * (value // 4)
+
+    def _column_bias(self, mBias, tCcAcc, tile):
+        """The bias of every column this thread's accumulator holds (column 0's past n,
+        where nothing is stored), loaded before the mainloop so that the loads' latency
+        hides behind it; [] without bias. Loaded in the epilogue instead, subtile by
+        subtile, the up-projection took 4% more time at Nemotron-3 Nano's shape and 6% more
+        at (65536, 2048, 768, 256) (benchmarks/results/fine_grained/sweep_gemm_bias_257da8f.json)."""
+        if cutlass.const_expr(not self.with_bias):
+            return []
+        bias = []
+        for slot in range(cute.size(tCcAcc) // 2):
+            value = slot % 2 + 4 * (slot // 2)
+            column = tile.n_tile * self.tile_n + tCcAcc[value][1]
+            safe_column = Int32(cutlass.select_(column < self.n, column, Int32(0)))
+            bias.append(Float32(mBias[tile.expert, safe_column]))
+        return bias
+
     @cute.jit
     def consume(self, tiled_mma, sA, sB, sD, sAct, ab_pipeline, tma_d, mD, tma_act, mAct, mProb, mBias,
                 work_schedule, ctid: Int32):
@@ -169,7 +192,12 @@ class RaggedGemmSm90(RaggedMGemmSm90):
                 prob = [Float32(0.0), Float32(0.0)]
                 if cutlass.const_expr(self.srelu):
                     _, prob = self._row_probs(mProb, tile_row, row0, rows_valid)
+                bias = self._column_bias(mBias, tCcAcc, tile)
 
+                # Both warpgroups multiply every tile, an expert's last one too: with the
+                # idle warpgroup's wgmma skipped (`mma_k_tiles`' `active`), the up-projection
+                # was no faster and down and dx 5-7% slower in the Nano step on the H200
+                # (docs/sm90.md, "An expert's last tile on one warpgroup").
                 read_state, release_state = mainloop.mma_k_tiles(
                     tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, self.k_tiles
                 )
@@ -181,9 +209,7 @@ class RaggedGemmSm90(RaggedMGemmSm90):
                     if cutlass.const_expr(self.srelu):
                         if cutlass.const_expr(self.with_bias):
                             for v in cutlass.range_constexpr(sub_values):
-                                column = tile.n_tile * self.tile_n + tCcAcc[subtile * sub_values + v][1]
-                                safe_column = Int32(cutlass.select_(column < self.n, column, Int32(0)))
-                                tRS_rD[v] = tRS_rD[v] + mBias[tile.expert, safe_column]
+                                tRS_rD[v] = tRS_rD[v] + bias[self._bias_slot(subtile * sub_values + v)]
                         # act is computed from h as stored: round first, then widen again.
                         tRS_rDout.store(tRS_rD.load().to(self.out_dtype))
                         tRS_rH.store(tRS_rDout.load().to(Float32))

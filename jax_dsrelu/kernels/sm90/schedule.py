@@ -20,7 +20,9 @@ squared-ReLU GEMMs), over output tiles of rows:
 
 M-tiles never mix experts: expert e's rows [row_start[e], row_start[e + 1]) are cut into
 ceil(size_e / tile_m) tiles, the last one partial. The expert cursor only moves forward,
-because w does.
+because w does. In clusters of cluster_n CTAs along N the walk is the clusters': w counts
+(M-tile, group of cluster_n neighbouring N-tiles) with cluster c of C taking w = c, c + C,
+..., and the CTA of rank r in it the group's N-tile r.
 
 `ContractSchedule`, the ragged contraction, over output tiles of weights (below).
 """
@@ -60,7 +62,7 @@ class RaggedMSchedule:
 
     def __init__(self, row_start: cute.Tensor, tile_start: cute.Tensor, num_rows: Int32,
                  num_experts: int, n_tiles: int, tile_m: int, work: Int32, stride: Int32,
-                 expert: Int32):
+                 expert: Int32, cluster_n: int, rank: Int32):
         self.row_start = row_start
         self.tile_start = tile_start
         self.num_rows = num_rows
@@ -70,25 +72,35 @@ class RaggedMSchedule:
         self.work = work
         self.stride = stride
         self.expert = expert
+        self.cluster_n = cluster_n
+        self.rank = rank  # this CTA's rank in its cluster: its N-tile of each group
+        self.n_groups = n_tiles // cluster_n  # work items per M-tile
 
     @staticmethod
     def start(row_start, tile_start, num_rows: Int32, num_experts: int, n_tiles: int, tile_m: int,
-              first: Int32, stride: Int32) -> "RaggedMSchedule":
+              first: Int32, stride: Int32, cluster_n: int, rank) -> "RaggedMSchedule":
+        """The walk from work item `first` by `stride` (in clusters when cluster_n > 1)."""
         return RaggedMSchedule(row_start, tile_start, num_rows, num_experts, n_tiles, tile_m,
-                               first, stride, Int32(0))
+                               first, stride, Int32(0), cluster_n, Int32(rank))
+
+    def _copy(self, work, stride, expert) -> "RaggedMSchedule":
+        return RaggedMSchedule(self.row_start, self.tile_start, self.num_rows, self.num_experts, self.n_tiles,
+                               self.tile_m, work, stride, expert, self.cluster_n, self.rank)
 
     def __extract_mlir_values__(self):
         return extract_mlir_values(self.work) + extract_mlir_values(self.stride) + extract_mlir_values(self.expert)
 
     def __new_from_mlir_values__(self, values):
-        return RaggedMSchedule(
-            self.row_start, self.tile_start, self.num_rows, self.num_experts, self.n_tiles, self.tile_m,
+        return self._copy(
             new_from_mlir_values(self.work, [values[0]]), new_from_mlir_values(self.stride, [values[1]]),
             new_from_mlir_values(self.expert, [values[2]]),
         )
 
     def _expert_work(self) -> Int32:
-        return self.tile_start[self.num_experts] * self.n_tiles
+        return self.tile_start[self.num_experts] * self.n_groups
+
+    def _n_tile(self, group: Int32) -> Int32:
+        return group * self.cluster_n + self.rank
 
     def owned(self):
         """Whether the current item is an expert tile (they come first)."""
@@ -98,7 +110,7 @@ class RaggedMSchedule:
         """Whether the current item exists: an expert tile or an unowned-rows tile."""
         unowned = self.num_rows - self.row_start[self.num_experts]
         unowned_tiles = (unowned + (self.tile_m - 1)) // self.tile_m
-        return self.work < self._expert_work() + unowned_tiles * self.n_tiles
+        return self.work < self._expert_work() + unowned_tiles * self.n_groups
 
     def advance(self) -> None:
         self.work = self.work + self.stride
@@ -108,15 +120,14 @@ class RaggedMSchedule:
         an `owned` item. The caller rebinds its walk to the second: a loop or a branch
         carries the cursor by name (the seek sits where the tile is needed, not in
         `advance`, which keeps the producers' loop free of local-memory traffic)."""
-        m_tile = self.work // self.n_tiles
+        m_tile = self.work // self.n_groups
         expert = _seek_expert(self.tile_start, m_tile, self.expert)
-        walk = RaggedMSchedule(self.row_start, self.tile_start, self.num_rows, self.num_experts, self.n_tiles,
-                               self.tile_m, self.work, self.stride, expert)
+        walk = self._copy(self.work, self.stride, expert)
         first_row = self.row_start[expert]
         return ExpertTile(
             expert=expert,
             m_tile=m_tile,
-            n_tile=self.work - m_tile * self.n_tiles,
+            n_tile=self._n_tile(self.work - m_tile * self.n_groups),
             local_tile=m_tile - self.tile_start[expert],
             first_row=first_row,
             rows=self.row_start[expert + 1] - first_row,
@@ -126,9 +137,9 @@ class RaggedMSchedule:
         """(tile index within the unowned rows, N-tile, first unowned row, unowned row
         count) of the current item, at or past the expert tiles."""
         rest = self.work - self._expert_work()
-        tile = rest // self.n_tiles
+        tile = rest // self.n_groups
         first_row = self.row_start[self.num_experts]
-        return tile, rest - tile * self.n_tiles, first_row, self.num_rows - first_row
+        return tile, self._n_tile(rest - tile * self.n_groups), first_row, self.num_rows - first_row
 
 
 class ContractSchedule:
@@ -140,17 +151,22 @@ class ContractSchedule:
     lhs block in L2). Experts are ranked by clamped size, largest first (ties to the
     lower index): the longest tiles are taken first and the short ones fill the tail.
     Persistent CTA c of G takes w = c, c + G, c + 2G, ... Every output element belongs
-    to one work item, hence to one CTA: one writer.
+    to one work item, hence to one CTA: one writer. In clusters of cluster_n CTAs along b,
+    a work item is a group of cluster_n neighbouring b-blocks, walked by the clusters as
+    the CTAs walk single blocks, and the CTA of rank r takes the group's b-block r.
     """
 
     def __init__(self, row_start: cute.Tensor, expert_order: cute.Tensor, num_experts: int,
-                 a_tiles: int, b_tiles: int, work: Int32, stride: Int32):
+                 a_tiles: int, b_tiles: int, work: Int32, stride: Int32, cluster_n: int, rank):
         self.row_start = row_start
         self.expert_order = expert_order
         self.num_experts = num_experts
         self.a_tiles = a_tiles
         self.b_tiles = b_tiles
-        self.per_expert = a_tiles * b_tiles
+        self.cluster_n = cluster_n
+        self.rank = Int32(rank)  # this CTA's rank in its cluster: its b-block of each group
+        self.b_groups = b_tiles // cluster_n
+        self.per_expert = a_tiles * self.b_groups
         self.total = num_experts * self.per_expert
         self.work = work
         self.stride = stride
@@ -162,6 +178,7 @@ class ContractSchedule:
         return ContractSchedule(
             self.row_start, self.expert_order, self.num_experts, self.a_tiles, self.b_tiles,
             new_from_mlir_values(self.work, [values[0]]), new_from_mlir_values(self.stride, [values[1]]),
+            self.cluster_n, self.rank,
         )
 
     def valid(self):
@@ -172,11 +189,11 @@ class ContractSchedule:
 
     def tile(self):
         """(expert, a_tile, b_tile, first_row, expert_rows) of the current work item."""
-        rank = self.work // self.per_expert
-        tile = self.work - rank * self.per_expert
-        a_tile = tile // self.b_tiles
-        b_tile = tile - a_tile * self.b_tiles
-        expert = self.expert_order[rank]
+        size_rank = self.work // self.per_expert
+        tile = self.work - size_rank * self.per_expert
+        a_tile = tile // self.b_groups
+        b_tile = (tile - a_tile * self.b_groups) * self.cluster_n + self.rank
+        expert = self.expert_order[size_rank]
         first_row = self.row_start[expert]
         return expert, a_tile, b_tile, first_row, self.row_start[expert + 1] - first_row
 

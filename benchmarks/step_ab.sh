@@ -1,0 +1,37 @@
+#!/bin/bash
+# Two commits' moe_mlp steps on one GPU, in one device call, rounds alternating the commits,
+# so that the spread between machines (a few percent between H200s) cannot pass for a
+# change. Run from the repository root on the GPU machine:
+#
+#   bash benchmarks/step_ab.sh OLD_TREE OLD_COMMIT NEW_COMMIT [ROUNDS]
+#
+# STEP_AB_SHAPES (bench_layer.py's --shapes) narrows the run; by default every step shape.
+#
+# OLD_TREE holds the older commit's jax_dsrelu, benchmarks and tests (here:
+#   git archive OLD_COMMIT jax_dsrelu benchmarks tests pyproject.toml | tar -x -C OLD_TREE
+# carried in the kernel archive); the working tree is NEW_COMMIT. Both commits' kernels come
+# from the carried cache (benchmarks/prebuild_kernels.py --only bench_layer, run in each
+# tree: the cache keys hold a digest of each tree's kernel sources, so they sit side by
+# side). Round r of a commit writes $OUT/<commit>-<r>/bench_layer.json; readme_table.py's
+# render_step_ab reads them back as bench_layer_step_ab_<NEW_COMMIT>_<commit>_r<r>.json.
+set -o pipefail
+old_tree="$1"
+old_commit="$2"
+new_commit="$3"
+rounds="${4:-2}"
+shapes="${STEP_AB_SHAPES:-16384,4096,2048,8;32768,7168,2048,8;65536,2048,1024,32;49152,2688,1856,128;65536,2048,768,128;65536,2048,512,128;32768,7168,2048,32;65536,2048,768,256}"
+source .gpu/activate.sh
+export JAX_DSRELU_KERNEL_CACHE="$PWD/.kernels/cache"
+export PYTHONUNBUFFERED=1
+base="$PYTHONPATH"
+for round in $(seq 1 "$rounds"); do
+  for commit in "$old_commit" "$new_commit"; do
+    if [[ $commit == "$old_commit" ]]; then tree="$(cd "$old_tree" && pwd)"; else tree="$PWD"; fi
+    mkdir -p "$OUT/$commit-$round"
+    (cd "$tree" && PYTHONPATH="$tree:$tree/tests:$tree/benchmarks${base:+:$base}" \
+      timeout 100 python3 benchmarks/bench_layer.py --commit "$commit" --out "$OUT/$commit-$round" \
+        --modes step --variants sm90,sm90_det --reps 5 --shapes "$shapes" \
+        > "$OUT/$commit-$round/layer.log" 2> "$OUT/$commit-$round/layer.err")
+    echo "$commit round $round exit $?"
+  done
+done
