@@ -195,3 +195,20 @@ def test_gemm_ceilings_leave_the_sum_out_when_a_gemm_is_missing():
                                      group_sizes=[256] * 4, gemms=dict(up=timed))])
     row = [line for line in readme_table.render_gemm_ceilings(results, "ceilings.json").splitlines() if line.startswith("| 1024")][0]
     assert row == "| 1024, 256, 512, 4, equal | 1.000 (1.000) | 2.000 ms (0.50 / 0.25) | — | — | — | — | — | — |"
+
+
+def test_tile_sweep_puts_the_fastest_of_each_kind_beside_the_chosen_config():
+    def row(config, ms, tile_n, tile_k=64, ab_stages=4, store_stages=2, cluster_n=1):
+        fields = dict(tile_n=tile_n, tile_k=tile_k, ab_stages=ab_stages, store_stages=store_stages, cluster_n=cluster_n)
+        return dict(shape=[1024, 256, 768, 4], gemm="up", config=config, ms=ms, fields=fields)
+
+    results = dict(RUN, rows=[
+        row("chosen", 1.0, 256, ab_stages=3), row("128x192 ab4", 0.9, 192), row("128x192 ab5", 0.95, 192, ab_stages=5),
+        row("chosen k32 ab7", 0.8, 256, tile_k=32, ab_stages=7), row("128x192 k32 ab9", 0.85, 192, tile_k=32, ab_stages=9),
+        row("chosen store1 ab4", 1.1, 256, store_stages=1), row("128x192 ab4 cluster2", 1.2, 192, cluster_n=2),
+    ])
+    (line,) = [line for line in readme_table.render_gemm_tiles(results, "sweep.json").splitlines() if line.startswith("| 1024")]
+    assert line == (
+        "| 1024, 256, 768, 4, up | 1.000 ms, 128x256, 3 stages | — | 0.900 ms (0.90), 128x192, 4 stages | — "
+        "| 0.800 ms (0.80), 128x256, 7 stages | 1.100 ms (1.10), 128x256, 4 stages | 1.200 ms (1.20), 128x192, 4 stages |"
+    )
