@@ -13,13 +13,14 @@ Writes sweep_contract.json to --out.
 
 --kernel gemm: the ragged-M kernels of a layer step (up: h, act = srelu(x W1[e] + b1);
 down: act W2[e]; dx: dh W1[e]^T read in place; and the fused dsReLU kernel) at the
-fine-grained and the few-expert shapes with Dirichlet group sizes, the measurements behind `choose_tile_n`,
-`dsrelu_tile_n` and the cluster size:
-N tiles of 128, 192 and 256 (n = 1856 and 2688 are no multiple of 256), each with as
-many operand stages as fit, each also in clusters of two CTAs along N where its N-tiles
-pair up; alone, each also with 32-deep k-tiles (as many stages as fit, about twice), and the kernels that
-store two outputs (up, dsrelu) with one store buffer per output instead of two where that
-frees room for another operand stage. --gemms picks the kernels. Writes sweep_gemm.json to --out, with the clusters of two the GPU holds at once.
+fine-grained and the few-expert shapes with Dirichlet group sizes, the measurements
+behind `choose_tile_n`, `dsrelu_tile_n` and the cluster size: N tiles of 128, 192 and 256
+(n = 1856 and 2688 are no multiple of 256), each with as many operand stages as fit, each
+also in clusters of two CTAs along N where its N-tiles pair up; alone, each also with
+32-deep k-tiles (as many stages as fit, about twice), and the kernels that store two
+outputs (up, dsrelu) with one store buffer per output instead of two where that frees
+room for another operand stage. --gemms picks the kernels. Writes sweep_gemm.json to
+--out, with the clusters of two the GPU holds at once.
 
 All: CUPTI time of the custom call's kernels, median of --reps calls.
 """
@@ -154,13 +155,10 @@ def gemm_candidates(sm_count, request):
 
 
 def _most_stages(config, request, most=8):
-    """`config` with as many operand stages as fit for `request` (up to `most`), as the
-    chooser would give it."""
-    while not _fits(config, request):
-        config = dataclasses.replace(config, ab_stages=config.ab_stages - 1)
-    while config.ab_stages < most and _fits(dataclasses.replace(config, ab_stages=config.ab_stages + 1), request):
-        config = dataclasses.replace(config, ab_stages=config.ab_stages + 1)
-    return config
+    """`config` with as many operand stages as fit for `request` (up to `most`), by the
+    chooser's own search."""
+    stages = sm90_config._most_stages(lambda stages: _fits(dataclasses.replace(config, ab_stages=stages), request), 2, most)
+    return dataclasses.replace(config, ab_stages=stages)
 
 
 def _fits(config, request):
