@@ -23,6 +23,8 @@ each GEMM 2 m d f FLOPs, timed as
     cublas_batched  the same GEMM as E batches of m / E rows (lax.dot_general with a batch
                   dimension, same operand layouts): the ceiling of equal groups, which a
                   ragged kernel cannot beat by much at any grouping
+    quack         QuACK's ragged GEMMs (a PyTorch library), best of a few configurations
+                  (quack_gemms.py); only when --variants names it
 
 Every input is larger than the 50 MB L2. Each variant's output is checked against XLA's
 float32 result before its time is recorded (tolerances from the arithmetic: `check_matmul`);
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from typing import Callable
 
 import jax
@@ -49,6 +52,7 @@ from jax import lax
 
 import cuda_lowering
 import harness
+import quack_gemms
 import run_record
 import timing
 from bench_dsrelu import PALLAS_CONFIGS, fused, pallas_then_xla
@@ -60,6 +64,8 @@ from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulReques
 
 GEMMS = ("up", "down", "dsrelu", "dx", "dw1", "dw2")
 VARIANTS = ("sm90", "sm90_det", "xla", "pallas", "cublas_dense", "cublas_batched")
+# Run only when --variants names them: QuACK needs PyTorch and quack-kernels installed.
+OPTIONAL_VARIANTS = ("quack",)
 # The two fastest of bench_dsrelu.py's block configurations at these shapes (the third,
 # 128x256, was 2x slower everywhere).
 RAGGED_PALLAS_CONFIGS = [PALLAS_CONFIGS[0], PALLAS_CONFIGS[2]]
@@ -358,6 +364,31 @@ def check_dsrelu(outputs, reference, tolerances=DSRELU_TOLERANCE) -> dict:
     return checks
 
 
+def check_squared_relu(outputs, reference) -> dict:
+    """The up-projection as QuACK computes it: h, and act = relu(h)^2 (no prob) squared
+    from its float32 h rather than from h as stored."""
+    acc, bound, terms, bias = (reference[key] for key in ("acc", "bound", "terms", "bias"))
+    h = acc + bias
+    checks = dict(h=compare(outputs[0], h, jnp.abs(acc) + jnp.abs(bias), bound, terms))
+    # act's error: its rounding (u) after squaring h, rounded (2u) or not, under compare's
+    # 2u |scale| with scale 2 |act|. A float32 sum of another order moves h by at most
+    # dh = 2 terms 2^-24 bound, and act by at most 2 (|h| + dh) dh.
+    drift = 2.0 * terms * F32_ROUNDOFF * bound
+    expected = jnp.maximum(h, 0.0) ** 2
+    checks["act"] = compare(outputs[1], expected, 2.0 * expected, 2.0 * (jnp.abs(h) + drift) * bound, terms)
+    return checks
+
+
+def quack_check(gemm, operands, reference) -> Callable:
+    """How QuACK's outputs of `gemm` (quack_gemms.py says which) are checked."""
+    if gemm == "dsrelu":
+        tolerances = {field: DSRELU_TOLERANCE[field] for field in ("dh", "act", "dprob")}  # QuACK has no db1
+        return lambda out: check_dsrelu(types.SimpleNamespace(dh=out[0], act=out[1], dprob=out[2]), reference, tolerances)
+    if gemm == "up":
+        return lambda out: check_squared_relu(out, reference)
+    return lambda out: MATMULS[gemm].check(out, reference, operands)
+
+
 # -------------------------------------------------------------------------- variants
 
 
@@ -459,6 +490,10 @@ def bench_gemm(gemm, shape, operands, reps, clock, out_dtype, selected) -> dict:
             pallas_tried.append(dict(entry, config=variant.config))
             continue
         results[variant.name] = entry
+    if "quack" in selected:
+        print(f"{shape} {gemm} quack", flush=True)
+        results["quack"] = quack_gemms.bench_entry(
+            gemm, operands, quack_check(gemm, operands, reference), check_passes, reps, clock, out_dtype)
     if pallas_tried:
         timed = [entry for entry in pallas_tried if "ms" in entry]
         best = min(timed, key=lambda entry: entry["ms"]) if timed else pallas_tried[0]
@@ -482,7 +517,8 @@ def ratios(results) -> dict:
         if ours not in ms:
             continue
         for other, key in (("cublas_dense", "vs_cublas_throughput"), ("cublas_batched", "vs_cublas_batched"),
-                           ("xla", "speedup_vs_xla"), ("pallas", "speedup_vs_pallas")):
+                           ("xla", "speedup_vs_xla"), ("pallas", "speedup_vs_pallas"),
+                           ("quack", "speedup_vs_quack")):
             if other in ms:
                 out[f"{ours}_{key}"] = ms[other] / ms[ours]
     if "sm90" in ms and "sm90_det" in ms:
@@ -525,13 +561,13 @@ def plot(rows, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = ("sm90", "pallas", "xla", "cublas_dense", "cublas_batched")
+    shown = ("sm90", "pallas", "xla", "cublas_dense", "cublas_batched", "quack")
     fig, axes = plt.subplots(len(rows), 1, figsize=(10, 3.2 * len(rows)), squeeze=False)
-    width = 0.16
+    width = 0.13
     for ax, row in zip(axes[:, 0], rows):
         gemms = list(row["gemms"])
         for index, variant in enumerate(shown):
-            x = np.arange(len(gemms)) + (index - 2) * width
+            x = np.arange(len(gemms)) + (index - 2.5) * width
             values = [row["gemms"][g]["variants"].get(variant, {}).get("tflops", 0.0) for g in gemms]
             ax.bar(x, values, width, label=variant)
             for xi, value in zip(x, values):
@@ -549,11 +585,11 @@ def plot(rows, path, title):
 
 
 def arguments(argv=None):
-    parser = harness.parser(__doc__.split("\n\n")[0], reps=20, variants=VARIANTS)
+    parser = harness.parser(__doc__.split("\n\n")[0], reps=20, variants=VARIANTS, optional_variants=OPTIONAL_VARIANTS)
     parser.add_argument("--gemms", default=",".join(GEMMS), help=f"comma-separated subset of {','.join(GEMMS)}")
     parser.add_argument("--contract-out-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="dtype of dW1 and dW2 (the ragged contraction's output)")
-    return harness.parse(parser, argv, dict(gemms=GEMMS, variants=VARIANTS))
+    return harness.parse(parser, argv, dict(gemms=GEMMS, variants=VARIANTS + OPTIONAL_VARIANTS))
 
 
 def main(argv=None):

@@ -45,8 +45,10 @@ def parse_shapes(text):
     return [tuple(int(v) for v in s.split(",")) for s in text.split(";")]
 
 
-def parser(description: str, *, reps: int, variants: tuple[str, ...]) -> argparse.ArgumentParser:
-    """The options every layer benchmark takes; a benchmark adds its own."""
+def parser(description: str, *, reps: int, variants: tuple[str, ...],
+           optional_variants: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """The options every layer benchmark takes; a benchmark adds its own. --variants runs
+    `variants` unless it names a subset, which may include `optional_variants`."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--reps", type=int, default=reps)
@@ -54,7 +56,8 @@ def parser(description: str, *, reps: int, variants: tuple[str, ...]) -> argpars
     parser.add_argument("--commit", default=None)
     parser.add_argument("--shapes", type=parse_shapes, default=None, help="m,d,f,E;... (default: harness.SHAPES)")
     parser.add_argument("--groups", default="dirichlet", help=f"comma-separated subset of {','.join(GROUPINGS)}")
-    parser.add_argument("--variants", default=",".join(variants), help=f"comma-separated subset of {','.join(variants)}")
+    parser.add_argument("--variants", default=",".join(variants),
+                        help=f"comma-separated subset of {','.join(variants + optional_variants)}")
     parser.add_argument("--prebuild", action="store_true",
                         help="lower the selected variants for cuda here (no GPU) to fill "
                              "JAX_DSRELU_KERNEL_CACHE, then stop")

@@ -64,6 +64,33 @@ def time_call(fn: Callable, args: tuple, reps: int, clock: str) -> Timing:
         raise RuntimeError("CUPTI recorded no kernel launch for this call")
     if reps == 1:  # measure returns one call's launches unwrapped
         launches = [launches]
+    return _timing(launches)
+
+
+def time_launches(fn: Callable[[], object], synchronize: Callable[[], None], reps: int) -> Timing:
+    """Times fn(), which launches its GPU work itself rather than through JAX (a PyTorch
+    library's call), in the CUPTI session that profiler.measure opens: measure jits what
+    it times, so it cannot take such a call. The first call compiles and warms up."""
+    from jax._src.lib import mosaic_gpu
+
+    cupti = mosaic_gpu._mosaic_gpu_ext
+    fn()
+    synchronize()
+    cupti._cupti_init()
+    try:
+        for _ in range(reps):
+            fn()
+        synchronize()
+    finally:
+        launches = cupti._cupti_get_timings(True)
+    if not launches or len(launches) % reps:
+        raise RuntimeError(f"CUPTI recorded {len(launches or [])} kernel launches for {reps} calls")
+    per_call = len(launches) // reps
+    return _timing([launches[i * per_call:(i + 1) * per_call] for i in range(reps)])
+
+
+def _timing(launches: list[list[tuple[str, float]]]) -> Timing:
+    """The Timing of calls given as each call's (kernel name, ms) launches."""
     calls = [sum(ms for _, ms in call) for call in launches]
     kernels = [
         (name[:KERNEL_NAME_CHARS], statistics.median(call[position][1] for call in launches))

@@ -1,0 +1,136 @@
+"""QuACK's SM90 GEMMs as the `quack` variant of bench_gemms.py: the six GEMMs of a layer
+step done by another CuTe DSL library, on the same operands.
+
+QuACK (quack-kernels, a PyTorch library: one CTA writes each output tile, so its results
+are deterministic too) has a ragged-group form of every GEMM the layer runs:
+
+    up      gemm_act(x, W1, bias=b1, activation="relu_sq", cu_seqlens_m): h and relu(h)^2
+            (its forward epilogue takes no row scale, so act lacks our factor prob)
+    down    gemm(act, W2, cu_seqlens_m)
+    dsrelu  gemm_dact(dy, W2^T, h, "relu_sq", colvec_scale=prob, colvec_reduce=True,
+            cu_seqlens_m): dh, act and dprob, as ours (it has no db1)
+    dx      gemm(dh, W1^T, cu_seqlens_m)
+    dw1     gemm(x^T, dh, cu_seqlens_k): the varlen-K weight gradient, (E, d, f)
+    dw2     gemm(act^T, dy, cu_seqlens_k), (E, f, d)
+
+The operands pass both ways through DLPack without a copy; the outputs are allocated once,
+outside the timed calls. Each of CONFIGS is compiled on its first call (QuACK's own
+autotuner would compile its 44 SM90 configurations), checked against the reference that
+bench_gemms.py checks ours with, and timed in the CUPTI session JAX's profiler opens
+(timing.time_launches); the variant's time is the fastest config that passes, as for
+Pallas.
+
+    python benchmarks/bench_gemms.py --variants sm90,quack,cublas_batched --shapes ...
+
+needs torch and quack-kernels (and what it needs: apache-tvm-ffi, torch-c-dlpack-ext,
+einops) beside CuTe DSL; without them the variant is an error entry.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+import run_record
+import timing
+
+# (tile_m, tile_n, pingpong, cluster_m, cluster_n) from QuACK's SM90 space: its default
+# (128x192, ping-pong consumers, clusters along M), then the two cooperative shapes nearest
+# ours (128x256, whose two warpgroups share a tile, and 256x128).
+CONFIGS = [
+    (128, 192, True, 2, 1),
+    (128, 256, False, 2, 1),
+    (256, 128, False, 1, 2),
+]
+
+
+def quack_config(tile_m, tile_n, pingpong, cluster_m, cluster_n):
+    from quack.gemm_config import GemmConfig
+
+    # As QuACK's own SM90 list builds them (gemm_config._get_sm90_configs).
+    return GemmConfig(
+        tile_m=tile_m, tile_n=tile_n, pingpong=pingpong, cluster_m=cluster_m, cluster_n=cluster_n,
+        swap_ab=False, device_capacity=9, is_dynamic_persistent=False, use_tma_gather=False,
+    )
+
+
+def gemm_call(gemm: str, t: dict, offsets, out_dtype):
+    """(run(config), outputs): run launches QuACK's kernels for `gemm` into `outputs`."""
+    import torch
+    from quack import gemm_interface as q
+
+    m, d = t["x"].shape
+    num_experts, _, f = t["w1"].shape
+    empty = lambda *shape, dtype=t["x"].dtype: torch.empty(shape, dtype=dtype, device=t["x"].device)  # noqa: E731
+    plain = q.gemm_tuned.fn  # the GEMM without the autotuner, taking a config
+    if gemm == "up":
+        outputs = (empty(m, f), empty(m, f))
+        return lambda config: q.gemm_act(
+            t["x"], t["w1"], bias=t["b1"], activation="relu_sq", preact_out=outputs[0],
+            postact_out=outputs[1], cu_seqlens_m=offsets, config=config), outputs
+    if gemm == "dsrelu":
+        outputs = [empty(m, f), empty(m, f)]
+
+        def dsrelu(config):
+            # dprob comes back as a new tensor (QuACK adds its per-tile partial sums).
+            *_, dprob = q.gemm_dact(
+                t["dy"], t["w2"].mT, t["h"], activation="relu_sq", dx_out=outputs[0], postact_out=outputs[1],
+                colvec_scale=t["prob"], colvec_reduce=True, cu_seqlens_m=offsets, config=config)
+            outputs[2:] = [dprob]
+
+        return dsrelu, outputs
+    if gemm in ("down", "dx"):
+        lhs, rhs = ("act", t["w2"]) if gemm == "down" else ("dh", t["w1"].mT)
+        outputs = (empty(m, d),)
+        return lambda config: plain(t[lhs], rhs, outputs[0], cu_seqlens_m=offsets, config=config), outputs
+    lhs, rhs = ("x", "dh") if gemm == "dw1" else ("act", "dy")
+    a, b = t[lhs].shape[1], t[rhs].shape[1]
+    outputs = (empty(num_experts, a, b, dtype=getattr(torch, np.dtype(out_dtype).name)),)
+    # lhs^T as QuACK's varlen-K A: (a, total rows), read in place (m-major).
+    return lambda config: plain(t[lhs].T, t[rhs], outputs[0], cu_seqlens_k=offsets, config=config), outputs
+
+
+def bench_entry(gemm, operands, check, passes, reps, clock, out_dtype) -> dict:
+    """Every config of CONFIGS built, checked (check(outputs as JAX arrays) -> checks,
+    passes(checks) -> bool) and timed: the fastest passing one's entry, with each config's
+    time or error under "configs"."""
+    try:
+        import torch
+        from quack import gemm_interface  # noqa: F401
+
+        if clock != timing.CUPTI:
+            raise RuntimeError(f"QuACK runs on a GPU only (clock {clock!r})")
+    except Exception as error:
+        return run_record.error_entry(error, "build")
+    t = {name: torch.from_dlpack(operands[name]) for name in ("x", "dy", "h", "act", "dh", "w1", "w2", "b1", "prob")}
+    sizes = np.asarray(operands["group_sizes"], np.int64)
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int32, device=t["x"].device)
+    tried = []
+    for described in CONFIGS:
+        print(f"  quack {gemm} {described}", flush=True)
+        stage = "build"
+        try:
+            config = quack_config(*described)
+            run, outputs = gemm_call(gemm, t, offsets, out_dtype)
+            stage = "run"
+            for output in outputs:
+                output.fill_(float("nan"))  # poisoned: a value the kernel leaves unwritten fails the check
+            run(config)
+            torch.cuda.synchronize()
+            stage = "check"
+            checks = check([jnp.from_dlpack(output) for output in outputs])
+            entry = dict(config=list(described), check=checks)
+            if not passes(checks):
+                print(f"  quack {described} disagrees with XLA: {checks}", flush=True)
+                tried.append(dict(entry, error="result outside the tolerance: not timed", stage="check"))
+                continue
+            stage = "timing"
+            entry.update(timing.time_launches(lambda: run(config), torch.cuda.synchronize, reps).record())
+            tried.append(entry)
+        except Exception as error:  # recorded; the next config runs
+            tried.append(dict(run_record.error_entry(error, stage), config=list(described)))
+    timed = [entry for entry in tried if "ms" in entry]
+    best = min(timed, key=lambda entry: entry["ms"]) if timed else tried[0]
+    return dict(best, configs=[
+        {"config": e["config"], **({"ms": e["ms"]} if "ms" in e else {"error": e["error"]})} for e in tried
+    ])
