@@ -74,8 +74,11 @@ def contract_candidates(sm_count, request):
         "128x256 k32 ab7 ring3": sm90_config.ContractConfig(tile_n=256, tile_k=32, ab_stages=7, store_stages=3, **common),
         "128x128 k32 ab8 whole": sm90_config.ContractConfig(tile_n=128, tile_k=32, ab_stages=8, store_stages=4, **common),
     }
-    # The chosen tiles in the other cluster size, where the b-blocks pair up.
+    # The chosen tiles in the other work order, and in the other cluster size where the
+    # b-blocks pair up.
     chosen = configs["chosen"]
+    configs["chosen " + ("b-fastest" if chosen.a_fastest else "a-fastest")] = dataclasses.replace(
+        chosen, a_fastest=not chosen.a_fastest)
     if sm90_config.pairs_up(request.b, chosen.tile_n):
         other = 3 - chosen.cluster_n
         configs[f"chosen cluster{other}"] = dataclasses.replace(chosen, cluster_n=other, max_ctas=sm_count - sm_count % other)
@@ -246,8 +249,8 @@ def sweep_contract(reps, sm_count, shapes):
     return rows
 
 
-def prebuild_contract(sm_count):
-    for _, _, request in contract_cases():
+def prebuild_contract(sm_count, shapes):
+    for _, _, request in contract_cases(shapes):
         for config in contract_candidates(sm_count, request).values():
             sm90_gemm.compile_kernel(request, config)
 
@@ -287,7 +290,7 @@ def main():
         if options.prebuild:
             if options.kernel == "gemm":
                 raise SystemExit("compile the gemm candidates with prebuild_kernels.py --only 'sweep gemm'")
-            prebuild_contract(sm90_config.DEFAULT_SM_COUNT)
+            prebuild_contract(sm90_config.DEFAULT_SM_COUNT, options.shapes or CONTRACT_SHAPES)
             return
         if options.kernel == "contract":
             rows = sweep_contract(options.reps, lowering.sm_count(), options.shapes or CONTRACT_SHAPES)

@@ -96,6 +96,11 @@ CONTRACT_CONFIGS = {
     "128x256_whole_tile": sm90_config.ContractConfig(tile_n=256, ab_stages=6, store_stages=8, **_CONTRACT_TILES),
     "128x256_store_ring": sm90_config.ContractConfig(tile_n=256, ab_stages=7, store_stages=3, **_CONTRACT_TILES),
     "128x128_whole_tile": sm90_config.ContractConfig(tile_n=128, ab_stages=8, store_stages=4, **_CONTRACT_TILES),
+    # An expert's tiles walked a-block fastest, alone and in pairs.
+    "128x256_whole_tile_a_fastest": sm90_config.ContractConfig(
+        tile_n=256, ab_stages=6, store_stages=8, a_fastest=True, **_CONTRACT_TILES),
+    "128x192_whole_tile_pairs_a_fastest": sm90_config.ContractConfig(
+        tile_n=192, ab_stages=8, store_stages=6, cluster_n=2, a_fastest=True, **dict(_CONTRACT_TILES, max_ctas=6)),
     # Clusters of two CTAs along b (A multicast): not chosen, kept to hold the kernel in pairs
     # to the same tests.
     "128x192_whole_tile_pairs": sm90_config.ContractConfig(

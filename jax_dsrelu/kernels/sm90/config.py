@@ -321,7 +321,11 @@ def _check_capacity(config, need: int, request) -> None:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ContractConfig(KernelTiles):
     """The ragged contraction's configuration (`ragged_contract_kernel.py`): the family's,
-    tile_k expert rows per stage, at most a buffer per subtile."""
+    tile_k expert rows per stage, at most a buffer per subtile; an expert's output tiles
+    walked a-block fastest (the CTAs in flight share a b-block of rhs) where a_fastest,
+    else b-block fastest (they share an a-block of lhs)."""
+
+    a_fastest: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

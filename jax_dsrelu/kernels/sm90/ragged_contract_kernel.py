@@ -20,7 +20,7 @@ Features:
       tile pays a pipeline fill or drain.
     - Work order: experts largest first (the longest tiles start first, the short ones
       fill the tail), an expert's tiles b-block fastest (CTAs in flight share its lhs
-      block in L2).
+      block in L2) or, with `a_fastest`, a-block fastest (they share its rhs block).
     - Deterministic by construction: each output element has exactly one writer (its
       tile's CTA) and is summed over its expert's rows in one fixed order (k-tile by
       k-tile, wgmma's own order within a k-tile), with no split-K and no atomics.
@@ -130,7 +130,7 @@ class RaggedContractSm90(GemmSm90):
         first, stride, rank = self._cluster_walk()
         return schedule.ContractSchedule(
             row_start, expert_order, self.num_experts, self.a_tiles, self.b_tiles,
-            first, stride, self.config.cluster_n, rank,
+            first, stride, self.config.cluster_n, rank, self.config.a_fastest,
         )
 
     @cute.jit

@@ -148,7 +148,7 @@ class ContractSchedule:
     A work item is one output tile (expert, a-block, b-block); every expert has the same
     a_tiles * b_tiles of them, so item w is tile w % per_expert of the expert ranked
     w // per_expert, with the b-block fastest (the CTAs in flight share the expert's
-    lhs block in L2). Experts are ranked by clamped size, largest first (ties to the
+    lhs block in L2), or the a-block where a_fastest (they share its rhs block). Experts are ranked by clamped size, largest first (ties to the
     lower index): the longest tiles are taken first and the short ones fill the tail.
     Persistent CTA c of G takes w = c, c + G, c + 2G, ... Every output element belongs
     to one work item, hence to one CTA: one writer. In clusters of cluster_n CTAs along b,
@@ -157,7 +157,8 @@ class ContractSchedule:
     """
 
     def __init__(self, row_start: cute.Tensor, expert_order: cute.Tensor, num_experts: int,
-                 a_tiles: int, b_tiles: int, work: Int32, stride: Int32, cluster_n: int, rank):
+                 a_tiles: int, b_tiles: int, work: Int32, stride: Int32, cluster_n: int, rank,
+                 a_fastest: bool = False):
         self.row_start = row_start
         self.expert_order = expert_order
         self.num_experts = num_experts
@@ -170,6 +171,7 @@ class ContractSchedule:
         self.total = num_experts * self.per_expert
         self.work = work
         self.stride = stride
+        self.a_fastest = a_fastest
 
     def __extract_mlir_values__(self):
         return extract_mlir_values(self.work) + extract_mlir_values(self.stride)
@@ -178,7 +180,7 @@ class ContractSchedule:
         return ContractSchedule(
             self.row_start, self.expert_order, self.num_experts, self.a_tiles, self.b_tiles,
             new_from_mlir_values(self.work, [values[0]]), new_from_mlir_values(self.stride, [values[1]]),
-            self.cluster_n, self.rank,
+            self.cluster_n, self.rank, self.a_fastest,
         )
 
     def valid(self):
@@ -191,8 +193,13 @@ class ContractSchedule:
         """(expert, a_tile, b_tile, first_row, expert_rows) of the current work item."""
         size_rank = self.work // self.per_expert
         tile = self.work - size_rank * self.per_expert
-        a_tile = tile // self.b_groups
-        b_tile = (tile - a_tile * self.b_groups) * self.cluster_n + self.rank
+        if self.a_fastest:  # a Python bool: one of the two walks is traced
+            b_group = tile // self.a_tiles
+            a_tile = tile - b_group * self.a_tiles
+        else:
+            a_tile = tile // self.b_groups
+            b_group = tile - a_tile * self.b_groups
+        b_tile = b_group * self.cluster_n + self.rank
         expert = self.expert_order[size_rank]
         first_row = self.row_start[expert]
         return expert, a_tile, b_tile, first_row, self.row_start[expert + 1] - first_row
