@@ -54,27 +54,30 @@ def quack_config(tile_m, tile_n, pingpong, cluster_m, cluster_n):
     )
 
 
-def key_context_variables() -> None:
-    """QuACK 0.6.5 keys each epilogue function by everything it references and refuses a
-    contextvars.ContextVar, which CuTe DSL 4.8.1's op decorators reference (a stack of
-    source-location transforms, no part of the math), so none of its epilogue GEMMs
-    (gemm_act, gemm_dact) builds beside our pinned CuTe DSL. Such a variable is keyed by
-    its name here; the results are checked as every other variant's are."""
-    import contextvars
-
+def key_cute_dsl_references() -> None:
+    """QuACK 0.6.5 keys each epilogue function by everything it references, and refuses
+    what it cannot key: CuTe DSL 4.8.1's op decorators reference a contextvars.ContextVar
+    (a stack of source-location transforms) and code.co_positions, no part of the math,
+    so none of QuACK's epilogue GEMMs (gemm_act, gemm_dact) builds beside our pinned CuTe
+    DSL. Such a reference is keyed by its type and name here; the results are checked as
+    every other variant's are."""
     from quack.gemm_runtime import identity
 
-    if getattr(identity, "keys_context_variables", False):
+    if getattr(identity, "keys_cute_dsl_references", False):
         return
     refuse = identity.semantic_value_key
 
     def key(value, seen):
-        if isinstance(value, contextvars.ContextVar):
-            return ("contextvar", value.name)
-        return refuse(value, seen)
+        try:
+            return refuse(value, seen)
+        except TypeError:
+            name = getattr(value, "__qualname__", None) or getattr(value, "name", None)
+            if name is None:
+                raise
+            return ("unkeyed", type(value).__module__, type(value).__qualname__, name)
 
     identity.semantic_value_key = key  # looked up by name at every (recursive) call
-    identity.keys_context_variables = True
+    identity.keys_cute_dsl_references = True
 
 
 def gemm_call(gemm: str, t: dict, offsets, out_dtype):
@@ -121,7 +124,7 @@ def bench_entry(gemm, operands, check, passes, reps, clock, out_dtype) -> dict:
         import torch
         from quack import gemm_interface  # noqa: F401
 
-        key_context_variables()
+        key_cute_dsl_references()
 
         if clock != timing.CUPTI:
             raise RuntimeError(f"QuACK runs on a GPU only (clock {clock!r})")

@@ -454,6 +454,47 @@ def render_gemm_ceilings(results: dict, source: str) -> str:
     return "\n".join(lines)
 
 
+def render_quack(results: dict, source: str) -> str:
+    """Each GEMM of a layer step, ours beside QuACK's (quack_gemms.py) on the same operands,
+    and the weight-gradient contraction's two GEMMs together."""
+    gemms = list(GEMM_ROWS)
+    lines = [
+        provenance(results, source, "bf16"),
+        "Each cell: sm90's time per call / QuACK's (the fastest of its configurations that passed its "
+        "check), then QuACK's time over sm90's (above 1.00: sm90 faster), and sm90's share of cuBLAS "
+        "batched over E equal experts.",
+        "",
+        "| shape (m, d, f, E), groups | " + " | ".join(gemms) + " | dw1 + dw2 |",
+        "| --- |" + " --- |" * (len(gemms) + 1),
+    ]
+    winners: dict[str, int] = {}
+
+    def pair_cell(ms: dict) -> str:
+        return (f"{ms['sm90']:.3f} / {ms['quack']:.3f} ms ({ms['quack'] / ms['sm90']:.2f}; "
+                f"{ms['cublas_batched'] / ms['sm90']:.2f})")
+
+    for row in results["shapes"]:
+        cells, contraction = [], {}
+        for gemm in gemms:
+            variants = row["gemms"].get(gemm, {}).get("variants", {})
+            ms = {name: variants.get(name, {}).get("ms") for name in ("sm90", "quack", "cublas_batched")}
+            if all(ms.values()):
+                cells.append(pair_cell(ms))
+                label = "x".join(map(str, variants["quack"]["config"][:2])) + (
+                    " ping-pong" if variants["quack"]["config"][2] else " cooperative")
+                winners[label] = winners.get(label, 0) + 1
+                if gemm in ("dw1", "dw2"):
+                    contraction[gemm] = ms
+            else:
+                cells.append(f"{cell(variants.get('sm90'), False)} / {cell(variants.get('quack'), False)}")
+        cells.append(pair_cell({name: sum(ms[name] for ms in contraction.values()) for name in contraction["dw1"]})
+                     if len(contraction) == 2 else "—")
+        lines.append(f"| {shape_text(row['shape'], 'mdfE')}, {row['grouping']} | " + " | ".join(cells) + " |")
+    lines += ["", "QuACK's fastest configuration: " + ", ".join(
+        f"{label} in {count} cell{'s' * (count > 1)}" for label, count in winners.items()) + "."]
+    return "\n".join(lines)
+
+
 COUNTERS = [  # (column, Nsight Compute section: metric, the unit recorded, scale to the column's unit)
     ("time", "GPU Speed Of Light Throughput: Duration", "ns", 1e-6),
     ("SM", "GPU Speed Of Light Throughput: Compute (SM) Throughput", "%", 1.0),
@@ -510,8 +551,9 @@ def render_gemm_counters(results: dict, source: str) -> str:
 
 def contract_config_label(fields: dict) -> str:
     mode = "ping-pong" if fields.get("pingpong") else "cooperative"
+    walk = (", a-block fastest" if fields.get("a_fastest") else "") + (", pairs" if fields.get("cluster_n", 1) == 2 else "")
     return (f"{mode} {fields.get('tile_m', 128)}x{fields['tile_n']}, {fields['tile_k']}-row stages x "
-            f"{fields['ab_stages']}, {fields['store_stages']} store buffers")
+            f"{fields['ab_stages']}, {fields['store_stages']} store buffers{walk}")
 
 
 def render_contract_modes(results: dict, source: str) -> str:

@@ -340,6 +340,14 @@ def test_cluster_pairs_are_chosen_for_the_plain_gemm_from_k_1536():
     assert sm90_config.choose_gemm_config(matmul_request((128, 1856, 2688), "down_kn"), sm_count=131).max_ctas == 130
 
 
+def test_contraction_walks_the_smaller_operand_fastest():
+    def a_fastest(num_experts, a, b):
+        return sm90_config.choose_contract_config(contract_request((num_experts, a, b), BF16)).a_fastest
+    # dW2 = act^T dy at (32768, 7168, 2048, 32) and at Nemotron-3 Nano's shape, then their dW1.
+    assert a_fastest(32, 2048, 7168) and a_fastest(128, 1856, 2688)
+    assert not a_fastest(32, 7168, 2048) and not a_fastest(128, 2688, 1856) and not a_fastest(8, 512, 512)
+
+
 @pytest.mark.compile
 def test_cluster_pairs_are_refused_where_they_cannot_run():
     # n = 768 and b = 768 have three 256-wide N-tiles.
