@@ -558,9 +558,9 @@ def contract_config_label(fields: dict) -> str:
 
 
 def render_contract_modes(results: dict, source: str) -> str:
-    """The contraction under each consumer mode and tile configuration, as sweep_configs.py
-    --kernel contract timed them at 7cd5117 (with the ping-pong variants since removed):
-    time, and the ratio to the fastest cooperative config of its row."""
+    """The contraction under each consumer mode, tile configuration and walk, as
+    sweep_configs.py --kernel contract timed them (at 7cd5117 with the ping-pong variants
+    since removed): time, and the ratio to the fastest cooperative config of its row."""
     labels, times = [], {}
     for row in results["rows"]:
         label = contract_config_label(row["fields"])
@@ -763,6 +763,11 @@ TABLES: list[tuple[str, str, str, Callable]] = [
     ("docs/sm90.md", "tile_sweep_70248d4", "fine_grained/sweep_gemm_70248d4.json", render_gemm_tiles),
     ("docs/sm90.md", "tile_stages_ab", "fine_grained/bench_layer_step_ab_20001df_*.json", render_step_ab),
     ("docs/sm90.md", "gemm_ceilings_e65b77e", "fine_grained/bench_gemms_fine_e65b77e.json", render_gemm_ceilings),
+    ("docs/sm90.md", "contract_walk_9cce2d9", "fine_grained/sweep_contract_9cce2d9.json", render_contract_modes),
+    ("docs/sm90.md", "contract_walk_177529d", "fine_grained/sweep_contract_177529d.json", render_contract_modes),
+    ("docs/sm90.md", "contract_walk_ab", "fine_grained/bench_layer_step_ab_2ce9332_*.json", render_step_ab),
+    ("docs/sm90.md", "quack_e0e05d1", "fine_grained/bench_gemms_quack_e0e05d1.json", render_quack),
+    ("docs/sm90.md", "quack_177529d", "fine_grained/bench_gemms_quack_177529d.json", render_quack),
     ("docs/determinism.md", "determinism", "determinism/determinism_parallel*.json", render_determinism),
 ]
 DOCUMENTS = list(dict.fromkeys(document for document, *_ in TABLES))

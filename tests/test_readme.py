@@ -212,3 +212,28 @@ def test_tile_sweep_puts_the_fastest_of_each_kind_beside_the_chosen_config():
         "| 1024, 256, 768, 4, up | 1.000 ms, 128x256, 3 stages | — | 0.900 ms (0.90), 128x192, 4 stages | — "
         "| 0.800 ms (0.80), 128x256, 7 stages | 1.100 ms (1.10), 128x256, 4 stages | 1.200 ms (1.20), 128x192, 4 stages |"
     )
+
+
+def test_quack_table_pairs_each_gemm_and_sums_the_contraction():
+    def timed(ours, quack, config=(128, 192, True, 2, 1)):
+        return dict(variants=dict(sm90=dict(ms=ours), cublas_batched=dict(ms=ours / 2),
+                                  quack=dict(ms=quack, config=list(config))))
+
+    gemms = dict(up=dict(variants=dict(sm90=dict(ms=1.0), quack=dict(error="TypeError", stage="run"))),
+                 down=timed(1.0, 1.1), dw1=timed(1.0, 2.0), dw2=timed(3.0, 2.0, (128, 256, False, 2, 1)))
+    results = dict(RUN, shapes=[dict(shape=dict(m=1024, d=256, f=512, E=4), grouping="dirichlet",
+                                     group_sizes=[256] * 4, gemms=gemms)])
+    lines = readme_table.render_quack(results, "quack.json").splitlines()
+    (row,) = [line for line in lines if line.startswith("| 1024")]
+    assert row == ("| 1024, 256, 512, 4, dirichlet | 1.000 ms / failed (run) | 1.000 / 1.100 ms (1.10; 0.50) | "
+                   "not run / not run | not run / not run | 1.000 / 2.000 ms (2.00; 0.50) | "
+                   "3.000 / 2.000 ms (0.67; 0.50) | 4.000 / 4.000 ms (1.00; 0.50) |")
+    assert lines[-1] == "QuACK's fastest configuration: 128x192 ping-pong in 2 cells, 128x256 cooperative in 1 cell."
+
+
+def test_a_gzipped_record_is_read_as_its_json(tmp_path):
+    import gzip
+
+    path = tmp_path / "run.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(dict(RUN, shapes=[])).encode()))
+    assert readme_table.load_record(path) == dict(RUN, shapes=[])
