@@ -35,8 +35,8 @@
 #   sweep_gemm  benchmarks/sweep_configs.py --kernel gemm (the ragged-M kernels' N tiles and
 #             stages; SWEEP_GEMM_ARGS for --gemms or --shapes)
 #   sanitize_contract  memcheck over the contraction's boundary cases (negative sizes,
-#             sums past m, exact tiles, many experts of widths no tile multiple, 512 experts),
-#             racecheck over some of them
+#             sums past m, exact tiles, many experts of widths no tile multiple, 512 experts)
+#             and its configs that walk a-blocks fastest, racecheck over some of them
 #   sanitize  a small subset of the GPU tests under compute-sanitizer (memcheck)
 #
 # Kernels come precompiled from benchmarks/prebuild_kernels.py in .kernels/ (carried along),
@@ -198,11 +198,11 @@ fi
 if [[ $stages == *,sanitize_contract,* ]]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   timeout 120 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q -rs -p no:cacheprovider \
-    -m gpu tests/test_sm90_gemms.py -k "contraction_matches and bfloat16 and (negative or past_m or exact_tile or many_experts or experts_512)" \
+    -m gpu tests/test_sm90_gemms.py -k "(contraction_matches and bfloat16 and (negative or past_m or exact_tile or many_experts or experts_512)) or (each_contraction_config and a_fastest)" \
     2>&1 | tail -6 | tee -a "$log"
   echo "memcheck contraction exit $?" | tee -a "$log"
   timeout 120 compute-sanitizer --tool racecheck --print-limit 20 python3 -m pytest -q -rs -p no:cacheprovider \
-    -m gpu tests/test_sm90_gemms.py -k "contraction_matches and bfloat16 and (past_m or exact_tile or experts_512)" \
+    -m gpu tests/test_sm90_gemms.py -k "(contraction_matches and bfloat16 and (past_m or exact_tile or experts_512)) or (each_contraction_config and a_fastest and exact_tile)" \
     2>&1 | tail -6 | tee -a "$log"
   echo "racecheck contraction exit $?" | tee -a "$log"
 fi
