@@ -419,6 +419,12 @@ def rows_computed_per_row_stored(group_sizes: list[int], tile_rows: int) -> floa
     return computed / sum(size for size in group_sizes if size > 0)
 
 
+def gemm_times(row: dict, gemm: str, variants: tuple[str, ...]) -> dict:
+    """Each named variant's time (ms) for one GEMM of a bench_gemms row; None where it has none."""
+    recorded = row["gemms"].get(gemm, {}).get("variants", {})
+    return {name: recorded.get(name, {}).get("ms") for name in variants}
+
+
 def render_gemm_ceilings(results: dict, source: str) -> str:
     """Each GEMM of a layer step against cuBLAS on the same operands (a dense GEMM of the
     same FLOPs, and E equal batches), with what the ragged-M kernels' 128-row tiles pad."""
@@ -441,8 +447,7 @@ def render_gemm_ceilings(results: dict, source: str) -> str:
     for row in results["shapes"]:
         timed = {}
         for gemm in gemms:
-            variants = row["gemms"].get(gemm, {}).get("variants", {})
-            ms = {name: variants.get(name, {}).get("ms") for name in compared}
+            ms = gemm_times(row, gemm, compared)
             if all(ms.values()):
                 timed[gemm] = ms
         cells = [share_cell(timed[gemm]) if gemm in timed else "—" for gemm in gemms]
@@ -478,7 +483,7 @@ def render_quack(results: dict, source: str) -> str:
         cells, contraction = [], {}
         for gemm in gemms:
             variants = row["gemms"].get(gemm, {}).get("variants", {})
-            ms = {name: variants.get(name, {}).get("ms") for name in ("sm90", "quack", "cublas_batched")}
+            ms = gemm_times(row, gemm, ("sm90", "quack", "cublas_batched"))
             if all(ms.values()):
                 cells.append(pair_cell(ms))
                 label = "x".join(map(str, variants["quack"]["config"][:2])) + (
