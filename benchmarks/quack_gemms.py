@@ -56,25 +56,26 @@ def quack_config(tile_m, tile_n, pingpong, cluster_m, cluster_n):
 
 def key_cute_dsl_references() -> None:
     """QuACK 0.6.5 keys each epilogue function by everything it references, and refuses
-    what it cannot key: CuTe DSL 4.8.1's op decorators reference a contextvars.ContextVar
-    (a stack of source-location transforms) and code.co_positions, no part of the math,
-    so none of QuACK's epilogue GEMMs (gemm_act, gemm_dact) builds beside our pinned CuTe
-    DSL. Such a reference is keyed by its type and name here; the results are checked as
-    every other variant's are."""
+    what it cannot key. Beside CuTe DSL 4.8.1 it refuses a contextvars.ContextVar (a
+    stack of source-location transforms) and code.co_positions, which the DSL's op
+    decorators reference and which are no part of the math, so none of QuACK's epilogue
+    GEMMs (gemm_act, gemm_dact) builds beside our pinned CuTe DSL. Whatever it refuses is
+    keyed here by its type and name: two different refused objects of one type and name
+    would share a compiled kernel, which the check before each timing would catch."""
     from quack.gemm_runtime import identity
 
     if getattr(identity, "keys_cute_dsl_references", False):
         return
-    refuse = identity.semantic_value_key
+    quack_key = identity.semantic_value_key
 
     def key(value, seen):
         try:
-            return refuse(value, seen)
+            return quack_key(value, seen)
         except TypeError:
             name = getattr(value, "__qualname__", None) or getattr(value, "name", None)
             if name is None:
                 raise
-            return ("unkeyed", type(value).__module__, type(value).__qualname__, name)
+            return ("refused_by_quack", type(value).__module__, type(value).__qualname__, name)
 
     identity.semantic_value_key = key  # looked up by name at every (recursive) call
     identity.keys_cute_dsl_references = True
@@ -140,7 +141,7 @@ def bench_entry(gemm, operands, check, passes, reps, clock, out_dtype) -> dict:
         try:
             config = quack_config(*described)
             run, outputs = gemm_call(gemm, t, offsets, out_dtype)
-            stage = "run"
+            stage = "first call"  # QuACK compiles the kernel in it
             for output in outputs:
                 output.fill_(float("nan"))  # poisoned: a value the kernel leaves unwritten fails the check
             run(config)

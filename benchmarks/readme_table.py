@@ -105,6 +105,11 @@ def cell(entry: dict | None, with_tflops: bool = True) -> str:
     return f"failed ({entry.get('stage', 'error')})"
 
 
+def signed_percent(value: float) -> str:
+    """+x.x%, with a change that rounds to zero written +0.0% whatever its sign."""
+    return f"{value if round(value, 3) else 0.0:+.1%}"
+
+
 def ratio(value: float | None, style: str) -> str:
     if value is None:
         return "—"
@@ -356,7 +361,7 @@ def step_cells(row: dict) -> dict[str, str]:
     return dict(
         cells,
         shape=shape_text(row["shape"], "mdfE"),
-        det="—" if det is None else f"{det:+.1%}",
+        det="—" if det is None else signed_percent(det),
         vs_dense=ratio(r.get("sm90_speedup_vs_dense_xla"), "times"),
         vs_batched=ratio(best_batched_speedup(r), "times"),
     )

@@ -73,6 +73,8 @@ def time_launches(fn: Callable[[], object], synchronize: Callable[[], None], rep
     it times, so it cannot take such a call. The first call compiles and warms up."""
     from jax._src.lib import mosaic_gpu
 
+    if reps < 1:
+        raise ValueError(f"reps must be at least 1, got {reps}")
     cupti = mosaic_gpu._mosaic_gpu_ext
     fn()
     synchronize()
@@ -82,11 +84,17 @@ def time_launches(fn: Callable[[], object], synchronize: Callable[[], None], rep
             fn()
         synchronize()
     finally:
-        launches = cupti._cupti_get_timings(True)
+        launches = cupti._cupti_get_timings(True) or []
     if not launches or len(launches) % reps:
-        raise RuntimeError(f"CUPTI recorded {len(launches or [])} kernel launches for {reps} calls")
+        raise RuntimeError(f"CUPTI recorded {len(launches)} kernel launches for {reps} calls; "
+                           f"expected a positive multiple of {reps}")
     per_call = len(launches) // reps
-    return _timing([launches[i * per_call:(i + 1) * per_call] for i in range(reps)])
+    calls = [launches[i * per_call:(i + 1) * per_call] for i in range(reps)]
+    # The breakdown takes medians by launch position: every call must launch the same kernels.
+    names = [[name for name, _ in call] for call in calls]
+    if any(call_names != names[0] for call_names in names):
+        raise RuntimeError(f"the {reps} calls launched different kernels: {names[0]} first")
+    return _timing(calls)
 
 
 def _timing(launches: list[list[tuple[str, float]]]) -> Timing:

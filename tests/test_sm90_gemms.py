@@ -348,6 +348,29 @@ def test_contraction_walks_the_smaller_operand_fastest():
     assert not a_fastest(32, 7168, 2048) and not a_fastest(128, 2688, 1856) and not a_fastest(8, 512, 512)
 
 
+@pytest.mark.parametrize("cluster_n", [1, 2])
+@pytest.mark.parametrize("a_fastest", [False, True])
+def test_contraction_walks_visit_every_tile_once(a_fastest, cluster_n):
+    """The schedule's arithmetic on host integers: every (expert, a-block, b-block) output
+    tile is one work item's, the CTAs of a cluster share the a-block, and consecutive
+    items of an expert differ in the block that walks fastest."""
+    from jax_dsrelu.kernels.sm90 import schedule
+
+    num_experts, a_tiles, b_tiles = 3, 5, 4
+    row_start, expert_order = [0, 40, 40, 100], [2, 0, 1]
+    total = num_experts * a_tiles * b_tiles // cluster_n
+    walked = []
+    for work in range(total):
+        in_cluster = [schedule.ContractSchedule(row_start, expert_order, num_experts, a_tiles, b_tiles, work, 1,
+                                                cluster_n, rank, a_fastest).tile() for rank in range(cluster_n)]
+        assert len({a_tile for _, a_tile, *_ in in_cluster}) == 1
+        walked += [(expert, a_tile, int(b_tile)) for expert, a_tile, b_tile, _, _ in in_cluster]
+    assert sorted(walked) == [(e, a, b) for e in range(num_experts) for a in range(a_tiles) for b in range(b_tiles)]
+    first, second = walked[0], walked[cluster_n]
+    assert (first[1] != second[1]) == a_fastest and (first[2] != second[2]) != a_fastest
+    assert [expert for expert, *_ in walked[::a_tiles * b_tiles]] == expert_order  # largest first
+
+
 @pytest.mark.compile
 def test_cluster_pairs_are_refused_where_they_cannot_run():
     # n = 768 and b = 768 have three 256-wide N-tiles.

@@ -148,8 +148,9 @@ class ContractSchedule:
     A work item is one output tile (expert, a-block, b-block); every expert has the same
     a_tiles * b_tiles of them, so item w is tile w % per_expert of the expert ranked
     w // per_expert, with the b-block fastest (the CTAs in flight share the expert's
-    lhs block in L2), or the a-block where a_fastest (they share its rhs block). Experts are ranked by clamped size, largest first (ties to the
-    lower index): the longest tiles are taken first and the short ones fill the tail.
+    lhs block in L2), or the a-block where a_fastest (they share its rhs block).
+    Experts are ranked by clamped size, largest first (ties to the lower index): the
+    longest tiles are taken first and the short ones fill the tail.
     Persistent CTA c of G takes w = c, c + G, c + 2G, ... Every output element belongs
     to one work item, hence to one CTA: one writer. In clusters of cluster_n CTAs along b,
     a work item is a group of cluster_n neighbouring b-blocks, walked by the clusters as
