@@ -495,12 +495,7 @@ def bench_gemm(gemm, shape, operands, reps, clock, out_dtype, selected) -> dict:
         results["quack"] = quack_gemms.bench_entry(
             gemm, operands, quack_check(gemm, operands, reference), check_passes, reps, clock, out_dtype)
     if pallas_tried:
-        timed = [entry for entry in pallas_tried if "ms" in entry]
-        best = min(timed, key=lambda entry: entry["ms"]) if timed else pallas_tried[0]
-        results["pallas"] = dict(best, configs=[
-            {"config": e["config"], **({"ms": e["ms"]} if "ms" in e else {"error": e["error"]})}
-            for e in pallas_tried
-        ])
+        results["pallas"] = run_record.best_of(pallas_tried)
     cublas = results.get("cublas_dense", {}).get("ms")
     for entry in results.values():
         if "ms" in entry:

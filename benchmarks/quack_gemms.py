@@ -158,8 +158,4 @@ def bench_entry(gemm, operands, check, passes, reps, clock, out_dtype) -> dict:
             tried.append(entry)
         except Exception as error:  # recorded; the next config runs
             tried.append(dict(run_record.error_entry(error, stage), config=list(described)))
-    timed = [entry for entry in tried if "ms" in entry]
-    best = min(timed, key=lambda entry: entry["ms"]) if timed else tried[0]
-    return dict(best, configs=[
-        {"config": e["config"], **({"ms": e["ms"]} if "ms" in e else {"error": e["error"]})} for e in tried
-    ])
+    return run_record.best_of(tried)

@@ -57,6 +57,17 @@ def error_entry(error: BaseException, stage: str) -> dict:
     return dict(error=message[:ERROR_CHARS], stage=stage)
 
 
+def best_of(tried: list[dict]) -> dict:
+    """The entry of a variant tried in several configurations (each entry with its
+    "config"): the fastest timed one, or the first failure if none was timed, with every
+    configuration's time or error under "configs"."""
+    timed = [entry for entry in tried if "ms" in entry]
+    best = min(timed, key=lambda entry: entry["ms"]) if timed else tried[0]
+    return dict(best, configs=[
+        {"config": e["config"], **({"ms": e["ms"]} if "ms" in e else {"error": e["error"]})} for e in tried
+    ])
+
+
 def write_json(result: dict, directory: str, name: str) -> str:
     """Writes `result` without whitespace, as every benchmark script does: the records are
     committed, and compact records keep the repository small (an indented record is 60%
