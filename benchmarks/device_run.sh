@@ -31,7 +31,8 @@
 #   profile   benchmarks/profile_gemms.py under Nsight Compute: the counters of each GEMM of
 #             the Nano step, ours and cuBLAS batched (PROFILE_ARGS for other GEMMs or groups)
 #   sweep     benchmarks/sweep_configs.py (tile configurations at the benchmark shapes)
-#   sweep_contract  benchmarks/sweep_configs.py --kernel contract (the contraction's configurations)
+#   sweep_contract  benchmarks/sweep_configs.py --kernel contract (the contraction's configurations;
+#             SWEEP_CONTRACT_ARGS for --shapes)
 #   sweep_gemm  benchmarks/sweep_configs.py --kernel gemm (the ragged-M kernels' N tiles and
 #             stages; SWEEP_GEMM_ARGS for --gemms or --shapes)
 #   sanitize_contract  memcheck over the contraction's boundary cases (negative sizes,
@@ -191,7 +192,7 @@ if [[ $stages == *,sweep_gemm,* ]]; then
 fi
 
 if [[ $stages == *,sweep_contract,* ]]; then
-  timeout 150 python3 benchmarks/sweep_configs.py --kernel contract --commit "$commit" --out "$OUT" 2>&1 | tee -a "$log"
+  timeout 300 python3 benchmarks/sweep_configs.py --kernel contract --commit "$commit" --out "$OUT" $SWEEP_CONTRACT_ARGS 2>&1 | tee -a "$log"
   echo "sweep_contract exit $?" | tee -a "$log"
 fi
 

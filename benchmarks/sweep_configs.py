@@ -64,10 +64,12 @@ def candidates(sm_count):
 
 def contract_candidates(sm_count, request):
     """The chosen config for a contraction request and its alternatives: tiles of other
-    widths, rows per stage and store buffers."""
-    common = dict(epi_n=32, max_ctas=sm_count)
+    widths, rows per stage and store buffers, each walked as the chosen one is (so a row
+    compares tiles at one walk), and the chosen tiles walked the other way."""
+    chosen = sm90_config.choose_contract_config(request, sm_count)
+    common = dict(epi_n=32, max_ctas=sm_count, a_fastest=chosen.a_fastest)
     configs = {
-        "chosen": sm90_config.choose_contract_config(request, sm_count),
+        "chosen": chosen,
         "128x192 k32 ab8 whole": sm90_config.ContractConfig(tile_n=192, tile_k=32, ab_stages=8, store_stages=6, **common),
         "128x192 k64 ab4 whole": sm90_config.ContractConfig(tile_n=192, tile_k=64, ab_stages=4, store_stages=6, **common),
         "128x256 k32 ab6 whole": sm90_config.ContractConfig(tile_n=256, tile_k=32, ab_stages=6, store_stages=8, **common),
@@ -76,7 +78,6 @@ def contract_candidates(sm_count, request):
     }
     # The chosen tiles in the other work order, and in the other cluster size where the
     # b-blocks pair up.
-    chosen = configs["chosen"]
     configs["chosen " + ("b-fastest" if chosen.a_fastest else "a-fastest")] = dataclasses.replace(
         chosen, a_fastest=not chosen.a_fastest)
     if sm90_config.pairs_up(request.b, chosen.tile_n):
