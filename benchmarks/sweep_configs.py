@@ -74,6 +74,7 @@ def contract_candidates(sm_count, request):
         "128x192 k64 ab4 whole": sm90_config.ContractConfig(tile_n=192, tile_k=64, ab_stages=4, store_stages=6, **common),
         "128x256 k32 ab6 whole": sm90_config.ContractConfig(tile_n=256, tile_k=32, ab_stages=6, store_stages=8, **common),
         "128x256 k32 ab7 ring3": sm90_config.ContractConfig(tile_n=256, tile_k=32, ab_stages=7, store_stages=3, **common),
+        "128x256 k32 ab8 ring2": sm90_config.ContractConfig(tile_n=256, tile_k=32, ab_stages=8, store_stages=2, **common),
         "128x128 k32 ab8 whole": sm90_config.ContractConfig(tile_n=128, tile_k=32, ab_stages=8, store_stages=4, **common),
     }
     # The chosen tiles in the other work order, and in the other cluster size where the
