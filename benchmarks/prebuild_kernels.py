@@ -280,7 +280,9 @@ def write_cubins(folder):
         "up_srelu_bias": RaggedMatmulRequest(num_experts, d, f, "kn", bf16, bf16, "srelu", True),
         "down_kn": RaggedMatmulRequest(num_experts, f, d, "kn", bf16, bf16),
         "dx_nk": RaggedMatmulRequest(num_experts, f, d, "nk", bf16, bf16),
+        # dW1's (a, b) = (d, f) walks b-blocks fastest, dW2's (f, d) a-blocks fastest.
         "contract_bf16": RaggedContractRequest(num_experts, d, f, bf16, bf16),
+        "contract_bf16_a_fastest": RaggedContractRequest(num_experts, f, d, bf16, bf16),
     }.items():
         write(f"gemm_{name}_d{d}_f{f}_e{num_experts}.cubin", sm90_gemm.compile_kernel(request, keep=True))
 
