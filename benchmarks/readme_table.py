@@ -594,6 +594,74 @@ def render_contract_modes(results: dict, source: str) -> str:
     return "\n".join(lines)
 
 
+def render_contract_choices(results: dict, source: str) -> str:
+    """The contraction's chosen config beside sweep_configs.py's alternatives (since
+    d133ba6 each walked as the chosen one is): per shape and GEMM, the chosen config and
+    its time, then each alternative's time over it, columns named as the sweep names its
+    candidates. A candidate equal to the chosen config is timed once, as the chosen."""
+    def column(name):
+        if name.startswith("chosen ") and name.endswith("-fastest"):
+            return "chosen tiles, other walk"
+        if name.startswith("chosen cluster"):
+            return "chosen tiles, other cluster size"
+        return name
+    rows = {}
+    for row in results["rows"]:
+        rows.setdefault((tuple(row["shape"]), row["gemm"]), {})[column(row["config"])] = row
+    # The sweep's order, though a row lacks the candidates that equal its chosen config: each
+    # new name goes after the name before it in its row.
+    columns = []
+    for timed in rows.values():
+        previous = None
+        for name in timed:
+            if name != "chosen" and name not in columns:
+                columns.insert(columns.index(previous) + 1 if previous else 0, name)
+            if name != "chosen":
+                previous = name
+    lines = [
+        provenance(results, source, "bf16 operands and output, Dirichlet group sizes")
+        + " Each cell: an alternative's time over the chosen config's (below 1.00: faster); — where it is"
+        " the chosen config or does not fit.",
+        "",
+        "| (m, d, f, E), GEMM | chosen | " + " | ".join(columns) + " |",
+        "| --- | --- |" + " --- |" * len(columns),
+    ]
+    for (shape, gemm), timed in rows.items():
+        chosen = timed["chosen"]
+        cells = [f"{timed[name]['ms'] / chosen['ms']:.3f}" if name in timed else "—" for name in columns]
+        lines.append(f"| {', '.join(map(str, shape))}, {gemm} | {chosen['ms']:.3f} ms, "
+                     f"{contract_config_label(chosen['fields']).removeprefix('cooperative ')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_det_rounds(results: list, source: str) -> str:
+    """A moe_mlp step in both modes, round after round in one device call (bench_layer.py
+    --variants sm90,sm90_det, one process per round): each mode's step per round, the
+    deterministic over the default one, and the contraction's two launches in each."""
+    def contraction(entry):
+        return sum(ms for name, ms in entry["kernels"] if "ragged_contract" in name)
+
+    runs = sorted(results, key=lambda run: run["command"])
+    pattern = re.sub(r"--out \S+", "--out <dir>/r<round>", runs[0]["command"])
+    lines = [
+        f"Measured on an {runs[0]['device']} (JAX {runs[0]['jax']}), commit `{runs[0]['commit']}`, "
+        f"{len(runs)} rounds in one device call, each `{pattern}` ({runs[0]['timing']}). "
+        f"Raw results: `benchmarks/results/{source}`; this table is generated from them by "
+        "`benchmarks/readme_table.py`.",
+        "",
+        "| shape (m, d, f, E) | round | sm90 step | sm90_det step | sm90_det / sm90 | contraction, sm90 / sm90_det |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for round_, run in enumerate(runs, 1):
+        for row in run["shapes"]:
+            variants = row["modes"]["step"]["variants"]
+            default, det = variants["sm90"], variants["sm90_det"]
+            lines.append(
+                f"| {shape_text(row['shape'], 'mdfE')} | {round_} | {default['ms']:.3f} ms | {det['ms']:.3f} ms | "
+                f"{det['ms'] / default['ms']:.3f} | {contraction(default):.3f} / {contraction(det):.3f} ms |")
+    return "\n".join(lines)
+
+
 def dsrelu_config_label(fields: dict) -> str:
     beside = fields.get("overlap_k_tiles", 0)
     overlap = f", epilogue beside {beside} k-tile{'s' * (beside > 1)}" if beside else ""
@@ -778,6 +846,9 @@ TABLES: list[tuple[str, str, str, Callable]] = [
     ("docs/sm90.md", "contract_walk_ab", "fine_grained/bench_layer_step_ab_2ce9332_*.json", render_step_ab),
     ("docs/sm90.md", "quack_e0e05d1", "fine_grained/bench_gemms_quack_e0e05d1.json", render_quack),
     ("docs/sm90.md", "quack_177529d", "fine_grained/bench_gemms_quack_177529d.json", render_quack),
+    ("docs/sm90.md", "contract_many_d133ba6", "fine_grained/sweep_contract_d133ba6.json", render_contract_choices),
+    ("docs/sm90.md", "contract_many_57b5df0", "fine_grained/sweep_contract_57b5df0.json", render_contract_choices),
+    ("docs/sm90.md", "det_rounds_0a777f1", "fine_grained/bench_layer_step_det_0a777f1_r*.json", render_det_rounds),
     ("docs/determinism.md", "determinism", "determinism/determinism_parallel*.json", render_determinism),
 ]
 DOCUMENTS = list(dict.fromkeys(document for document, *_ in TABLES))

@@ -237,3 +237,36 @@ def test_a_gzipped_record_is_read_as_its_json(tmp_path):
     path = tmp_path / "run.json.gz"
     path.write_bytes(gzip.compress(json.dumps(dict(RUN, shapes=[])).encode()))
     assert readme_table.load_record(path) == dict(RUN, shapes=[])
+
+
+def test_contraction_choices_put_each_alternative_over_the_chosen_config():
+    def row(config, ms, tile_n=256, a_fastest=False, cluster_n=1):
+        fields = dict(tile_n=tile_n, tile_k=32, ab_stages=6, store_stages=8, a_fastest=a_fastest, cluster_n=cluster_n)
+        return dict(shape=[1024, 256, 768, 256], gemm="dw2", config=config, ms=ms, fields=fields)
+
+    results = dict(RUN, rows=[
+        row("chosen", 2.0, a_fastest=True), row("128x192 k32 ab8 whole", 2.2, 192, a_fastest=True),
+        row("chosen b-fastest", 1.9), row("chosen cluster2", 2.1, a_fastest=True, cluster_n=2),
+        dict(row("chosen", 1.0), gemm="dw1"), dict(row("chosen a-fastest", 1.5, a_fastest=True), gemm="dw1"),
+    ])
+    lines = readme_table.render_contract_choices(results, "sweep.json").splitlines()
+    assert lines[2] == ("| (m, d, f, E), GEMM | chosen | 128x192 k32 ab8 whole | chosen tiles, other walk | "
+                        "chosen tiles, other cluster size |")
+    assert lines[4] == ("| 1024, 256, 768, 256, dw2 | 2.000 ms, 128x256, 32-row stages x 6, 8 store buffers, "
+                        "a-block fastest | 1.100 | 0.950 | 1.050 |")
+    assert lines[5] == "| 1024, 256, 768, 256, dw1 | 1.000 ms, 128x256, 32-row stages x 6, 8 store buffers | — | 1.500 | — |"
+
+
+def test_deterministic_rounds_put_each_mode_and_the_contraction_side_by_side():
+    def run(round_, default, det):
+        def entry(ms):
+            return dict(ms=ms, kernels=[["kernel_ragged_matmul", ms / 2], ["kernel_ragged_contract_a", ms / 8],
+                                        ["kernel_ragged_contract_b", ms / 8]])
+        shape = dict(shape=dict(m=1024, d=256, f=512, E=4),
+                     modes=dict(step=dict(variants=dict(sm90=entry(default), sm90_det=entry(det)))))
+        return dict(RUN, command=f"python3 bench_layer.py --out /root/out/r{round_} --reps 5", shapes=[shape])
+
+    lines = readme_table.render_det_rounds([run(2, 4.0, 4.4), run(1, 8.0, 8.0)], "rounds_r*.json").splitlines()
+    assert "`python3 bench_layer.py --out <dir>/r<round> --reps 5`" in lines[0]
+    assert lines[4] == "| 1024, 256, 512, 4 | 1 | 8.000 ms | 8.000 ms | 1.000 | 2.000 / 2.000 ms |"
+    assert lines[5] == "| 1024, 256, 512, 4 | 2 | 4.000 ms | 4.400 ms | 1.100 | 1.000 / 1.100 ms |"
