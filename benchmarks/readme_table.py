@@ -848,6 +848,7 @@ TABLES: list[tuple[str, str, str, Callable]] = [
     ("docs/sm90.md", "quack_177529d", "fine_grained/bench_gemms_quack_177529d.json", render_quack),
     ("docs/sm90.md", "contract_many_d133ba6", "fine_grained/sweep_contract_d133ba6.json", render_contract_choices),
     ("docs/sm90.md", "contract_many_57b5df0", "fine_grained/sweep_contract_57b5df0.json", render_contract_choices),
+    ("docs/sm90.md", "quack_7b55101", "fine_grained/bench_gemms_quack_7b55101.json", render_quack),
     ("docs/sm90.md", "det_rounds_0a777f1", "fine_grained/bench_layer_step_det_0a777f1_r*.json", render_det_rounds),
     ("docs/determinism.md", "determinism", "determinism/determinism_parallel*.json", render_determinism),
 ]
