@@ -19,6 +19,8 @@ import pathlib
 import sys
 from typing import Callable
 
+import contract_alternatives
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 VARIANTS = [
@@ -608,16 +610,11 @@ def render_contract_choices(results: dict, source: str) -> str:
     rows = {}
     for row in results["rows"]:
         rows.setdefault((tuple(row["shape"]), row["gemm"]), {})[column(row["config"])] = row
-    # The sweep's order, though a row lacks the candidates that equal its chosen config: each
-    # new name goes after the name before it in its row.
-    columns = []
-    for timed in rows.values():
-        previous = None
-        for name in timed:
-            if name != "chosen" and name not in columns:
-                columns.insert(columns.index(previous) + 1 if previous else 0, name)
-            if name != "chosen":
-                previous = name
+    # The sweep's order (a row lacks the candidates equal to its chosen config, so no row need
+    # hold them all); a name the sweep no longer has goes last.
+    order = [*contract_alternatives.ALTERNATIVES, "chosen tiles, other walk", "chosen tiles, other cluster size"]
+    names = {name for timed in rows.values() for name in timed} - {"chosen"}
+    columns = sorted(names, key=lambda name: (order.index(name) if name in order else len(order), name))
     lines = [
         provenance(results, source, "bf16 operands and output, Dirichlet group sizes")
         + " Each cell: an alternative's time over the chosen config's (below 1.00: faster); — where it is"
@@ -641,7 +638,10 @@ def render_det_rounds(results: list, source: str) -> str:
     def contraction(entry):
         return sum(ms for name, ms in entry["kernels"] if "ragged_contract" in name)
 
-    runs = sorted(results, key=lambda run: run["command"])
+    def round_of(run):  # each round writes to --out .../r<round>
+        return int(re.search(r"--out \S*/r(\d+)\b", run["command"]).group(1))
+
+    runs = sorted(results, key=round_of)
     pattern = re.sub(r"--out \S+", "--out <dir>/r<round>", runs[0]["command"])
     lines = [
         f"Measured on an {runs[0]['device']} (JAX {runs[0]['jax']}), commit `{runs[0]['commit']}`, "
@@ -652,7 +652,8 @@ def render_det_rounds(results: list, source: str) -> str:
         "| shape (m, d, f, E) | round | sm90 step | sm90_det step | sm90_det / sm90 | contraction, sm90 / sm90_det |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for round_, run in enumerate(runs, 1):
+    for run in runs:
+        round_ = round_of(run)
         for row in run["shapes"]:
             variants = row["modes"]["step"]["variants"]
             default, det = variants["sm90"], variants["sm90_det"]

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import run_record
 import numpy as np
 from bench_dsrelu import SHAPES, cupti_ms, make_inputs
+from contract_alternatives import ALTERNATIVES
 from harness import group_sizes_for, parse_shapes
 
 from jax_dsrelu.kernels import request as request_facts
@@ -68,14 +69,8 @@ def contract_candidates(sm_count, request):
     compares tiles at one walk), and the chosen tiles walked the other way."""
     chosen = sm90_config.choose_contract_config(request, sm_count)
     common = dict(epi_n=32, max_ctas=sm_count, a_fastest=chosen.a_fastest)
-    configs = {
-        "chosen": chosen,
-        "128x192 k32 ab8 whole": sm90_config.ContractConfig(tile_n=192, tile_k=32, ab_stages=8, store_stages=6, **common),
-        "128x192 k64 ab4 whole": sm90_config.ContractConfig(tile_n=192, tile_k=64, ab_stages=4, store_stages=6, **common),
-        "128x256 k32 ab6 whole": sm90_config.ContractConfig(tile_n=256, tile_k=32, ab_stages=6, store_stages=8, **common),
-        "128x256 k32 ab7 ring3": sm90_config.ContractConfig(tile_n=256, tile_k=32, ab_stages=7, store_stages=3, **common),
-        "128x256 k32 ab8 ring2": sm90_config.ContractConfig(tile_n=256, tile_k=32, ab_stages=8, store_stages=2, **common),
-        "128x128 k32 ab8 whole": sm90_config.ContractConfig(tile_n=128, tile_k=32, ab_stages=8, store_stages=4, **common),
+    configs = {"chosen": chosen} | {
+        name: sm90_config.ContractConfig(**fields, **common) for name, fields in ALTERNATIVES.items()
     }
     # The chosen tiles in the other work order, and in the other cluster size where the
     # b-blocks pair up.

@@ -249,6 +249,13 @@ def test_contraction_choices_put_each_alternative_over_the_chosen_config():
         row("chosen b-fastest", 1.9), row("chosen cluster2", 2.1, a_fastest=True, cluster_n=2),
         dict(row("chosen", 1.0), gemm="dw1"), dict(row("chosen a-fastest", 1.5, a_fastest=True), gemm="dw1"),
     ])
+    # A row whose chosen config is a candidate (here the 192-wide one) lacks that column: the
+    # column keeps its place in the sweep's order when a later row brings it.
+    first, *rest = readme_table.render_contract_choices(dict(RUN, rows=[
+        dict(row("chosen", 1.0, 192), gemm="dw1"), dict(row("128x256 k32 ab6 whole", 1.2), gemm="dw1"),
+        row("chosen", 2.0), row("128x192 k32 ab8 whole", 2.2, 192), row("128x256 k32 ab7 ring3", 1.8),
+    ]), "sweep.json").splitlines()[2:3]
+    assert first == "| (m, d, f, E), GEMM | chosen | 128x192 k32 ab8 whole | 128x256 k32 ab6 whole | 128x256 k32 ab7 ring3 |"
     lines = readme_table.render_contract_choices(results, "sweep.json").splitlines()
     assert lines[2] == ("| (m, d, f, E), GEMM | chosen | 128x192 k32 ab8 whole | chosen tiles, other walk | "
                         "chosen tiles, other cluster size |")
@@ -266,7 +273,7 @@ def test_deterministic_rounds_put_each_mode_and_the_contraction_side_by_side():
                      modes=dict(step=dict(variants=dict(sm90=entry(default), sm90_det=entry(det)))))
         return dict(RUN, command=f"python3 bench_layer.py --out /root/out/r{round_} --reps 5", shapes=[shape])
 
-    lines = readme_table.render_det_rounds([run(2, 4.0, 4.4), run(1, 8.0, 8.0)], "rounds_r*.json").splitlines()
+    lines = readme_table.render_det_rounds([run(10, 4.0, 4.4), run(2, 8.0, 8.0)], "rounds_r*.json").splitlines()
     assert "`python3 bench_layer.py --out <dir>/r<round> --reps 5`" in lines[0]
-    assert lines[4] == "| 1024, 256, 512, 4 | 1 | 8.000 ms | 8.000 ms | 1.000 | 2.000 / 2.000 ms |"
-    assert lines[5] == "| 1024, 256, 512, 4 | 2 | 4.000 ms | 4.400 ms | 1.100 | 1.000 / 1.100 ms |"
+    assert lines[4] == "| 1024, 256, 512, 4 | 2 | 8.000 ms | 8.000 ms | 1.000 | 2.000 / 2.000 ms |"
+    assert lines[5] == "| 1024, 256, 512, 4 | 10 | 4.000 ms | 4.400 ms | 1.100 | 1.000 / 1.100 ms |"
