@@ -601,18 +601,20 @@ def render_contract_choices(results: dict, source: str) -> str:
     d133ba6 each walked as the chosen one is): per shape and GEMM, the chosen config and
     its time, then each alternative's time over it, columns named as the sweep names its
     candidates. A candidate equal to the chosen config is timed once, as the chosen."""
+    other_walk, other_cluster = "chosen tiles, other walk", "chosen tiles, other cluster size"
+
     def column(name):
         if name.startswith("chosen ") and name.endswith("-fastest"):
-            return "chosen tiles, other walk"
+            return other_walk
         if name.startswith("chosen cluster"):
-            return "chosen tiles, other cluster size"
+            return other_cluster
         return name
     rows = {}
     for row in results["rows"]:
         rows.setdefault((tuple(row["shape"]), row["gemm"]), {})[column(row["config"])] = row
     # The sweep's order (a row lacks the candidates equal to its chosen config, so no row need
     # hold them all); a name the sweep no longer has goes last.
-    order = [*contract_alternatives.ALTERNATIVES, "chosen tiles, other walk", "chosen tiles, other cluster size"]
+    order = [*contract_alternatives.ALTERNATIVES, other_walk, other_cluster]
     names = {name for timed in rows.values() for name in timed} - {"chosen"}
     columns = sorted(names, key=lambda name: (order.index(name) if name in order else len(order), name))
     lines = [

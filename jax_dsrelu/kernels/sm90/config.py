@@ -449,7 +449,10 @@ def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAU
     (32768, 7168, 2048, 32) walking dW2's (a, b) = (2048, 7168) a-block fastest took 7.7%
     less time and dW1's (7168, 2048) 6.7% more; at 128 experts dW2 0.3-2.9% less and dW1
     0.6-1.1% more; at 256 experts of 256 rows, where a wave spans several experts, dW2
-    0.4% less, and dW1 3.0% less a-block fastest (not taken: one shape).
+    0.4% less, and dW1 3.0% less a-block fastest. Not taken for dW1: over 256- and
+    512-expert shapes (sweep_contract_d133ba6.json, sweep_contract_57b5df0.json) it took
+    0.977-1.001 of the chosen time, and one shape timed in two calls moved as much between
+    them (docs/sm90.md).
     """
     reason = cannot_implement_contract(request)
     if reason is not None:
