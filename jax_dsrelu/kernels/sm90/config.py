@@ -1,6 +1,10 @@
 """Tile configurations of the SM90 kernel family, their constraints, and the rules that pick them.
 
-Imports no CuTe DSL: backend choice asks `cannot_implement` without loading the kernel.
+Every measured choice of the rules (tile widths, k-tile depths, stages, store buffers,
+cluster pairs, the contraction's walk) is read from `tuning.DECISIONS`, which holds each
+with the measurements that decided it; the comments here say why the rules have the shape
+they have. Imports no CuTe DSL: backend choice asks `cannot_implement` without loading the
+kernel.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Callable, ClassVar
 import numpy as np
 
 from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest, Request
+from jax_dsrelu.kernels.sm90 import tuning
 
 # Largest expert count: the per-CTA expert tables (two int32 prefix sums of E + 1 entries)
 # live in shared memory next to the pipelines, and one warp builds them in E / 32 steps.
@@ -25,6 +30,8 @@ _SMEM_ALIGN = 1024
 _SIXTEEN_BIT = (np.dtype("bfloat16"), np.dtype("float16"))
 # H100 and H200 SXM have 132 multiprocessors; used when no GPU is visible at lowering.
 DEFAULT_SM_COUNT = 132
+# Columns per epilogue subtile, the same in every kernel of the family.
+_EPI_N = tuning.value("subtile_columns")
 
 
 def _check_tile(config, positive: tuple[str, ...]) -> None:
@@ -61,8 +68,8 @@ class KernelTiles:
     tile_k of the contraction per operand stage, ab_stages operand stages, stored in
     (tile_m x epi_n) subtiles through store_stages shared buffers, by max_ctas persistent
     CTAs. The consumer mode is cooperative: both consumer warpgroups work on the same
-    tile, 64 rows each, and run the epilogue together (a ping-pong contraction was
-    measured slower at every benchmark shape: docs/sm90.md). cluster_n CTAs (1 or 2) form
+    tile, 64 rows each, and run the epilogue together (docs/sm90.md says why not
+    ping-pong). cluster_n CTAs (1 or 2) form
     a cluster along N: they take neighbouring N-tiles of the same rows, and each loads
     half of the shared A tile and multicasts it to both, so A crosses from L2 once per
     cluster. Along M a cluster could span two experts, whose B tiles differ.
@@ -165,28 +172,23 @@ def cannot_implement(request: Request) -> str | None:
     return None
 
 
+# The N tiles of the ragged-M GEMM and the contraction, widest first.
+_WIDTHS = tuning.value("tile_widths")
+
+
 def choose_tile_n(n: int, enough_stages: Callable[[int], bool] = lambda tile_n: True) -> int:
     """The N tile of the ragged-M GEMM and the contraction: of the tiles that pad n least,
-    the widest; where 256 and 192 both do (n a multiple of 768), 256 only if
-    `enough_stages(256)` holds (the GEMM asks for 4 operand stages: `choose_gemm_config`);
-    64 for narrow problems.
-
-    A partial last tile loads and computes columns that are never stored; a wider tile
-    issues wider wgmma (more operand reuse per byte of shared memory read), so it wins
-    when the padding is equal and the operand stages are too. At the Nemotron-3 Nano
-    widths, 1856 = 7 * 256 + 64 pads to 1920 with 192 (3%) against 2048 with 256 (10%)
-    and 1920 with 128 (the narrower tile), and 2688 = 14 * 192 exactly; other multiples of
-    256 keep 256, whatever its stages: 128x128 tiles with 5 stages took 6.5% more time than
-    128x256 ones with 3 for the up-projection at n = 1856 (sweep_gemm_b938ae4.json), and
-    no width where 128 and 256 pad alike was measured with 256 short of stages. On an H200
-    at n = 1856 the forward GEMM ran 4% faster with 192 than with 128 and 10% faster than
-    with 256, and at n = 2688 within 1% of 256 (benchmarks/results/fine_grained/sweep_gemm_*.json)."""
+    the widest; where the two widest both do (n a multiple of 768), the widest only if
+    `enough_stages` of it holds (`choose_gemm_config` asks for operand stages); 64 for
+    narrow problems. A partial last tile loads and computes columns that are never
+    stored, and a wider tile issues wider wgmma (more operand reuse per byte of shared
+    memory read), so it wins when the padding and the stages are equal."""
     if n < 128:
         return 64
-    least = min(_padded_width(n, tile) for tile in (256, 192, 128))
-    widest_first = [tile for tile in (256, 192, 128) if _padded_width(n, tile) == least]
-    if widest_first[:2] == [256, 192] and not enough_stages(256):
-        return 192
+    least = min(_padded_width(n, tile) for tile in _WIDTHS)
+    widest_first = [tile for tile in _WIDTHS if _padded_width(n, tile) == least]
+    if widest_first[:2] == list(_WIDTHS[:2]) and not enough_stages(_WIDTHS[0]):
+        return _WIDTHS[1]
     return widest_first[0]
 
 
@@ -200,49 +202,36 @@ def pairs_up(n: int, tile_n: int) -> bool:
     return -(-n // tile_n) % 2 == 0
 
 
-# The plain ragged-M GEMM runs in cluster pairs from this k (see `choose_gemm_config`):
-# between the largest k measured without a gain in the step (1024) and the smallest with
-# one (1856).
-_PAIRS_MIN_K = 1536
-
-
-def _most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int:
-    """`fewest` operand stages, or more, up to `most`, while a config with one more fits.
-    `fewest` itself is not checked: the family's smallest configs fit at every supported
-    expert count (tests/test_sm90_gemms.py checks the chosen ones at E = MAX_EXPERTS)."""
+def most_stages(fits: Callable[[int], bool], fewest: int, most: int = 8) -> int:
+    """`fewest` operand stages, or more, up to `most`, while a config with one more fits:
+    the operand ring is what the kernels wait on, so every byte of shared memory left
+    over goes to it. `fewest` itself is not checked: the family's smallest configs fit
+    at every supported expert count (tests/test_sm90_gemms.py checks the chosen ones at
+    E = MAX_EXPERTS)."""
     stages = fewest
     while stages < most and fits(stages + 1):
         stages += 1
     return stages
 
 
-# The fused kernel's 128-wide tiles took 16% more time per column computed than its
-# 256-wide ones at n = 1856 (their operands cross shared memory and L2 a third more often
-# per FLOP): with a margin, 256 is chosen unless it computes 10% more columns than 128.
-_DSRELU_NARROW_TILE_COST = 1.10
-# Its 128x192 tiles (4 operand and 2 preact stages) took 2.8% more time per column computed
-# than the 128x256 ones (3 operand stages) at n = 1856, where they computed 6.25% fewer
-# columns, and 2.0-4.6% less time at n = 768, where both compute 768: 192 is taken where it
-# computes at least 3% fewer columns than the choice between 256 and 128, or as many as 256.
-_DSRELU_192_COLUMNS = 0.97
+_DSRELU_NARROW_TILE_COST = tuning.value("fused_narrow_tile_cost")
+_DSRELU_192_COLUMNS = tuning.value("fused_tile_192")
+_DSRELU_PREACT_STAGES, _DSRELU_FEWER_PREACT_STAGES = tuning.value("fused_preact_stages")
+# The fused kernel and the ragged-M GEMM share their k-tile depth.
+_RAGGED_M_TILE_K = tuning.value("tile_k")
 
 
 def dsrelu_tile_n(n: int) -> int:
     """The fused kernel's N tile: 64 below n = 128, 128 below n = 256; from n = 256, 256
-    unless its padded width exceeds the 128-wide tiles' by 10% or more, and 192 where that
-    computes at least 3% fewer columns than this choice between 256 and 128, or as many
-    as a 256-wide choice.
+    unless its padded width exceeds the 128-wide tiles' by the narrow-tile cost, and 192
+    where that computes enough fewer columns than this choice between 256 and 128, or as
+    many as a 256-wide choice (the decisions `fused_narrow_tile_cost`, `fused_tile_192`).
 
-    On an H200 at n = 1856 (Nemotron-3 Nano's expert width: 2048 columns computed with 256,
-    1920 with 192 or 128) 128x256 took 8% less time than 128x128
-    (benchmarks/results/fine_grained/sweep_gemm_overlap_0defe86.json), and 128x192, with
-    the 4 operand stages that 2 preact stages leave room for (`choose_config`), 3.6% less
-    than 128x256 and 7% less than 128x128 with 5 operand stages (sweep_gemm_preact_cb6ff28.json).
-    At n = 768, where 192 and 256 both compute 768 columns, 128x192 took 2.0-4.6% less time
-    than 128x256 (3 operand stages) at 128 and 256 experts (sweep_gemm_b938ae4.json).
-    Where 192 ties with 128 (n = 264-384 and 1032-1152, not measured) or saves fewer
-    columns, the choice stays. Below n = 256 a single 256-wide tile would cover the
-    output; the GPU tier checks no such width, so those keep 128."""
+    Unlike the ragged-M GEMM's, the fused kernel's tile is not the least padding: its
+    epilogue holds a preact ring and two outputs' buffers beside the operands, so a
+    narrower tile gets few more operand stages, and a wide tile's operand reuse pays for
+    some padding. Below n = 256 a single 256-wide tile would cover the output; the GPU
+    tier checks no such width, so those keep 128."""
     if n < 128:
         return 64
     if n < 256:
@@ -254,32 +243,23 @@ def dsrelu_tile_n(n: int) -> int:
 
 
 def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
-    """The tile configuration for `request`: the N tile of `dsrelu_tile_n`, then as many
-    grad/weight stages as shared memory holds with 4 preact stages, or one more with 2
-    where that makes room for it. Alone (cluster_n = 1, no cluster launch): in cluster
-    pairs the fused kernel took as long in the layer step at Nemotron-3 Nano's shape and
-    1.6-2.6% longer at n = 1024 and 512 (docs/sm90.md).
-
-    On an H200 at the three few-expert benchmark shapes, 128x256 with 32-column subtiles
-    and 3 stages beat 64-column subtiles by 1-4% and 128x128 with 4 stages by 6-18%
-    (benchmarks/sweep_configs.py). An operand stage is worth more than two preact stages:
-    128x192 took 9-11% less time with 4 operand and 2 preact stages than with 3 and 4, at
-    n = 1856 and at n = 768, and 128x128 0.6% and 4% less with 5 and 2 than with 4 and 4
-    (sweep_gemm_preact_cb6ff28.json).
-    """
+    """The fused kernel's configuration for `request`: the N tile of `dsrelu_tile_n`, then
+    as many grad/weight stages as shared memory holds beside the larger preact ring, or
+    one more beside the smaller where that makes room for it; alone (no cluster launch)."""
     reason = cannot_implement(request)
     if reason is not None:
         raise ValueError(reason)
     facts = (request.num_experts, request.with_act, request.with_dbias)
 
-    def most_stages(preact_stages):
-        base = dict(tile_n=dsrelu_tile_n(request.n), tile_k=64, epi_n=32, preact_stages=preact_stages,
-                    store_stages=2, max_ctas=sm_count)
-        stages = _most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2)
+    def with_most_stages(preact_stages):
+        base = dict(tile_n=dsrelu_tile_n(request.n), tile_k=_RAGGED_M_TILE_K, epi_n=_EPI_N,
+                    preact_stages=preact_stages, store_stages=tuning.value("fused_store_stages"),
+                    cluster_n=tuning.value("fused_cluster"), max_ctas=sm_count)
+        stages = most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2)
         return TileConfig(ab_stages=stages, **base)
 
-    config = most_stages(4)
-    fewer_preact = most_stages(2)
+    config = with_most_stages(_DSRELU_PREACT_STAGES)
+    fewer_preact = with_most_stages(_DSRELU_FEWER_PREACT_STAGES)
     if fewer_preact.ab_stages > config.ab_stages:
         config = fewer_preact
     config.check_fits(*facts)
@@ -379,102 +359,71 @@ def cannot_implement_contract(request: RaggedContractRequest) -> str | None:
                    (np.dtype(np.float32),) + _SIXTEEN_BIT, a=request.a, b=request.b)
 
 
-# Operand stages a ragged-M GEMM's 128x256 tile should have to be taken over a 128x192 one
-# that pads alike.
-_GEMM_ENOUGH_STAGES = 4
-
-
 def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_COUNT) -> GemmConfig:
-    """The N tile of `choose_tile_n` (of those that pad n least, the widest; 192 over 256
-    where 256 would get fewer than 4 operand stages), cluster pairs for the plain GEMM (no
-    epilogue) from k = 1536 where its N-tiles pair up, then as many stages as shared
-    memory holds.
+    """The ragged-M GEMM's configuration: the N tile of `choose_tile_n` (where the two
+    widest pad alike, the widest only with enough operand stages: beside two outputs'
+    store buffers the expert tables decide it), cluster pairs for the plain GEMM from
+    the decision's k where its N-tiles pair up, then as many stages as shared memory holds.
 
-    Where 192 and 256 pad alike (n a multiple of 768), the stages decide: beside two
-    outputs' store buffers (the up-projection's h and act) a 128x256 tile gets 4 operand
-    stages up to 375 experts and 3 beyond (the expert tables share the shared memory),
-    a 128x192 one 4. On an H200 at n = 768 the up-projection's 128x256 tiles took 2.5-5.2%
-    more time than 128x192 ones with 3 stages (under the old shared-memory estimate) and
-    0.6% less at 128 experts and 4.2% less at 256 with 4
-    (sweep_gemm_b938ae4.json, sweep_gemm_70248d4.json); with one output 256 gets 4
-    stages and took 3.1-4.0% less than 192.
-
-    Pairs share each A tile by multicast. In the layer step on an H200, against the same
-    kernels alone on the same machine (docs/sm90.md, cluster pairs), the plain GEMMs (down
-    and dx) took 2.4-3.6% less time at k = 1856 (Nemotron-3 Nano) and 0.3-2.2% less at
-    k = 2048, 0.5-0.8% more at k = 1024 and up to 2.5% more at k = 768 and 512; the
-    up-projection with its squared-ReLU epilogue took 2% more at k = 2688."""
+    Pairs share each A tile by multicast, which pays where the k loop is long enough for
+    the saved L2 traffic to outweigh the cluster's lock-step; the up-projection's two
+    outputs of epilogue leave it nothing to gain (decision `gemm_pairs`)."""
     reason = cannot_implement_gemm(request)
     if reason is not None:
         raise ValueError(reason)
     outputs = stored_outputs(request)
 
-    def most_stages(tile_n, cluster_n=1):
-        base = dict(tile_n=tile_n, tile_k=64, epi_n=32, store_stages=2, cluster_n=cluster_n,
+    def with_most_stages(tile_n, cluster_n=1):
+        base = dict(tile_n=tile_n, tile_k=_RAGGED_M_TILE_K, epi_n=_EPI_N,
+                    store_stages=tuning.value("gemm_store_stages"), cluster_n=cluster_n,
                     max_ctas=sm_count - sm_count % cluster_n)
         fits = lambda stages: GemmConfig(ab_stages=stages, **base).smem_bytes(request.num_experts, outputs) <= SMEM_CAPACITY  # noqa: E731
-        return GemmConfig(ab_stages=_most_stages(fits, 2), **base)
+        return GemmConfig(ab_stages=most_stages(fits, 2), **base)
 
-    tile_n = choose_tile_n(request.n, lambda tile: most_stages(tile).ab_stages >= _GEMM_ENOUGH_STAGES)
-    pairs = request.epilogue == "none" and request.k >= _PAIRS_MIN_K and pairs_up(request.n, tile_n)
-    return most_stages(tile_n, 2 if pairs else 1)
+    enough = tuning.value("gemm_enough_stages")
+    tile_n = choose_tile_n(request.n, lambda tile: with_most_stages(tile).ab_stages >= enough)
+    pairs = request.epilogue == "none" and request.k >= tuning.value("gemm_pairs") and pairs_up(request.n, tile_n)
+    return with_most_stages(tile_n, 2 if pairs else 1)
 
 
-# Fewest expert rows in flight in the contraction's operand ring when the whole output tile
-# is staged in shared memory; with fewer, the ring of store buffers leaves room for more.
-_CONTRACT_MIN_ROWS_IN_FLIGHT = 192
+# The contraction's operand ring: no config of more stages was measured.
 _CONTRACT_MAX_STAGES = 8
 
 
 def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAULT_SM_COUNT) -> ContractConfig:
-    """128 x choose_tile_n(b) output tiles, alone (cluster_n = 1, no cluster launch: in
-    pairs, sharing the a-block, the contraction took up to 1.7% more time in the layer step
-    at Nemotron-3 Nano's shape, docs/sm90.md), 32 expert rows per stage; a shared buffer for
-    every subtile of a tile (stored at once, two barriers per tile) if that leaves at
-    least 192 rows of operands in flight, else a ring of store buffers; then as many
-    operand stages as fit, up to 8.
+    """128 x choose_tile_n(b) output tiles, alone, `contract_tile_k` expert rows per stage;
+    a shared buffer for every subtile of a tile (the whole tile stored at once, two
+    barriers per tile) if that leaves the decision's rows of operands in flight, else a
+    ring of store buffers; then as many operand stages as fit.
 
-    32-row stages rather than 64: with ragged experts every expert's last k-tile is
-    partly empty, about half a k-tile per expert, 8% of the work at 384 rows per expert
-    with 64-row k-tiles; and the operand ring gets twice the stages for the same bytes.
-    On an H200 at the Nano shapes, 32-row stages beat 64-row ones by 1-2% at the same
-    tile (benchmarks/results/fine_grained/sweep_contract_*.json). The rows per expert
-    (m / E) do not change the choice otherwise: persistent CTAs keep the operand
-    pipeline running across work items, so short experts pay no pipeline fill.
-
-    An expert's tiles are walked a-block fastest where a < b, else b-block fastest: the
-    CTAs in flight cover every block of the fast side and few of the other, so each wave
-    reads that side's whole operand slice of the expert, and the smaller slice is the
-    cheaper one to read again. On an H200 (sweep_contract_9cce2d9.json), at
-    (32768, 7168, 2048, 32) walking dW2's (a, b) = (2048, 7168) a-block fastest took 7.7%
-    less time and dW1's (7168, 2048) 6.7% more; at 128 experts dW2 0.3-2.9% less and dW1
-    0.6-1.1% more; at 256 experts of 256 rows, where a wave spans several experts, dW2
-    0.4% less, and dW1 3.0% less a-block fastest. Not taken for dW1: over 256- and
-    512-expert shapes (sweep_contract_d133ba6.json, sweep_contract_57b5df0.json) it took
-    0.977-1.001 of the chosen time, and one shape timed in two calls moved as much between
-    them (docs/sm90.md).
+    Shallow stages because with ragged experts every expert's last k-tile is partly
+    empty. The rows per expert (m / E) do not enter: persistent CTAs keep the operand
+    pipeline running across work items, so short experts pay no pipeline fill. The walk
+    takes the smaller operand's blocks fastest (decision `contract_walk`): each wave of
+    CTAs reads that side's whole slice of the expert again.
     """
     reason = cannot_implement_contract(request)
     if reason is not None:
         raise ValueError(reason)
     out_bytes = np.dtype(request.out_dtype).itemsize
-    tile_k = 32
-    base = dict(tile_n=choose_tile_n(request.b), tile_k=tile_k, epi_n=32, max_ctas=sm_count,
-                a_fastest=request.a < request.b)
+    tile_k = tuning.value("contract_tile_k")
+    base = dict(tile_n=choose_tile_n(request.b), tile_k=tile_k, epi_n=_EPI_N, max_ctas=sm_count,
+                cluster_n=tuning.value("contract_cluster"),
+                a_fastest=tuning.value("contract_walk") and request.a < request.b)
     subtiles = base["tile_n"] // base["epi_n"]
 
     def fits(ab_stages, store_stages):
         config = ContractConfig(ab_stages=ab_stages, store_stages=store_stages, **base)
         return config.smem_bytes(request.num_experts, out_bytes) <= SMEM_CAPACITY
 
-    def most_stages(store_stages):
-        return _most_stages(lambda stages: fits(stages, store_stages), 1, _CONTRACT_MAX_STAGES)
+    def stages_beside(store_stages):
+        return most_stages(lambda stages: fits(stages, store_stages), 1, _CONTRACT_MAX_STAGES)
 
-    whole_tile_stages = most_stages(subtiles)
-    if whole_tile_stages * tile_k >= _CONTRACT_MIN_ROWS_IN_FLIGHT:
+    whole_tile_stages = stages_beside(subtiles)
+    if whole_tile_stages * tile_k >= tuning.value("contract_whole_tile"):
         return ContractConfig(ab_stages=whole_tile_stages, store_stages=subtiles, **base)
     store_stages = 2
-    ab_stages = most_stages(store_stages)
+    ab_stages = stages_beside(store_stages)
     while store_stages < subtiles and fits(ab_stages, store_stages + 1):
         store_stages += 1
     return ContractConfig(ab_stages=ab_stages, store_stages=store_stages, **base)

@@ -1,0 +1,621 @@
+"""The tuning decisions of the sm90 kernels, each with the measurements that decided it.
+
+`config.py` reads every measured choice of its rules from `DECISIONS` by name (`value`):
+tile widths, k-tile depths, stages, store buffers, cluster pairs and the contraction's walk.
+A decision holds its value, one sentence on why, and its evidence: per layer shape
+(m, d, f, E) and GEMM, configurations timed side by side in one process by
+`benchmarks/sweep_configs.py` (or one kernel class's time in two commits' layer steps on one
+machine, `benchmarks/step_ab.sh`), each with its CUPTI time in ms, the record it comes
+from and its entry there. The rules' pick comes first in each row; `accepted_loss` is the
+most, as a fraction, by which the pick may trail the fastest timing of a row, and a row
+beyond it says why in its `exception`.
+
+The records are files under benchmarks/results/ as git holds them at `RECORDS_COMMIT`
+(`git show 03cb159:benchmarks/results/<record>`); later runs replace the current records,
+not these. tests/test_tuning.py checks every figure against its record, the accepted
+losses, and that the rules pick today the first configuration of every row where that
+configuration was measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+RECORDS_COMMIT = "03cb159"
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    config: str  # the configuration, as `describe` writes it, or what ran in a step
+    ms: float  # CUPTI kernel time: median of the sweep's calls, or the step's launches of `entry`
+    entry: str  # the sweep's name for the configuration, or the kernel class summed in a step
+    record: str | None = None  # path under benchmarks/results/, where not the row's
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    shape: tuple[int, int, int, int]  # (m, d, f, E) of the layer
+    gemm: str  # up, down, dx, dsrelu, dw1 or dw2; up+down+dx: the step's ragged-M GEMMs together
+    record: str | None  # path under benchmarks/results/ of every timing without its own
+    timings: tuple[Timing, ...]  # the rules' pick first
+    exception: str = ""  # why the pick trails the fastest by more than the accepted loss
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    name: str
+    value: Any  # what config.py reads
+    accepted_loss: float
+    why: str
+    evidence: tuple[Evidence, ...]
+
+
+def T(config: str, ms: float, entry: str, record: str | None = None) -> Timing:  # noqa: N802
+    return Timing(config, ms, entry, record)
+
+
+def E(shape, gemm: str, record: str | None, *timings: Timing, exception: str = "") -> Evidence:  # noqa: N802
+    return Evidence(tuple(shape), gemm, record, timings, exception)
+
+
+def describe(fields: dict[str, Any], contraction: bool) -> str:
+    """A configuration in the evidence's words: "128x192 k64 ab4 st2 pre2 pairs", the
+    contraction's with its walk ("a-fastest" or "b-fastest")."""
+    text = f"{fields.get('tile_m', 128)}x{fields['tile_n']} k{fields['tile_k']} ab{fields['ab_stages']} st{fields['store_stages']}"
+    if fields.get("preact_stages") is not None:
+        text += f" pre{fields['preact_stages']}"
+    if fields.get("epi_n", 32) != 32:
+        text += f" epi{fields['epi_n']}"
+    if fields.get("cluster_n", 1) == 2:
+        text += " pairs"
+    if contraction:
+        text += " a-fastest" if fields.get("a_fastest") else " b-fastest"
+    return text
+
+
+DECISIONS: tuple[Decision, ...] = (
+    Decision("subtile_columns", 32, 0.0,
+             "Epilogue subtiles of 32 columns, in every kernel of the family (one store path): in the "
+             "fused kernel, 64-column subtiles (room for 2 preact stages and 1 store buffer) took more "
+             "time at each few-expert shape, and 128-wide tiles more still.", (
+        E((16384, 4096, 2048, 8), "dsrelu", "sweep_configs.json",
+          T("128x256 k64 ab3 st2 pre4", 0.4330, "128x256 epi32 ab3"),
+          T("128x256 k64 ab3 st1 pre2 epi64", 0.4381, "128x256 epi64 ab3"),
+          T("128x128 k64 ab4 st2 pre4", 0.4636, "128x128 epi32 ab4")),
+        E((32768, 7168, 2048, 8), "dsrelu", "sweep_configs.json",
+          T("128x256 k64 ab3 st2 pre4", 1.2883, "128x256 epi32 ab3"),
+          T("128x256 k64 ab3 st1 pre2 epi64", 1.3087, "128x256 epi64 ab3"),
+          T("128x128 k64 ab4 st2 pre4", 1.5183, "128x128 epi32 ab4")),
+        E((65536, 2048, 1024, 32), "dsrelu", "sweep_configs.json",
+          T("128x256 k64 ab3 st2 pre4", 0.4381, "128x256 epi32 ab3"),
+          T("128x256 k64 ab3 st1 pre2 epi64", 0.4537, "128x256 epi64 ab3"),
+          T("128x128 k64 ab4 st2 pre4", 0.4663, "128x128 epi32 ab4")),
+        )),
+    Decision("fused_narrow_tile_cost", 1.1, 0.0,
+             "The fused kernel takes 256-wide tiles over 128-wide ones unless they compute 10% more "
+             "columns: at n = 1856, where 256 computes 2048 columns and 128 computes 1920, the 128-wide "
+             "tiles still took more time (their operands cross shared memory and L2 a third more often "
+             "per FLOP).", (
+        E((49152, 2688, 1856, 128), "dsrelu", "fine_grained/sweep_gemm_overlap_0defe86.json",
+          T("128x256 k64 ab3 st2 pre4", 1.0090, "128x256 ab3"),
+          T("128x128 k64 ab4 st2 pre4", 1.1008, "128x128 ab4 overlap0")),
+        E((49152, 2688, 1856, 128), "dsrelu", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x256 k64 ab3 st2 pre2", 0.9835, "128x256 ab3"),
+          T("128x128 k64 ab5 st2 pre2", 1.0122, "128x128 ab5")),
+        )),
+    Decision("fused_tile_192", 0.97, 0.001,
+             "The fused kernel takes 192-wide tiles where they compute at least 3% fewer columns than "
+             "the choice between 256 and 128, or as many as 256: with the operand stage that 2 preact "
+             "stages leave room for, they took less time at n = 1856 (1920 columns against 2048) and at "
+             "n = 768 (as many); at n = 512, where they would compute 576, 256 stays (a tie with "
+             "128-wide tiles).", (
+        E((49152, 2688, 1856, 128), "dsrelu", "fine_grained/sweep_gemm_preact_cb6ff28.json",
+          T("128x192 k64 ab4 st2 pre2", 0.9609, "128x192 ab4 preact2"),
+          T("128x256 k64 ab3 st2 pre4", 0.9968, "chosen"),
+          T("128x128 k64 ab5 st2 pre2", 1.0334, "128x128 ab5 preact2")),
+        E((65536, 2048, 768, 256), "dsrelu", "fine_grained/sweep_gemm_preact_cb6ff28.json",
+          T("128x192 k64 ab4 st2 pre2", 0.4594, "128x192 ab4 preact2"),
+          T("128x256 k64 ab3 st2 pre4", 0.4686, "chosen"),
+          T("128x128 k64 ab5 st2 pre2", 0.4766, "128x128 ab5 preact2")),
+        E((65536, 2048, 768, 128), "dsrelu", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x192 k64 ab4 st2 pre2", 0.3847, "128x192 ab4 preact2"),
+          T("128x256 k64 ab3 st2 pre4", 0.4032, "chosen"),
+          T("128x128 k64 ab5 st2 pre2", 0.3999, "128x128 ab5 preact2")),
+        E((65536, 2048, 512, 128), "dsrelu", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab3 st2 pre4", 0.2727, "chosen"),
+          T("128x128 k64 ab5 st2 pre2", 0.2727, "128x128 ab5 preact2"),
+          T("128x192 k64 ab4 st2 pre2", 0.2968, "128x192 ab4 preact2")),
+        )),
+    Decision("fused_preact_stages", (4, 2), 0.0,
+             "The fused kernel keeps 4 preact subtiles in flight, or 2 where that frees room for one "
+             "more operand stage: an operand stage was worth more than two preact stages at both widths "
+             "measured.", (
+        E((49152, 2688, 1856, 128), "dsrelu", "fine_grained/sweep_gemm_preact_cb6ff28.json",
+          T("128x192 k64 ab4 st2 pre2", 0.9609, "128x192 ab4 preact2"),
+          T("128x192 k64 ab3 st2 pre4", 1.0520, "128x192 ab3")),
+        E((49152, 2688, 1856, 128), "dsrelu", "fine_grained/sweep_gemm_preact_cb6ff28.json",
+          T("128x128 k64 ab5 st2 pre2", 1.0334, "128x128 ab5 preact2"),
+          T("128x128 k64 ab4 st2 pre4", 1.0393, "128x128 ab4")),
+        E((65536, 2048, 768, 256), "dsrelu", "fine_grained/sweep_gemm_preact_cb6ff28.json",
+          T("128x192 k64 ab4 st2 pre2", 0.4594, "128x192 ab4 preact2"),
+          T("128x192 k64 ab3 st2 pre4", 0.5165, "128x192 ab3")),
+        E((65536, 2048, 768, 256), "dsrelu", "fine_grained/sweep_gemm_preact_cb6ff28.json",
+          T("128x128 k64 ab5 st2 pre2", 0.4766, "128x128 ab5 preact2"),
+          T("128x128 k64 ab4 st2 pre4", 0.4980, "128x128 ab4")),
+        )),
+    Decision("fused_store_stages", 2, 0.0,
+             "Two store buffers per output in the fused kernel: a buffer per subtile costs an operand "
+             "stage, and one buffer per output buys the same stage that 2 preact stages do; both took "
+             "more time.", (
+        E((49152, 2688, 1856, 128), "dsrelu", "fine_grained/sweep_gemm_overlap_0defe86.json",
+          T("128x128 k64 ab4 st2 pre4", 1.1008, "128x128 ab4 overlap0"),
+          T("128x128 k64 ab3 st4 pre4", 1.2904, "128x128 ab3 store4 overlap0")),
+        E((65536, 2048, 768, 256), "dsrelu", "fine_grained/sweep_gemm_overlap_0defe86.json",
+          T("128x128 k64 ab4 st2 pre4", 0.5030, "128x128 ab4"),
+          T("128x128 k64 ab3 st4 pre4", 0.6163, "128x128 ab3 store4 overlap0")),
+        E((65536, 2048, 768, 128), "dsrelu", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x192 k64 ab4 st2 pre2", 0.3847, "128x192 ab4 preact2"),
+          T("128x192 k64 ab4 st1 pre4", 0.4006, "128x192 ab3 store1 ab4")),
+        E((65536, 2048, 768, 256), "dsrelu", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x192 k64 ab4 st2 pre2", 0.4546, "128x192 ab4 preact2"),
+          T("128x192 k64 ab4 st1 pre4", 0.4674, "128x192 ab3 store1 ab4")),
+        )),
+    Decision("fused_cluster", 1, 0.0,
+             "The fused kernel runs alone (no cluster): in pairs along N it took more time in every "
+             "sweep and, in the layer step against the same kernel alone on one machine, as long at "
+             "Nano's shape and more at n = 1024 and 512.", (
+        E((49152, 2688, 1856, 128), "dsrelu", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x192 k64 ab4 st2 pre2", 0.9319, "chosen"),
+          T("128x192 k64 ab4 st2 pre2 pairs", 0.9512, "chosen cluster2")),
+        E((65536, 2048, 768, 128), "dsrelu", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x192 k64 ab4 st2 pre2", 0.3830, "chosen"),
+          T("128x192 k64 ab4 st2 pre2 pairs", 0.3922, "chosen cluster2")),
+        E((65536, 2048, 768, 256), "dsrelu", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x192 k64 ab4 st2 pre2", 0.4525, "chosen"),
+          T("128x192 k64 ab4 st2 pre2 pairs", 0.4732, "chosen cluster2")),
+        E((65536, 2048, 512, 128), "dsrelu", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab3 st2 pre4", 0.2727, "chosen"),
+          T("128x256 k64 ab3 st2 pre4 pairs", 0.2808, "chosen cluster2")),
+        E((16384, 4096, 2048, 8), "dsrelu", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab3 st2 pre4", 0.4200, "chosen"),
+          T("128x256 k64 ab3 st2 pre4 pairs", 0.4239, "chosen cluster2")),
+        E((32768, 7168, 2048, 8), "dsrelu", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab3 st2 pre4", 1.2629, "chosen"),
+          T("128x256 k64 ab3 st2 pre4 pairs", 1.2678, "chosen cluster2")),
+        E((65536, 2048, 1024, 32), "dsrelu", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab3 st2 pre4", 0.4285, "chosen"),
+          T("128x256 k64 ab3 st2 pre4 pairs", 0.4376, "chosen cluster2")),
+        E((49152, 2688, 1856, 128), "dsrelu", None,
+          T("a3f3716: the fused kernel alone", 1.0165, "GroupedGemmDsreluSm90",
+            "fine_grained/bench_layer_step_ab_da0e55b_a3f3716_r1.json"),
+          T("da0e55b: the fused kernel in pairs", 1.0188, "GroupedGemmDsreluSm90",
+            "fine_grained/bench_layer_step_ab_da0e55b_da0e55b_r1.json")),
+        E((65536, 2048, 1024, 32), "dsrelu", None,
+          T("a3f3716: the fused kernel alone", 0.4321, "GroupedGemmDsreluSm90",
+            "fine_grained/bench_layer_step_ab_da0e55b_a3f3716_r1.json"),
+          T("da0e55b: the fused kernel in pairs", 0.4389, "GroupedGemmDsreluSm90",
+            "fine_grained/bench_layer_step_ab_da0e55b_da0e55b_r1.json")),
+        E((65536, 2048, 512, 128), "dsrelu", None,
+          T("a3f3716: the fused kernel alone", 0.2791, "GroupedGemmDsreluSm90",
+            "fine_grained/bench_layer_step_ab_da0e55b_a3f3716_r1.json"),
+          T("da0e55b: the fused kernel in pairs", 0.2859, "GroupedGemmDsreluSm90",
+            "fine_grained/bench_layer_step_ab_da0e55b_da0e55b_r1.json")),
+        )),
+    Decision("tile_widths", (256, 192, 128), 0.01,
+             "The ragged-M GEMM and the contraction take, of these N tiles, the widest of those that pad "
+             "the output width least: a partial last tile computes columns never stored. At n = 1856 192 "
+             "(1920 columns) beat 128 (1920) and 256 (2048); at 2688 = 14 x 192, 256-wide tiles (2816 "
+             "columns) came within 1% of 192-wide ones, which the rule accepts.", (
+        E((49152, 2688, 1856, 128), "up", "fine_grained/sweep_gemm_5aff945.json",
+          T("128x192 k64 ab4 st2", 1.0282, "chosen"),
+          T("128x128 k64 ab5 st2", 1.0717, "128x128 ab5"),
+          T("128x256 k64 ab3 st2", 1.1443, "128x256 ab3")),
+        E((49152, 2688, 1856, 128), "down", "fine_grained/sweep_gemm_5aff945.json",
+          T("128x192 k64 ab5 st2", 0.9249, "chosen"),
+          T("128x128 k64 ab6 st2", 0.9841, "128x128 ab6"),
+          T("128x256 k64 ab4 st2", 0.9276, "128x256 ab4")),
+        E((49152, 2688, 1856, 128), "dx", "fine_grained/sweep_gemm_5aff945.json",
+          T("128x192 k64 ab5 st2", 0.9278, "chosen"),
+          T("128x128 k64 ab6 st2", 0.9843, "128x128 ab6"),
+          T("128x256 k64 ab4 st2", 0.9219, "128x256 ab4")),
+        E((49152, 2688, 1856, 128), "dw1", "fine_grained/sweep_contract_260bdd4.json",
+          T("128x192 k64 ab4 st6 b-fastest", 0.8912, "chosen"),
+          T("128x256 k64 ab3 st8 b-fastest", 0.9390, "128x256 ab3 st8"),
+          T("128x128 k64 ab5 st4 b-fastest", 1.0093, "128x128 ab5 st4")),
+        E((49152, 2688, 1856, 128), "dw2", "fine_grained/sweep_contract_260bdd4.json",
+          T("128x192 k64 ab4 st6 b-fastest", 0.9031, "chosen"),
+          T("128x256 k64 ab3 st8 b-fastest", 0.9219, "128x256 ab3 st8"),
+          T("128x128 k64 ab5 st4 b-fastest", 1.0107, "128x128 ab5 st4")),
+        )),
+    Decision("gemm_enough_stages", 4, 0.0,
+             "Where 256- and 192-wide tiles pad alike (n a multiple of 768) the ragged-M GEMM takes 256 "
+             "only with at least 4 operand stages: at n = 768 the up-projection's 256-wide tiles took "
+             "more time than 192-wide ones with 3 stages and less with 4.", (
+        E((65536, 2048, 768, 128), "up", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x192 k64 ab4 st2", 0.3625, "128x192 ab4"),
+          T("128x256 k64 ab3 st2", 0.3814, "chosen")),
+        E((65536, 2048, 768, 128), "up", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab4 st2", 0.3573, "128x256 ab4"),
+          T("128x192 k64 ab4 st2", 0.3595, "chosen")),
+        E((65536, 2048, 768, 256), "up", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x192 k64 ab4 st2", 0.4233, "128x192 ab4"),
+          T("128x256 k64 ab3 st2", 0.4339, "chosen")),
+        E((65536, 2048, 768, 256), "up", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab4 st2", 0.4029, "128x256 ab4"),
+          T("128x192 k64 ab4 st2", 0.4204, "chosen")),
+        )),
+    Decision("gemm_pairs", 1536, 0.01,
+             "The plain ragged-M GEMM (down, dx) runs in cluster pairs along N, sharing A by multicast, "
+             "from k = 1536 where its N-tiles pair up; the up-projection (two outputs of epilogue) runs "
+             "alone. Pairs took less time at k = 1856 and 2048 in the step and the sweeps, and more at k "
+             "= 1024 and 768; 1536 lies between. The A/B step rounds at k = 2048 and 1024 differ by "
+             "under 1% either way, which the rule accepts.", (
+        E((49152, 2688, 1856, 128), "down", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x192 k64 ab5 st2 pairs", 0.7959, "chosen"),
+          T("128x192 k64 ab5 st2", 0.8042, "chosen cluster1")),
+        E((65536, 2048, 768, 128), "down", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x256 k64 ab4 st2", 0.3458, "chosen"),
+          T("128x256 k64 ab4 st2 pairs", 0.3471, "chosen cluster2")),
+        E((65536, 2048, 768, 256), "down", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x256 k64 ab4 st2", 0.3975, "chosen"),
+          T("128x256 k64 ab4 st2 pairs", 0.4056, "chosen cluster2")),
+        E((49152, 2688, 1856, 128), "dx", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x192 k64 ab5 st2 pairs", 0.7969, "chosen"),
+          T("128x192 k64 ab5 st2", 0.8319, "chosen cluster1")),
+        E((65536, 2048, 768, 128), "dx", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x256 k64 ab4 st2", 0.3452, "chosen"),
+          T("128x256 k64 ab4 st2 pairs", 0.3478, "chosen cluster2")),
+        E((65536, 2048, 768, 256), "dx", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x256 k64 ab4 st2", 0.4007, "chosen"),
+          T("128x256 k64 ab4 st2 pairs", 0.4071, "chosen cluster2")),
+        E((16384, 4096, 2048, 8), "up+down+dx", None,
+          T("a3f3716: down and dx alone", 1.1554, "RaggedGemmSm90",
+            "fine_grained/bench_layer_step_ab_680d6e6_a3f3716_r1.json"),
+          T("680d6e6: down and dx in pairs from k = 1024", 1.1465, "RaggedGemmSm90",
+            "fine_grained/bench_layer_step_ab_680d6e6_680d6e6_r1.json")),
+        E((32768, 7168, 2048, 8), "up+down+dx", None,
+          T("a3f3716: down and dx alone", 3.8145, "RaggedGemmSm90",
+            "fine_grained/bench_layer_step_ab_680d6e6_a3f3716_r1.json"),
+          T("680d6e6: down and dx in pairs from k = 1024", 3.8928, "RaggedGemmSm90",
+            "fine_grained/bench_layer_step_ab_680d6e6_680d6e6_r1.json")),
+        E((65536, 2048, 1024, 32), "up+down+dx", None,
+          T("680d6e6: down and dx in pairs from k = 1024", 1.1559, "RaggedGemmSm90",
+            "fine_grained/bench_layer_step_ab_680d6e6_680d6e6_r1.json"),
+          T("a3f3716: down and dx alone", 1.1554, "RaggedGemmSm90",
+            "fine_grained/bench_layer_step_ab_680d6e6_a3f3716_r1.json")),
+        E((49152, 2688, 1856, 128), "up", "fine_grained/sweep_gemm_preact_cb6ff28.json",
+          T("128x192 k64 ab4 st2", 0.9085, "chosen"),
+          T("128x192 k64 ab4 st2 pairs", 0.9320, "chosen cluster2")),
+        E((16384, 4096, 2048, 8), "up", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab4 st2", 0.4081, "chosen"),
+          T("128x256 k64 ab4 st2 pairs", 0.4104, "chosen cluster2")),
+        E((32768, 7168, 2048, 8), "up", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab4 st2", 1.2416, "chosen"),
+          T("128x256 k64 ab4 st2 pairs", 1.2679, "chosen cluster2")),
+        E((65536, 2048, 1024, 32), "up", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab4 st2", 0.4035, "chosen"),
+          T("128x256 k64 ab4 st2 pairs", 0.4065, "chosen cluster2")),
+        E((65536, 2048, 512, 128), "up", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab4 st2", 0.2376, "chosen"),
+          T("128x256 k64 ab4 st2 pairs", 0.2407, "chosen cluster2")),
+        )),
+    Decision("tile_k", 64, 0.0,
+             "The ragged-M kernels (the GEMM and the fused kernel) take 64-deep k-tiles: 32-deep ones, "
+             "with twice the stages in the same bytes, took more time at each shape measured but one.", (
+        E((49152, 2688, 1856, 128), "up", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x192 k64 ab4 st2", 0.8817, "chosen"),
+          T("128x192 k32 ab9 st2", 0.9560, "chosen k32 ab9")),
+        E((49152, 2688, 1856, 128), "down", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x192 k64 ab5 st2", 0.8042, "chosen cluster1"),
+          T("128x192 k32 ab10 st2", 0.8452, "chosen cluster1 k32 ab10")),
+        E((65536, 2048, 768, 128), "down", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x256 k64 ab4 st2", 0.3458, "chosen"),
+          T("128x256 k32 ab8 st2", 0.3491, "chosen k32 ab8")),
+        E((65536, 2048, 768, 256), "down", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x256 k64 ab4 st2", 0.3975, "chosen"),
+          T("128x256 k32 ab8 st2", 0.4007, "chosen k32 ab8")),
+        E((49152, 2688, 1856, 128), "dx", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x192 k64 ab5 st2", 0.8319, "chosen cluster1"),
+          T("128x192 k32 ab10 st2", 0.9673, "chosen cluster1 k32 ab10")),
+        E((65536, 2048, 768, 128), "dx", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x256 k64 ab4 st2", 0.3452, "chosen"),
+          T("128x256 k32 ab8 st2", 0.3560, "chosen k32 ab8")),
+        E((65536, 2048, 768, 256), "dx", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x256 k64 ab4 st2", 0.4007, "chosen"),
+          T("128x256 k32 ab8 st2", 0.4119, "chosen k32 ab8")),
+        E((65536, 2048, 768, 128), "up", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab4 st2", 0.3573, "128x256 ab4"),
+          T("128x256 k32 ab8 st2", 0.3636, "128x256 ab4 k32 ab8")),
+        E((65536, 2048, 768, 256), "up", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab4 st2", 0.4029, "128x256 ab4"),
+          T("128x256 k32 ab8 st2", 0.4178, "128x256 ab4 k32 ab8")),
+        E((16384, 4096, 2048, 8), "up", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab4 st2", 0.4081, "chosen"),
+          T("128x256 k32 ab8 st2", 0.4132, "chosen k32 ab8")),
+        E((32768, 7168, 2048, 8), "up", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab4 st2", 1.2416, "chosen"),
+          T("128x256 k32 ab8 st2", 1.2666, "chosen k32 ab8")),
+        E((65536, 2048, 1024, 32), "up", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab4 st2", 0.4035, "chosen"),
+          T("128x256 k32 ab8 st2", 0.4093, "chosen k32 ab8")),
+        E((65536, 2048, 512, 128), "up", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab4 st2", 0.2376, "chosen"),
+          T("128x256 k32 ab8 st2", 0.2405, "chosen k32 ab8")),
+        E((65536, 2048, 768, 128), "dsrelu", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x192 k64 ab4 st2 pre2", 0.3830, "chosen"),
+          T("128x192 k32 ab8 st2 pre2", 0.3870, "chosen k32 ab8")),
+        E((65536, 2048, 768, 256), "dsrelu", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x192 k64 ab4 st2 pre2", 0.4525, "chosen"),
+          T("128x192 k32 ab8 st2 pre2", 0.4572, "chosen k32 ab8")),
+        E((16384, 4096, 2048, 8), "dsrelu", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab3 st2 pre4", 0.4200, "chosen"),
+          T("128x256 k32 ab6 st2 pre4", 0.4319, "chosen k32 ab6")),
+        E((32768, 7168, 2048, 8), "dsrelu", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab3 st2 pre4", 1.2629, "chosen"),
+          T("128x256 k32 ab6 st2 pre4", 1.3099, "chosen k32 ab6")),
+        E((65536, 2048, 1024, 32), "dsrelu", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab3 st2 pre4", 0.4285, "chosen"),
+          T("128x256 k32 ab6 st2 pre4", 0.4335, "chosen k32 ab6")),
+        E((65536, 2048, 512, 128), "dsrelu", "fine_grained/sweep_gemm_70248d4.json",
+          T("128x256 k64 ab3 st2 pre4", 0.2727, "chosen"),
+          T("128x256 k32 ab6 st2 pre4", 0.2576, "chosen k32 ab6"),
+          exception="one shape: 32-deep k-tiles took more time at the few-expert shapes, at n = 768 "
+                    "and at Nano's width"),
+        )),
+    Decision("gemm_store_stages", 2, 0.0,
+             "Two store buffers per output in the ragged-M GEMM: one per output, even where it frees "
+             "room for another operand stage, took more time for the up-projection.", (
+        E((49152, 2688, 1856, 128), "up", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x192 k64 ab4 st2", 0.8817, "chosen"),
+          T("128x192 k64 ab5 st1", 0.9347, "chosen store1 ab5")),
+        E((65536, 2048, 768, 128), "up", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x192 k64 ab4 st2", 0.3625, "128x192 ab4"),
+          T("128x192 k64 ab5 st1", 0.3695, "128x192 ab4 store1 ab5")),
+        E((65536, 2048, 768, 256), "up", "fine_grained/sweep_gemm_b938ae4.json",
+          T("128x192 k64 ab4 st2", 0.4233, "128x192 ab4"),
+          T("128x192 k64 ab5 st1", 0.4274, "128x192 ab4 store1 ab5")),
+        )),
+    Decision("contract_tile_k", 32, 0.005,
+             "The contraction takes 32 expert rows per stage: with ragged experts every expert's last "
+             "k-tile is partly empty (about half a k-tile per expert), and the operand ring gets twice "
+             "the stages in the same bytes; at the same tiles 32-row stages took less time than 64-row "
+             "ones (within 0.3% at one few-expert shape).", (
+        E((49152, 2688, 1856, 128), "dw1", "fine_grained/sweep_contract_260bdd4.json",
+          T("128x192 k32 ab8 st6 b-fastest", 0.8843, "128x192 k32 ab8 st6"),
+          T("128x192 k64 ab4 st6 b-fastest", 0.8912, "chosen")),
+        E((65536, 2048, 768, 128), "dw1", "fine_grained/sweep_contract_260bdd4.json",
+          T("128x192 k32 ab8 st6 b-fastest", 0.3383, "128x192 k32 ab8 st6"),
+          T("128x192 k64 ab4 st6 b-fastest", 0.3490, "128x192 ab4 st6")),
+        E((32768, 7168, 2048, 32), "dw1", "fine_grained/sweep_contract_260bdd4.json",
+          T("128x192 k32 ab8 st6 b-fastest", 1.3922, "128x192 k32 ab8 st6"),
+          T("128x192 k64 ab4 st6 b-fastest", 1.4036, "128x192 ab4 st6")),
+        E((16384, 4096, 2048, 8), "dw1", "fine_grained/sweep_contract_177529d.json",
+          T("128x192 k32 ab8 st6 b-fastest", 0.3689, "128x192 k32 ab8 whole"),
+          T("128x192 k64 ab4 st6 b-fastest", 0.3772, "128x192 k64 ab4 whole")),
+        E((32768, 7168, 2048, 8), "dw1", "fine_grained/sweep_contract_177529d.json",
+          T("128x192 k32 ab8 st6 b-fastest", 1.2645, "128x192 k32 ab8 whole"),
+          T("128x192 k64 ab4 st6 b-fastest", 1.3011, "128x192 k64 ab4 whole")),
+        E((65536, 2048, 1024, 32), "dw1", "fine_grained/sweep_contract_177529d.json",
+          T("128x192 k32 ab8 st6 b-fastest", 0.4155, "128x192 k32 ab8 whole"),
+          T("128x192 k64 ab4 st6 b-fastest", 0.4425, "128x192 k64 ab4 whole")),
+        E((49152, 2688, 1856, 128), "dw2", "fine_grained/sweep_contract_260bdd4.json",
+          T("128x192 k32 ab8 st6 b-fastest", 0.8911, "128x192 k32 ab8 st6"),
+          T("128x192 k64 ab4 st6 b-fastest", 0.9031, "chosen")),
+        E((65536, 2048, 768, 128), "dw2", "fine_grained/sweep_contract_260bdd4.json",
+          T("128x192 k32 ab8 st6 b-fastest", 0.3500, "128x192 k32 ab8 st6"),
+          T("128x192 k64 ab4 st6 b-fastest", 0.3564, "128x192 ab4 st6")),
+        E((32768, 7168, 2048, 32), "dw2", "fine_grained/sweep_contract_260bdd4.json",
+          T("128x192 k32 ab8 st6 b-fastest", 1.4816, "128x192 k32 ab8 st6"),
+          T("128x192 k64 ab4 st6 b-fastest", 1.5033, "128x192 ab4 st6")),
+        E((16384, 4096, 2048, 8), "dw2", "fine_grained/sweep_contract_177529d.json",
+          T("128x192 k32 ab8 st6 b-fastest", 0.3911, "128x192 k32 ab8 whole"),
+          T("128x192 k64 ab4 st6 b-fastest", 0.4000, "128x192 k64 ab4 whole")),
+        E((32768, 7168, 2048, 8), "dw2", "fine_grained/sweep_contract_177529d.json",
+          T("128x192 k32 ab8 st6 b-fastest", 1.4560, "128x192 k32 ab8 whole"),
+          T("128x192 k64 ab4 st6 b-fastest", 1.4524, "128x192 k64 ab4 whole")),
+        E((65536, 2048, 1024, 32), "dw2", "fine_grained/sweep_contract_177529d.json",
+          T("128x192 k32 ab8 st6 b-fastest", 0.3964, "128x192 k32 ab8 whole"),
+          T("128x192 k64 ab4 st6 b-fastest", 0.4012, "128x192 k64 ab4 whole")),
+        )),
+    Decision("contract_whole_tile", 192, 0.025,
+             "The contraction stages a whole output tile in shared memory (a buffer per subtile, stored "
+             "at once) where that leaves at least 192 expert rows of operands in flight, else a ring of "
+             "store buffers: rings with more operand stages gained at most 2.4% where they gained, lost "
+             "up to 7% elsewhere, and no static fact of a request (E, a, b, dtypes) picks out where they "
+             "gain.", (
+        E((49152, 2688, 1856, 128), "dw1", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x192 k32 ab8 st6 b-fastest", 0.8254, "chosen"),
+          T("128x256 k32 ab7 st3 b-fastest", 0.9029, "128x256 k32 ab7 ring3")),
+        E((49152, 2688, 1856, 128), "dw2", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x192 k32 ab8 st6 a-fastest", 0.8367, "chosen"),
+          T("128x256 k32 ab7 st3 a-fastest", 0.8948, "128x256 k32 ab7 ring3")),
+        E((65536, 2048, 768, 256), "dw1", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.4185, "chosen"),
+          T("128x256 k32 ab7 st3 b-fastest", 0.4168, "128x256 k32 ab7 ring3")),
+        E((65536, 2048, 768, 256), "dw2", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 a-fastest", 0.4219, "chosen"),
+          T("128x256 k32 ab7 st3 a-fastest", 0.4169, "128x256 k32 ab7 ring3")),
+        E((65536, 2048, 512, 256), "dw1", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.2955, "chosen"),
+          T("128x256 k32 ab7 st3 b-fastest", 0.2931, "128x256 k32 ab7 ring3")),
+        E((65536, 2048, 512, 256), "dw2", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 a-fastest", 0.2904, "chosen"),
+          T("128x256 k32 ab7 st3 a-fastest", 0.2893, "128x256 k32 ab7 ring3")),
+        E((49152, 2688, 1856, 256), "dw1", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x192 k32 ab8 st6 b-fastest", 1.1128, "chosen"),
+          T("128x256 k32 ab7 st3 b-fastest", 1.1881, "128x256 k32 ab7 ring3")),
+        E((49152, 2688, 1856, 256), "dw2", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x192 k32 ab8 st6 a-fastest", 1.1173, "chosen"),
+          T("128x256 k32 ab7 st3 a-fastest", 1.1868, "128x256 k32 ab7 ring3")),
+        E((65536, 2048, 768, 512), "dw1", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.6440, "chosen"),
+          T("128x256 k32 ab7 st3 b-fastest", 0.6305, "128x256 k32 ab7 ring3")),
+        E((65536, 2048, 768, 512), "dw2", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 a-fastest", 0.6427, "chosen"),
+          T("128x256 k32 ab7 st3 a-fastest", 0.6277, "128x256 k32 ab7 ring3")),
+        E((65536, 2048, 1024, 32), "dw1", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.3879, "chosen"),
+          T("128x256 k32 ab7 st3 b-fastest", 0.3933, "128x256 k32 ab7 ring3")),
+        E((65536, 2048, 1024, 32), "dw2", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 a-fastest", 0.3864, "chosen"),
+          T("128x256 k32 ab7 st3 a-fastest", 0.3923, "128x256 k32 ab7 ring3")),
+        E((65536, 2048, 1024, 64), "dw1", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.3933, "chosen"),
+          T("128x256 k32 ab7 st3 b-fastest", 0.4046, "128x256 k32 ab7 ring3")),
+        E((65536, 2048, 1024, 64), "dw2", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 a-fastest", 0.3924, "chosen"),
+          T("128x256 k32 ab7 st3 a-fastest", 0.4049, "128x256 k32 ab7 ring3")),
+        )),
+    Decision("contract_walk", True, 0.025,
+             "The contraction walks an expert's output tiles along the smaller operand's blocks fastest "
+             "(a-blocks where a < b): the CTAs in flight cover every block of the fast side, so each "
+             "wave reads that side's whole slice of the expert again, and the smaller slice is the "
+             "cheaper. dW2 (a < b) took less time walked so at every shape; dW1 walked a-blocks fastest "
+             "gained up to 2.4% at 256 and 512 experts, as far apart as two calls of one shape were, and "
+             "is not taken.", (
+        E((49152, 2688, 1856, 128), "dw1", "fine_grained/sweep_contract_9cce2d9.json",
+          T("128x192 k32 ab8 st6 b-fastest", 0.8262, "chosen"),
+          T("128x192 k32 ab8 st6 a-fastest", 0.8308, "chosen a-fastest")),
+        E((49152, 2688, 1856, 128), "dw2", "fine_grained/sweep_contract_9cce2d9.json",
+          T("128x192 k32 ab8 st6 a-fastest", 0.8456, "chosen a-fastest"),
+          T("128x192 k32 ab8 st6 b-fastest", 0.8481, "chosen")),
+        E((65536, 2048, 768, 128), "dw1", "fine_grained/sweep_contract_9cce2d9.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.3300, "chosen"),
+          T("128x256 k32 ab6 st8 a-fastest", 0.3337, "chosen a-fastest")),
+        E((65536, 2048, 768, 128), "dw2", "fine_grained/sweep_contract_9cce2d9.json",
+          T("128x256 k32 ab6 st8 a-fastest", 0.3312, "chosen a-fastest"),
+          T("128x256 k32 ab6 st8 b-fastest", 0.3376, "chosen")),
+        E((65536, 2048, 512, 128), "dw1", "fine_grained/sweep_contract_9cce2d9.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.2336, "chosen"),
+          T("128x256 k32 ab6 st8 a-fastest", 0.2351, "chosen a-fastest")),
+        E((65536, 2048, 512, 128), "dw2", "fine_grained/sweep_contract_9cce2d9.json",
+          T("128x256 k32 ab6 st8 a-fastest", 0.2328, "chosen a-fastest"),
+          T("128x256 k32 ab6 st8 b-fastest", 0.2397, "chosen")),
+        E((32768, 7168, 2048, 32), "dw1", "fine_grained/sweep_contract_9cce2d9.json",
+          T("128x256 k32 ab6 st8 b-fastest", 1.3163, "chosen"),
+          T("128x256 k32 ab6 st8 a-fastest", 1.4040, "chosen a-fastest")),
+        E((32768, 7168, 2048, 32), "dw2", "fine_grained/sweep_contract_9cce2d9.json",
+          T("128x256 k32 ab6 st8 a-fastest", 1.3146, "chosen a-fastest"),
+          T("128x256 k32 ab6 st8 b-fastest", 1.4242, "chosen")),
+        E((65536, 2048, 768, 256), "dw1", "fine_grained/sweep_contract_9cce2d9.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.4237, "chosen"),
+          T("128x256 k32 ab6 st8 a-fastest", 0.4109, "chosen a-fastest"),
+          exception="the one shape in this sweep where a wave of CTAs spans several experts; the "
+                    "later sweeps at 256 and 512 experts found dW1's other walk within 2.4%"),
+        E((65536, 2048, 768, 256), "dw2", "fine_grained/sweep_contract_9cce2d9.json",
+          T("128x256 k32 ab6 st8 a-fastest", 0.4220, "chosen a-fastest"),
+          T("128x256 k32 ab6 st8 b-fastest", 0.4237, "chosen")),
+        E((16384, 4096, 2048, 8), "dw1", "fine_grained/sweep_contract_177529d.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.3544, "chosen"),
+          T("128x256 k32 ab6 st8 a-fastest", 0.3584, "chosen a-fastest")),
+        E((16384, 4096, 2048, 8), "dw2", "fine_grained/sweep_contract_177529d.json",
+          T("128x256 k32 ab6 st8 a-fastest", 0.3520, "chosen"),
+          T("128x256 k32 ab6 st8 b-fastest", 0.3682, "128x256 k32 ab6 whole")),
+        E((32768, 7168, 2048, 8), "dw1", "fine_grained/sweep_contract_177529d.json",
+          T("128x256 k32 ab6 st8 b-fastest", 1.2367, "chosen"),
+          T("128x256 k32 ab6 st8 a-fastest", 1.3171, "chosen a-fastest")),
+        E((32768, 7168, 2048, 8), "dw2", "fine_grained/sweep_contract_177529d.json",
+          T("128x256 k32 ab6 st8 a-fastest", 1.2327, "chosen"),
+          T("128x256 k32 ab6 st8 b-fastest", 1.4344, "128x256 k32 ab6 whole")),
+        E((65536, 2048, 1024, 32), "dw1", "fine_grained/sweep_contract_177529d.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.3899, "chosen"),
+          T("128x256 k32 ab6 st8 a-fastest", 0.3941, "chosen a-fastest")),
+        E((65536, 2048, 1024, 32), "dw2", "fine_grained/sweep_contract_177529d.json",
+          T("128x256 k32 ab6 st8 a-fastest", 0.3885, "chosen"),
+          T("128x256 k32 ab6 st8 b-fastest", 0.3983, "128x256 k32 ab6 whole")),
+        E((65536, 2048, 768, 256), "dw1", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.4185, "chosen"),
+          T("128x256 k32 ab6 st8 a-fastest", 0.4143, "chosen a-fastest")),
+        E((65536, 2048, 512, 256), "dw1", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.2955, "chosen"),
+          T("128x256 k32 ab6 st8 a-fastest", 0.2949, "chosen a-fastest")),
+        E((49152, 2688, 1856, 256), "dw1", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x192 k32 ab8 st6 b-fastest", 1.1128, "chosen"),
+          T("128x192 k32 ab8 st6 a-fastest", 1.1118, "chosen a-fastest")),
+        E((65536, 2048, 768, 512), "dw1", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.6440, "chosen"),
+          T("128x256 k32 ab6 st8 a-fastest", 0.6306, "chosen a-fastest")),
+        E((65536, 2048, 1024, 256), "dw1", "fine_grained/sweep_contract_57b5df0.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.5517, "chosen"),
+          T("128x256 k32 ab6 st8 a-fastest", 0.5424, "chosen a-fastest")),
+        E((131072, 2048, 768, 512), "dw1", "fine_grained/sweep_contract_57b5df0.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.8560, "chosen"),
+          T("128x256 k32 ab6 st8 a-fastest", 0.8379, "chosen a-fastest")),
+        E((32768, 2048, 768, 256), "dw1", "fine_grained/sweep_contract_57b5df0.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.3202, "chosen"),
+          T("128x256 k32 ab6 st8 a-fastest", 0.3185, "chosen a-fastest")),
+        E((65536, 4096, 1024, 256), "dw1", "fine_grained/sweep_contract_57b5df0.json",
+          T("128x256 k32 ab6 st8 b-fastest", 1.0879, "chosen"),
+          T("128x256 k32 ab6 st8 a-fastest", 1.0627, "chosen a-fastest")),
+        E((65536, 2048, 768, 256), "dw1", "fine_grained/sweep_contract_57b5df0.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.4218, "chosen"),
+          T("128x256 k32 ab6 st8 a-fastest", 0.4223, "chosen a-fastest")),
+        )),
+    Decision("contract_cluster", 1, 0.01,
+             "The contraction runs alone: in pairs sharing the a-block it took more time in most sweeps "
+             "and up to 1.7% more in the layer step; where pairs were faster, it was by under 1%.", (
+        E((16384, 4096, 2048, 8), "dw1", "fine_grained/sweep_contract_177529d.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.3544, "chosen"),
+          T("128x256 k32 ab6 st8 pairs b-fastest", 0.3566, "chosen cluster2")),
+        E((16384, 4096, 2048, 8), "dw2", "fine_grained/sweep_contract_177529d.json",
+          T("128x256 k32 ab6 st8 a-fastest", 0.3520, "chosen"),
+          T("128x256 k32 ab6 st8 pairs a-fastest", 0.3580, "chosen cluster2")),
+        E((32768, 7168, 2048, 8), "dw1", "fine_grained/sweep_contract_177529d.json",
+          T("128x256 k32 ab6 st8 b-fastest", 1.2367, "chosen"),
+          T("128x256 k32 ab6 st8 pairs b-fastest", 1.2529, "chosen cluster2")),
+        E((32768, 7168, 2048, 8), "dw2", "fine_grained/sweep_contract_177529d.json",
+          T("128x256 k32 ab6 st8 a-fastest", 1.2327, "chosen"),
+          T("128x256 k32 ab6 st8 pairs a-fastest", 1.2858, "chosen cluster2")),
+        E((65536, 2048, 1024, 32), "dw1", "fine_grained/sweep_contract_177529d.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.3899, "chosen"),
+          T("128x256 k32 ab6 st8 pairs b-fastest", 0.3921, "chosen cluster2")),
+        E((65536, 2048, 1024, 32), "dw2", "fine_grained/sweep_contract_177529d.json",
+          T("128x256 k32 ab6 st8 a-fastest", 0.3885, "chosen"),
+          T("128x256 k32 ab6 st8 pairs a-fastest", 0.3985, "chosen cluster2")),
+        E((49152, 2688, 1856, 128), "dw1", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x192 k32 ab8 st6 b-fastest", 0.8254, "chosen"),
+          T("128x192 k32 ab8 st6 pairs b-fastest", 0.8468, "chosen cluster2")),
+        E((49152, 2688, 1856, 128), "dw2", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x192 k32 ab8 st6 a-fastest", 0.8367, "chosen"),
+          T("128x192 k32 ab8 st6 pairs a-fastest", 0.8502, "chosen cluster2")),
+        E((65536, 2048, 768, 256), "dw2", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 a-fastest", 0.4219, "chosen"),
+          T("128x256 k32 ab6 st8 pairs a-fastest", 0.4269, "chosen cluster2")),
+        E((65536, 2048, 512, 256), "dw1", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.2955, "chosen"),
+          T("128x256 k32 ab6 st8 pairs b-fastest", 0.2943, "chosen cluster2")),
+        E((65536, 2048, 512, 256), "dw2", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 a-fastest", 0.2904, "chosen"),
+          T("128x256 k32 ab6 st8 pairs a-fastest", 0.2973, "chosen cluster2")),
+        E((49152, 2688, 1856, 256), "dw1", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x192 k32 ab8 st6 b-fastest", 1.1128, "chosen"),
+          T("128x192 k32 ab8 st6 pairs b-fastest", 1.1042, "chosen cluster2")),
+        E((49152, 2688, 1856, 256), "dw2", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x192 k32 ab8 st6 a-fastest", 1.1173, "chosen"),
+          T("128x192 k32 ab8 st6 pairs a-fastest", 1.1122, "chosen cluster2")),
+        E((65536, 2048, 768, 512), "dw2", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 a-fastest", 0.6427, "chosen"),
+          T("128x256 k32 ab6 st8 pairs a-fastest", 0.6417, "chosen cluster2")),
+        E((65536, 2048, 1024, 32), "dw1", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.3879, "chosen"),
+          T("128x256 k32 ab6 st8 pairs b-fastest", 0.3919, "chosen cluster2")),
+        E((65536, 2048, 1024, 32), "dw2", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 a-fastest", 0.3864, "chosen"),
+          T("128x256 k32 ab6 st8 pairs a-fastest", 0.3974, "chosen cluster2")),
+        E((65536, 2048, 1024, 64), "dw1", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 b-fastest", 0.3933, "chosen"),
+          T("128x256 k32 ab6 st8 pairs b-fastest", 0.3989, "chosen cluster2")),
+        E((65536, 2048, 1024, 64), "dw2", "fine_grained/sweep_contract_d133ba6.json",
+          T("128x256 k32 ab6 st8 a-fastest", 0.3924, "chosen"),
+          T("128x256 k32 ab6 st8 pairs a-fastest", 0.4021, "chosen cluster2")),
+        )),
+)
+_BY_NAME = {decision.name: decision for decision in DECISIONS}
+
+
+def value(name: str) -> Any:
+    """The value of decision `name`, as config.py reads it."""
+    if name not in _BY_NAME:
+        raise KeyError(f"no tuning decision named {name!r}; the table has {sorted(_BY_NAME)}")
+    return _BY_NAME[name].value

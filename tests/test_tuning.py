@@ -1,0 +1,156 @@
+"""The sm90 tuning table (jax_dsrelu/kernels/sm90/tuning.py): its figures are its records',
+each row's pick is the fastest or within the loss its decision accepts, the rules pick today
+what the table says they pick, and reading the table left every chosen config as it was."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import itertools
+import json
+import pathlib
+import subprocess
+
+import numpy as np
+import pytest
+
+from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest, Request
+from jax_dsrelu.kernels.sm90 import config, tuning
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BF16, F32 = np.dtype("bfloat16"), np.dtype("float32")
+ROWS = [(decision, row) for decision in tuning.DECISIONS for row in decision.evidence]
+
+
+def row_id(item) -> str:
+    decision, row = item
+    return f"{decision.name}-{'x'.join(map(str, row.shape))}-{row.gemm}"
+
+
+# --------------------------------------------------------------------- the chosen configs
+
+WIDTHS = (8, 16, 64, 120, 128, 136, 192, 200, 248, 256, 264, 320, 328, 384, 448, 512, 640, 768, 1024, 1032,
+          1152, 1536, 1856, 2048, 2688, 3712, 4096, 7168)
+EXPERTS = (1, 5, 8, 32, 64, 128, 256, 375, 376, 512, 513)
+# Every chooser's answers over the grid below (its config, or its refusal), as the rules
+# gave them before they read the table (03cb159): sha256 of one line per request.
+GRID_DIGESTS = {"dsrelu": "e19fe1b510214ee5", "gemm": "df7f5b91e044134e", "contract": "c8b3bf47b2496231"}
+
+
+def outcome(choose, request, sm_count) -> str:
+    try:
+        chosen = choose(request, sm_count)
+    except ValueError as error:
+        return f"ValueError: {error}"
+    return f"{type(chosen).__name__}{dataclasses.astuple(chosen)}"
+
+
+def grid():
+    """(chooser, its answer) over widths that pad each tile differently, expert counts
+    across the shared-memory steps (375 and 376: where the tables cost the up-projection
+    its fourth stage; 513: refused), two SM counts, both fused outputs, both epilogues, k
+    on either side of the pairs' threshold and both contraction output dtypes."""
+    for sm_count, num_experts, n in itertools.product((132, 114), EXPERTS, WIDTHS):
+        for with_act, with_dbias in itertools.product((False, True), repeat=2):
+            request = Request(num_experts, n, 2048, BF16, BF16, F32, BF16, with_dbias, with_act, False)
+            yield "dsrelu", outcome(config.choose_config, request, sm_count)
+        for k, epilogue in itertools.product((512, 1024, 1536, 1856, 2688), ("none", "srelu")):
+            request = RaggedMatmulRequest(num_experts, k, n, "kn", BF16, BF16, epilogue, epilogue == "srelu")
+            yield "gemm", outcome(config.choose_gemm_config, request, sm_count)
+        for a, out_dtype in itertools.product((512, 1856, 2048, 2688, 7168), (BF16, F32)):
+            request = RaggedContractRequest(num_experts, a, n, BF16, out_dtype)
+            yield "contract", outcome(config.choose_contract_config, request, sm_count)
+
+
+def test_the_rules_choose_every_config_as_before_they_read_the_table():
+    digests = {}
+    for chooser, answer in grid():
+        digests.setdefault(chooser, hashlib.sha256()).update(answer.encode() + b"\n")
+    assert {chooser: digest.hexdigest()[:16] for chooser, digest in digests.items()} == GRID_DIGESTS
+
+
+# ---------------------------------------------------------------------- the table itself
+
+
+def test_every_decision_has_evidence_and_config_reads_it():
+    source = (ROOT / "jax_dsrelu" / "kernels" / "sm90" / "config.py").read_text()
+    for decision in tuning.DECISIONS:
+        assert decision.evidence and decision.why, decision.name
+        assert f'tuning.value("{decision.name}")' in source, f"config.py does not read {decision.name}"
+    with pytest.raises(KeyError, match="no tuning decision named 'tile_m'"):
+        tuning.value("tile_m")
+
+
+@pytest.mark.parametrize("item", ROWS, ids=row_id)
+def test_the_pick_is_the_fastest_or_within_the_accepted_loss(item):
+    decision, row = item
+    fastest = min(timing.ms for timing in row.timings)
+    loss = row.timings[0].ms / fastest - 1.0
+    assert loss <= decision.accepted_loss or row.exception, (
+        f"{decision.name} at {row.shape} {row.gemm}: the pick {row.timings[0].config!r} took {loss:.2%} more than "
+        f"the fastest, past the accepted {decision.accepted_loss:.1%}, and the row says no exception")
+
+
+def chosen_now(shape, gemm) -> str:
+    """The configuration the rules choose today for one GEMM of a layer step, in the table's words."""
+    _, d, f, num_experts = shape
+    if gemm == "up":
+        chosen = config.choose_gemm_config(RaggedMatmulRequest(num_experts, d, f, "kn", BF16, BF16, "srelu", True))
+    elif gemm in ("down", "dx"):
+        chosen = config.choose_gemm_config(
+            RaggedMatmulRequest(num_experts, f, d, "kn" if gemm == "down" else "nk", BF16, BF16))
+    elif gemm == "dsrelu":
+        chosen = config.choose_config(Request(num_experts, f, d, BF16, BF16, F32, BF16, True, True, False))
+    else:
+        a, b = (d, f) if gemm == "dw1" else (f, d)
+        chosen = config.choose_contract_config(RaggedContractRequest(num_experts, a, b, BF16, BF16))
+    return tuning.describe(dataclasses.asdict(chosen), gemm in ("dw1", "dw2"))
+
+
+def test_the_rules_pick_today_the_first_config_of_every_row_that_timed_it():
+    checked = 0
+    for decision, row in ROWS:
+        if row.gemm == "up+down+dx":  # a step's kernels together: no one config
+            continue
+        configs = [timing.config for timing in row.timings]
+        now = chosen_now(row.shape, row.gemm)
+        if now in configs:
+            checked += 1
+            assert configs[0] == now, f"{decision.name} at {row.shape} {row.gemm}: the rules pick {now!r}, " \
+                                      f"the table's pick is {configs[0]!r}"
+    # Most rows timed the configuration chosen today; the rest compare older alternatives.
+    assert checked >= 100
+
+
+# ------------------------------------------------------------------- the figures' records
+
+
+@functools.cache
+def record(path: str) -> dict:
+    shown = subprocess.run(["git", "show", f"{tuning.RECORDS_COMMIT}:benchmarks/results/{path}"],
+                           cwd=ROOT, capture_output=True, text=True)
+    if shown.returncode:
+        pytest.skip(f"git holds no commit {tuning.RECORDS_COMMIT} here (a shallow clone?): {shown.stderr.strip()}")
+    return json.loads(shown.stdout)
+
+
+def recorded(row: tuning.Evidence, timing: tuning.Timing) -> tuple[str, float]:
+    """(the configuration in the table's words, its ms) as the record has them."""
+    data = record(timing.record or row.record)
+    if "rows" in data:  # a sweep of sweep_configs.py
+        (entry,) = [entry for entry in data["rows"] if tuple(entry["shape"]) == row.shape
+                    and entry.get("gemm", "dsrelu") == row.gemm and entry["config"] == timing.entry]
+        return tuning.describe(entry["fields"], row.gemm in ("dw1", "dw2")), entry["ms"]
+    # a layer step of bench_layer.py: the launches of one kernel class
+    (step,) = [entry for entry in data["shapes"] if tuple(entry["shape"][key] for key in "mdfE") == row.shape]
+    kernels = step["modes"]["step"]["variants"]["sm90"]["kernels"]
+    return timing.config, sum(ms for name, ms in kernels if timing.entry in name)
+
+
+@pytest.mark.parametrize("item", ROWS, ids=row_id)
+def test_every_figure_is_its_records(item):
+    _, row = item
+    for timing in row.timings:
+        words, ms = recorded(row, timing)
+        assert (words, round(ms, 4)) == (timing.config, timing.ms), (row.shape, row.gemm, timing.entry)
