@@ -13,11 +13,17 @@ in a latent width):
     y, aux = layer(x, return_aux=True)
     layer.update_expert_bias(aux.group_sizes, 1e-3)   # once per step, outside the gradient
 
+A Hugging Face NemotronHMoE block's weights, loaded in one call (the tensors under the
+block's own names, as `jax_dsrelu.params_from_hf_nemotron_h` takes them):
+
+    layer = MoE.from_hf_nemotron_h(tensors, top_k=6, normalize=True, scale=2.5)
+
 It works with `nnx.jit`, `nnx.value_and_grad` and `nnx.Optimizer` over optax.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 try:
@@ -30,8 +36,12 @@ except ImportError as error:  # flax is an optional extra
 import jax
 import jax.numpy as jnp
 
-from jax_dsrelu.moe.layer import MoEAux, moe_layer
+from jax_dsrelu.moe import layer
+from jax_dsrelu.moe.hf_nemotron import params_from_hf_nemotron_h
+from jax_dsrelu.moe.layer import MoEAux
+from jax_dsrelu.moe.options import LayerOptions
 from jax_dsrelu.moe.routing import update_expert_bias
+from jax_dsrelu.moe.weights import LayerWeights
 from jax_dsrelu.primitives import validation
 
 # Fan-in scaling per expert: the expert axis 0 is a batch of independent matrices.
@@ -62,7 +72,9 @@ class MoE(nnx.Module):
     The routing options (score, num_groups, top_groups, normalize, scale) are `route`'s.
     The experts compute in `dtype` (param_dtype when None): bfloat16 there, with float32
     parameters, is the usual mixed precision for the GPU kernels. Every setting is
-    checked here, when the module is built.
+    checked here, when the module is built, into `options` (a `LayerOptions`, static),
+    which every call uses as it is. `MoE.from_hf_nemotron_h` builds the module from a
+    Hugging Face NemotronHMoE block's weights.
     """
 
     def __init__(
@@ -89,15 +101,20 @@ class MoE(nnx.Module):
         dense_init=_DENSE_INIT,
         rngs: nnx.Rngs,
     ):
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(
+                f"rngs must be an nnx.Rngs (e.g. nnx.Rngs(0)), got {rngs!r} ({type(rngs).__name__})"
+            )
         for name, size in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
             _require_size(name, size)
         for name, size in (("shared_d_ff", shared_d_ff), ("latent_dim", latent_dim)):
             if size is not None:
                 _require_size(name, size)
-        validation.check_routing(top_k, num_experts, score, None, num_groups, top_groups, normalize, scale)
-        for name, flag in (("use_bias", use_bias), ("deterministic", deterministic)):
-            validation.require_bool(name, flag)
-        validation.backend_name(backend)
+        options = LayerOptions.of(
+            num_experts, top_k=top_k, score=score, num_groups=num_groups, top_groups=top_groups,
+            normalize=normalize, scale=scale, deterministic=deterministic, backend=backend,
+        )
+        validation.require_bool("use_bias", use_bias)
         param_dtype = validation.dtype_option("param_dtype", param_dtype, validation.FLOAT_DTYPES)
         dtype = param_dtype if dtype is None else validation.dtype_option("dtype", dtype, validation.FLOAT_DTYPES)
 
@@ -113,45 +130,78 @@ class MoE(nnx.Module):
         self.latent_out = None if latent_dim is None else dense(latent_dim, d_model)
         self.expert_bias = ExpertBias(jnp.zeros((num_experts,), jnp.float32)) if score == "sigmoid" else None
         self.d_model = d_model
-        self.top_k = top_k
-        self.score = score
-        self.num_groups = num_groups
-        self.top_groups = top_groups
-        self.normalize = normalize
-        self.scale = scale
-        self.deterministic = deterministic
-        self.backend = backend
+        self.options = options
         self.dtype = dtype
+
+    @classmethod
+    def from_hf_nemotron_h(
+        cls,
+        tensors: Mapping[str, Any],
+        *,
+        top_k: int,
+        num_groups: int = 1,
+        top_groups: int | None = None,
+        normalize: bool = False,
+        scale: float = 1.0,
+        deterministic: bool = False,
+        backend: str = "auto",
+        dtype: Any = None,
+        param_dtype: Any = None,
+    ) -> MoE:
+        """A Hugging Face NemotronHMoE block as a module, its weights loaded.
+
+        tensors: the block's own names (no module prefix) -> arrays, as
+        `jax_dsrelu.params_from_hf_nemotron_h` takes them, which checks them against each
+        other. The options are the model config's (`num_experts_per_tok` as top_k,
+        `n_group`, `topk_group`, `norm_topk_prob`, `routed_scaling_factor`); the scores
+        are sigmoid, the block has no b1 (use_bias=False), and d_model, d_ff, num_experts,
+        shared_d_ff and latent_dim come from the tensors' shapes. param_dtype=None keeps
+        the experts' dtype of the checkpoint, and dtype=None computes in param_dtype, so
+        that the module computes what `moe_layer(x, **params, ...)` does on the converted
+        tensors; param_dtype=jnp.float32 with dtype=jnp.bfloat16 gives float32 parameters
+        for training with bfloat16 experts. The router and expert_bias are float32, as in
+        every MoE module. Nothing is drawn at random: no rngs is needed.
+        """
+        params = params_from_hf_nemotron_h(tensors)
+        d_model, num_experts = params["router"].shape
+        shared, latent = params.get("shared_w1"), params.get("latent_in")
+        param_dtype = params["w1"].dtype if param_dtype is None else param_dtype
+        # Built with zeros (no random draws), then given the checkpoint's values.
+        zeros = nnx.initializers.zeros
+        module = cls(
+            d_model, params["w1"].shape[2], num_experts, top_k=top_k, score="sigmoid", num_groups=num_groups,
+            top_groups=top_groups, normalize=normalize, scale=scale,
+            shared_d_ff=None if shared is None else shared.shape[1],
+            latent_dim=None if latent is None else latent.shape[1], use_bias=False,
+            deterministic=deterministic, backend=backend, dtype=dtype, param_dtype=param_dtype,
+            router_init=zeros, kernel_init=zeros, dense_init=zeros, rngs=nnx.Rngs(0),
+        )
+        for name, value in params.items():
+            variable = getattr(module, name)
+            variable[...] = jnp.asarray(value, variable[...].dtype)
+        return module
 
     def __call__(self, x: jax.Array, *, return_aux: bool = False) -> jax.Array | tuple[jax.Array, MoEAux]:
         """x (..., d_model) -> (..., d_model) in x.dtype; every leading axis is tokens."""
-        validation.require_array("x", x)
+        validation.require_array("x", x, "(..., d_model)")
         if x.ndim < 1 or x.shape[-1] != self.d_model:
             raise ValueError(f"x.shape[-1] must equal d_model={self.d_model}, got x.shape={tuple(x.shape)}")
         tokens = x.reshape(-1, x.shape[-1])
         value = lambda param: None if param is None else param[...]  # noqa: E731
         compute = lambda param: None if param is None else param[...].astype(self.dtype)  # noqa: E731
-        out = moe_layer(
-            tokens,
-            self.router[...],
-            compute(self.w1),
-            compute(self.w2),
+        weights = LayerWeights(
+            router=self.router[...],
+            w1=compute(self.w1),
+            w2=compute(self.w2),
             b1=value(self.b1),
-            top_k=self.top_k,
-            score=self.score,
             expert_bias=value(self.expert_bias),
-            num_groups=self.num_groups,
-            top_groups=self.top_groups,
-            normalize=self.normalize,
-            scale=self.scale,
             shared_w1=compute(self.shared_w1),
             shared_w2=compute(self.shared_w2),
             latent_in=compute(self.latent_in),
             latent_out=compute(self.latent_out),
-            deterministic=self.deterministic,
-            backend=self.backend,
-            return_aux=return_aux,
         )
+        weights.check(tokens)
+        out = layer.apply(tokens, weights, self.options, return_aux)
         if return_aux:
             out, aux = out
             return out.reshape(x.shape), aux
@@ -166,7 +216,8 @@ class MoE(nnx.Module):
         """
         if self.expert_bias is None:
             raise ValueError(
-                f"update_expert_bias needs score='sigmoid' (the module has score={self.score!r} and no expert_bias)"
+                f"update_expert_bias needs score='sigmoid' "
+                f"(the module has score={self.options.routing.score!r} and no expert_bias)"
             )
         self.expert_bias[...] = update_expert_bias(self.expert_bias[...], group_sizes, rate)
 

@@ -17,7 +17,14 @@ from typing import Callable
 
 import jax
 
-from jax_dsrelu.kernels.request import AnyRequest, KernelBackend, cuda_compute_capability
+from jax_dsrelu.kernels.request import (
+    AnyRequest,
+    KernelBackend,
+    RaggedContractRequest,
+    RaggedMatmulRequest,
+    Request,
+    cuda_compute_capability,
+)
 from jax_dsrelu.kernels.sm90 import backend as sm90
 from jax_dsrelu.kernels.sm100 import backend as sm100
 
@@ -31,17 +38,33 @@ def kernel_backend(name: str) -> KernelBackend:
     return KERNEL_BACKENDS[name]
 
 
-def backend_for_kind(name: str, kind: type) -> str:
-    """The backend a layer asks for requests of `kind` when its user asked for `name`.
+@dataclasses.dataclass(frozen=True)
+class LayerBackends:
+    """The backend a layer asks for each kind of GEMM it runs, from the one name its user
+    gave: the fused dsReLU backward (`Request`), the ragged-M matmuls and the ragged
+    contractions."""
+
+    dsrelu: str
+    matmul: str
+    contract: str
+
+
+def layer_backends(name: str) -> LayerBackends:
+    """Which backend serves each GEMM of a layer whose user asked for `name`.
 
     A kernel backend serves the kinds of request it has kernels for and lets "auto" pick
     for the rest: the sm100 backend has a kernel for the fused dsReLU backward only, so a
-    moe_mlp on it runs its plain GEMMs on what "auto" picks on Blackwell (XLA).
+    moe_mlp on it runs its plain GEMMs on what "auto" picks on Blackwell (XLA). "auto"
+    and "xla" pass through: "auto" is resolved per call when it is lowered.
     """
     backend = KERNEL_BACKENDS.get(name)
-    if backend is not None and kind not in backend.REQUEST_KINDS:
-        return "auto"
-    return name
+
+    def for_kind(kind: type) -> str:
+        return "auto" if backend is not None and kind not in backend.REQUEST_KINDS else name
+
+    return LayerBackends(
+        dsrelu=for_kind(Request), matmul=for_kind(RaggedMatmulRequest), contract=for_kind(RaggedContractRequest)
+    )
 
 
 def check_explicit_backend(name: str, request: AnyRequest) -> None:

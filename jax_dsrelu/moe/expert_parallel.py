@@ -2,9 +2,10 @@
 
 Each device holds E / D of the experts (D devices along `expert_axis`) and a shard of the
 tokens (tokens are split over the data axes and the expert axis together). Inside
-`jax.shard_map` every device routes its own tokens, sends each (token, slot) row to the
-device that owns its expert with `all_to_all`, sorts what it receives by local expert,
-runs `moe_mlp` on its experts, sends the results back the same way and combines them.
+`jax.shard_map` every device runs `moe_layer`'s own steps (`jax_dsrelu.moe.layer`) on its
+tokens: it routes them, sends each (token, slot) row to the device that owns its expert
+with `all_to_all`, sorts what it receives by local expert, runs its experts, sends the
+results back the same way and combines them. Only the two exchanges are written here.
 
 The send buffer of each device holds D * (T_local * top_k) rows: every destination has
 room for all of the device's rows, so no token is ever dropped, at the price of padding
@@ -24,6 +25,7 @@ summed across devices by JAX's own transposes of shard_map (all-reduces).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -33,10 +35,11 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_dsrelu import groups
-from jax_dsrelu.ops.moe_mlp import moe_mlp
-from jax_dsrelu.moe import permutation, routing
+from jax_dsrelu.moe import layer, permutation, routing
+from jax_dsrelu.moe.layer import MoEAux
+from jax_dsrelu.moe.options import LayerOptions
+from jax_dsrelu.moe.weights import LayerWeights
 from jax_dsrelu.primitives import validation
-from jax_dsrelu.moe.layer import MoEAux, check_layer_options, project, router_logits, shared_expert
 
 
 def moe_layer_expert_parallel(
@@ -79,12 +82,17 @@ def moe_layer_expert_parallel(
             f"mesh must be a jax.sharding.Mesh (e.g. from jax.make_mesh) with an axis named "
             f"expert_axis={expert_axis!r}, got {mesh!r} ({type(mesh).__name__})"
         )
-    validation.check_moe_layer(x, router, w1, w2, b1, latent_in, latent_out, shared_w1, shared_w2)
-    num_experts = w1.shape[0]
-    check_layer_options(
-        top_k, num_experts, normalize, deterministic, backend, return_aux,
-        score, expert_bias, num_groups, top_groups, scale,
+    weights = LayerWeights(
+        router=router, w1=w1, w2=w2, b1=b1, expert_bias=expert_bias, shared_w1=shared_w1,
+        shared_w2=shared_w2, latent_in=latent_in, latent_out=latent_out,
     )
+    weights.check(x)
+    num_experts = weights.num_experts
+    options = LayerOptions.of(
+        num_experts, top_k=top_k, score=score, num_groups=num_groups, top_groups=top_groups,
+        normalize=normalize, scale=scale, deterministic=deterministic, backend=backend,
+    )
+    validation.require_bool("return_aux", return_aux)
     data_axes = _data_axes(mesh, expert_axis, data_axis)
     token_axes = (*data_axes, expert_axis)
     expert_shards = mesh.shape[expert_axis]
@@ -102,36 +110,14 @@ def moe_layer_expert_parallel(
             f"{token_shards} token shards (mesh axes {token_axes})"
         )
 
-    tokens, experts = P(token_axes), P(expert_axis)
-    named = {"x": (x, tokens), "router": (router, P()), "w1": (w1, experts), "w2": (w2, experts)}
-    optional = {
-        "b1": (b1, experts),
-        "expert_bias": (expert_bias, P()),
-        "shared_w1": (shared_w1, P()),
-        "shared_w2": (shared_w2, P()),
-        "latent_in": (latent_in, P()),
-        "latent_out": (latent_out, P()),
-    }
-    named.update((name, operand) for name, operand in optional.items() if operand[0] is not None)
-    names = tuple(named)
-    operands = list(named.values())
-    shard = functools.partial(
-        _expert_parallel_shard,
-        names,
-        expert_axis=expert_axis,
-        top_k=top_k,
-        routing_options=dict(
-            score=score, num_groups=num_groups, top_groups=top_groups, normalize=normalize, scale=scale
-        ),
-        deterministic=deterministic,
-        backend=backend,
-    )
+    tokens, weight_specs = P(token_axes), _weight_specs(weights, expert_axis)
+    shard = functools.partial(_expert_parallel_shard, expert_axis=expert_axis, options=options)
     out, group_sizes, expert_prob, z_loss = jax.shard_map(
         shard,
         mesh=mesh,
-        in_specs=tuple(spec for _, spec in operands),
+        in_specs=(tokens, weight_specs),
         out_specs=(tokens, tokens, tokens, tokens),
-    )(*(_placed(array, mesh, spec) for array, spec in operands))
+    )(_placed(x, mesh, tokens), jax.tree.map(lambda a, spec: _placed(a, mesh, spec), weights, weight_specs))
     if not return_aux:
         return out
 
@@ -146,23 +132,18 @@ def moe_layer_expert_parallel(
     return out, MoEAux(load_balancing_loss, jnp.sum(z_loss) / token_shards, total_sizes)
 
 
-def _expert_parallel_shard(names, *arrays, expert_axis, top_k, routing_options, deterministic, backend):
+def _expert_parallel_shard(x, weights: LayerWeights, *, expert_axis: str, options: LayerOptions):
     """One device's part: its tokens in, their outputs and routing statistics out.
 
-    `arrays` are the operands named by `names`: x, router, w1, w2, then those of b1,
-    expert_bias, shared_w1, shared_w2, latent_in and latent_out that were given.
+    `moe_layer`'s steps, with the rows sent to the devices that hold their experts
+    between `expert_rows` and `run_experts`, and back before they are combined. weights
+    holds this device's share of the experts (w1, w2 and b1) and every other weight whole.
     """
-    given = dict(zip(names, arrays))
-    x, router, w1, w2 = (given[name] for name in ("x", "router", "w1", "w2"))
-    b1, latent_in, latent_out = (given.get(name) for name in ("b1", "latent_in", "latent_out"))
-    plan = routing.route(
-        router_logits(x, router), top_k, expert_bias=given.get("expert_bias"), **routing_options
-    )
-    z = x if latent_in is None else project(x, latent_in)
-    rows = routing.dispatch(z.astype(w1.dtype), plan)  # (n, l), sorted by global expert
+    plan = layer.route_tokens(x, weights, options.routing)
+    rows = layer.expert_rows(x, weights, plan)  # (n, l), sorted by global expert
     num_rows = rows.shape[0]
     num_shards = lax.axis_size(expert_axis)
-    local_experts = w1.shape[0]
+    local_experts = weights.num_experts
 
     # Rows sorted by expert are sorted by destination device too. Destination j's rows
     # fill slots [j * n, j * n + count_j) of the send buffer; its other slots are padding.
@@ -182,27 +163,30 @@ def _expert_parallel_shard(names, *arrays, expert_axis, top_k, routing_options, 
     exchange = functools.partial(lax.all_to_all, axis_name=expert_axis, split_axis=0, concat_axis=0, tiled=True)
     got_rows, got_prob, got_expert = (exchange(a) for a in (send_rows, send_prob, send_expert))
 
-    # What arrived is grouped by source device; group it by local expert for moe_mlp.
+    # What arrived is grouped by source device; group it by local expert for the experts.
     # Padding has expert index local_experts: it sorts last and belongs to no expert.
     local = permutation.sort_by_group(got_expert, local_experts)
-    y = moe_mlp(
+    y = layer.run_experts(
         permutation.gather_rows(got_rows, local.order, local.inverse),
-        w1,
-        w2,
         permutation.gather_rows(got_prob, local.order, local.inverse),
         local.sizes,
-        b1=b1,
-        deterministic=deterministic,
-        backend=backend,
+        weights,
+        options,
     )
     returned = exchange(permutation.gather_rows(y, local.inverse, local.order))
     y_rows = permutation.gather_rows(returned, slot_of_row, fill_index, None, fill_valid)
-    out = routing.combine(y_rows, plan)
-    if latent_out is not None:
-        out = project(out, latent_out)
-    if "shared_w1" in given:
-        out = out + shared_expert(x, given["shared_w1"], given["shared_w2"], deterministic, backend)
-    return out.astype(x.dtype), plan.group_sizes[None], plan.expert_prob[None], plan.router_z_loss[None]
+    out = layer.block_output(routing.combine(y_rows, plan), x, weights, options)
+    return out, plan.group_sizes[None], plan.expert_prob[None], plan.router_z_loss[None]
+
+
+def _weight_specs(weights: LayerWeights, expert_axis: str) -> LayerWeights:
+    """The weights' partition specs: the per-expert ones split on E over expert_axis, the
+    others replicated; a weight the block lacks stays None, a pytree without leaves."""
+    return LayerWeights(**{
+        field.name: None if getattr(weights, field.name) is None
+        else P(expert_axis) if field.name in LayerWeights.PER_EXPERT else P()
+        for field in dataclasses.fields(LayerWeights)
+    })
 
 
 def _data_axes(mesh, expert_axis, data_axis) -> tuple[str, ...]:

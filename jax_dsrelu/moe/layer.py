@@ -13,13 +13,16 @@ included, is bitwise reproducible from run to run.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jax_dsrelu.ops.moe_mlp import moe_mlp
 from jax_dsrelu.moe import routing
+from jax_dsrelu.moe.options import LayerOptions, RoutingOptions
+from jax_dsrelu.moe.routing import RoutingPlan
+from jax_dsrelu.moe.weights import LayerWeights
+from jax_dsrelu.ops.moe_mlp import moe_mlp
 from jax_dsrelu.primitives import validation
 
 
@@ -82,36 +85,78 @@ def moe_layer(
     `jax_dsrelu.params_from_hf_nemotron_h` turns a Hugging Face NemotronHMoE block's
     tensors into the weight arguments.
     """
-    validation.check_moe_layer(x, router, w1, w2, b1, latent_in, latent_out, shared_w1, shared_w2)
-    check_layer_options(
-        top_k, w1.shape[0], normalize, deterministic, backend, return_aux,
-        score, expert_bias, num_groups, top_groups, scale,
+    weights = LayerWeights(
+        router=router, w1=w1, w2=w2, b1=b1, expert_bias=expert_bias, shared_w1=shared_w1,
+        shared_w2=shared_w2, latent_in=latent_in, latent_out=latent_out,
     )
-    plan = routing.route(
-        router_logits(x, router), top_k, score=score, expert_bias=expert_bias, num_groups=num_groups,
-        top_groups=top_groups, normalize=normalize, scale=scale,
+    weights.check(x)
+    options = LayerOptions.of(
+        weights.num_experts, top_k=top_k, score=score, num_groups=num_groups, top_groups=top_groups,
+        normalize=normalize, scale=scale, deterministic=deterministic, backend=backend,
     )
-    out = routed_experts(x, plan, w1, w2, b1, latent_in, latent_out, deterministic, backend)
-    if shared_w1 is not None:
-        out = out + shared_expert(x, shared_w1, shared_w2, deterministic, backend)
-    out = out.astype(x.dtype)
+    return apply(x, weights, options, return_aux)
+
+
+def apply(
+    x: jax.Array,  # (T, d) tokens
+    weights: LayerWeights,
+    options: LayerOptions,
+    return_aux: bool,
+) -> jax.Array | tuple[jax.Array, MoEAux]:  # (T, d) x.dtype [, MoEAux]
+    """`moe_layer` on weights checked against x and options checked: the block's steps
+    on one device. `jax_dsrelu.flax.MoE` calls it with the options it checked when built."""
+    validation.require_bool("return_aux", return_aux)
+    plan = route_tokens(x, weights, options.routing)
+    y = run_experts(expert_rows(x, weights, plan), plan.row_prob, plan.group_sizes, weights, options)
+    out = block_output(routing.combine(y, plan), x, weights, options)
     if not return_aux:
         return out
     return out, MoEAux(plan.load_balancing_loss, plan.router_z_loss, plan.group_sizes)
 
 
-def routed_experts(x, plan, w1, w2, b1, latent_in, latent_out, deterministic, backend) -> jax.Array:
-    """(T, d) tokens -> (T, d) float32: the plan's experts, in the latent width if given."""
-    z = x if latent_in is None else project(x, latent_in)
-    rows = routing.dispatch(z.astype(w1.dtype), plan)
-    y = moe_mlp(
-        rows, w1, w2, plan.row_prob, plan.group_sizes, b1=b1, deterministic=deterministic, backend=backend
+# The block's steps, each shared by `moe_layer` and `moe_layer_expert_parallel` (which moves
+# the rows to the devices that hold their experts between `expert_rows` and `run_experts`).
+
+
+def route_tokens(x: jax.Array, weights: LayerWeights, options: RoutingOptions) -> RoutingPlan:
+    """(T, d) tokens -> their plan. The logits x @ router are computed in float32 whatever
+    the dtypes of x and the router: rounding them to bfloat16 would turn near ties into
+    ties and change the experts chosen."""
+    logits = jnp.dot(x.astype(jnp.float32), weights.router.astype(jnp.float32))
+    return routing.plan_routes(logits, options, weights.expert_bias)
+
+
+def expert_rows(x: jax.Array, weights: LayerWeights, plan: RoutingPlan) -> jax.Array:
+    """(T, d) tokens -> (T * top_k, l) rows in w1.dtype, sorted by expert: each token in the
+    experts' width (through latent_in if given), once per chosen expert."""
+    z = x if weights.latent_in is None else project(x, weights.latent_in)
+    return routing.dispatch(z.astype(weights.w1.dtype), plan)
+
+
+def run_experts(
+    rows: jax.Array,  # (m, l) sorted by expert
+    prob: jax.Array,  # (m,) routing weight of each row
+    group_sizes: jax.Array,  # (E,) rows of each of the weights' experts
+    weights: LayerWeights,
+    options: LayerOptions,
+) -> jax.Array:  # (m, l) in w1.dtype
+    """The routed experts on their rows: `moe_mlp` with w1, w2 and b1."""
+    return moe_mlp(
+        rows, weights.w1, weights.w2, prob, group_sizes, b1=weights.b1,
+        deterministic=options.deterministic, backend=options.backend,
     )
-    routed = routing.combine(y, plan)
-    return routed if latent_out is None else project(routed, latent_out)
 
 
-def shared_expert(x, shared_w1, shared_w2, deterministic, backend) -> jax.Array:
+def block_output(routed: jax.Array, x: jax.Array, weights: LayerWeights, options: LayerOptions) -> jax.Array:
+    """(T, l) combined expert outputs (float32) -> (T, d) in x.dtype: projected back
+    through latent_out if given, plus the shared expert on x if given."""
+    out = routed if weights.latent_out is None else project(routed, weights.latent_out)
+    if weights.shared_w1 is not None:
+        out = out + shared_expert(x, weights.shared_w1, weights.shared_w2, options)
+    return out.astype(x.dtype)
+
+
+def shared_expert(x, shared_w1, shared_w2, options: LayerOptions) -> jax.Array:
     """(T, d) -> (T, d) float32: relu(x @ shared_w1)**2 @ shared_w2 on every token.
 
     One expert that owns all T rows with weight 1, so it runs on the same kernels as the
@@ -124,8 +169,8 @@ def shared_expert(x, shared_w1, shared_w2, deterministic, backend) -> jax.Array:
         shared_w2[None],
         jnp.ones((num_tokens,), jnp.float32),
         jnp.full((1,), num_tokens, jnp.int32),
-        deterministic=deterministic,
-        backend=backend,
+        deterministic=options.deterministic,
+        backend=options.backend,
     )
     return y.astype(jnp.float32)
 
@@ -133,18 +178,3 @@ def shared_expert(x, shared_w1, shared_w2, deterministic, backend) -> jax.Array:
 def project(a: jax.Array, weight: jax.Array) -> jax.Array:
     """(T, n) @ (n, m) -> (T, m) float32, multiplied in weight.dtype."""
     return jnp.dot(a.astype(weight.dtype), weight, preferred_element_type=jnp.float32)
-
-
-def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
-    """(T, d) @ (d, E) -> (T, E), in float32 whatever the dtypes of x and router."""
-    return jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
-
-
-def check_layer_options(
-    top_k: Any, num_experts: int, normalize: Any, deterministic: Any, backend: Any, return_aux: Any,
-    score: Any = "softmax", expert_bias: Any = None, num_groups: Any = 1, top_groups: Any = None, scale: Any = 1.0,
-) -> None:
-    validation.check_routing(top_k, num_experts, score, expert_bias, num_groups, top_groups, normalize, scale)
-    for name, flag in (("deterministic", deterministic), ("return_aux", return_aux)):
-        validation.require_bool(name, flag)
-    validation.backend_name(backend)

@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 
 from jax_dsrelu.moe import permutation
+from jax_dsrelu.moe.options import RoutingOptions
 from jax_dsrelu.primitives import validation
 
 
@@ -110,10 +111,23 @@ def route(
     For a uniform softmax router the losses are 1 and log(E)**2; with T = 0 they are 0.
     The defaults are plain softmax top-k routing.
     """
-    validation.check_logits(logits)
-    num_tokens, num_experts = logits.shape
-    validation.check_routing(top_k, num_experts, score, expert_bias, num_groups, top_groups, normalize, scale)
+    _check_logits(logits)
+    options = RoutingOptions(
+        num_experts=logits.shape[1], top_k=top_k, score=score, num_groups=num_groups,
+        top_groups=top_groups, normalize=normalize, scale=scale,
+    )
+    check_expert_bias(expert_bias, options.num_experts)
+    return plan_routes(logits, options, expert_bias)
 
+
+def plan_routes(
+    logits: jax.Array,  # (T, E) router logits, checked
+    options: RoutingOptions,
+    expert_bias: jax.Array | None = None,  # (E,) float, checked
+) -> RoutingPlan:
+    """`route` on arguments already checked: what the layers call."""
+    num_tokens, num_experts = logits.shape
+    top_k, score = options.top_k, options.score
     logits = logits.astype(jnp.float32)
     if score == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
@@ -124,16 +138,16 @@ def route(
     choice = lax.stop_gradient(probs)
     if expert_bias is not None:
         choice = choice + lax.stop_gradient(expert_bias).astype(jnp.float32)
-    if top_groups is not None and top_groups < num_groups:
-        choice = _keep_top_groups(choice, num_groups, top_groups)
+    if options.drops_groups:
+        choice = _keep_top_groups(choice, options.num_groups, options.top_groups)
     # lax.top_k puts the lower index first among equal values.
     _, experts = lax.top_k(choice, top_k)
     slot_prob = _take_slots(num_experts, probs, experts)  # (T, top_k)
-    if normalize:
+    if options.normalize:
         total = _sum_slots(slot_prob[:, :, None])
         slot_prob = slot_prob / (total if score == "softmax" else total + 1e-20)
-    if scale != 1.0:
-        slot_prob = slot_prob * jnp.float32(scale)
+    if options.scale != 1.0:
+        slot_prob = slot_prob * jnp.float32(options.scale)
 
     grouping = permutation.sort_by_group(experts.reshape(-1), num_experts)
     row_prob = permutation.gather_rows(slot_prob.reshape(-1), grouping.order, grouping.inverse)
@@ -173,7 +187,7 @@ def update_expert_bias(
     sizes first, e.g. `jax.lax.psum(plan.group_sizes, data_axes)` inside `shard_map`, so
     that every device applies the same update and the replicated bias stays replicated.
     """
-    validation.check_expert_bias_update(expert_bias, group_sizes, rate)
+    _check_expert_bias_update(expert_bias, group_sizes, rate)
     sizes = jnp.asarray(group_sizes).astype(jnp.float32)
     step = jnp.sign(jnp.mean(sizes) - sizes)
     return jnp.asarray(expert_bias).astype(jnp.float32) + jnp.asarray(rate, jnp.float32) * step
@@ -189,7 +203,7 @@ def dispatch(
     slots in slot order, in float32.
     """
     _require_plan(plan)
-    validation.check_token_rows("x", x, plan.num_tokens, "plan.num_tokens (T)")
+    _check_token_rows("x", x, plan.num_tokens, "plan.num_tokens (T)")
     return _dispatch(plan.top_k, x, plan.order, plan.inverse)
 
 
@@ -204,8 +218,52 @@ def combine(
     Its gradient is a gather: each row receives its token's gradient.
     """
     _require_plan(plan)
-    validation.check_token_rows("y", y, plan.num_tokens * plan.top_k, "plan.num_tokens * plan.top_k")
+    _check_token_rows("y", y, plan.num_tokens * plan.top_k, "plan.num_tokens * plan.top_k")
     return _combine(plan.top_k, np.dtype(y.dtype), y, plan.order, plan.inverse)
+
+
+def check_expert_bias(expert_bias, num_experts: int) -> None:
+    """None, or an (E,) float array: the selection bias of `route` and the layers."""
+    if expert_bias is None:
+        return
+    validation.require_array("expert_bias", expert_bias, "(E,)")
+    if tuple(expert_bias.shape) != (num_experts,):
+        raise ValueError(
+            f"expert_bias must be (E,) with E={num_experts} experts, got expert_bias.shape={tuple(expert_bias.shape)}"
+        )
+    validation.require_dtype("expert_bias", expert_bias, validation.FLOAT_DTYPES)
+
+
+def _check_logits(logits) -> None:
+    validation.require_array("logits", logits, "(T, E)")
+    validation.require_rank("logits", logits, 2, "(T, E)")
+    validation.require_dtype("logits", logits, validation.FLOAT_DTYPES)
+    if logits.shape[1] == 0:
+        raise ValueError(f"logits must have at least one expert (T, E >= 1), got logits.shape={tuple(logits.shape)}")
+
+
+def _check_token_rows(name: str, array, expected_rows: int, meaning: str) -> None:
+    validation.require_array(name, array, "(rows, d)")
+    validation.require_rank(name, array, 2, "(rows, d)")
+    validation.require_dim(name, array, 0, expected_rows, meaning)
+
+
+def _check_expert_bias_update(expert_bias, group_sizes, rate) -> None:
+    validation.require_array("expert_bias", expert_bias, "(E,)")
+    validation.require_array("group_sizes", group_sizes, "(E,)")
+    validation.require_rank("expert_bias", expert_bias, 1, "(E,)")
+    validation.require_dtype("expert_bias", expert_bias, validation.FLOAT_DTYPES)
+    validation.require_rank("group_sizes", group_sizes, 1, "(E,)")
+    validation.require_integer("group_sizes", group_sizes)
+    validation.require_dim("group_sizes", group_sizes, 0, expert_bias.shape[0], "expert_bias.shape[0] (E)")
+    # A traced rate (a schedule under jit) can only be checked for its shape and dtype.
+    if isinstance(rate, (bool, np.bool_)) or not (
+        isinstance(rate, (int, float, np.integer, np.floating))
+        or (hasattr(rate, "shape") and rate.shape == () and jnp.issubdtype(rate.dtype, jnp.floating))
+    ):
+        raise TypeError(f"rate must be a float or a float scalar array, got {rate!r} ({type(rate).__name__})")
+    if isinstance(rate, (int, float, np.integer, np.floating)) and not (np.isfinite(rate) and rate >= 0):
+        raise ValueError(f"rate must be finite and >= 0, got {rate!r}")
 
 
 def _require_plan(plan) -> None:

@@ -1,8 +1,10 @@
-"""Trace-time checks of shapes, dtypes and options.
+"""Trace-time checks of the grouped GEMMs' operands and options, and the helpers every
+layer's checks are made of (`require_array` first of all).
 
 Each error names the argument, the value seen and what was expected. Values that only
 exist at run time (group sizes) are not checked here: see `jax_dsrelu.groups` for how
-they are made safe, and `jax_dsrelu.ops.checks` for an opt-in runtime check.
+they are made safe, and `jax_dsrelu.ops.checks` for an opt-in runtime check. The MoE
+layer's options and weights are checked beside it, in `jax_dsrelu.moe`.
 """
 
 from __future__ import annotations
@@ -17,17 +19,49 @@ from jax_dsrelu.kernels.registry import BACKEND_NAMES
 
 # The floating dtypes of every operand, result and option that is not an MXFP8 operand.
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-# How a router's logits become scores (`route`'s `score`).
-SCORES = ("softmax", "sigmoid")
 
 
 def _names(dtypes) -> str:
     return ", ".join(np.dtype(d).name for d in dtypes)
 
 
+def require_array(name: str, value: Any, layout: str | None = None) -> None:
+    """The first check of every array argument of the public functions: a JAX or NumPy
+    array (or a tracer of one), of a real dtype. A list, a Python scalar or None is refused
+    here with its type, before anything reads its shape; so is a complex array, which no
+    function of the library computes with (a cast to float32 would drop its imaginary
+    part without a word). `layout`, e.g. "(m, d)", says what was expected."""
+    expected = "" if layout is None else f": {name} is {layout}"
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        if isinstance(value, (list, tuple)):
+            seen = f"{type(value).__name__} (wrap it in jnp.asarray)"
+        elif isinstance(value, (bool, int, float, complex, np.generic)):
+            seen = f"{type(value).__name__} {value!r}"
+        else:
+            seen = type(value).__name__
+        raise TypeError(f"{name} must be a JAX or NumPy array, got {seen}{expected}")
+    if _is_complex(value.dtype):
+        raise TypeError(
+            f"{name}.dtype must be a real type (complex numbers are not supported), "
+            f"got {name}.dtype={np.dtype(value.dtype).name}{expected}"
+        )
+
+
+def _is_complex(dtype: Any) -> bool:
+    try:
+        return jnp.issubdtype(dtype, jnp.complexfloating)
+    except TypeError:  # a dtype NumPy does not know (a torch tensor's): left to its conversion
+        return False
+
+
 def require_bool(name: str, value: Any) -> None:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a Python bool, got {value!r} ({type(value).__name__})")
+
+
+def require_int(name: str, value: Any) -> None:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a Python int, got {value!r} ({type(value).__name__})")
 
 
 def require_rank(name: str, array: Any, rank: int, layout: str) -> None:
@@ -62,6 +96,7 @@ def require_layouts(*specs: tuple[str, Any, str], experts: str) -> None:
     array that names a dimension sets its size, and a mismatch names that array's axis
     ("must equal grad.shape[1] (k)=64")."""
     for name, array, layout in specs:
+        require_array(name, array, layout)
         require_rank(name, array, len(_dims(layout)), layout)
     require_experts(experts, dict((name, array) for name, array, _ in specs)[experts])
     sizes: dict[str, int] = {}
@@ -159,6 +194,8 @@ def check_block_scales(grad, weight, grad_scale, weight_scale) -> None:
             raise ValueError(
                 f"{name} and {other} go together: got {other} but {name}=None"
             )
+    require_array("grad_scale", grad_scale, "(m, k/32)")
+    require_array("weight_scale", weight_scale, "(E, n, k/32)")
     require_dtype("grad", grad, mx.ELEMENT_DTYPES)
     num_rows, k = grad.shape
     num_experts, n, _ = weight.shape
@@ -219,157 +256,3 @@ def backend_name(value: Any) -> str:
     if value not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKEND_NAMES))}, got {value!r}")
     return value
-
-
-def check_logits(logits) -> None:
-    require_array("logits", logits)
-    require_rank("logits", logits, 2, "(T, E)")
-    require_dtype("logits", logits, FLOAT_DTYPES)
-    if logits.shape[1] == 0:
-        raise ValueError(f"logits must have at least one expert (T, E >= 1), got logits.shape={tuple(logits.shape)}")
-
-
-def require_top_k(top_k: Any, num_experts: int) -> None:
-    if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, (int, np.integer)):
-        raise TypeError(f"top_k must be a Python int, got {top_k!r} ({type(top_k).__name__})")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be between 1 and the number of experts E={num_experts}, got top_k={top_k}")
-
-
-def require_array(name: str, value: Any) -> None:
-    """A JAX or NumPy array (or a tracer of one): what has a shape and a dtype."""
-    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-        raise TypeError(
-            f"{name} must be a JAX or NumPy array, got {type(value).__name__}"
-            + ("" if value is None else " (wrap it in jnp.asarray)")
-        )
-
-
-def require_int(name: str, value: Any) -> None:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be a Python int, got {value!r} ({type(value).__name__})")
-
-
-def check_routing(top_k, num_experts, score, expert_bias, num_groups, top_groups, normalize, scale) -> None:
-    """The options of `route` (and of the layers that route), for E = num_experts."""
-    require_top_k(top_k, num_experts)
-    if score not in SCORES:
-        raise ValueError(f"score must be {' or '.join(map(repr, SCORES))}, got {score!r}")
-    require_bool("normalize", normalize)
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise TypeError(f"scale must be a Python float, got {scale!r} ({type(scale).__name__})")
-    if not np.isfinite(scale):
-        raise ValueError(f"scale must be finite, got scale={scale!r}")
-    require_int("num_groups", num_groups)
-    if num_groups < 1 or num_experts % num_groups:
-        raise ValueError(
-            f"num_groups must be at least 1 and divide the number of experts E={num_experts}, "
-            f"got num_groups={num_groups}"
-        )
-    if top_groups is not None:
-        require_int("top_groups", top_groups)
-        if not 1 <= top_groups <= num_groups:
-            raise ValueError(
-                f"top_groups must be None or between 1 and num_groups={num_groups}, got top_groups={top_groups}"
-            )
-        reachable = top_groups * (num_experts // num_groups)
-        if top_k > reachable:
-            raise ValueError(
-                f"top_k must be at most the {reachable} experts that top_groups={top_groups} groups of "
-                f"E/num_groups={num_experts // num_groups} hold, got top_k={top_k}"
-            )
-    if expert_bias is not None:
-        require_array("expert_bias", expert_bias)
-        if tuple(expert_bias.shape) != (num_experts,):
-            raise ValueError(
-                f"expert_bias must be (E,) with E={num_experts} experts, got expert_bias.shape={tuple(expert_bias.shape)}"
-            )
-        require_dtype("expert_bias", expert_bias, FLOAT_DTYPES)
-
-
-def check_expert_bias_update(expert_bias, group_sizes, rate) -> None:
-    require_array("expert_bias", expert_bias)
-    require_array("group_sizes", group_sizes)
-    require_rank("expert_bias", expert_bias, 1, "(E,)")
-    require_dtype("expert_bias", expert_bias, FLOAT_DTYPES)
-    require_rank("group_sizes", group_sizes, 1, "(E,)")
-    require_integer("group_sizes", group_sizes)
-    require_dim("group_sizes", group_sizes, 0, expert_bias.shape[0], "expert_bias.shape[0] (E)")
-    # A traced rate (a schedule under jit) can only be checked for its shape and dtype.
-    if isinstance(rate, (bool, np.bool_)) or not (
-        isinstance(rate, (int, float, np.integer, np.floating))
-        or (hasattr(rate, "shape") and rate.shape == () and jnp.issubdtype(rate.dtype, jnp.floating))
-    ):
-        raise TypeError(f"rate must be a float or a float scalar array, got {rate!r} ({type(rate).__name__})")
-    if isinstance(rate, (int, float, np.integer, np.floating)) and not (np.isfinite(rate) and rate >= 0):
-        raise ValueError(f"rate must be finite and >= 0, got {rate!r}")
-
-
-def check_token_rows(name: str, array, expected_rows: int, meaning: str) -> None:
-    require_array(name, array)
-    require_rank(name, array, 2, "(rows, d)")
-    require_dim(name, array, 0, expected_rows, meaning)
-
-
-def check_moe_layer(x, router, w1, w2, b1, latent_in=None, latent_out=None, shared_w1=None, shared_w2=None) -> None:
-    """The shapes of `moe_layer`, named as its docstring names them (l = d without latent)."""
-    for name, array in (("x", x), ("router", router), ("w1", w1), ("w2", w2)):
-        require_array(name, array)
-    require_rank("x", x, 2, "(T, d)")
-    require_rank("router", router, 2, "(d, E)")
-    d = x.shape[1]
-    require_dim("router", router, 0, d, "x.shape[1] (d)")
-    latent, latent_name = d, "x.shape[1] (d)"
-    if (latent_in is None) != (latent_out is None):
-        given, missing = ("latent_in", "latent_out") if latent_out is None else ("latent_out", "latent_in")
-        raise ValueError(f"latent_in and latent_out go together: got {given} but {missing}=None")
-    if latent_in is not None:
-        require_array("latent_in", latent_in)
-        require_array("latent_out", latent_out)
-        require_rank("latent_in", latent_in, 2, "(d, l)")
-        require_rank("latent_out", latent_out, 2, "(l, d)")
-        require_dim("latent_in", latent_in, 0, d, "x.shape[1] (d)")
-        latent, latent_name = latent_in.shape[1], "latent_in.shape[1] (l)"
-        require_dim("latent_out", latent_out, 0, latent, latent_name)
-        require_dim("latent_out", latent_out, 1, d, "x.shape[1] (d)")
-        require_dtype("latent_in", latent_in, FLOAT_DTYPES)
-        require_dtype("latent_out", latent_out, FLOAT_DTYPES)
-    width = "l" if latent_in is not None else "d"
-    require_rank("w1", w1, 3, f"(E, {width}, f)")
-    require_rank("w2", w2, 3, f"(E, f, {width})")
-    num_experts, _, f = w1.shape
-    require_dim("router", router, 1, num_experts, "w1.shape[0] (E)")
-    require_dim("w1", w1, 1, latent, latent_name)
-    require_dim("w2", w2, 0, num_experts, "w1.shape[0] (E)")
-    require_dim("w2", w2, 1, f, "w1.shape[2] (f)")
-    require_dim("w2", w2, 2, latent, latent_name)
-    require_dtype("x", x, FLOAT_DTYPES)
-    require_dtype("router", router, FLOAT_DTYPES)
-    require_dtype("w1", w1, FLOAT_DTYPES)
-    if np.dtype(w2.dtype) != np.dtype(w1.dtype):
-        raise TypeError(
-            f"w2.dtype must equal w1.dtype={np.dtype(w1.dtype).name}, got w2.dtype={np.dtype(w2.dtype).name}"
-        )
-    if b1 is not None:
-        require_array("b1", b1)
-        require_rank("b1", b1, 2, "(E, f)")
-        require_dim("b1", b1, 0, num_experts, "w1.shape[0] (E)")
-        require_dim("b1", b1, 1, f, "w1.shape[2] (f)")
-        require_dtype("b1", b1, FLOAT_DTYPES)
-    if (shared_w1 is None) != (shared_w2 is None):
-        given, missing = ("shared_w1", "shared_w2") if shared_w2 is None else ("shared_w2", "shared_w1")
-        raise ValueError(f"shared_w1 and shared_w2 go together: got {given} but {missing}=None")
-    if shared_w1 is not None:
-        require_array("shared_w1", shared_w1)
-        require_array("shared_w2", shared_w2)
-        require_rank("shared_w1", shared_w1, 2, "(d, fs)")
-        require_rank("shared_w2", shared_w2, 2, "(fs, d)")
-        require_dim("shared_w1", shared_w1, 0, d, "x.shape[1] (d)")
-        require_dim("shared_w2", shared_w2, 0, shared_w1.shape[1], "shared_w1.shape[1] (fs)")
-        require_dim("shared_w2", shared_w2, 1, d, "x.shape[1] (d)")
-        require_dtype("shared_w1", shared_w1, FLOAT_DTYPES)
-        if np.dtype(shared_w2.dtype) != np.dtype(shared_w1.dtype):
-            raise TypeError(
-                f"shared_w2.dtype must equal shared_w1.dtype={np.dtype(shared_w1.dtype).name}, "
-                f"got shared_w2.dtype={np.dtype(shared_w2.dtype).name}"
-            )
