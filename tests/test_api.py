@@ -197,3 +197,12 @@ def test_bad_group_sizes_without_checkify_are_safe(inputs):
         group_sizes = jnp.asarray(sizes, jnp.int32)
         out = jax_dsrelu.grouped_gemm_dsrelu(grad, weight, preact, prob, group_sizes, with_dbias=True)
         assert_matches_contract(out, (grad, weight, preact, prob, group_sizes), with_act=False)
+
+
+def test_each_gemm_of_moe_mlp_gets_its_backend_from_one_decision():
+    from jax_dsrelu.kernels.registry import LayerBackends, layer_backends
+
+    for name in ("auto", "xla", "sm90"):
+        assert layer_backends(name) == LayerBackends(dsrelu=name, matmul=name, contract=name)
+    # sm100 has a kernel for the fused backward only: its plain GEMMs go to what "auto" picks.
+    assert layer_backends("sm100") == LayerBackends(dsrelu="sm100", matmul="auto", contract="auto")

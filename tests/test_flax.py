@@ -186,3 +186,25 @@ def test_settings_are_checked_when_the_module_is_built():
     module = MoE(16, 24, 4, rngs=rngs)
     with pytest.raises(ValueError, match=r"x.shape\[-1\] must equal d_model=16, got x.shape=\(3, 12\)"):
         module(jnp.zeros((3, 12)))
+
+
+@pytest.mark.parametrize("checkpoint_dtype, param_dtype, dtype", [
+    ("float32", None, None), ("bfloat16", None, None), ("bfloat16", jnp.float32, jnp.bfloat16),
+])
+def test_loads_a_hugging_face_nemotron_h_block_in_one_call(checkpoint_dtype, param_dtype, dtype):
+    import ml_dtypes
+    from test_hf_nemotron import tensors as hf_tensors
+
+    tensors = hf_tensors(dtype=np.float32 if checkpoint_dtype == "float32" else ml_dtypes.bfloat16)
+    options = dict(top_k=3, num_groups=3, top_groups=2, normalize=True, scale=2.5, deterministic=True)
+    module = MoE.from_hf_nemotron_h(tensors, **options, param_dtype=param_dtype, dtype=dtype)
+    params = jax_dsrelu.params_from_hf_nemotron_h(tensors)
+    assert module.b1 is None and module.options.routing.score == "sigmoid"
+    assert module.w1[...].dtype == (param_dtype or params["w1"].dtype) and module.router[...].dtype == jnp.float32
+    for name, value in params.items():
+        np.testing.assert_array_equal(np.asarray(getattr(module, name)[...], np.float32), np.asarray(value, np.float32), err_msg=name)
+
+    x = jax.random.normal(jax.random.key(11), (2, 12, params["router"].shape[0]))
+    out = nnx.jit(lambda m, x: m(x))(module, x)
+    want = jax.jit(lambda x: jax_dsrelu.moe_layer(x.reshape(24, -1), **params, score="sigmoid", **options))(x)
+    np.testing.assert_array_equal(out, want.reshape(x.shape))

@@ -385,3 +385,17 @@ def test_bad_block_arguments_raise_naming_them():
         jax_dsrelu.dispatch(x.tolist(), plan)
     with pytest.raises(TypeError, match="plan must be a RoutingPlan"):
         jax_dsrelu.combine(jnp.zeros((48, 12)), "plan")
+
+
+def test_latent_out_that_does_not_come_back_to_d_is_refused():
+    # Without a shared expert nothing else would notice: routed @ latent_out would be a
+    # (T, 13) output of a (T, 12) block.
+    tensors, x, b1, options, (d, _, latent, _, _) = block_case("groups_latent_shared_b1", seed=8)
+    params = {k: v for k, v in library_params(tensors, b1).items() if not k.startswith("shared")}
+    wide = jnp.zeros((latent, d + 1), jnp.float32)
+    words = rf"latent_out.shape\[1\] must equal x.shape\[1\] \(d\)={d}, got latent_out.shape=\({latent}, {d + 1}\)"
+    with pytest.raises(ValueError, match=words):
+        jax_dsrelu.moe_layer(jnp.asarray(x), **{**params, "latent_out": wide}, **options)
+    mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match=words):
+        jax_dsrelu.moe_layer_expert_parallel(jnp.asarray(x), **{**params, "latent_out": wide}, **options, mesh=mesh)

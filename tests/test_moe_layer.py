@@ -206,3 +206,32 @@ def test_validation_names_the_argument():
         layer(x, router, w1, w2, backend="tpu")
     with pytest.raises(TypeError, match="w2.dtype must equal w1.dtype=float32, got w2.dtype=bfloat16"):
         layer(x, router, w1, w2.astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_bfloat16_router_scores_are_computed_in_float32(score):
+    # bfloat16 logits (8 significant bits) turn near ties into ties, which go to the lower
+    # expert: with bfloat16 x and router the layer must still choose as float32 logits do.
+    rng = np.random.default_rng(13)
+    num_tokens, d, num_experts, f, top_k = 256, 64, 16, 8, 2
+    x = jnp.asarray(rng.standard_normal((num_tokens, d)), jnp.bfloat16)
+    router = jnp.asarray(rng.standard_normal((d, num_experts)) / np.sqrt(d), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((num_experts, d, f)) / np.sqrt(d), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((num_experts, f, d)) / np.sqrt(f), jnp.bfloat16)
+
+    # Eagerly, op by op: under jit, XLA may fuse a bfloat16 dot into what reads it and keep
+    # its float32 sum, so that a layer rounding its logits could pass unseen.
+    def composed(logits_in_float32, x, router, w1, w2):
+        logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32)) if logits_in_float32 else jnp.dot(x, router)
+        plan = jax_dsrelu.route(logits, top_k, score=score)
+        y = jax_dsrelu.moe_mlp(jax_dsrelu.dispatch(x, plan), w1, w2, plan.row_prob, plan.group_sizes)
+        return jax_dsrelu.combine(y, plan).astype(x.dtype), plan.group_sizes
+
+    want, want_sizes = composed(True, x, router, w1, w2)
+    wrong, _ = composed(False, x, router, w1, w2)
+    # The data are such that bfloat16 logits choose other experts for a few tokens, so
+    # the outputs differ: the test can tell.
+    assert not np.array_equal(want, wrong)
+    out, aux = jax_dsrelu.moe_layer(x, router, w1, w2, top_k=top_k, score=score, return_aux=True)
+    np.testing.assert_array_equal(aux.group_sizes, want_sizes)
+    np.testing.assert_array_equal(out, want)
