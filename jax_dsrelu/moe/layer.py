@@ -9,6 +9,11 @@ one included, run on `moe_mlp` with `deterministic` passed on, and the router an
 latent projections are plain matmuls, whose gradients are GEMMs (a fixed summation
 order, no scatter). So with deterministic=True every gradient of the block, the router's
 included, is bitwise reproducible from run to run.
+
+The block's steps (`route_tokens`, `expert_rows`, `run_experts`, `block_output`) are
+functions of the checked weights (`LayerWeights`) and options (`LayerOptions`), so that
+`moe_layer_expert_parallel` runs these same steps with its exchanges between them, and
+`jax_dsrelu.flax.MoE` calls `apply` with the options it checked once, when it was built.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ contraction. No weight is ever transposed in memory.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,11 +43,33 @@ def moe_mlp(
     With deterministic=True every gradient is bitwise reproducible from run to run.
     Rows past sum(group_sizes) belong to no expert: their output and gradients are 0.
     """
-    group_sizes = validation.check_moe_mlp(x, w1, w2, prob, group_sizes, b1)
+    group_sizes = _check_arguments(x, w1, w2, prob, group_sizes, b1)
     validation.require_bool("deterministic", deterministic)
     backends = registry.layer_backends(validation.backend_name(backend))
     x, w1, w2, prob, b1 = jax_internals.vary_alike([x, w1, w2, prob, b1])
     return _moe_mlp(bool(deterministic), backends, x, w1, w2, prob, group_sizes, b1)
+
+
+def _check_arguments(x, w1, w2, prob, group_sizes, b1) -> Any:
+    """Raises on a bad call; returns group_sizes as a JAX array."""
+    group_sizes = validation.group_sizes_array(group_sizes)
+    layouts = [("x", x, "(m, d)"), ("w1", w1, "(E, d, f)"), ("w2", w2, "(E, f, d)"), ("prob", prob, "(m,)"),
+               ("group_sizes", group_sizes, "(E,)")]
+    if b1 is not None:
+        layouts.append(("b1", b1, "(E, f)"))
+    validation.require_layouts(*layouts, experts="w1")
+    validation.require_dtype("x", x, validation.FLOAT_DTYPES)
+    for name, array in (("w1", w1), ("w2", w2)):
+        if np.dtype(array.dtype) != np.dtype(x.dtype):
+            raise TypeError(
+                f"{name}.dtype must equal x.dtype={np.dtype(x.dtype).name}, "
+                f"got {name}.dtype={np.dtype(array.dtype).name}"
+            )
+    validation.require_dtype("prob", prob, validation.FLOAT_DTYPES)
+    validation.require_integer("group_sizes", group_sizes)
+    if b1 is not None:
+        validation.require_dtype("b1", b1, validation.FLOAT_DTYPES)
+    return group_sizes
 
 
 def _forward(backends, x, w1, w2, prob, group_sizes, b1):

@@ -39,7 +39,7 @@ def ragged_dot(
     lhs.dtype and rhs.dtype. Every output and gradient is bitwise reproducible on every
     backend. backend is "auto", "xla" or "sm90"; see `jax_dsrelu.backends()`.
     """
-    group_sizes = validation.check_ragged_dot(lhs, rhs, group_sizes)
+    group_sizes = _check_arguments(lhs, rhs, group_sizes)
     out_dtype = (
         np.dtype(lhs.dtype)
         if preferred_element_type is None
@@ -50,6 +50,22 @@ def ragged_dot(
     # match their primals' types (see `jax_internals.vary_alike`).
     lhs, rhs = jax_internals.vary_alike([lhs, rhs])
     return _ragged_dot(out_dtype, backend, lhs, rhs, group_sizes)
+
+
+def _check_arguments(lhs, rhs, group_sizes) -> Any:
+    """Raises on a bad call; returns group_sizes as a JAX array."""
+    group_sizes = validation.group_sizes_array(group_sizes)
+    validation.require_layouts(
+        ("lhs", lhs, "(m, k)"), ("rhs", rhs, "(E, k, n)"), ("group_sizes", group_sizes, "(E,)"), experts="rhs"
+    )
+    validation.require_dtype("lhs", lhs, validation.FLOAT_DTYPES)
+    if np.dtype(rhs.dtype) != np.dtype(lhs.dtype):
+        raise TypeError(
+            f"rhs.dtype must equal lhs.dtype={np.dtype(lhs.dtype).name}, "
+            f"got rhs.dtype={np.dtype(rhs.dtype).name}"
+        )
+    validation.require_integer("group_sizes", group_sizes)
+    return group_sizes
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -215,43 +215,6 @@ def check_block_scales(grad, weight, grad_scale, weight_scale) -> None:
     require_dtype("weight_scale", weight_scale, (mx.SCALE_DTYPE,))
 
 
-def check_moe_mlp(x, w1, w2, prob, group_sizes, b1) -> Any:
-    """Raises on a bad call; returns group_sizes as a JAX array."""
-    group_sizes = group_sizes_array(group_sizes)
-    layouts = [("x", x, "(m, d)"), ("w1", w1, "(E, d, f)"), ("w2", w2, "(E, f, d)"), ("prob", prob, "(m,)"),
-               ("group_sizes", group_sizes, "(E,)")]
-    if b1 is not None:
-        layouts.append(("b1", b1, "(E, f)"))
-    require_layouts(*layouts, experts="w1")
-    require_dtype("x", x, FLOAT_DTYPES)
-    for name, array in (("w1", w1), ("w2", w2)):
-        if np.dtype(array.dtype) != np.dtype(x.dtype):
-            raise TypeError(
-                f"{name}.dtype must equal x.dtype={np.dtype(x.dtype).name}, "
-                f"got {name}.dtype={np.dtype(array.dtype).name}"
-            )
-    require_dtype("prob", prob, FLOAT_DTYPES)
-    require_integer("group_sizes", group_sizes)
-    if b1 is not None:
-        require_dtype("b1", b1, FLOAT_DTYPES)
-    return group_sizes
-
-
-def check_ragged_dot(lhs, rhs, group_sizes) -> Any:
-    """Raises on a bad call; returns group_sizes as a JAX array."""
-    group_sizes = group_sizes_array(group_sizes)
-    require_layouts(("lhs", lhs, "(m, k)"), ("rhs", rhs, "(E, k, n)"), ("group_sizes", group_sizes, "(E,)"),
-                    experts="rhs")
-    require_dtype("lhs", lhs, FLOAT_DTYPES)
-    if np.dtype(rhs.dtype) != np.dtype(lhs.dtype):
-        raise TypeError(
-            f"rhs.dtype must equal lhs.dtype={np.dtype(lhs.dtype).name}, "
-            f"got rhs.dtype={np.dtype(rhs.dtype).name}"
-        )
-    require_integer("group_sizes", group_sizes)
-    return group_sizes
-
-
 def backend_name(value: Any) -> str:
     if value not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKEND_NAMES))}, got {value!r}")
