@@ -1,1 +1,2 @@
-"""The MoE layer around the expert MLP: routing, dispatch and combine, the layer, expert parallelism."""
+"""The MoE layer around the expert MLP: its options and weights, checked once; routing, dispatch and
+combine; the layer; expert parallelism; the Hugging Face NemotronH converter."""

@@ -18,9 +18,6 @@ import numpy as np
 from jax_dsrelu.moe import routing
 from jax_dsrelu.primitives import validation
 
-FLOAT_DTYPES = validation.FLOAT_DTYPES
-
-
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=[
@@ -69,8 +66,8 @@ class LayerWeights:
             latent, latent_name = latent_in.shape[1], "latent_in.shape[1] (l)"
             validation.require_dim("latent_out", latent_out, 0, latent, latent_name)
             validation.require_dim("latent_out", latent_out, 1, d, "x.shape[1] (d)")
-            validation.require_dtype("latent_in", latent_in, FLOAT_DTYPES)
-            validation.require_dtype("latent_out", latent_out, FLOAT_DTYPES)
+            validation.require_dtype("latent_in", latent_in, validation.FLOAT_DTYPES)
+            validation.require_dtype("latent_out", latent_out, validation.FLOAT_DTYPES)
         width = "l" if self.latent_in is not None else "d"
         for name, array, layout in (("w1", w1, f"(E, {width}, f)"), ("w2", w2, f"(E, f, {width})")):
             validation.require_array(name, array, layout)
@@ -82,16 +79,16 @@ class LayerWeights:
         validation.require_dim("w2", w2, 0, num_experts, "w1.shape[0] (E)")
         validation.require_dim("w2", w2, 1, f, "w1.shape[2] (f)")
         validation.require_dim("w2", w2, 2, latent, latent_name)
-        validation.require_dtype("x", x, FLOAT_DTYPES)
-        validation.require_dtype("router", router, FLOAT_DTYPES)
-        validation.require_dtype("w1", w1, FLOAT_DTYPES)
+        validation.require_dtype("x", x, validation.FLOAT_DTYPES)
+        validation.require_dtype("router", router, validation.FLOAT_DTYPES)
+        validation.require_dtype("w1", w1, validation.FLOAT_DTYPES)
         _require_same_dtype("w2", w2, "w1", w1)
         if b1 is not None:
             validation.require_array("b1", b1, "(E, f)")
             validation.require_rank("b1", b1, 2, "(E, f)")
             validation.require_dim("b1", b1, 0, num_experts, "w1.shape[0] (E)")
             validation.require_dim("b1", b1, 1, f, "w1.shape[2] (f)")
-            validation.require_dtype("b1", b1, FLOAT_DTYPES)
+            validation.require_dtype("b1", b1, validation.FLOAT_DTYPES)
         routing.check_expert_bias(self.expert_bias, num_experts)
         _require_pair("shared_w1", self.shared_w1, "shared_w2", self.shared_w2)
         if self.shared_w1 is not None:
@@ -102,7 +99,7 @@ class LayerWeights:
             validation.require_dim("shared_w1", shared_w1, 0, d, "x.shape[1] (d)")
             validation.require_dim("shared_w2", shared_w2, 0, shared_w1.shape[1], "shared_w1.shape[1] (fs)")
             validation.require_dim("shared_w2", shared_w2, 1, d, "x.shape[1] (d)")
-            validation.require_dtype("shared_w1", shared_w1, FLOAT_DTYPES)
+            validation.require_dtype("shared_w1", shared_w1, validation.FLOAT_DTYPES)
             _require_same_dtype("shared_w2", shared_w2, "shared_w1", shared_w1)
 
 
