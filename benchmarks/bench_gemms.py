@@ -1,41 +1,29 @@
 """Times the six grouped GEMMs of an MoE layer step against their alternatives, on one GPU.
 
-At each layer shape (m, d, f, E) and grouping (--groups: "dirichlet", ragged sizes drawn
-from a flat Dirichlet; "equal", m / E rows each), with one set of bf16 inputs shared by
-every variant:
+At each layer shape (m, d, f, E) and grouping (--groups: "dirichlet" ragged sizes or
+"equal", m / E rows each), with one set of bf16 inputs shared by every variant:
 
     up      h, act = srelu(x (m, d) @ W1[e] (E, d, f) + b1[e])   forward, epilogue fused
     down    y = act (m, f) @ W2[e] (E, f, d)                       forward
     dsrelu  grouped_gemm_dsrelu(dy, W2, h, prob): dh, dprob, db1, act   backward, fused
     dx      dx = dh (m, f) @ W1[e]^T, W1 read in place as (E, n=d, k=f)
-    dw1     dW1[e] = x_e^T dh_e  -> (E, d, f)                      ragged contraction
-    dw2     dW2[e] = act_e^T dy_e -> (E, f, d)                     ragged contraction
+    dw1     dW1[e] = x_e^T dh_e -> (E, d, f);   dw2  dW2[e] = act_e^T dy_e -> (E, f, d)
 
-each GEMM 2 m d f FLOPs, timed as
+each 2 m d f FLOPs, every variant in bf16 (precision.py states each; the record holds it):
 
-    sm90          our kernel, through the backend protocol (dsrelu: grouped_gemm_dsrelu,
-                  backend="sm90"; also sm90_det, deterministic=True)
-    xla           jax.lax.ragged_dot / ragged_dot_general (and the epilogue in XLA)
-    pallas        jaxlib's Pallas ragged_dot_mgpu (transposed_ragged_dot_mgpu for dw1 and
-                  dw2), best of a few block configurations; up and dsrelu with their
-                  epilogue in XLA
-    cublas_dense  one dense jnp.dot of the same FLOPs (same operand layouts, no groups)
-    cublas_batched  the same GEMM as E batches of m / E rows (lax.dot_general with a batch
-                  dimension, same operand layouts): the ceiling of equal groups, which a
-                  ragged kernel cannot beat by much at any grouping
-    quack         QuACK's ragged GEMMs (a PyTorch library), best of a few configurations
-                  (quack_gemms.py); only when --variants names it
+    sm90            our kernel through the backend protocol (and sm90_det for dsrelu)
+    cublas_dense    one dense bf16 GEMM of the same FLOPs, as a user writes it (same layouts)
+    cublas_batched  the same as E batches of m / E rows: the ceiling of equal groups
+    quack           QuACK's ragged GEMMs (quack_gemms.py); only when --variants names it
 
-Every input is larger than the 50 MB L2. Each variant's output is checked against XLA's
-float32 result before its time is recorded (tolerances from the arithmetic: `check_matmul`);
-a variant that fails (not built yet, a configuration that does not fit, a wrong result)
-is recorded as an error and the script goes on.
+Each output is checked against XLA's float32 result before it is timed (`compare`: bounds
+from the arithmetic); a variant that fails is recorded as an error and the script goes on.
 
     python benchmarks/bench_gemms.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_gemms.py --prebuild
     python benchmarks/bench_gemms.py --cpu --out /tmp/gemms     # plumbing test, wall clock
 
-writes bench_gemms.json and bench_gemms.png.
+writes bench_gemms.json (bench_gemms_<label>.json with --label) and its PNG.
 """
 
 from __future__ import annotations
@@ -52,41 +40,28 @@ from jax import lax
 
 import cuda_lowering
 import harness
+import precision
 import quack_gemms
 import run_record
 import timing
-from bench_dsrelu import PALLAS_CONFIGS, fused, pallas_then_xla
-from harness import SHAPES, group_sizes_for
+from harness import BF16, group_sizes_for
 import jax_dsrelu
 from jax_dsrelu import groups
 from jax_dsrelu.kernels import registry as backend_choice
 from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest
 
 GEMMS = ("up", "down", "dsrelu", "dx", "dw1", "dw2")
-VARIANTS = ("sm90", "sm90_det", "xla", "pallas", "cublas_dense", "cublas_batched")
+VARIANTS = ("sm90", "sm90_det", "cublas_dense", "cublas_batched")
 # Run only when --variants names them: QuACK needs PyTorch and quack-kernels installed.
 OPTIONAL_VARIANTS = ("quack",)
-# The two fastest of bench_dsrelu.py's block configurations at these shapes (the third,
-# 128x256, was 2x slower everywhere).
-RAGGED_PALLAS_CONFIGS = [PALLAS_CONFIGS[0], PALLAS_CONFIGS[2]]
-TRANSPOSED_PALLAS_CONFIGS = [
-    dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
-    dict(block_m=128, block_n=128, block_k=128, max_concurrent_steps=2, grid_block_n=2),
-]
-BF16 = np.dtype(jnp.bfloat16)
 # Unit roundoff (half an ulp at 1) of each output dtype, and of the float32 accumulator.
 UNIT_ROUNDOFF = {np.dtype(jnp.bfloat16): 2.0**-8, np.dtype(jnp.float16): 2.0**-11, np.dtype(jnp.float32): 2.0**-24}
 F32_ROUNDOFF = 2.0**-24
-# dsrelu is checked normwise against the XLA backend (as bench_dsrelu.py does): outputs
+# dsrelu is checked normwise against the XLA backend: outputs
 # rounded to bf16 on both sides differ by at most two roundings plus the effect of the
 # float32 summation order, so 4 units of bf16 roundoff; float32 sums differ only by their
 # summation order, about sqrt(n) 2^-24 relative, far below 2^-10.
 DSRELU_TOLERANCE = {"dh": 2.0**-6, "act": 2.0**-6, "dprob": 2.0**-10, "dbias": 2.0**-10, "amax": 2.0**-6}
-# Pallas' ragged_dot_mgpu returns its accumulator rounded to bfloat16, so each term of the
-# Pallas+XLA path's dprob and dbias carries one rounding of relative size up to 2^-8,
-# independent from term to term: normwise about 2^-8 / sqrt(3) (uniform rounding errors).
-# 2^-7 leaves a margin of 3.5x over that; a missing tile or a wrong expert errs by O(1).
-DSRELU_ROUNDED_ACCUMULATOR_TOLERANCE = dict(DSRELU_TOLERANCE, dprob=2.0**-7, dbias=2.0**-7)
 RAGGED_ROWS_CONTRACTED = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((0,), (0,)), ((), ())),
     lhs_ragged_dimensions=[0],
@@ -158,37 +133,9 @@ class RaggedMatmul:
         rhs = rhs if self.rhs_layout == "kn" else jnp.swapaxes(rhs, 1, 2)
         return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
 
-    def finish(self, acc, group_sizes, prob=None, b1=None):
-        """The GEMM's outputs from its float32 (or already rounded) accumulator, in XLA."""
-        if self.epilogue == "none":
-            return (acc.astype(BF16),)
-        h = acc.astype(jnp.float32) + bias_rows(b1, group_sizes, acc.shape[0])
-        # act is made from h as stored, rounded. XLA drops a float32 -> bfloat16 -> float32
-        # round trip (its excess-precision default) but keeps reduce_precision, which rounds
-        # exactly as the conversion does.
-        rounded = lax.reduce_precision(h, exponent_bits=8, mantissa_bits=7)
-        return h.astype(BF16), activation_f32(rounded, prob).astype(BF16)
-
-    def xla(self, lhs, rhs, group_sizes, *epilogue_operands):
-        return self.finish(self.xla_accumulator(lhs, rhs, group_sizes), group_sizes, *epilogue_operands)
-
-    def pallas(self, config):
-        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
-        def run(lhs, rhs, group_sizes, *epilogue_operands):
-            acc = ragged_dot_mgpu.ragged_dot(
-                lhs, rhs, group_sizes=group_sizes, transpose_rhs=self.rhs_layout == "nk", **config
-            )
-            return self.finish(acc, group_sizes, *epilogue_operands)
-
-        return run
-
     def dense(self, lhs, weight):
         contract = 0 if self.rhs_layout == "kn" else 1
         return lax.dot_general(lhs, weight, (((1,), (contract,)), ((), ())))
-
-    def dense_names(self):
-        return (self.lhs, self.dense_weight)
 
     def batched(self, lhs, rhs):
         """E batches of m / E rows of lhs, each times its rhs[e] as stored."""
@@ -196,9 +143,6 @@ class RaggedMatmul:
         contract = 1 if self.rhs_layout == "kn" else 2
         out = lax.dot_general(lhs.reshape(batches, -1, lhs.shape[1]), rhs, (((2,), (contract,)), ((0,), (0,))))
         return out.reshape(lhs.shape[0], -1)
-
-    def batched_names(self):
-        return (self.lhs, self.rhs)
 
     def reference(self, operands) -> dict:
         """XLA's float32 result and |lhs| @ |rhs|, the scale of its summation error."""
@@ -248,24 +192,9 @@ class RaggedContract:
             lhs, rhs, group_sizes, RAGGED_ROWS_CONTRACTED, preferred_element_type=jnp.float32
         )
 
-    def xla_with(self, out_dtype):
-        return lambda lhs, rhs, group_sizes: (self.xla_accumulator(lhs, rhs, group_sizes).astype(out_dtype),)
-
-    def pallas(self, config):
-        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
-
-        def run(lhs, rhs, group_sizes):
-            # lhs (K=m, M=a) and rhs (K=m, N=b) are read as stored: no transpose.
-            return (transposed_ragged_dot_mgpu.transposed_ragged_dot(lhs, rhs, group_sizes=group_sizes, **config),)
-
-        return run
-
     @staticmethod
     def dense(lhs, rhs):
         return lax.dot_general(lhs, rhs, (((0,), (0,)), ((), ())))
-
-    def dense_names(self):
-        return (self.lhs, self.rhs)
 
     @staticmethod
     def batched(lhs, rhs, batches):
@@ -274,9 +203,6 @@ class RaggedContract:
             lhs.reshape(batches, -1, lhs.shape[1]), rhs.reshape(batches, -1, rhs.shape[1]),
             (((1,), (1,)), ((0,), (0,))),
         )
-
-    def batched_names(self):
-        return (self.lhs, self.rhs)
 
     def reference(self, operands) -> dict:
         lhs, rhs, sizes = (operands[n] for n in (self.lhs, self.rhs, "group_sizes"))
@@ -353,8 +279,6 @@ def check_passes(checks: dict) -> bool:
 
 
 def check_dsrelu(outputs, reference, tolerances=DSRELU_TOLERANCE) -> dict:
-    if not hasattr(outputs, "dh"):  # the Pallas variant returns a plain tuple
-        outputs = jax_dsrelu.DsreluOutputs(*outputs)
     checks = {}
     for field, tolerance in tolerances.items():
         ours, ref = np.asarray(getattr(outputs, field), np.float64), np.asarray(getattr(reference, field), np.float64)
@@ -392,6 +316,12 @@ def quack_check(gemm, operands, reference) -> Callable:
 # -------------------------------------------------------------------------- variants
 
 
+def fused(backend, deterministic=False):
+    """grouped_gemm_dsrelu with every output (dbias, act) on `backend`."""
+    return jax.jit(lambda *a: jax_dsrelu.grouped_gemm_dsrelu(
+        *a, with_dbias=True, with_act=True, deterministic=deterministic, backend=backend))
+
+
 def sm90_implementation(request):
     """Our kernel for `request` through the backend protocol, or NotImplementedError why not."""
     backend = backend_choice.kernel_backend("sm90")
@@ -408,8 +338,7 @@ class Variant:
     name: str
     build: Callable[[], Callable]  # may raise: then the variant is an error entry
     operands: tuple[str, ...]
-    check: str | None  # "matmul", "dsrelu" or "dsrelu_rounded_accumulator"; None: not comparable
-    config: dict | None = None
+    check: str | None  # "matmul" or "dsrelu"; None: not comparable
 
 
 def gemm_variants(gemm: str, shapes, out_dtype) -> list[Variant]:
@@ -418,9 +347,6 @@ def gemm_variants(gemm: str, shapes, out_dtype) -> list[Variant]:
         return [
             Variant("sm90", lambda: fused("sm90", False), DSRELU_OPERANDS, "dsrelu"),
             Variant("sm90_det", lambda: fused("sm90", True), DSRELU_OPERANDS, "dsrelu"),
-            Variant("xla", lambda: fused("xla"), DSRELU_OPERANDS, None),
-            *[Variant("pallas", functools.partial(pallas_then_xla, c), DSRELU_OPERANDS, "dsrelu_rounded_accumulator", c)
-              for c in RAGGED_PALLAS_CONFIGS],
             Variant("cublas_dense", lambda: jax.jit(RaggedMatmul("dy", "w2", "nk", "w2_dense").dense),
                     ("dy", "w2_dense"), None),
             Variant("cublas_batched", lambda: jax.jit(RaggedMatmul("dy", "w2", "nk", "w2_dense").batched),
@@ -431,45 +357,29 @@ def gemm_variants(gemm: str, shapes, out_dtype) -> list[Variant]:
     contraction = isinstance(spec, RaggedContract)
     request = spec.request(shapes, out_dtype)
     ours = lambda: jax.jit(sm90_implementation(request))  # noqa: E731
-    xla = spec.xla_with(out_dtype) if contraction else spec.xla
-    configs = TRANSPOSED_PALLAS_CONFIGS if contraction else RAGGED_PALLAS_CONFIGS
     num_experts = shapes["group_sizes"].shape[0]
     batched = functools.partial(spec.batched, batches=num_experts) if contraction else spec.batched
     return [
         Variant("sm90", ours, names, "matmul"),
-        Variant("xla", lambda: jax.jit(xla), names, None),
-        *[Variant("pallas", lambda c=c: jax.jit(spec.pallas(c)), names, "matmul", c) for c in configs],
-        Variant("cublas_dense", lambda: jax.jit(spec.dense), spec.dense_names(), None),
-        Variant("cublas_batched", lambda: jax.jit(batched), spec.batched_names(), None),
+        Variant("cublas_dense", lambda: jax.jit(spec.dense), (spec.lhs, getattr(spec, "dense_weight", spec.rhs)), None),
+        Variant("cublas_batched", lambda: jax.jit(batched), (spec.lhs, spec.rhs), None),
     ]
 
 
 def run_variant(variant, gemm, operands, reference, reps, clock) -> dict:
     """Builds, checks and times one variant; any failure becomes the entry's error."""
-    stage = "build"
     try:
         fn = variant.build()
-        args = tuple(operands[name] for name in variant.operands)
-        stage = "run"
-        outputs = fn(*args)
-        entry = {}
-        if variant.check is not None:
-            stage = "check"
-            if variant.check == "dsrelu":
-                entry["check"] = check_dsrelu(outputs, reference)
-            elif variant.check == "dsrelu_rounded_accumulator":
-                entry["check"] = check_dsrelu(outputs, reference, DSRELU_ROUNDED_ACCUMULATOR_TOLERANCE)
-            else:
-                entry["check"] = MATMULS[gemm].check(outputs, reference, operands)
-            if not check_passes(entry["check"]):
-                print(f"  {variant.name} disagrees with XLA: {entry['check']}", flush=True)
-                return dict(entry, error="result outside the tolerance: not timed", stage="check")
-        del outputs
-        stage = "timing"
-        entry.update(timing.time_call(fn, args, reps, clock).record())
-        return entry
-    except Exception as error:  # recorded; the next variant runs
-        return run_record.error_entry(error, stage)
+    except Exception as error:  # not built: recorded, the next variant runs
+        return run_record.error_entry(error, "build")
+
+    def check(outputs):
+        checks = (check_dsrelu(outputs, reference) if variant.check == "dsrelu"
+                  else MATMULS[gemm].check(outputs, reference, operands))
+        return checks, check_passes(checks)
+
+    args = tuple(operands[name] for name in variant.operands)
+    return harness.measure(fn, args, reps, clock, check=check if variant.check else None)[0]
 
 
 def bench_gemm(gemm, shape, operands, reps, clock, out_dtype, selected) -> dict:
@@ -480,56 +390,29 @@ def bench_gemm(gemm, shape, operands, reps, clock, out_dtype, selected) -> dict:
     else:
         reference = MATMULS[gemm].reference(operands)
     results: dict[str, dict] = {}
-    pallas_tried = []
     for variant in gemm_variants(gemm, operand_shapes(*shape), out_dtype):
-        if variant.name not in selected:
-            continue
-        print(f"{shape} {gemm} {variant.name} {variant.config or ''}", flush=True)
-        entry = run_variant(variant, gemm, operands, reference, reps, clock)
-        if variant.name == "pallas":
-            pallas_tried.append(dict(entry, config=variant.config))
-            continue
-        results[variant.name] = entry
+        if variant.name in selected:
+            print(f"{shape} {gemm} {variant.name}", flush=True)
+            results[variant.name] = run_variant(variant, gemm, operands, reference, reps, clock)
     if "quack" in selected:
         print(f"{shape} {gemm} quack", flush=True)
         results["quack"] = quack_gemms.bench_entry(
             gemm, operands, quack_check(gemm, operands, reference), check_passes, reps, clock, out_dtype)
-    if pallas_tried:
-        results["pallas"] = run_record.best_of(pallas_tried)
-    cublas = results.get("cublas_dense", {}).get("ms")
     for entry in results.values():
         if "ms" in entry:
             entry["tflops"] = timing.tflops(flops, entry["ms"])
-            if cublas:
-                entry["fraction_of_cublas"] = cublas / entry["ms"]
-    return dict(flops=flops, variants=results, ratios=ratios(results))
-
-
-def ratios(results) -> dict:
-    ms = {name: entry["ms"] for name, entry in results.items() if "ms" in entry}
-    out = {}
-    for ours in ("sm90", "sm90_det"):
-        if ours not in ms:
-            continue
-        for other, key in (("cublas_dense", "vs_cublas_throughput"), ("cublas_batched", "vs_cublas_batched"),
-                           ("xla", "speedup_vs_xla"), ("pallas", "speedup_vs_pallas"),
-                           ("quack", "speedup_vs_quack")):
-            if other in ms:
-                out[f"{ours}_{key}"] = ms[other] / ms[ours]
-    if "sm90" in ms and "sm90_det" in ms:
-        out["det_overhead"] = ms["sm90_det"] / ms["sm90"] - 1.0
-    return out
+    return dict(flops=flops, variants=results)
 
 
 # ------------------------------------------------------------------------- prebuild
 
 
-# Variants whose kernels a prebuild compiles (xla: none, but lowering it tests the path).
-PREBUILT_VARIANTS = ("sm90", "sm90_det", "xla")
+# Variants whose kernels a prebuild compiles.
+PREBUILT_VARIANTS = ("sm90", "sm90_det")
 
 
 def prebuild(shapes, gemms, variants, out_dtype) -> None:
-    """Lowers the selected sm90 (and xla) variants at these shapes for cuda, which builds
+    """Lowers the selected sm90 variants at these shapes for cuda, which builds
     and caches the kernels they run."""
     cuda_lowering.prepare()
     for shape in shapes:
@@ -551,32 +434,13 @@ def prebuild(shapes, gemms, variants, out_dtype) -> None:
 
 
 def plot(rows, path, title):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shown = ("sm90", "pallas", "xla", "cublas_dense", "cublas_batched", "quack")
-    fig, axes = plt.subplots(len(rows), 1, figsize=(10, 3.2 * len(rows)), squeeze=False)
-    width = 0.13
-    for ax, row in zip(axes[:, 0], rows):
-        gemms = list(row["gemms"])
-        for index, variant in enumerate(shown):
-            x = np.arange(len(gemms)) + (index - 2.5) * width
-            values = [row["gemms"][g]["variants"].get(variant, {}).get("tflops", 0.0) for g in gemms]
-            ax.bar(x, values, width, label=variant)
-            for xi, value in zip(x, values):
-                if value == 0.0:
-                    ax.text(xi, 0, "x", ha="center", va="bottom", fontsize=7)
-        s = row["shape"]
-        ax.set_title(f"m={s['m']} d={s['d']} f={s['f']} E={s['E']}, {row.get('grouping', 'dirichlet')} groups", fontsize=9)
-        ax.set_xticks(np.arange(len(gemms)))
-        ax.set_xticklabels(gemms)
-        ax.set_ylabel("TFLOP/s")
-    axes[0, 0].legend(fontsize=8, ncol=4)
-    fig.suptitle(title + "  (x: failed or not built)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    shown = ("sm90", "cublas_dense", "cublas_batched", "quack")
+    panels = []
+    for row in rows:
+        s, gemms = row["shape"], list(row["gemms"])
+        series = {v: [row["gemms"][g]["variants"].get(v, {}).get("tflops", 0.0) for g in gemms] for v in shown}
+        panels.append((f"m={s['m']} d={s['d']} f={s['f']} E={s['E']}, {row['grouping']} groups", gemms, series))
+    harness.plot_bars(panels, path, title, "TFLOP/s")
 
 
 def arguments(argv=None):
@@ -602,26 +466,13 @@ def main(argv=None):
             try:
                 row["gemms"][gemm] = bench_gemm(gemm, shape, operands, options.reps, clock, out_dtype, options.variants)
             except Exception as error:  # the reference itself failed (out of memory, say)
-                row["gemms"][gemm] = dict(run_record.error_entry(error, "reference"), variants={}, ratios={})
+                row["gemms"][gemm] = dict(run_record.error_entry(error, "reference"), variants={})
             save()
 
-    harness.run(options, "bench_gemms.json", "grouped GEMMs, bf16", measure_row, plot, summarize,
-                benchmark="grouped GEMMs of an MoE layer step, bf16", contract_out_dtype=out_dtype.name,
-                flops="2 m d f per GEMM")
-
-
-def summarize(rows):
-    for row in rows:
-        s = row["shape"]
-        print(f"m={s['m']} d={s['d']} f={s['f']} E={s['E']} {row.get('grouping', 'dirichlet')}   ms (TFLOP/s)")
-        for gemm, entry in row["gemms"].items():
-            cells = []
-            for variant, result in entry["variants"].items():
-                cell = f"{result['ms']:.3f} ({result['tflops']:.0f})" if "ms" in result else "error"
-                cells.append(f"{variant}={cell}")
-            print(f"  {gemm:<7} " + "  ".join(cells))
-            if entry["ratios"]:
-                print(f"  {'':<7} " + "  ".join(f"{k}={v:.3f}" for k, v in entry["ratios"].items()))
+    harness.run(options, measure_row, plot, lambda rows: harness.summarize(rows, "gemms"), benchmark="bench_gemms",
+                title="grouped GEMMs, bf16", description="the six grouped GEMMs of an MoE layer step, bf16",
+                contract_out_dtype=out_dtype.name, flops="2 m d f per GEMM",
+                precision=precision.stated("bench_gemms", options.variants))
 
 
 if __name__ == "__main__":

@@ -7,63 +7,52 @@ computations:
     step     jax.value_and_grad of sum(y * cotangent) in x, w1, w2, prob and b1
     forward  y alone
 
-for the variants
+for the variants (precision.py states how each computes; the record holds it)
 
-    xla        moe_mlp(backend="xla")
-    sm90       moe_mlp(backend="sm90", deterministic=False)
-    sm90_det   moe_mlp(backend="sm90", deterministic=True)
-    pallas     an MLP of jaxlib's Pallas kernels with a custom VJP (`pallas_mlp`): the
-               GEMMs on ragged_dot_mgpu (forward, da, dx) and transposed_ragged_dot_mgpu
-               (dW1, dW2); in XLA: b1, the activation, the dsReLU epilogue, dprob and db1
-    dense_xla  XLA's dense MLP of the same FLOPs (one (d, f) and one (f, d) weight)
-    batched_xla  XLA's MLP over E batches of m / E rows (batched GEMMs, every expert's
-               own weights): the ceiling of equal groups
-    batched_cublas  the same with every GEMM on cuBLAS (harness.CUBLAS_ONLY)
+    xla          moe_mlp(backend="xla")
+    sm90         moe_mlp(backend="sm90", deterministic=False)
+    sm90_det     moe_mlp(backend="sm90", deterministic=True)
+    dense_mlp    the dense bf16 MLP of the same FLOPs as a user writes it (one (d, f) and
+                 one (f, d) weight for every row; jnp.dot on bf16 to bf16, autodiff)
+    batched_mlp  the same over E equal batches of m / E rows, each with its expert's weights
+    cublas_dense    the step's six GEMMs (the forward's two) alone, as dense bf16 GEMMs of
+                 the same shapes, every one on cuBLAS: the practical ceiling of the step
+    cublas_batched  the same over E equal batches of m / E rows (batched cuBLAS GEMMs)
 
 Throughput counts 12 m d f FLOPs per step and 4 m d f per forward. Each variant records
-its CUPTI per-kernel breakdown (timing.py) and the step's peak device memory from XLA's
-memory analysis of the compiled computation (arguments + outputs + temporaries - aliased).
-The sm90 and Pallas results are checked against the xla backend's before they are timed;
+its CUPTI per-kernel breakdown (timing.py) and its peak device memory (harness.memory).
+The sm90 results are checked against the xla backend's before they are timed;
 a variant that fails is recorded as an error and the script goes on.
 
     python benchmarks/bench_layer.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_layer.py --prebuild
     python benchmarks/bench_layer.py --cpu --out /tmp/layer     # plumbing test, wall clock
 
-writes bench_layer.json and bench_layer.png.
+writes bench_layer.json (gzipped where large: run_record.write_json) and bench_layer.png.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 import cuda_lowering
 import harness
-import run_record
-import timing
+import precision
 from bench_gemms import activation
-from harness import SHAPES, group_sizes_for
+from harness import BF16, group_sizes_for
 
 import jax_dsrelu
-from jax_dsrelu import groups
 
-VARIANTS = ("xla", "sm90", "sm90_det", "pallas", "dense_xla", "batched_xla", "batched_cublas")
-XLA_VARIANTS = ("xla", "dense_xla", "batched_xla", "batched_cublas")
+VARIANTS = ("xla", "sm90", "sm90_det", "dense_mlp", "batched_mlp", "cublas_dense", "cublas_batched")
+# Variants that compute something else than moe_mlp: timed, not checked against it.
+BASELINES = ("dense_mlp", "batched_mlp", "cublas_dense", "cublas_batched")
 MODES = ("step", "forward")
 FLOPS_PER_MDF = {"step": 12.0, "forward": 4.0}
 GRADIENTS = ("x", "w1", "w2", "prob", "b1")  # moe_mlp's differentiable operands, in order
-BF16 = np.dtype(jnp.bfloat16)
-# Block configurations of the Pallas MLP, tried in order until one compiles and agrees
-# (ragged_dot_mgpu, transposed_ragged_dot_mgpu); the first pair was bench_dsrelu.py's best.
-PALLAS_CONFIGS = [
-    (dict(block_m=64, block_n=256, block_k=64, max_concurrent_steps=4, grid_block_n=2),
-     dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)),
-    (dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=2),
-     dict(block_m=128, block_n=128, block_k=128, max_concurrent_steps=2, grid_block_n=2)),
-]
 # Normwise, against the xla backend. Both round h, act and dh to bf16 before the bf16
 # GEMMs that follow; where their float32 sums differ in the last bits those roundings
 # differ by an ulp, so results agree to a few bf16 ulps (2^-8 each) relative to their norm.
@@ -80,6 +69,7 @@ def operand_shapes(m, d, f, num_experts) -> dict[str, jax.ShapeDtypeStruct]:
         prob=s((m,), jnp.float32), b1=s((num_experts, f), jnp.float32),
         group_sizes=s((num_experts,), jnp.int32), cotangent=s((m, d), BF16),
         w1_dense=s((d, f), BF16), w2_dense=s((f, d), BF16), b1_dense=s((f,), jnp.float32),
+        act=s((m, f), BF16), dh=s((m, f), BF16),
     )
 
 
@@ -92,7 +82,7 @@ def make_operands(m, d, f, num_experts, seed, grouping="dirichlet") -> dict[str,
         prob=jax.random.uniform(next(keys), (m,), jnp.float32, 0.05, 1.0),
         b1=0.1 * jax.random.normal(next(keys), (num_experts, f), jnp.float32),
         group_sizes=jnp.asarray(group_sizes_for(grouping, m, num_experts, seed)),
-        cotangent=normal((m, d)),
+        cotangent=normal((m, d)), act=normal((m, f)), dh=normal((m, f)),
     )
     # The dense MLP's own weights, so no slice copy is timed with it.
     operands.update(w1_dense=jnp.array(operands["w1"][0]), w2_dense=jnp.array(operands["w2"][0]),
@@ -103,67 +93,6 @@ def make_operands(m, d, f, num_experts, seed, grouping="dirichlet") -> dict[str,
 # ------------------------------------------------------------------------ the variants
 
 
-def pallas_mlp(config, transposed_config):
-    """moe_mlp's function on jaxlib's Pallas Mosaic GPU kernels (`mlp_on`)."""
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
-
-    def ragged(lhs, rhs, group_sizes, transpose_rhs=False):
-        return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes, transpose_rhs=transpose_rhs, **config)
-
-    def contract(lhs, rhs, group_sizes):
-        # lhs (m, a) and rhs (m, b) are read as stored, the ragged m contracted.
-        return transposed_ragged_dot_mgpu.transposed_ragged_dot(lhs, rhs, group_sizes=group_sizes, **transposed_config)
-
-    return mlp_on(ragged, contract)
-
-
-def mlp_on(ragged, contract):
-    """(x, w1, w2, prob, b1, group_sizes) -> y with a custom VJP, on two GEMM functions:
-
-        ragged(lhs (m, k), rhs, group_sizes, transpose_rhs) -> (m, n) in lhs.dtype, rhs
-            stored (E, k, n), or (E, n, k) with transpose_rhs
-        contract(lhs (m, a), rhs (m, b), group_sizes) -> (E, a, b) in lhs.dtype
-
-    Pallas has no ragged GEMM with a fused epilogue, so b1, the activation, the dsReLU
-    backward (dh, dprob) and db1 (a dense dot with the one-hot expert matrix: a fixed
-    order, unlike a scatter-add) are XLA fusions around the GEMMs.
-    """
-
-    def forward(x, w1, w2, prob, b1, group_sizes):
-        expert, owned = groups.row_experts(group_sizes, x.shape[0])
-        bias = jnp.where(owned[:, None], b1[expert], 0.0)
-        h = (ragged(x, w1, group_sizes).astype(jnp.float32) + bias).astype(x.dtype)
-        return ragged(activation(h, prob), w2, group_sizes).astype(x.dtype), h
-
-    @jax.custom_vjp
-    def mlp(x, w1, w2, prob, b1, group_sizes):
-        return forward(x, w1, w2, prob, b1, group_sizes)[0]
-
-    def mlp_fwd(x, w1, w2, prob, b1, group_sizes):
-        y, h = forward(x, w1, w2, prob, b1, group_sizes)
-        return y, (x, w1, w2, prob, b1, group_sizes, h)
-
-    def mlp_bwd(residuals, dy):
-        x, w1, w2, prob, b1, group_sizes, h = residuals
-        dy = dy.astype(x.dtype)
-        expert, owned = groups.row_experts(group_sizes, x.shape[0])
-        da = ragged(dy, w2, group_sizes, transpose_rhs=True).astype(jnp.float32)  # W2 (E, f, d) read as (E, n, k)
-        r = jnp.maximum(h.astype(jnp.float32), 0.0)
-        dh32 = jnp.where(owned[:, None], 2.0 * da * r * prob[:, None], 0.0)
-        dprob = jnp.where(owned, jnp.sum(r * r * da, axis=1), 0.0)
-        one_hot = ((expert[:, None] == jnp.arange(w1.shape[0])) & owned[:, None]).astype(jnp.float32)
-        db1 = lax.dot_general(one_hot, dh32, (((0,), (0,)), ((), ())))
-        dh = dh32.astype(x.dtype)
-        dx = ragged(dh, w1, group_sizes, transpose_rhs=True).astype(x.dtype)  # W1 (E, d, f) read as (E, n, k)
-        dw1 = contract(x, dh, group_sizes).astype(w1.dtype)
-        dw2 = contract(activation(h, prob), dy, group_sizes).astype(w2.dtype)
-        dgroup_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
-        return dx, dw1, dw2, dprob.astype(prob.dtype), db1.astype(b1.dtype), dgroup_sizes
-
-    mlp.defvjp(mlp_fwd, mlp_bwd)
-    return mlp
-
-
 def moe_mlp_with(backend, deterministic):
     def layer(x, w1, w2, prob, b1, group_sizes):
         return jax_dsrelu.moe_mlp(x, w1, w2, prob, group_sizes, b1=b1, deterministic=deterministic, backend=backend)
@@ -172,19 +101,38 @@ def moe_mlp_with(backend, deterministic):
 
 
 def dense_mlp(x, w1, w2, prob, b1):
-    """XLA's dense MLP of the same FLOPs: every row through one expert's shapes."""
-    h = (jnp.dot(x, w1, preferred_element_type=jnp.float32) + b1).astype(x.dtype)
-    return jnp.dot(activation(h, prob), w2, preferred_element_type=jnp.float32).astype(x.dtype)
+    """The dense MLP of the same FLOPs, every row through one expert's shapes, in bf16."""
+    h = jnp.dot(x, w1, preferred_element_type=x.dtype) + b1.astype(x.dtype)
+    return jnp.dot(activation(h, prob), w2, preferred_element_type=x.dtype)
 
 
 def batched_mlp(x, w1, w2, prob, b1):
-    """XLA's MLP over E batches of m / E rows, batch e through expert e's weights."""
-    batches = w1.shape[0]
-    xb = x.reshape(batches, -1, x.shape[1])
-    h = (jnp.einsum("erd,edf->erf", xb, w1, preferred_element_type=jnp.float32) + b1[:, None]).astype(x.dtype)
+    """The MLP over E batches of m / E rows, batch e through expert e's weights, in bf16."""
+    xb = x.reshape(w1.shape[0], -1, x.shape[1])
+    h = jnp.einsum("erd,edf->erf", xb, w1, preferred_element_type=x.dtype) + b1[:, None].astype(x.dtype)
     act = activation(h.reshape(x.shape[0], -1), prob).reshape(h.shape)
-    y = jnp.einsum("erf,efd->erd", act, w2, preferred_element_type=jnp.float32).astype(x.dtype)
-    return y.reshape(x.shape)
+    return jnp.einsum("erf,efd->erd", act, w2, preferred_element_type=x.dtype).reshape(x.shape)
+
+
+def cublas_gemms(mode, batched):
+    """The step's GEMMs alone (the forward's: h and y), on operands of their shapes: the
+    forward's x W1 and act W2, the backward's dy W2^T, dh W1^T, x^T dh and act^T dy."""
+    def gemms(x, w1, w2, act, dh, dy):
+        if batched:  # E equal batches of rows, each with its expert's weights
+            x, act, dh, dy = (a.reshape(w1.shape[0], -1, a.shape[1]) for a in (x, act, dh, dy))
+        rows = "er" if batched else "r"
+        weight = "e" if batched else ""
+
+        def gemm(spec, a, b):
+            return jnp.einsum(spec.format(r=rows, e=weight), a, b, preferred_element_type=BF16)
+
+        outputs = (gemm("{r}d,{e}df->{r}f", x, w1), gemm("{r}f,{e}fd->{r}d", act, w2))
+        if mode == "step":
+            outputs += (gemm("{r}d,{e}fd->{r}f", dy, w2), gemm("{r}f,{e}df->{r}d", dh, w1),
+                        gemm("{r}d,{r}f->{e}df", x, dh), gemm("{r}f,{r}d->{e}fd", act, dy))
+        return outputs
+
+    return gemms
 
 
 def loss_of(layer):
@@ -196,37 +144,24 @@ def loss_of(layer):
     return loss
 
 
-def computation(variant, mode, pallas_configs=None):
+def computation(variant, mode):
     """(function, operand names) of one variant's step or forward."""
-    if variant == "dense_xla":
+    if variant in ("cublas_dense", "cublas_batched"):
+        weights = ("w1", "w2") if variant == "cublas_batched" else ("w1_dense", "w2_dense")
+        return cublas_gemms(mode, variant == "cublas_batched"), ("x", *weights, "act", "dh", "cotangent")
+    if variant == "dense_mlp":
         layer, names = dense_mlp, ("x", "w1_dense", "w2_dense", "prob", "b1_dense")
-    elif variant in ("batched_xla", "batched_cublas"):
+    elif variant == "batched_mlp":
         layer, names = batched_mlp, ("x", "w1", "w2", "prob", "b1")
     else:
         names = ("x", "w1", "w2", "prob", "b1", "group_sizes")
-        if variant == "pallas":
-            layer = pallas_mlp(*pallas_configs)
-        else:
-            layer = moe_mlp_with("xla" if variant == "xla" else "sm90", variant == "sm90_det")
+        layer = moe_mlp_with("xla" if variant == "xla" else "sm90", variant == "sm90_det")
     if mode == "forward":
         return layer, names
     return jax.value_and_grad(loss_of(layer), argnums=tuple(range(5))), names + ("cotangent",)
 
 
 # ----------------------------------------------------------------------------- running
-
-
-def memory(compiled) -> dict:
-    stats = compiled.memory_analysis()
-    if stats is None:
-        return {"unavailable": "this backend gives no memory analysis"}
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
-    entry = {field: int(getattr(stats, field)) for field in fields}
-    entry["peak_bytes"] = (
-        entry["argument_size_in_bytes"] + entry["output_size_in_bytes"]
-        + entry["temp_size_in_bytes"] - entry["alias_size_in_bytes"]
-    )
-    return entry
 
 
 def flatten(outputs, mode):
@@ -237,19 +172,12 @@ def flatten(outputs, mode):
     return {"loss": value, **{f"d{name}": grad for name, grad in zip(GRADIENTS, grads)}}
 
 
-@jax.jit
-def _relative_error(ours, reference):
-    difference = ours.astype(jnp.float32) - reference.astype(jnp.float32)
-    scale = jnp.maximum(jnp.linalg.norm(reference.astype(jnp.float32)), np.finfo(np.float32).tiny)
-    return jnp.linalg.norm(difference) / scale
-
-
 def compare(outputs, reference) -> dict:
     """Normwise errors against the xla backend. The loss is recorded but not judged: it is
     a sum of terms of both signs, so its relative error says nothing about the layer."""
     checks = {}
     for name, ref in reference.items():
-        relative = float(_relative_error(outputs[name], ref))
+        relative = float(harness.relative_error(outputs[name], ref))
         checks[name] = dict(relative_error=relative)
         if name != "loss":
             checks[name]["passes"] = relative <= TOLERANCE
@@ -258,42 +186,21 @@ def compare(outputs, reference) -> dict:
 
 def run_variant(variant, mode, operands, reference, reps, clock, flops) -> tuple[dict, dict | None]:
     """(entry, named outputs): compiled, checked against `reference`, timed; or an error."""
-    configs = PALLAS_CONFIGS if variant == "pallas" else [None]
-    failed: list[dict] = []  # earlier block configurations that did not work, and why
-    for config in configs:
-        stage, entry = "compile", {}
-        try:
-            fn, names = computation(variant, mode, config)
-            args = tuple(operands[name] for name in names)
-            options = harness.CUBLAS_ONLY if variant == "batched_cublas" else None
-            compiled = jax.jit(fn, compiler_options=options).lower(*args).compile()
-            entry = dict(memory=memory(compiled))
-            if config is not None:
-                entry["pallas_configs"] = [dict(block) for block in config]
-            stage = "run"
-            outputs = flatten(compiled(*args), mode)
-            if variant not in XLA_VARIANTS and reference is None:
-                # Recorded rather than dropped: without XLA's result there is nothing to check.
-                entry["check"] = "not checked: the xla backend failed at this shape"
-            elif variant not in XLA_VARIANTS:
-                stage = "check"
-                entry["check"] = compare(outputs, reference)
-                if not all(check.get("passes", True) for check in entry["check"].values()):
-                    print(f"  {variant} {mode} disagrees with the xla backend: {entry['check']}", flush=True)
-                    raise ValueError(f"{variant} {mode} outside the tolerance {TOLERANCE} of the xla backend")
-            stage = "timing"
-            entry.update(timing.time_call(compiled, args, reps, clock).record())
-            entry["tflops"] = timing.tflops(flops, entry["ms"])
-            if failed:
-                entry["failed_configs"] = failed
-            return entry, outputs
-        except Exception as error:  # recorded; the next configuration or variant runs
-            entry = dict(entry, **run_record.error_entry(error, stage))
-            if config is not None:
-                failed.append(dict(configs=[dict(block) for block in config], error=entry["error"], stage=stage))
-    if failed:
-        entry["failed_configs"] = failed
-    return entry, None
+    fn, names = computation(variant, mode)
+    if variant not in BASELINES:
+        fn = functools.partial(lambda fn, *args: flatten(fn(*args), mode), fn)
+
+    def check(outputs):
+        checks = compare(outputs, reference)
+        return checks, all(c.get("passes", True) for c in checks.values())
+
+    ours = variant not in ("xla", *BASELINES)
+    entry, outputs = harness.measure(
+        fn, tuple(operands[name] for name in names), reps, clock, check=check if ours and reference else None,
+        flops=flops, compiler_options=harness.CUBLAS_ONLY if variant.startswith("cublas") else None)
+    if ours and reference is None:  # recorded rather than dropped
+        entry["check"] = "not checked: the xla backend failed at this shape"
+    return entry, outputs
 
 
 def bench_shape(shape, row, operands, variants, modes, reps, clock, save) -> None:
@@ -314,25 +221,8 @@ def bench_shape(shape, row, operands, variants, modes, reps, clock, save) -> Non
                 reference = outputs
             results[variant] = entry
         del reference
-        row["modes"][mode] = dict(flops=flops, variants=results, ratios=ratios(results))
+        row["modes"][mode] = dict(flops=flops, variants=results)
         save()
-
-
-def ratios(results) -> dict:
-    ms = {name: entry["ms"] for name, entry in results.items() if "ms" in entry}
-    out = {}
-    for ours in ("sm90", "sm90_det", "pallas"):
-        for other in XLA_VARIANTS:
-            if ours in ms and other in ms:
-                out[f"{ours}_speedup_vs_{other}"] = ms[other] / ms[ours]
-    if "sm90" in ms and "sm90_det" in ms:
-        out["det_overhead"] = ms["sm90_det"] / ms["sm90"] - 1.0
-    peaks = {name: entry["memory"]["peak_bytes"] for name, entry in results.items()
-             if "peak_bytes" in entry.get("memory", {})}
-    for ours in ("sm90", "sm90_det"):
-        if ours in peaks and "xla" in peaks:
-            out[f"{ours}_peak_memory_vs_xla"] = peaks[ours] / peaks["xla"]
-    return out
 
 
 # ------------------------------------------------------------------------- prebuild
@@ -361,49 +251,11 @@ def prebuild(shapes, variants, modes) -> None:
 
 
 def plot(rows, path, title):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    modes = list(rows[0]["modes"]) if rows else []
-    fig, axes = plt.subplots(1, max(len(modes), 1), figsize=(6.5 * max(len(modes), 1), 4.5), squeeze=False)
-    width = 0.14
-    for ax, mode in zip(axes[0], modes):
-        for index, variant in enumerate(VARIANTS):
-            values = [row["modes"][mode]["variants"].get(variant, {}).get("tflops", 0.0) for row in rows]
-            x = np.arange(len(rows)) + (index - 2.5) * width
-            ax.bar(x, values, width, label=variant)
-            for xi, value in zip(x, values):
-                if value == 0.0:
-                    ax.text(xi, 0, "x", ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(np.arange(len(rows)))
-        ax.set_xticklabels([f"m={r['shape']['m']} d={r['shape']['d']}\nf={r['shape']['f']} E={r['shape']['E']}"
-                            f"\n{r.get('grouping', 'dirichlet')}" for r in rows], fontsize=7)
-        ax.set_ylabel(f"TFLOP/s ({FLOPS_PER_MDF[mode]:.0f} m d f / time)")
-        ax.set_title(mode, fontsize=10)
-    axes[0, 0].legend(fontsize=8)
-    fig.suptitle(title + "  (x: failed or not run)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def summarize(rows):
-    for row in rows:
-        s = row["shape"]
-        print(f"m={s['m']} d={s['d']} f={s['f']} E={s['E']} {row.get('grouping', 'dirichlet')}   "
-              "ms (TFLOP/s), peak memory")
-        for mode, entry in row["modes"].items():
-            cells = []
-            for variant, result in entry["variants"].items():
-                if "ms" in result:
-                    peak = result["memory"].get("peak_bytes", float("nan")) / 2**30
-                    cells.append(f"{variant}={result['ms']:.3f} ({result['tflops']:.0f}) {peak:.2f} GiB")
-                else:
-                    cells.append(f"{variant}=error")
-            print(f"  {mode:<8} " + "  ".join(cells))
-            if entry["ratios"]:
-                print(f"  {'':<8} " + "  ".join(f"{k}={v:.3f}" for k, v in entry["ratios"].items()))
+    labels = [f"{r['shape']['m']},{r['shape']['d']}\n{r['shape']['f']},{r['shape']['E']}\n{r['grouping']}" for r in rows]
+    panels = [(f"{mode} (TFLOP/s at {FLOPS_PER_MDF[mode]:.0f} m d f)", labels,
+               {v: [r["modes"][mode]["variants"].get(v, {}).get("tflops", 0.0) for r in rows] for v in VARIANTS})
+              for mode in (rows[0]["modes"] if rows else ())]
+    harness.plot_bars(panels, path, title, "TFLOP/s")
 
 
 def arguments(argv=None):
@@ -423,11 +275,11 @@ def main(argv=None):
         bench_shape(shape, row, operands, options.variants, options.modes, options.reps, clock, save)
 
     harness.run(
-        options, "bench_layer.json", "moe_mlp layer, bf16", measure_row, plot, summarize,
-        benchmark="moe_mlp layer: value_and_grad step and forward, bf16, with b1",
-        flops="12 m d f per step, 4 m d f per forward",
-        memory="XLA memory analysis of the compiled computation: arguments + outputs + temporaries - aliased",
-        pallas_in_xla="b1, activation, dsReLU epilogue (dh, dprob), db1 as a one-hot dense dot",
+        options, measure_row, plot, lambda rows: harness.summarize(rows, "modes"),
+        benchmark="bench_layer", title="moe_mlp layer, bf16",
+        description="moe_mlp layer: value_and_grad step and forward, bf16, with b1",
+        flops="12 m d f per step, 4 m d f per forward", memory=harness.MEMORY,
+        precision=precision.stated("bench_layer", options.variants),
     )
 
 

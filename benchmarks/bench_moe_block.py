@@ -9,21 +9,14 @@ shared expert's weights. Variants:
     auto       moe_layer(backend="auto", deterministic=False): the library's kernels
     auto_det   moe_layer(backend="auto", deterministic=True)
     xla        moe_layer(backend="xla"): the same block with its experts on XLA
-    gemms      the block's GEMMs alone, as XLA builds them (meant as a ceiling; at many
-               small experts XLA's batched GEMMs are slower than the library's kernels).
-               The routed experts' six (h, y forward; da, dx, dw1, dw2 backward) batched
-               over 128 equal experts of T * top_k / E rows each, the shared expert's six
-               and the router's three (logits, dx, drouter), with only the elementwise
-               work between them (the activation and its derivative). No routing, no
-               sort, no gathers, no ragged sizes.
-    gemms_cublas  the same with every GEMM on cuBLAS (harness.CUBLAS_ONLY); the ceiling
-               is the faster of the two
+    gemms      the block's GEMMs alone, in bf16 as a user writes them (the router float32,
+               as the block's): the routed experts' six batched over 128 equal experts of
+               T * top_k / E rows, the shared expert's six and the router's three, with only
+               the activation and its derivative between them; no routing, no ragged sizes.
+    gemms_cublas  the same with every GEMM on cuBLAS (harness.CUBLAS_ONLY)
 
-For each block variant the record gives its time, its CUPTI kernel breakdown, its peak
-memory (XLA's memory analysis) and outside_gemms = 1 - ceiling / variant, the ceiling being
-the faster GEMMs-alone variant: the fraction of the step that the ceiling does not spend, i.e. routing, dispatch, combine, the ragged
-grouping's cost and the fused epilogues beyond a plain GEMM's. The kernels' results are
-checked against the xla variant's before they are timed (normwise, bf16).
+Each variant's record holds its time, its CUPTI kernel breakdown and its peak memory; the
+kernels' gradients are checked against the xla variant's before they are timed.
 
     python benchmarks/bench_moe_block.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_moe_block.py --prebuild
@@ -34,9 +27,7 @@ writes bench_moe_block.json.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
@@ -44,13 +35,11 @@ import numpy as np
 
 import cuda_lowering
 import harness
-import run_record
-import timing
-from bench_layer import memory
+import precision
+from harness import BF16
 
 import jax_dsrelu
 
-BF16 = np.dtype(jnp.bfloat16)
 VARIANTS = ("auto", "auto_det", "xla", "gemms", "gemms_cublas")
 GRADIENTS = ("x", "router", "w1", "w2", "shared_w1", "shared_w2")
 # Normwise against the xla variant: both round h, the activation and dh to bf16, so their
@@ -138,21 +127,21 @@ def block_step(block: Block, backend: str, deterministic: bool):
 
 
 def squared_relu(h):
-    return jnp.square(jnp.maximum(h, 0.0)).astype(BF16)
+    return jnp.square(jnp.maximum(h.astype(jnp.float32), 0.0)).astype(BF16)
 
 
 def gemms_step():
     """The ceiling: the block's GEMMs with nothing but elementwise work between them."""
 
     def loss(x, router, w1, w2, shared_w1, shared_w2, rows, cotangent, rows_cotangent):
-        h = jnp.einsum("erd,edf->erf", rows, w1, preferred_element_type=jnp.float32)
-        y = jnp.einsum("erf,efd->erd", squared_relu(h), w2, preferred_element_type=jnp.float32)
-        shared_h = jnp.dot(x, shared_w1, preferred_element_type=jnp.float32)
-        shared = jnp.dot(squared_relu(shared_h), shared_w2, preferred_element_type=jnp.float32)
+        h = jnp.einsum("erd,edf->erf", rows, w1, preferred_element_type=BF16)
+        y = jnp.einsum("erf,efd->erd", squared_relu(h), w2, preferred_element_type=BF16)
+        shared_h = jnp.dot(x, shared_w1, preferred_element_type=BF16)
+        shared = jnp.dot(squared_relu(shared_h), shared_w2, preferred_element_type=BF16)
         logits = jnp.dot(x.astype(jnp.float32), router)
         return (
-            jnp.sum(y * rows_cotangent.astype(jnp.float32))
-            + jnp.sum(shared * cotangent.astype(jnp.float32))
+            jnp.sum(y.astype(jnp.float32) * rows_cotangent.astype(jnp.float32))
+            + jnp.sum(shared.astype(jnp.float32) * cotangent.astype(jnp.float32))
             + jnp.sum(logits)
         )
 
@@ -166,48 +155,27 @@ def computation(block: Block, variant: str):
     return block_step(block, "xla" if variant == "xla" else "auto", variant == "auto_det")
 
 
-@jax.jit
-def _relative_error(ours, reference):
-    difference = ours.astype(jnp.float32) - reference.astype(jnp.float32)
-    scale = jnp.maximum(jnp.linalg.norm(reference.astype(jnp.float32)), np.finfo(np.float32).tiny)
-    return jnp.linalg.norm(difference) / scale
-
-
 def named_gradients(outputs) -> dict:
     _, grads = outputs
     return {f"d{name}": grad for name, grad in zip(GRADIENTS, grads)}
 
 
 def run_variant(block, variant, operands, reference, reps, clock) -> tuple[dict, dict | None]:
-    """(entry, gradients): compiled, checked against `reference`, timed; or an error."""
-    stage, entry = "compile", {}
-    try:
-        fn, names = computation(block, variant)
-        args = tuple(operands[name] for name in names)
-        options = harness.CUBLAS_ONLY if variant == "gemms_cublas" else None
-        compiled = jax.jit(fn, compiler_options=options).lower(*args).compile()
-        entry = dict(memory=memory(compiled))
-        stage = "run"
-        outputs = compiled(*args)
-        gradients = named_gradients(outputs) if not variant.startswith("gemms") else None
-        if variant in ("auto", "auto_det"):
-            stage = "check"
-            if reference is None:
-                entry["check"] = "not checked: the xla variant failed"
-            else:
-                entry["check"] = {
-                    name: dict(relative_error=float(_relative_error(gradients[name], want)))
-                    for name, want in reference.items()
-                }
-                bad = {name: c for name, c in entry["check"].items() if not c["relative_error"] <= TOLERANCE}
-                if bad:
-                    raise ValueError(f"{variant} outside the tolerance {TOLERANCE} of the xla variant: {bad}")
-        stage = "timing"
-        entry.update(timing.time_call(compiled, args, reps, clock).record())
-        entry["tflops"] = timing.tflops(block.flops, entry["ms"])
-        return entry, gradients
-    except Exception as error:  # recorded; the next variant runs
-        return dict(entry, **run_record.error_entry(error, stage)), None
+    """(entry, gradients): compiled, checked against `reference` (the kernels), timed; or an error."""
+    fn, names = computation(block, variant)
+
+    def check(outputs):
+        errors = {name: dict(relative_error=float(harness.relative_error(grad, reference[name])))
+                  for name, grad in named_gradients(outputs).items()}
+        return errors, all(e["relative_error"] <= TOLERANCE for e in errors.values())
+
+    checked = variant in ("auto", "auto_det") and reference is not None
+    entry, outputs = harness.measure(
+        fn, tuple(operands[name] for name in names), reps, clock, check=check if checked else None,
+        compiler_options=harness.CUBLAS_ONLY if variant == "gemms_cublas" else None, flops=block.flops)
+    if variant in ("auto", "auto_det") and reference is None:
+        entry["check"] = "not checked: the xla variant failed"
+    return entry, None if outputs is None or variant.startswith("gemms") else named_gradients(outputs)
 
 
 def bench(block, operands, variants, reps, clock) -> dict:
@@ -219,47 +187,18 @@ def bench(block, operands, variants, reps, clock) -> dict:
         results[variant], gradients = run_variant(block, variant, operands, reference, reps, clock)
         if variant == "xla":
             reference = gradients
-    ratios = {}
-    ms = {name: entry["ms"] for name, entry in results.items() if "ms" in entry}
-    ceiling = min((ms[v] for v in ("gemms", "gemms_cublas") if v in ms), default=None)
-    for variant in ("auto", "auto_det", "xla"):
-        if variant in ms and ceiling is not None:
-            ratios[f"{variant}_outside_gemms"] = 1.0 - ceiling / ms[variant]
-        if variant in ms and variant != "xla" and "xla" in ms:
-            ratios[f"{variant}_speedup_vs_xla"] = ms["xla"] / ms[variant]
-    if "auto" in ms and "auto_det" in ms:
-        ratios["det_overhead"] = ms["auto_det"] / ms["auto"] - 1.0
-    return dict(variants=results, ratios=ratios)
+    return dict(variants=results)
 
 
 def summarize(row) -> None:
     for variant, entry in row["variants"].items():
-        if "ms" in entry:
-            peak = entry["memory"].get("peak_bytes", float("nan")) / 2**30
-            print(f"  {variant:<9} {entry['ms']:9.3f} ms  {entry['tflops']:7.1f} TFLOP/s  {peak:6.2f} GiB")
-        else:
-            print(f"  {variant:<9} error at {entry.get('stage')}: {entry.get('error', '')[:120]}")
-    for name, value in row["ratios"].items():
-        print(f"  {name} = {value:.3f}")
+        print(f"  {variant:<12} " + (f"{entry['ms']:9.3f} ms ({entry['tflops']:.0f} TFLOP/s)" if "ms" in entry
+                                     else f"error at {entry.get('stage')}: {entry.get('error', '')[:120]}"))
 
 
 def arguments(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
-    parser.add_argument("--prebuild", action="store_true",
-                        help="lower the kernel variants for cuda here (no GPU) to fill JAX_DSRELU_KERNEL_CACHE, then stop")
-    parser.add_argument("--cpu", action="store_true",
-                        help="plumbing test on the CPU at a tiny size, timed by wall clock (not a measurement)")
-    options = parser.parse_args(argv)
-    options.variants = options.variants.split(",")
-    unknown = sorted(set(options.variants) - set(VARIANTS))
-    if unknown:
-        parser.error(f"--variants: unknown {unknown}; expected a subset of {list(VARIANTS)}")
-    return options
+    parser = harness.parser(__doc__.split("\n\n")[0], reps=10, variants=VARIANTS, shaped=False)
+    return harness.parse(parser, argv, dict(variants=VARIANTS))
 
 
 def main(argv=None):
@@ -267,24 +206,15 @@ def main(argv=None):
     if options.prebuild:
         prebuild(NANO, options.variants)
         return
-    clock = timing.default_clock()
-    if clock != timing.CUPTI and not options.cpu:
-        raise SystemExit(f"no GPU here (JAX platform {jax.default_backend()!r}): pass --cpu for a plumbing test")
     block = TINY if options.cpu else NANO
-    started = time.time()
-    result = dict(
-        run_record.header(options.commit, timing.DESCRIPTIONS[clock]),
-        benchmark="Nemotron-3-Nano MoE block: value_and_grad step, bf16, sigmoid top-k with bias, shared expert",
-        block=dataclasses.asdict(block),
-        clock=clock,
-        flops="6 x (2 T top_k d f + 2 T d fs + T d E) per step",
-        memory="XLA memory analysis of the compiled computation: arguments + outputs + temporaries - aliased",
-    )
-    operands = make_operands(block, options.seed)
-    row = bench(block, operands, options.variants, options.reps, clock)
-    result.update(row, seconds=time.time() - started)
-    path = run_record.write_json(result, options.out, "bench_moe_block.json")
-    print(f"{block}: {path}")
+    result, clock, save = harness.start_record(
+        options, benchmark="bench_moe_block", block=dataclasses.asdict(block),
+        description="Nemotron-3-Nano MoE block: value_and_grad step, bf16, sigmoid top-k with bias, shared expert",
+        flops="6 x (2 T top_k d f + 2 T d fs + T d E) per step", memory=harness.MEMORY,
+        precision=precision.stated("bench_moe_block", options.variants))
+    row = bench(block, make_operands(block, options.seed), options.variants, options.reps, clock)
+    result.update(row)
+    print(f"{block}: {save()}")
     summarize(row)
 
 

@@ -69,6 +69,3 @@ def lower_for_cuda(name: str, fn: Callable, *shapes) -> bool:
     print(f"prebuild {name}: lowered", flush=True)
     return True
 
-
-def shapes_of(*arrays) -> tuple:
-    return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)

@@ -5,7 +5,7 @@
 #
 # STAGES is a comma-separated list of:
 #   prebuild  benchmarks/prebuild_kernels.py --jobs 14 on the machine's CPUs, for whatever
-#             the carried cache lacks (kernels and cubins into .kernels/)
+#             the carried cache lacks
 #   smoke     one small case with a hard time limit (a hang stops everything here)
 #   tests     the whole GPU tier: python -m pytest -m gpu tests/
 #   dsrelu_tests  the fused kernel's GPU tier: tests/test_sm90.py
@@ -18,34 +18,26 @@
 #             --deterministic, run LM_RUNS (2) times (the digests must agree); Flax and
 #             optax from the machine's image, or, where it lacks them, from a carried
 #             lm_deps.tar.zst of pure-Python packages
-#   sass      disassembles the benchmark kernels' cubins: HGMMA present, no LDL/STL
-#   bench     benchmarks/bench_dsrelu.py
 #   moe_block benchmarks/bench_moe_block.py: the Nemotron-3-Nano block's step, every variant
 #   gemms     benchmarks/bench_gemms.py: the six grouped GEMMs of a layer step (estimated 3-5 min)
-#   layer     benchmarks/bench_layer.py: moe_mlp's step and forward, every variant (estimated 5-8 min)
+#   layer     benchmarks/bench_layer.py: moe_mlp's step and forward, every variant, the bf16
+#             baselines among them (estimated 5-8 min)
 #   determinism_parallel  benchmarks/determinism_parallel.sh: for each of PARALLEL_MODES
 #             (default "warm"; "warm fresh" runs both at once), PARALLEL_PROCESSES_<MODE> (4)
 #             processes of each script side by side, kernels from the carried cache (warm) or
 #             compiled in each process (fresh), with the caller's XLA_FLAGS; JSON named
 #             PARALLEL_NAME_<mode>
-#   profile   benchmarks/profile_gemms.py under Nsight Compute: the counters of each GEMM of
-#             the Nano step, ours and cuBLAS batched (PROFILE_ARGS for other GEMMs or groups)
-#   sweep     benchmarks/sweep_configs.py (tile configurations at the benchmark shapes)
-#   sweep_contract  benchmarks/sweep_configs.py --kernel contract (the contraction's configurations;
-#             SWEEP_CONTRACT_ARGS for --shapes)
-#   sweep_gemm  benchmarks/sweep_configs.py --kernel gemm (the ragged-M kernels' N tiles and
-#             stages; SWEEP_GEMM_ARGS for --gemms or --shapes)
-#   sanitize_contract  memcheck over the contraction's boundary cases (negative sizes,
-#             sums past m, exact tiles, many experts of widths no tile multiple, 512 experts)
-#             and its configs that walk a-blocks fastest, racecheck over some of them
-#   sanitize  a small subset of the GPU tests under compute-sanitizer (memcheck)
+#   sweep_gemm, sweep_contract  benchmarks/sweep_configs.py --kernel gemm or contract
+#             (SWEEP_GEMM_ARGS, SWEEP_CONTRACT_ARGS for --gemms or --shapes)
+#   sanitize  every kernel's boundary cases in the GPU tests under compute-sanitizer's
+#             memcheck and racecheck
 #
-# Kernels come precompiled from benchmarks/prebuild_kernels.py in .kernels/ (carried along),
-# so device time goes to running them. Logs and JSON go to $OUT; each script's tracebacks
-# to $OUT/<script>.err. Extra arguments for a script: GEMMS_ARGS and LAYER_ARGS (e.g.
-# LAYER_ARGS="--shapes 65536,2048,512,128"). A device call runs at most 10 minutes: give
-# layer and the determinism stage a call of their own. A call brings back at most 8 files,
-# so a call ends by packing $OUT into one archive:
+# Kernels come precompiled (benchmarks/prebuild_kernels.py, .kernels/ carried along). Logs
+# and records go to $OUT, each record named as benchmarks/results/ names it (copied there,
+# it replaces the current one); tracebacks to $OUT/<script>.err. Extra arguments: GEMMS_ARGS,
+# LAYER_ARGS, MOE_BLOCK_ARGS (e.g. GEMMS_ARGS="--label fine_grained ..."). A device call runs
+# at most 10 minutes (give layer and determinism_parallel a call each) and brings back at
+# most 8 files, so it ends by packing $OUT into one archive:
 #
 #   source .gpu/activate.sh && timeout 560 bash benchmarks/device_run.sh STAGES COMMIT;
 #   tar -C "$OUT" -czf /tmp/out.tgz . && find "$OUT" -mindepth 1 -delete && mv /tmp/out.tgz "$OUT/device_output.tgz"
@@ -65,7 +57,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 
 if [[ $stages == *,prebuild,* ]]; then
   start=$(date +%s)
-  timeout 300 python3 benchmarks/prebuild_kernels.py --jobs 14 --cubins .kernels/cubin 2>&1 \
+  timeout 300 python3 benchmarks/prebuild_kernels.py --jobs 14 2>&1 \
     | grep -v -e DSLOptimizationWarning -e "for v in" | tail -5 | tee -a "$log"
   echo "prebuild exit $? in $(( $(date +%s) - start ))s" | tee -a "$log"
 fi
@@ -121,25 +113,8 @@ if [[ $stages == *,lm,* ]]; then
   done
 fi
 
-if [[ $stages == *,sass,* ]]; then
-  for cubin in .kernels/cubin/*.cubin; do
-    sass=$(cuobjdump --dump-sass "$cubin")
-    echo "$(basename "$cubin"): HGMMA $(grep -c HGMMA <<<"$sass") LDL $(grep -c 'LDL' <<<"$sass")" \
-      "STL $(grep -c 'STL' <<<"$sass") instructions $(grep -cE '^\s+/\*[0-9a-f]{4}\*/' <<<"$sass")" \
-      | tee -a "$OUT/sass_summary.txt"
-  done
-  if [[ -f .kernels/cubin/k4096_n2048_e8_det.cubin ]]; then
-    cuobjdump --dump-sass .kernels/cubin/k4096_n2048_e8_det.cubin > "$OUT/sass_k4096_n2048_e8_det.txt"
-  fi
-fi
-
-if [[ $stages == *,bench,* ]]; then
-  timeout 240 python3 benchmarks/bench_dsrelu.py --commit "$commit" --out "$OUT" 2>&1 | tee -a "$log"
-  echo "bench exit $?" | tee -a "$log"
-fi
-
 if [[ $stages == *,moe_block,* ]]; then
-  timeout 240 python3 benchmarks/bench_moe_block.py --commit "$commit" --out "$OUT" 2> "$OUT/bench_moe_block.err" \
+  timeout 240 python3 benchmarks/bench_moe_block.py --commit "$commit" --out "$OUT" $MOE_BLOCK_ARGS 2> "$OUT/bench_moe_block.err" \
     | tee -a "$log"
   echo "moe_block exit $?" | tee -a "$log"
 fi
@@ -171,58 +146,31 @@ if [[ $stages == *,determinism_parallel,* ]]; then
   echo "determinism_parallel done" | tee -a "$log"
 fi
 
-if [[ $stages == *,profile,* ]]; then
-  export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  profiled=(--clock-control none --kernel-name "regex:^(kernel_cutlass|nvjet|sm90_xmma)" --section SpeedOfLight
-            --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --csv --page details
-            python3 benchmarks/profile_gemms.py run $PROFILE_ARGS)
-  timeout 400 "$ncu" "${profiled[@]}" > "$OUT/counters.csv" 2> "$OUT/profile_gemms.err"
-  echo "profile exit $?" | tee -a "$log"
-  python3 benchmarks/profile_gemms.py record "$OUT/counters.csv" --commit "$commit" --command "ncu ${profiled[*]}" \
-    --out "$OUT" $PROFILE_ARGS 2>&1 | tail -3 | tee -a "$log"
-fi
-
-if [[ $stages == *,sweep,* ]]; then
-  timeout 120 python3 benchmarks/sweep_configs.py --commit "$commit" --out "$OUT" 2>&1 | tee -a "$log"
-  echo "sweep exit $?" | tee -a "$log"
-fi
-
-if [[ $stages == *,sweep_gemm,* ]]; then
-  timeout 300 python3 benchmarks/sweep_configs.py --kernel gemm --commit "$commit" --out "$OUT" $SWEEP_GEMM_ARGS 2>&1 | tee -a "$log"
-  echo "sweep_gemm exit $?" | tee -a "$log"
-fi
-
-if [[ $stages == *,sweep_contract,* ]]; then
-  timeout 300 python3 benchmarks/sweep_configs.py --kernel contract --commit "$commit" --out "$OUT" $SWEEP_CONTRACT_ARGS 2>&1 | tee -a "$log"
-  echo "sweep_contract exit $?" | tee -a "$log"
-fi
-
-if [[ $stages == *,sanitize_contract,* ]]; then
-  export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  timeout 120 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q -rs -p no:cacheprovider \
-    -m gpu tests/test_sm90_gemms.py -k "(contraction_matches and bfloat16 and (negative or past_m or exact_tile or many_experts or experts_512)) or (each_contraction_config and a_fastest)" \
-    2>&1 | tail -6 | tee -a "$log"
-  echo "memcheck contraction exit $?" | tee -a "$log"
-  timeout 120 compute-sanitizer --tool racecheck --print-limit 20 python3 -m pytest -q -rs -p no:cacheprovider \
-    -m gpu tests/test_sm90_gemms.py -k "(contraction_matches and bfloat16 and (past_m or exact_tile or experts_512)) or (each_contraction_config and a_fastest and exact_tile)" \
-    2>&1 | tail -6 | tee -a "$log"
-  echo "racecheck contraction exit $?" | tee -a "$log"
-fi
+for kernel in gemm contract; do
+  if [[ $stages == *,sweep_$kernel,* ]]; then
+    extra="SWEEP_${kernel^^}_ARGS"
+    timeout 300 python3 benchmarks/sweep_configs.py --kernel $kernel --commit "$commit" --out "$OUT" ${!extra} 2>&1 \
+      | tee -a "$log"
+    echo "sweep_$kernel exit $?" | tee -a "$log"
+  fi
+done
 
 if [[ $stages == *,sanitize,* ]]; then
   # Boundary cases of every kernel, first under memcheck, then racecheck: the fused kernel
   # in both modes with negative sizes and one row, alone and in cluster pairs (with rows
   # owned by no expert); the grouped-GEMM family, alone and in pairs, with negative sizes,
-  # sums past m, one-row experts and an expert of exactly one tile.
+  # sums past m, one-row experts and an expert of exactly one tile; the contraction at
+  # many experts of widths no tile multiple, 512 experts, and its configs of either walk.
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   for check in \
+      "memcheck|tests/test_sm90_gemms.py|(contraction_matches and bfloat16 and (many_experts or experts_512)) or (each_contraction_config and a_fastest)" \
+      "racecheck|tests/test_sm90_gemms.py|(contraction_matches and bfloat16 and experts_512) or (each_contraction_config and a_fastest and exact_tile)" \
       "memcheck|tests/test_sm90_gemms.py|(bfloat16 and (negative or exact_tile or past_m)) or (clusters_of_each_size and (negative or exact_tile or past_m) and 2) or (_pairs and (negative or exact_tile))" \
       "racecheck|tests/test_sm90_gemms.py|(bfloat16 and (exact_tile or past_m) and (dx_nk or up_srelu_bias or contraction)) or (clusters_of_each_size and (exact_tile or past_m) and (dx_nk or up_srelu_bias) and 2) or (_pairs and exact_tile)" \
       "memcheck|tests/test_sm90.py|(test_matches_float64_contract and bf16 and negative) or (clusters_of_each_size and negative_and_unowned)" \
       "racecheck|tests/test_sm90.py|(test_matches_float64_contract and bf16 and one_row) or (clusters_of_each_size and one_row and 2)"; do
     IFS="|" read -r tool file selection <<<"$check"
-    timeout 75 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -rs \
+    timeout 120 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -rs \
       -p no:cacheprovider -m gpu "$file" -k "$selection" 2>&1 | tail -6 | tee -a "$log"
     echo "$tool $file exit $?" | tee -a "$log"
   done

@@ -1,22 +1,13 @@
 """Compiles, on a machine without a GPU, every sm90 kernel the GPU runs need.
 
-The object code goes to the on-disk cache named by JAX_DSRELU_KERNEL_CACHE (see
-jax_dsrelu.ffi.cutlass_bridge), which the GPU machine then reads instead of compiling:
-the same static facts give the same code on either machine. Two sources:
+The object code goes to the on-disk cache named by JAX_DSRELU_KERNEL_CACHE, which the GPU
+machine reads instead of compiling (the same static facts give the same code). Kernels the
+GPU tests and sweep_configs.py call directly are compiled by request; everything that goes
+through the library (the benchmarks, process_digests.py, the examples, the GPU tests'
+layers) is lowered for cuda at the shapes it runs (cuda_lowering.py), which builds
+whatever kernels it calls.
 
-* tests/test_sm90.py's GPU tier calls the dsReLU kernel directly (outputs in place, chosen
-  tile configurations), so those kernels are compiled by request, as are the tile
-  configurations of benchmarks/sweep_configs.py;
-* everything that goes through the library (bench_dsrelu.py, bench_gemms.py,
-  bench_layer.py, process_digests.py, examples/train_moe.py and expert_parallel.py in
-  bfloat16, the GPU tests' moe_mlp) is lowered for cuda at the shapes it runs
-  (benchmarks/cuda_lowering.py, each script's --prebuild), which builds whatever kernels
-  those functions call, including kernels the layer takes up later.
-
-With --cubins DIR it also writes the dsReLU benchmark kernels' cubins there, for
-disassembly on the GPU machine.
-
-    JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/prebuild_kernels.py --cubins .kernels/cubin
+    JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/prebuild_kernels.py --jobs 2
 """
 
 from __future__ import annotations
@@ -29,7 +20,6 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 for folder in ("tests", "examples"):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", folder))
 
-import bench_dsrelu  # noqa: E402
 import bench_gemms  # noqa: E402
 import bench_layer  # noqa: E402
 import cuda_lowering  # noqa: E402
@@ -40,7 +30,7 @@ import process_digests  # noqa: E402
 import sweep_configs  # noqa: E402
 import test_sm90  # noqa: E402
 import train_moe  # noqa: E402
-from bench_dsrelu import SHAPES  # noqa: E402
+import harness  # noqa: E402
 
 import jax_dsrelu  # noqa: E402
 from jax_dsrelu.ffi import cutlass_bridge  # noqa: E402
@@ -164,15 +154,17 @@ def job_names() -> list[str]:
     names = [f"dsrelu test {i}" for i in range(len(_dsrelu_requests()))]
     names += [f"gemm test {i}" for i in range(len(_gemm_requests()))]
     names += [f"layer test {i}" for i in range(len(LAYER_TEST_CASES))]
-    names += [f"sweep {i}" for i in range(len(SHAPES))]
-    names += [f"bench_dsrelu {i}" for i in range(len(bench_dsrelu.SHAPES))]
-    names += [f"bench_gemms {i}" for i in range(len(bench_gemms.SHAPES))]
-    names += [f"bench_layer {i}" for i in range(len(bench_layer.SHAPES))]
+    names += [f"bench_gemms {i}" for i in range(len(harness.SHAPES))]
+    names += [f"bench_layer {i}" for i in range(len(harness.SHAPES))]
     names += ["process_digests", "tests moe_mlp and examples", "determinism tests", "language model", "moe block"]
     for gemm in sweep_configs.GEMM_KERNELS:
-        count = len(sweep_configs.gemm_builds(sm90_config.DEFAULT_SM_COUNT, gemm))
-        names += [f"sweep gemm {gemm} {i}" for i in range(count)]
+        names += [f"sweep gemm {gemm} {i}" for i in range(len(sweep_builds("gemm", gemm)))]
+    names += [f"sweep contract {i}" for i in range(len(sweep_builds("contract")))]
     return names
+
+
+def sweep_builds(kernel, gemm=None):
+    return sweep_configs.builds(kernel, sm90_config.DEFAULT_SM_COUNT, (gemm,) if gemm else sweep_configs.GEMM_KERNELS)
 
 
 LAYER_TEST_CASES = [
@@ -213,9 +205,9 @@ def run_job(name: str) -> str:
     if not index.isdigit():
         kind, index = name, "0"
     index = int(index)
-    if kind.startswith("sweep gemm "):
-        gemm = kind.removeprefix("sweep gemm ")
-        sweep_configs.build_gemm(gemm, *sweep_configs.gemm_builds(sm90_config.DEFAULT_SM_COUNT, gemm)[index])
+    if kind.startswith("sweep "):
+        _, kernel, *gemm = kind.split(" ")
+        sweep_configs.compile_candidate(*sweep_builds(kernel, *gemm)[index])
         return name
     if kind == "dsrelu test":
         request, config, in_place = _dsrelu_requests()[index]
@@ -230,18 +222,12 @@ def run_job(name: str) -> str:
 
         dtype, deterministic, with_b1 = LAYER_TEST_CASES[index]
         test_moe_mlp_sm90.lowered_text(getattr(jnp, dtype), deterministic, with_b1)
-    elif kind == "sweep":
-        _, k, n, num_experts = SHAPES[index]
-        for config in sweep_configs.candidates(sm90_config.DEFAULT_SM_COUNT).values():
-            lowering.compile_kernel(sweep_configs.request_for(k, n, num_experts), config)
-    elif kind == "bench_dsrelu":
-        bench_dsrelu.prebuild(bench_dsrelu.SHAPES[index:index + 1])
     elif kind == "bench_gemms":
         bench_gemms.prebuild(
-            bench_gemms.SHAPES[index:index + 1], bench_gemms.GEMMS, ("sm90", "sm90_det"), np.dtype(jnp.bfloat16)
+            harness.SHAPES[index:index + 1], bench_gemms.GEMMS, ("sm90", "sm90_det"), np.dtype(jnp.bfloat16)
         )
     elif kind == "bench_layer":
-        bench_layer.prebuild(bench_layer.SHAPES[index:index + 1], ("sm90", "sm90_det"), bench_layer.MODES)
+        bench_layer.prebuild(harness.SHAPES[index:index + 1], ("sm90", "sm90_det"), bench_layer.MODES)
     elif kind == "process_digests":
         process_digests.prebuild(("sm90", "xla"))
     elif kind == "tests moe_mlp and examples":
@@ -257,39 +243,8 @@ def run_job(name: str) -> str:
     return name
 
 
-def write_cubins(folder):
-    """The benchmark kernels' cubins, for disassembly on the GPU machine."""
-    from jax_dsrelu.kernels.sm90 import ragged_call as sm90_gemm
-    from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest
-
-    os.makedirs(folder, exist_ok=True)
-
-    def write(name, compiled):
-        with open(os.path.join(folder, name), "wb") as file:
-            file.write(compiled.cubin)
-
-    for _, k, n, num_experts in SHAPES:
-        for deterministic in (False, True):
-            request = test_sm90.request_for(k, n, num_experts, deterministic=deterministic)
-            config = sm90_config.choose_config(request, sm90_config.DEFAULT_SM_COUNT)
-            write(f"k{k}_n{n}_e{num_experts}_{'det' if deterministic else 'atomic'}.cubin",
-                  lowering.compile_kernel(request, config, keep=True))
-    bf16 = np.dtype(jnp.bfloat16)
-    d, f, num_experts = 4096, 2048, 8
-    for name, request in {
-        "up_srelu_bias": RaggedMatmulRequest(num_experts, d, f, "kn", bf16, bf16, "srelu", True),
-        "down_kn": RaggedMatmulRequest(num_experts, f, d, "kn", bf16, bf16),
-        "dx_nk": RaggedMatmulRequest(num_experts, f, d, "nk", bf16, bf16),
-        # dW1's (a, b) = (d, f) walks b-blocks fastest, dW2's (f, d) a-blocks fastest.
-        "contract_bf16": RaggedContractRequest(num_experts, d, f, bf16, bf16),
-        "contract_bf16_a_fastest": RaggedContractRequest(num_experts, f, d, bf16, bf16),
-    }.items():
-        write(f"gemm_{name}_d{d}_f{f}_e{num_experts}.cubin", sm90_gemm.compile_kernel(request, keep=True))
-
-
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cubins", default=None, help="also write the benchmark kernels' cubins here")
     parser.add_argument("--jobs", type=int, default=1, help="parallel processes (one per group of kernels)")
     parser.add_argument("--only", default=None,
                         help="run only the jobs whose names start with one of these comma-separated prefixes")
@@ -311,8 +266,6 @@ def main():
         for name in names:
             run_job(name)
             print("built", name, flush=True)
-    if options.cubins:
-        write_cubins(options.cubins)
     print(f"{len(os.listdir(os.environ[cutlass_bridge.CACHE_DIR_VARIABLE]))} kernels in "
           f"{os.environ[cutlass_bridge.CACHE_DIR_VARIABLE]}")
 

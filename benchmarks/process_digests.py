@@ -1,21 +1,13 @@
 """Digests of results computed from fixed inputs, to compare bit for bit across processes.
 
-From fixed inputs, one process computes, --runs times each:
-
-    primitive_<backend>      grouped_gemm_dsrelu(..., deterministic=True), every output
-    moe_mlp_grads_<backend>  every gradient (x, w1, w2, prob, b1) of a loss through
-                             moe_mlp(..., deterministic=True)
-    example_layer_grads      the gradients of examples/train_moe.py's layer in bfloat16
-                             (backend="auto", deterministic=True), jitted with XLA's defaults
-    example_layer_grads_reproducible  the same, jitted with train_moe.REPRODUCIBLE_COMPILATION
-                             (XLA's GEMM autotuning off), as the example's training step is
-    router_dot_f32           a float32 GEMM of XLA's own (its algorithm is XLA's choice)
-
-and prints one JSON line: for each, the digest of every output, and how many distinct
-results its --runs calls gave (1 means bitwise identical within the process). Comparing
-the lines of several processes shows whether anything chosen at compile time (XLA's GEMM
-autotuning, a kernel's configuration) changes the bits; benchmarks/
-determinism_parallel.sh runs the processes and compares them.
+From fixed inputs, one process computes, --runs times each: grouped_gemm_dsrelu's outputs
+and moe_mlp's gradients with deterministic=True on each backend, the gradients of
+examples/train_moe.py's layer (bfloat16, backend "auto") jitted with XLA's defaults and
+with train_moe.REPRODUCIBLE_COMPILATION (autotuning off), and a float32 GEMM of XLA's own;
+it prints one JSON line: each one's digest, and how many distinct results its calls gave
+(1: bitwise identical within the process). Comparing the lines of several processes
+(benchmarks/determinism_parallel.sh) shows whether anything chosen at compile time
+changes the bits.
 
     python benchmarks/process_digests.py --label run1
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/process_digests.py --prebuild

@@ -1,29 +1,18 @@
 """QuACK's SM90 GEMMs as the `quack` variant of bench_gemms.py: the six GEMMs of a layer
-step done by another CuTe DSL library, on the same operands.
+step done by another CuTe DSL library (quack-kernels, PyTorch; one CTA writes each output
+tile, so its results are deterministic too), on the same operands:
 
-QuACK (quack-kernels, a PyTorch library: one CTA writes each output tile, so its results
-are deterministic too) has a ragged-group form of every GEMM the layer runs:
-
-    up      gemm_act(x, W1, bias=b1, activation="relu_sq", cu_seqlens_m): h and relu(h)^2
-            (its forward epilogue takes no row scale, so act lacks our factor prob)
-    down    gemm(act, W2, cu_seqlens_m)
+    up      gemm_act(x, W1, bias=b1, "relu_sq", cu_seqlens_m): h and relu(h)^2 (no row scale)
+    down    gemm(act, W2, cu_seqlens_m);   dx  gemm(dh, W1^T, cu_seqlens_m)
     dsrelu  gemm_dact(dy, W2^T, h, "relu_sq", colvec_scale=prob, colvec_reduce=True,
-            cu_seqlens_m): dh, act and dprob, as ours (it has no db1)
-    dx      gemm(dh, W1^T, cu_seqlens_m)
-    dw1     gemm(x^T, dh, cu_seqlens_k): the varlen-K weight gradient, (E, d, f)
-    dw2     gemm(act^T, dy, cu_seqlens_k), (E, f, d)
+            cu_seqlens_m): dh, act and dprob, as ours (no db1)
+    dw1     gemm(x^T, dh, cu_seqlens_k), its varlen-K weight gradient;   dw2  gemm(act^T, dy, ...)
 
-The operands pass both ways through DLPack without a copy; the outputs are allocated once,
-outside the timed calls. Each of CONFIGS is compiled on its first call (QuACK's own
-autotuner would compile its 44 SM90 configurations), checked against the reference that
-bench_gemms.py checks ours with, and timed in the CUPTI session JAX's profiler opens
-(timing.time_launches); the variant's time is the fastest config that passes, as for
-Pallas.
-
-    python benchmarks/bench_gemms.py --variants sm90,quack,cublas_batched --shapes ...
-
-needs torch and quack-kernels (and what it needs: apache-tvm-ffi, torch-c-dlpack-ext,
-einops) beside CuTe DSL; without them the variant is an error entry.
+The operands pass both ways through DLPack without a copy; the outputs are allocated once.
+Each of CONFIGS is compiled on its first call, checked as bench_gemms.py checks ours, and
+timed in the CUPTI session of JAX's profiler (timing.time_launches); the variant's time is
+the fastest config that passes. Needs torch and quack-kernels (with apache-tvm-ffi,
+torch-c-dlpack-ext, einops) beside CuTe DSL; without them the variant is an error entry.
 """
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
-"""What every benchmark JSON says about its run, and how one failing variant is recorded.
+"""What every benchmark record says about its run, how one failing variant is recorded,
+and where the record goes.
 
 A variant that fails (a kernel not built yet, a block configuration that does not fit,
 a result that disagrees with the reference) becomes an entry {"error": ...} in the JSON
-and the script goes on with the next one.
+and the script goes on with the next one. A benchmark's record is the current one: the
+next run of the same benchmark (and --label) overwrites it; its history is git's.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import platform
@@ -22,31 +25,18 @@ ERROR_CHARS = 600
 
 def git_commit() -> str:
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
-def header(commit: str | None, timing: str, device: str | None = None) -> dict:
-    """Device, versions, commit and command of this run. A given `device` spares asking
-    JAX, which would initialise the GPU (and take most of its memory) in this process."""
-    platform_name = None
-    if device is None:
-        first = jax.devices()[0]
-        device, platform_name = getattr(first, "device_kind", str(first)), jax.default_backend()
-    return dict(
-        device=device,
-        platform=platform_name or "as the processes saw it",
-        commit=commit or git_commit(),
-        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-        jax=jax.__version__,
-        python=platform.python_version(),
-        timing=timing,
-    )
+def header(commit: str | None, timing: str) -> dict:
+    """Device, versions, commit and command of this run."""
+    first = jax.devices()[0]
+    return dict(device=getattr(first, "device_kind", str(first)), platform=jax.default_backend(),
+                commit=commit or git_commit(), command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+                jax=jax.__version__, python=platform.python_version(), timing=timing)
 
 
 def error_entry(error: BaseException, stage: str) -> dict:
@@ -68,12 +58,31 @@ def best_of(tried: list[dict]) -> dict:
     ])
 
 
+# A record above this size is written gzipped (.json.gz): a step on XLA's own path launches
+# hundreds of kernels at the fine-grained shapes, and every launch is recorded.
+GZIP_BYTES = 256 * 1024
+
+
 def write_json(result: dict, directory: str, name: str) -> str:
-    """Writes `result` without whitespace, as every benchmark script does: the records are
-    committed, and compact records keep the repository small (an indented record is 60%
-    larger)."""
+    """Writes `result` as directory/name without whitespace (the records are committed:
+    an indented record is 60% larger), gzipped as name + ".gz" where it is large; the
+    other form of the same record, left by an earlier run, is removed."""
     os.makedirs(directory, exist_ok=True)
+    data = json.dumps(result, separators=(",", ":")).encode()
     path = os.path.join(directory, name)
-    with open(path, "w") as file:
-        json.dump(result, file, separators=(",", ":"))
+    if len(data) > GZIP_BYTES:
+        path, stale, data = path + ".gz", path, gzip.compress(data, mtime=0)
+    else:
+        stale = path + ".gz"
+    with open(path, "wb") as file:
+        file.write(data)
+    if os.path.exists(stale):
+        os.remove(stale)
     return path
+
+
+def load(path) -> dict:
+    """A record written by write_json, gzipped or not."""
+    with open(path, "rb") as file:
+        data = file.read()
+    return json.loads(gzip.decompress(data) if str(path).endswith(".gz") else data)

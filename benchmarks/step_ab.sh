@@ -12,8 +12,8 @@
 # carried in the kernel archive); the working tree is NEW_COMMIT. Both commits' kernels come
 # from the carried cache (benchmarks/prebuild_kernels.py --only bench_layer, run in each
 # tree: the cache keys hold a digest of each tree's kernel sources, so they sit side by
-# side). Round r of a commit writes $OUT/<commit>-<r>/bench_layer.json; readme_table.py's
-# render_step_ab reads them back as bench_layer_step_ab_<NEW_COMMIT>_<commit>_r<r>.json.
+# side). Round r of a commit writes $OUT/<commit>-<r>/bench_layer.json: the rounds' step
+# and kernel times side by side are the comparison (a tuning decision cites them).
 set -o pipefail
 old_tree="$1"
 old_commit="$2"

@@ -1,12 +1,11 @@
-"""How the benchmarks time one jitted call: CUPTI kernel time on a GPU, wall clock on the CPU.
+"""The one clock of every benchmark: CUPTI kernel time per call, or no measurement at all.
 
-On a GPU, `time_call` runs the function --reps times under CUPTI
-(jax.experimental.mosaic.gpu.profiler.measure with aggregate=False) after a warm-up, and
-keeps every kernel launch of every call: the time of a call is the sum of its kernels'
-durations (host gaps between launches are not counted), and the breakdown gives each
-launch position's median over the calls. On the CPU there is no CUPTI: the time is the
-wall clock of the call, marked as such everywhere it is recorded, for testing the
-scripts' plumbing only.
+`time_call` runs a jitted function --reps times under CUPTI (jax.experimental.mosaic.gpu.
+profiler.measure) after a warm-up: a call's time is the sum of its kernels' durations (host
+gaps not counted), and the breakdown gives each launch position's median over the calls;
+`time_launches` does the same for work launched outside JAX (a PyTorch library's call).
+Where CUPTI cannot time, the run fails and says why: nothing falls back to a wall clock,
+but for a --cpu plumbing test, whose record says WALL CLOCK in its header and entries.
 """
 
 from __future__ import annotations
@@ -33,22 +32,28 @@ class Timing:
     ms: float  # median over the calls
     calls_ms: list[float]  # every call's time
     kernels: list[tuple[str, float]]  # per launch position in a call: (kernel name, median ms)
+    clock: str
 
     def record(self) -> dict:
-        return dict(
-            ms=self.ms,
-            calls_ms=self.calls_ms,
-            kernels=[[name, ms] for name, ms in self.kernels],
-            kernel_summary=kernel_summary(self.kernels),
-        )
+        entry = dict(ms=self.ms, calls_ms=self.calls_ms, kernels=[[name, ms] for name, ms in self.kernels],
+                     kernel_summary=kernel_summary(self.kernels))
+        return entry if self.clock == CUPTI else dict(entry, clock=WALL_CLOCK)
 
 
-def default_clock() -> str:
-    return CUPTI if jax.default_backend() == "gpu" else WALL_CLOCK
+def clock_for(cpu: bool) -> str:
+    """CUPTI on a GPU; the wall clock only for a --cpu plumbing test; else the run stops."""
+    if cpu:
+        return WALL_CLOCK
+    if jax.default_backend() != "gpu":
+        raise SystemExit(f"no GPU here (JAX platform {jax.default_backend()!r}): a measurement needs CUPTI on a "
+                         "GPU; pass --cpu for a plumbing test timed by wall clock")
+    return CUPTI
 
 
 def time_call(fn: Callable, args: tuple, reps: int, clock: str) -> Timing:
-    """Times fn(*args) (fn jitted or compiled); the first call compiles and warms up."""
+    """Times fn(*args); the first call compiles and warms up."""
+    if reps < 1:
+        raise ValueError(f"reps must be at least 1, got {reps}")
     jax.block_until_ready(fn(*args))
     if clock == WALL_CLOCK:
         calls = []
@@ -56,10 +61,14 @@ def time_call(fn: Callable, args: tuple, reps: int, clock: str) -> Timing:
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             calls.append((time.perf_counter() - start) * 1e3)
-        return Timing(statistics.median(calls), calls, [])
+        return Timing(statistics.median(calls), calls, [], clock)
     from jax.experimental.mosaic.gpu import profiler
 
-    _, launches = profiler.measure(fn, aggregate=False, iterations=reps)(*args)
+    try:
+        _, launches = profiler.measure(fn, aggregate=False, iterations=reps)(*args)
+    except RuntimeError as error:
+        raise RuntimeError(f"CUPTI could not time the call (jax.experimental.mosaic.gpu.profiler: {error}); "
+                           "no other clock is used") from error
     if launches is None:
         raise RuntimeError("CUPTI recorded no kernel launch for this call")
     if reps == 1:  # measure returns one call's launches unwrapped
@@ -104,7 +113,7 @@ def _timing(launches: list[list[tuple[str, float]]]) -> Timing:
         (name[:KERNEL_NAME_CHARS], statistics.median(call[position][1] for call in launches))
         for position, (name, _) in enumerate(launches[0])
     ]
-    return Timing(statistics.median(calls), calls, kernels)
+    return Timing(statistics.median(calls), calls, kernels, CUPTI)
 
 
 def kernel_summary(kernels: list[tuple[str, float]], top: int = 8) -> list[list]:

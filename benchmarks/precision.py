@@ -1,0 +1,56 @@
+"""How each benchmark variant computes, stated beside its times.
+
+Every benchmark writes its variants' entries into its record's "precision"; the tables
+print them beside the times and show no variant whose precision is not known. Records
+written before that field get `SAME_SINCE_WRITTEN`: the variants that computed alike in
+every version of their script. The layer's and the block's GEMM baselines once had
+float32 outputs (so their backward GEMMs ran on float32 operands), and are not among them.
+"""
+
+from __future__ import annotations
+
+BF16_GEMM = "bf16 operands and outputs, float32 accumulation"
+BY_BENCHMARK = {
+    "bench_gemms": {
+        "sm90": f"{BF16_GEMM} (dW in the record's contract_out_dtype)",
+        "sm90_det": "as sm90",
+        "xla": "bf16 operands, float32 accumulation (preferred_element_type), rounded to bf16",
+        "pallas": f"{BF16_GEMM}; up and dsrelu add their epilogue in XLA in float32",
+        "cublas_dense": f"{BF16_GEMM}: XLA's dot on bf16 with no preferred type, one GEMM of the same FLOPs",
+        "cublas_batched": "as cublas_dense, batched over E equal batches",
+        "quack": BF16_GEMM,
+    },
+    "bench_layer": {
+        "xla": f"{BF16_GEMM} and epilogue (the library's XLA backend)",
+        "sm90": f"{BF16_GEMM} and epilogue",
+        "sm90_det": "as sm90",
+        "pallas": f"GEMMs {BF16_GEMM} (Pallas); epilogue, dprob and db1 in XLA in float32",
+        "dense_mlp": f"{BF16_GEMM} in both directions: jnp.dot on bf16 with preferred_element_type=bf16, "
+                     "gradients by autodiff",
+        "batched_mlp": "as dense_mlp, jnp.einsum over E equal batches",
+        "cublas_dense": f"{BF16_GEMM}, each GEMM on cuBLAS (Triton GEMM fusion off)",
+        "cublas_batched": "as cublas_dense, batched over E equal batches",
+    },
+    "bench_moe_block": {
+        "auto": f"experts {BF16_GEMM} and epilogue; router float32", "auto_det": "as auto",
+        "xla": "as auto, on the library's XLA backend",
+        "gemms": f"{BF16_GEMM} in both directions; the router's GEMMs float32, as the block's",
+        "gemms_cublas": "as gemms, each GEMM on cuBLAS (Triton GEMM fusion off)",
+    },
+}
+SAME_SINCE_WRITTEN = {
+    "bench_gemms": tuple(BY_BENCHMARK["bench_gemms"]),
+    "bench_layer": ("xla", "sm90", "sm90_det", "pallas"),
+    "bench_moe_block": ("auto", "auto_det", "xla"),
+}
+
+
+def stated(benchmark: str, variants) -> dict[str, str]:
+    """The precision a run of `benchmark` records for `variants`."""
+    return {variant: BY_BENCHMARK[benchmark][variant] for variant in variants}
+
+
+def of(benchmark: str, record: dict) -> dict[str, str]:
+    """Each variant's precision as `record` (of `benchmark`) states it, or as it has been
+    since the script was written for a record older than the field."""
+    return record.get("precision") or stated(benchmark, SAME_SINCE_WRITTEN[benchmark])
