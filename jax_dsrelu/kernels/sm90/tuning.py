@@ -206,7 +206,7 @@ DECISIONS: tuple[Decision, ...] = (
              "The ragged-M GEMM and the contraction take, of these N tiles, the widest of those that pad "
              "the output width least: a partial last tile computes columns never stored. At n = 1856 192 "
              "(1920 columns) beat 128 (1920) and 256 (2048); at 2688 = 14 x 192, 256-wide tiles (2816 "
-             "columns) came within 1% of 192-wide ones, which the rule accepts.", (
+             "columns) came within the accepted loss of 192-wide ones.", (
         E((49152, 2688, 1856, 128), "up", "fine_grained/sweep_gemm_5aff945.json",
           T("128x192 k64 ab4 st2", 1.0282, "chosen"),
           T("128x128 k64 ab5 st2", 1.0717, "128x128 ab5"),
@@ -249,8 +249,8 @@ DECISIONS: tuple[Decision, ...] = (
              "The plain ragged-M GEMM (down, dx) runs in cluster pairs along N, sharing A by multicast, "
              "from k = 1536 where its N-tiles pair up; the up-projection (two outputs of epilogue) runs "
              "alone. Pairs took less time at k = 1856 and 2048 in the step and the sweeps, and more at k "
-             "= 1024 and 768; 1536 lies between. The A/B step rounds at k = 2048 and 1024 differ by "
-             "under 1% either way, which the rule accepts.", (
+             "= 1024 and 768; 1536 lies between. In the A/B step rounds at k = 2048 and 1024 the two "
+             "differ by less than the accepted loss either way.", (
         E((49152, 2688, 1856, 128), "down", "fine_grained/sweep_gemm_b938ae4.json",
           T("128x192 k64 ab5 st2 pairs", 0.7959, "chosen"),
           T("128x192 k64 ab5 st2", 0.8042, "chosen cluster1")),
@@ -380,7 +380,7 @@ DECISIONS: tuple[Decision, ...] = (
              "The contraction takes 32 expert rows per stage: with ragged experts every expert's last "
              "k-tile is partly empty (about half a k-tile per expert), and the operand ring gets twice "
              "the stages in the same bytes; at the same tiles 32-row stages took less time than 64-row "
-             "ones (within 0.3% at one few-expert shape).", (
+             "ones (within the accepted loss at one few-expert shape).", (
         E((49152, 2688, 1856, 128), "dw1", "fine_grained/sweep_contract_260bdd4.json",
           T("128x192 k32 ab8 st6 b-fastest", 0.8843, "128x192 k32 ab8 st6"),
           T("128x192 k64 ab4 st6 b-fastest", 0.8912, "chosen")),
@@ -421,9 +421,9 @@ DECISIONS: tuple[Decision, ...] = (
     Decision("contract_whole_tile", 192, 0.025,
              "The contraction stages a whole output tile in shared memory (a buffer per subtile, stored "
              "at once) where that leaves at least 192 expert rows of operands in flight, else a ring of "
-             "store buffers: rings with more operand stages gained at most 2.4% where they gained, lost "
-             "up to 7% elsewhere, and no static fact of a request (E, a, b, dtypes) picks out where they "
-             "gain.", (
+             "store buffers: rings with more operand stages gained within the accepted loss where they "
+             "gained, lost more elsewhere, and no static fact of a request (E, a, b, dtypes) picks out "
+             "where they gain.", (
         E((49152, 2688, 1856, 128), "dw1", "fine_grained/sweep_contract_d133ba6.json",
           T("128x192 k32 ab8 st6 b-fastest", 0.8254, "chosen"),
           T("128x256 k32 ab7 st3 b-fastest", 0.9029, "128x256 k32 ab7 ring3")),
@@ -472,8 +472,8 @@ DECISIONS: tuple[Decision, ...] = (
              "(a-blocks where a < b): the CTAs in flight cover every block of the fast side, so each "
              "wave reads that side's whole slice of the expert again, and the smaller slice is the "
              "cheaper. dW2 (a < b) took less time walked so at every shape; dW1 walked a-blocks fastest "
-             "gained up to 2.4% at 256 and 512 experts, as far apart as two calls of one shape were, and "
-             "is not taken.", (
+             "gained within the accepted loss at 256 and 512 experts, about as far as two calls of one "
+             "shape were apart, and is not taken.", (
         E((49152, 2688, 1856, 128), "dw1", "fine_grained/sweep_contract_9cce2d9.json",
           T("128x192 k32 ab8 st6 b-fastest", 0.8262, "chosen"),
           T("128x192 k32 ab8 st6 a-fastest", 0.8308, "chosen a-fastest")),
@@ -502,7 +502,7 @@ DECISIONS: tuple[Decision, ...] = (
           T("128x256 k32 ab6 st8 b-fastest", 0.4237, "chosen"),
           T("128x256 k32 ab6 st8 a-fastest", 0.4109, "chosen a-fastest"),
           exception="the one shape in this sweep where a wave of CTAs spans several experts; the "
-                    "later sweeps at 256 and 512 experts found dW1's other walk within 2.4%"),
+                    "later sweeps at 256 and 512 experts found dW1's other walk within the accepted loss"),
         E((65536, 2048, 768, 256), "dw2", "fine_grained/sweep_contract_9cce2d9.json",
           T("128x256 k32 ab6 st8 a-fastest", 0.4220, "chosen a-fastest"),
           T("128x256 k32 ab6 st8 b-fastest", 0.4237, "chosen")),
@@ -553,8 +553,8 @@ DECISIONS: tuple[Decision, ...] = (
           T("128x256 k32 ab6 st8 a-fastest", 0.4223, "chosen a-fastest")),
         )),
     Decision("contract_cluster", 1, 0.01,
-             "The contraction runs alone: in pairs sharing the a-block it took more time in most sweeps "
-             "and up to 1.7% more in the layer step; where pairs were faster, it was by under 1%.", (
+             "The contraction runs alone: in pairs sharing the a-block it took more time in most of these "
+             "sweeps, and where pairs were faster, by less than the accepted loss.", (
         E((16384, 4096, 2048, 8), "dw1", "fine_grained/sweep_contract_177529d.json",
           T("128x256 k32 ab6 st8 b-fastest", 0.3544, "chosen"),
           T("128x256 k32 ab6 st8 pairs b-fastest", 0.3566, "chosen cluster2")),
