@@ -45,6 +45,7 @@ from jax_dsrelu.kernels import request as request_facts  # noqa: E402
 from jax_dsrelu.ffi import cutlass_bridge  # noqa: E402
 from jax_dsrelu.kernels.sm90 import dsrelu_call as lowering  # noqa: E402
 from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
+from jax_dsrelu.kernels.sm90.arch import sm_count  # noqa: E402
 
 # (m, k, n, E) of the fused kernel's benchmark.
 BENCHMARK_SHAPES = [(16384, 4096, 2048, 8), (32768, 7168, 2048, 8), (65536, 2048, 1024, 32)]
@@ -289,11 +290,11 @@ def run_in_place(inputs, alpha, *, deterministic, with_dbias=True, with_act=True
         with_act=with_act,
         deterministic=deterministic,
     )
-    config = config(request) if config else sm90_config.choose_config(request, lowering.sm_count())
+    config = config(request) if config else sm90_config.choose_config(request, sm_count())
     run = lowering.implementation(request, config, outputs_in_place=True)
-    plan = lowering.buffer_plan(request, config, grad.shape[0])
     filled = {
-        b.name: jnp.full(b.shape, jnp.nan, b.dtype) for b in plan if b.role == "output"
+        o.name: jnp.full(o.shape_for(grad.shape[0]), jnp.nan, o.dtype)
+        for o in lowering.operands(request, config) if o.role == "output"
     }
     results = iter(jax.jit(run)(*inputs, alpha, filled))
     dh, dprob = next(results), next(results)

@@ -285,10 +285,8 @@ def test_shared_memory_estimate_is_the_kernels_struct(kind, shape, monkeypatch):
     allocates: never less (a launch past the capacity fails with no word of why), and
     never more (a stage that fits would be left out)."""
     built = []
-    for name in ("_matmul_kernel", "_contract_kernel"):
-        make = getattr(sm90_gemm, name)
-        monkeypatch.setattr(sm90_gemm, name, lambda request, config, make=make: built.append(make(request, config))
-                            or built[-1])
+    make = sm90_gemm._kernel
+    monkeypatch.setattr(sm90_gemm, "_kernel", lambda request, config: built.append(make(request, config)) or built[-1])
     request = contract_request(shape, BF16) if kind == "contraction" else matmul_request(shape, kind)
     config = sm90_gemm.choose_config(request)
     sm90_gemm.compile_kernel(request, config, keep=True)
@@ -472,9 +470,10 @@ def run_poisoned(request, *arrays, config=None):
     """The kernel (of `config`, or the chosen one) with every output buffer NaN-filled
     first (aliased in and out)."""
     run = sm90_gemm.implementation(request, config, outputs_in_place=True)
-    _, out_shapes = sm90_gemm._shapes(request, arrays[0].shape[0])
-    _, outputs = sm90_gemm.matmul_operands(request) if isinstance(request, RaggedMatmulRequest) else sm90_gemm.contract_operands(request)
-    filled = [jnp.full(shape, jnp.nan, operand.dtype) for operand, shape in zip(outputs, out_shapes)]
+    filled = {
+        o.name: jnp.full(o.shape_for(arrays[0].shape[0]), jnp.nan, o.dtype)
+        for o in sm90_gemm.operands(request, config) if o.role == "output"
+    }
     return jax.jit(lambda *a: run(*a, filled=filled))(*arrays)
 
 

@@ -20,26 +20,14 @@ import numpy as np
 from jax import lax
 
 from jax_dsrelu.ffi import cutlass_bridge
-from jax_dsrelu.ffi.cutlass_bridge import Operand
-from jax_dsrelu.kernels.sm90 import config as sm90_config
 from jax_dsrelu.kernels.request import Request
+from jax_dsrelu.kernels.sm90 import config as sm90_config
+from jax_dsrelu.kernels.sm90 import operands as kernel_operands
+from jax_dsrelu.kernels.sm90.arch import sm_count
 from jax_dsrelu.kernels.sm90.dsrelu_kernel import GroupedGemmDsreluSm90
 from jax_dsrelu.kernels.sm90.mainloop import MAX_ROWS
 
-# wgmma and setmaxnreg exist only on the architecture-specific sm_90a target.
-ARCH = "sm_90a"
-
 _F32 = np.dtype(np.float32)
-_I32 = np.dtype(np.int32)
-
-
-def sm_count() -> int:
-    """Multiprocessors of the visible GPU (the persistent grid size), or the H100/H200 count."""
-    try:
-        devices = jax.devices("cuda")
-    except RuntimeError:
-        return sm90_config.DEFAULT_SM_COUNT
-    return int(getattr(devices[0], "core_count", sm90_config.DEFAULT_SM_COUNT))
 
 
 @functools.cache
@@ -47,79 +35,15 @@ def _kernel(request: Request, config: sm90_config.TileConfig) -> GroupedGemmDsre
     return GroupedGemmDsreluSm90(config, request)
 
 
-@dataclasses.dataclass(frozen=True)
-class Buffer:
-    """One buffer of the kernel's host function, in the host function's order.
-
-    role: "input" (read only), "accumulate" (zero-filled by XLA, updated in place by
-    atomics, returned) or "output" (written by the kernels; workspaces included).
-    """
-
-    name: str
-    operand: Operand
-    shape: tuple[int, ...]
-    role: str
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.operand.dtype
-
-
-def buffer_plan(
-    request: Request, config: sm90_config.TileConfig, num_rows: int
-) -> list[Buffer]:
-    """The host function's buffers in its order (dsrelu_kernel.py `__call__`): every input and
-    accumulate buffer before every output, as the JAX bridge passes them."""
-    e, n, k = request.num_experts, request.n, request.k
-    rows = lambda dtype, *cols: Operand(np.dtype(dtype), 1 + len(cols), varying=(0,))  # noqa: E731
-    plan = [
-        Buffer("grad", rows(request.operand_dtype, k), (num_rows, k), "input"),
-        # The kernel sees weight (E, n, k) as (n, k, E): a mode permutation, not a copy.
-        Buffer("weight", Operand(request.operand_dtype, 3, mode=(1, 2, 0)), (e, n, k), "input"),
-        Buffer("preact", rows(request.preact_dtype, n), (num_rows, n), "input"),
-        Buffer("prob", rows(_F32), (num_rows,), "input"),
-        Buffer("group_sizes", Operand(_I32, 1), (e,), "input"),
-        Buffer("alpha", Operand(_F32, 1), (e,), "input"),
-        # amax as int32 bits: the kernel's atomic max is on the bit pattern.
-        Buffer("amax", Operand(_I32, 1), (e,), "accumulate"),
-    ]
-    if not request.deterministic:
-        plan.append(Buffer("dprob", rows(_F32), (num_rows,), "accumulate"))
-        if request.with_dbias:
-            plan.append(Buffer("dbias", Operand(_F32, 2), (e, n), "accumulate"))
-    plan.append(Buffer("dh", rows(request.out_dtype, n), (num_rows, n), "output"))
-    if request.with_act:
-        plan.append(Buffer("act", rows(request.out_dtype, n), (num_rows, n), "output"))
-    if request.deterministic:
-        # dprob and dbias are written whole by the reduction pass; the slots are written
-        # wherever the reduction reads them. None needs initialising.
-        plan.append(Buffer("dprob", rows(_F32), (num_rows,), "output"))
-        if request.with_dbias:
-            plan.append(Buffer("dbias", Operand(_F32, 2), (e, n), "output"))
-        plan.append(
-            Buffer(
-                "dprob_slots",
-                Operand(_F32, 2, varying=(1,)),
-                (sm90_config.num_n_tiles(n, config), num_rows),
-                "output",
-            )
-        )
-        if request.with_dbias:
-            plan.append(
-                Buffer(
-                    "dbias_slots",
-                    rows(_F32, n),
-                    (sm90_config.max_m_tiles(num_rows, e, config.tile_m), n),
-                    "output",
-                )
-            )
-    return plan
-
-
 def kernel_request(request: Request) -> Request:
     """The request as the kernel sees it: prob arrives as float32 whatever its dtype, so
     prob's dtype is not a compile fact."""
     return dataclasses.replace(request, prob_dtype=_F32)
+
+
+def operands(request: Request, config: sm90_config.TileConfig) -> list[kernel_operands.KernelOperand]:
+    """The kernel's declared operands for this request and config (`GroupedGemmDsreluSm90.operands`)."""
+    return _kernel(kernel_request(request), config).operands()
 
 
 def _compile_key(request: Request, config: sm90_config.TileConfig, outputs_in_place: bool):
@@ -136,34 +60,11 @@ def compile_kernel(
     """The object code `implementation` runs for this request and config (compiled now,
     or found in the cache). keep=True also returns its PTX and cubin."""
     request = kernel_request(request)
-    inputs, outputs, aliases = call_layout(buffer_plan(request, config, 1), outputs_in_place)
-    return cutlass_bridge.compile_function(
-        _kernel(request, config),
-        _compile_key(request, config, outputs_in_place),
-        [(b.operand, b.shape) for b in inputs],
-        [(b.operand, b.shape) for b in outputs],
-        aliases,
-        arch=ARCH,
-        keep=keep,
+    kernel = _kernel(request, config)
+    return kernel_operands.compile_kernel(
+        kernel, _compile_key(request, config, outputs_in_place), kernel.operands(),
+        outputs_in_place=outputs_in_place, keep=keep,
     )
-
-
-def call_layout(
-    plan: list[Buffer], outputs_in_place: bool
-) -> tuple[list[Buffer], list[Buffer], dict[int, int]]:
-    """(custom-call inputs, custom-call outputs, input -> output aliases) for a plan.
-
-    Accumulate buffers, and with outputs_in_place every output buffer, are inputs aliased
-    to outputs; the host function then receives the buffers in plan order either way."""
-    inputs, outputs, aliases = [], [], {}
-    for buffer in plan:
-        if buffer.role != "output" or outputs_in_place:
-            if buffer.role != "input":
-                aliases[len(inputs)] = len(outputs)
-            inputs.append(buffer)
-        if buffer.role != "input":
-            outputs.append(buffer)
-    return inputs, outputs, aliases
 
 
 def implementation(
@@ -207,19 +108,8 @@ def implementation(
         )
         if outputs_in_place:
             given.update(filled)
-        inputs, outputs, aliases = call_layout(buffer_plan(request, config, num_rows), outputs_in_place)
-        results = cutlass_bridge.call(
-            kernel,
-            key,
-            [
-                (b.operand, given[b.name] if b.name in given else jnp.zeros(b.shape, b.dtype))
-                for b in inputs
-            ],
-            [(b.operand, jax.ShapeDtypeStruct(b.shape, b.dtype)) for b in outputs],
-            aliases,
-            arch=ARCH,
-        )
-        named = {buffer.name: result for buffer, result in zip(outputs, results)}
+        named = kernel_operands.call(kernel, key, kernel.operands(), given, num_rows,
+                                     outputs_in_place=outputs_in_place)
         amax = lax.bitcast_convert_type(named["amax"], jnp.float32)
         return _ordered(
             request, named["dh"], named["dprob"], named.get("dbias"), named.get("act"), amax

@@ -1,30 +1,74 @@
-"""The base of the Hopper kernel family: what every kernel is made of, written once.
+"""The skeleton of the Hopper kernel family, written once: every kernel is a variant of `GemmSm90`.
 
-Every kernel of the family is a persistent, warp-specialized GEMM, one CTA per
-multiprocessor, 384 threads:
+Every kernel of the family is a persistent, warp-specialized GEMM, acc = A B^T in float32,
+one CTA per multiprocessor, 384 threads:
 
-    warpgroup 0       producers: warp 0 streams A and B k-tiles by TMA into the operand
-                      ring (`mainloop.load_k_tiles`); a variant may give warp 1 a load of
-                      its own (the dsReLU kernel's preact)
+    warpgroup 0       producers: warp 0 streams A and B k-tiles into the operand ring
+                      (TMA, `mainloop.load_k_tiles`); warp 1 streams the epilogue input
+                      (a variant's C, e.g. the dsReLU kernel's preact) subtile by subtile
+                      into its own ring, where the variant has one
     warpgroups 1, 2   consumers, cooperative: 64 rows of the 128-row tile each, wgmma into
-                      float32 accumulators (`mainloop.mma_k_tiles`), then the variant's
-                      epilogue, stored through shared memory by TMA (`epilogue_store`)
+                      the accumulator (`mainloop.mma_k_tiles`), then the variant's epilogue,
+                      stored through shared memory by TMA (`epilogue_store`)
 
-Work items come from a tile scheduler that every role asks in the same order
-(`schedule.RaggedMSchedule`, `schedule.ContractSchedule`).
+The base owns the host function (`__call__`: the operands unpacked by name, the MMA and
+shared layouts, the TMA atoms, the shared-storage struct, the launch), the device entry
+(`kernel`: descriptor prefetch, the pipelines, the schedule's tables, the warp-role
+dispatch), the persistent loops of every role and the pipeline walk. A variant is a
+short file of hooks:
 
-`GemmSm90` holds what every variant shares: the warp roles and their registers, the
-tiled MMA and the operand rings' shared layouts, the TMA atoms, the shared-storage struct
-(a variant adds its buffers), the kernel's prologue (descriptor prefetch, the operand
-pipeline, the expert tables and the barrier that publishes them) and the consumers'
-fragments and store copies. `RaggedMGemmSm90` adds the ragged-M work decomposition that
-the fused dsReLU kernel and the ragged-M GEMM share: the row schedule, the operand
-producer, the store views of an expert's rows and the zero tiles of rows owned by no
-expert. A variant writes its host function (`__call__`), its `kernel`, and its epilogue.
+    operands()             the declaration (`operands.KernelOperand`), in host order; the
+                           call plans and the unpacking by name come from it
+    operand_a, operand_b   the declared names of A and B; their majorness follows from
+                           the declared mode order
+    stored_outputs()       the declared outputs the epilogue stores by TMA, in order
+    epilogue_input         the declared input loaded by TMA on warp 1 for the epilogue, or
+                           None (its ring: `epilogue_input_stages`)
+    kernel_params(t)       the kernel's other arguments (a dict, in order)
+    epilogue_scratch       (dtype, shape) of a row-major shared buffer of the epilogue's
+                           own, or None; the consumers get it as `ctx.scratch`
+    grid(t), after_gemm(t, stream)     the launch's CTAs; what runs after the GEMM on
+                           its stream (the dsReLU kernel's slot reduction)
+
+  How A is loaded (a gathered-A variant overrides these; B always comes by TMA):
+    a_source(t, layout)    host: (copy atom, tensor) the kernel gets for A (TMA by default)
+    loads_operands(warp)   which producer warps run the operand loop (warp 0)
+    operand_pipeline(...)  the operand ring (filled by TMA alone by default)
+    partition_a(...)       A's per-work-item partition for the copy
+    load_k_tiles(...)      the per-work-item k-tile loop (`mainloop.load_k_tiles`)
+    descriptors(...)       the TMA descriptors warp 0 prefetches (A's, where A is TMA's)
+
+  The work schedule (`ragged_m.RaggedMGemmSm90` for the ragged-M kernels):
+    num_rows(params)                          the row count m (params.num_rows)
+    publish_schedule(storage, params, m, tidx)  the per-CTA tables every role reads
+    make_schedule(tables, m)                  a role's walk (`schedule.py`)
+    a_tiles, b_tiles, c_tiles(m, tile)        a work item's (tile, tile_k | epi_n, blocks) views
+    k_tile_count(tile), store_views(outputs, tile)
+
+  The epilogue, on the consumer warpgroups:
+    epilogue_setup(ctx)                       extra registers, before the walk
+    epilogue_prefetch(ctx, tile)              per work item, before its mainloop: loads
+                                              whose latency hides behind it; returns the
+                                              item's state
+    mma_active(ctx, item)                     `mainloop.mma_k_tiles`' warpgroup switch
+    epilogue_begin(ctx, item)                 after the mainloop
+    epilogue_visit(ctx, item, tile, subtile)  the subtile's outputs, in float32 registers
+    epilogue_reduce(ctx, item, tile, subtile) after the subtile's stores are issued
+    epilogue_end(ctx, item, tile)             after the last subtile
+
+Two walks: the ragged-M walk (`schedule.RaggedMSchedule`) has items of rows no expert
+owns, stored as zeros, and locating an item moves its expert cursor, so each role's loop
+rebinds the walk; the contraction's (`schedule.ContractSchedule`) has a mainloop in every
+item and no cursor. Each role's loop is written once per walk: the DSL carries a loop's
+values in the order their names first appear in it, and that order is each kernel's PTX.
+The rest of an item's work, mainloop and epilogue, is one method for both.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -34,7 +78,8 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_dsrelu.kernels.group_tables import build_expert_tables
-from jax_dsrelu.kernels.sm90 import epilogue_store, mainloop, schedule
+from jax_dsrelu.kernels.sm90 import epilogue_store, mainloop
+from jax_dsrelu.kernels.sm90.operands import KernelOperand
 
 
 class GemmSm90:
@@ -49,6 +94,18 @@ class GemmSm90:
     # The per-CTA expert tables in shared memory, E + 1 int32 each.
     tables = ("row_start", "tile_start")
 
+    operand_a: str
+    operand_b: str
+    epilogue_input: str | None = None
+    epilogue_input_stages = 0
+    epilogue_scratch = None
+    # The walk's items include rows no expert owns, and locating an item moves the walk.
+    walk_rebinds = False
+    # Every subtile of a tile staged at once and stored as one bulk group
+    # (`epilogue_store.store_tile`): needs a buffer per subtile and one stored output
+    # whose values are the accumulator's.
+    whole_tile = False
+
     def __init__(self, config, num_experts: int):
         self.config = config
         self.num_experts = num_experts
@@ -58,7 +115,99 @@ class GemmSm90:
         self.epi_n = config.epi_n
         self.subtiles = config.subtiles
 
-    # ------------------------------------------------------------------ host side
+    # ------------------------------------------------------------- the declaration
+
+    def operands(self) -> list[KernelOperand]:
+        raise NotImplementedError(f"{type(self).__name__} declares no operands")
+
+    def operand(self, name: str) -> KernelOperand:
+        return next(o for o in self.operands() if o.name == name)
+
+    def stored_outputs(self) -> tuple[str, ...]:
+        raise NotImplementedError(f"{type(self).__name__} declares no stored outputs")
+
+    def _major(self, name: str) -> LayoutEnum:
+        """K-major (ROW_MAJOR: the kernel's mode 1, K, is contiguous) or MN-major
+        (COL_MAJOR), from the declared mode order of GEMM operand `name`."""
+        return LayoutEnum.ROW_MAJOR if self.operand(name).contiguous_mode == 1 else LayoutEnum.COL_MAJOR
+
+    # ---------------------------------------------------------------- host function
+
+    @cute.jit
+    def __call__(self, stream: cuda.CUstream, *tensors: cute.Tensor):
+        """Launches the GEMM on `stream`, then `after_gemm`. `tensors` are the declared
+        operands in declaration order (inputs and accumulate buffers, then outputs), as
+        the JAX bridge passes them."""
+        t = self._by_name(tensors)
+        tiled_mma, a_layout, b_layout = self._mma(
+            getattr(t, self.operand_a).element_type, self._major(self.operand_a), self._major(self.operand_b)
+        )
+        copy_a, mA = self.a_source(t, a_layout)
+        tma_b, mB = self._tma_load(self.b_view(getattr(t, self.operand_b)), b_layout, (self.tile_n, self.tile_k))
+        args, barriers, buffers = self._kernel_arguments(t, tiled_mma, a_layout, b_layout)
+        self.shared_storage = self._shared_storage(a_layout, b_layout, barriers, buffers)
+        self._launch(self.kernel(copy_a, mA, tma_b, mB, args), self.grid(t), stream)
+        self.after_gemm(t, stream)
+
+    def _by_name(self, tensors) -> SimpleNamespace:
+        names = [o.name for o in self.operands()]
+        if len(tensors) != len(names):
+            raise ValueError(f"{type(self).__name__} takes {names}, got {len(tensors)} tensors")
+        return SimpleNamespace(**dict(zip(names, tensors)))
+
+    def _kernel_arguments(self, t, tiled_mma, a_layout, b_layout):
+        """(the kernel's arguments after A and B, the ring barriers and the shared buffers
+        besides the operand ring): the epilogue input's TMA, the stored outputs' TMA, the
+        variant's parameters, the MMA and the shared layouts, in that order."""
+        self.out_dtype = getattr(t, self.stored_outputs()[0]).element_type
+        d_layout = self._epi_layout(self.out_dtype, self.config.store_stages)
+        barriers, buffers = {}, {}
+        c = None
+        c_layout = None
+        if self.epilogue_input is not None:
+            tensor = getattr(t, self.epilogue_input)
+            self.c_dtype = tensor.element_type
+            c_layout = self._epi_layout(self.c_dtype, self.epilogue_input_stages)
+            c = self._tma_load(tensor, c_layout, (self.tile_m, self.epi_n))
+            barriers["c_barriers"] = self.epilogue_input_stages
+            buffers["sC"] = (self.c_dtype, cute.cosize(c_layout))
+        stored = []
+        for name in self.stored_outputs():
+            stored.append(self._tma_store(self.store_view(getattr(t, name)), d_layout))
+            buffers[f"s_{name}"] = (self.out_dtype, cute.cosize(d_layout))
+        if self.epilogue_scratch is not None:
+            dtype, shape = self.epilogue_scratch
+            buffers["epilogue_scratch"] = (dtype, cute.size(shape))
+        args = SimpleNamespace(
+            c=c, stored=tuple(stored), params=SimpleNamespace(**self.kernel_params(t)),
+            tiled_mma=tiled_mma, a_layout=a_layout, b_layout=b_layout, c_layout=c_layout, d_layout=d_layout,
+        )
+        return args, barriers, buffers
+
+    # Host hooks: the defaults are a variant's with nothing to add.
+
+    def a_source(self, t, a_layout):
+        """(copy atom, tensor) of A in the kernel: a TMA load of `a_view`; with clusters
+        along N each CTA of one loads its slice of the box into all of them."""
+        return self._tma_load(self.a_view(getattr(t, self.operand_a)), a_layout, (self.tile_m, self.tile_k),
+                              self.config.cluster_n)
+
+    def a_view(self, tensor: cute.Tensor) -> cute.Tensor:
+        return tensor
+
+    def b_view(self, tensor: cute.Tensor) -> cute.Tensor:
+        return tensor
+
+    def store_view(self, tensor: cute.Tensor) -> cute.Tensor:
+        return tensor
+
+    def kernel_params(self, t) -> dict:
+        return {}
+
+    def after_gemm(self, t, stream) -> None:
+        pass
+
+    # Host helpers.
 
     def _mma(self, ab_dtype, a_major: LayoutEnum, b_major: LayoutEnum):
         """(tiled MMA, A ring layout, B ring layout): two 64-row warpgroups over a
@@ -96,9 +245,9 @@ class GemmSm90:
 
     def _shared_storage(self, a_layout, b_layout, barriers: dict, buffers: dict):
         """The kernel's shared-memory struct: the operand ring's barriers, then the
-        variant's `barriers` ({name: stages}), the expert tables, the operand ring, then
-        the variant's `buffers` ({name: (dtype, elements)}), each 1024-byte aligned (the
-        swizzled layouts' requirement)."""
+        other rings' `barriers` ({name: stages}), the expert tables, the operand ring,
+        then `buffers` ({name: (dtype, elements)}), each 1024-byte aligned (the swizzled
+        layouts' requirement)."""
         experts = self.num_experts + 1
         fields = {"ab_barriers": cute.struct.MemRange[cutlass.Int64, self.config.ab_stages * 2]}
         for name, stages in barriers.items():
@@ -128,18 +277,59 @@ class GemmSm90:
                 f"tile_n={self.config.tile_n} (a cluster takes neighbouring N-tiles of the same rows)"
             )
 
-    def _cluster_walk(self):
-        """(first work item, stride, rank) of this CTA's walk: the items are its cluster's,
-        every CTA of a cluster walks the same ones, and `rank` says which N-tile of each
-        is this CTA's."""
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        cluster_n = self.config.cluster_n
-        return bidx // cluster_n, grid // cluster_n, bidx % cluster_n
+    # ----------------------------------------------------------------- device entry
 
-    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, copy_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor, args):
+        """`args` is the host's `_kernel_arguments` namespace."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        num_rows = self.num_rows(args.params)
+        self._prefetch(self.descriptors(copy_a, tma_b, args))
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        ab_pipeline = self.operand_pipeline(storage, args.a_layout, args.b_layout)
+        c_pipeline = self._epilogue_input_pipeline(storage, args.c_layout)
+        tables = self.publish_schedule(storage, args.params, num_rows, tidx)
+        sA = self._smem(storage.sA, args.a_layout)
+        sB = self._smem(storage.sB, args.b_layout)
+        sC = self._epilogue_input_buffer(storage, args.c_layout)
+        epilogue_storage = self._epilogue_storage(storage)
 
-    def _operand_pipeline(self, storage, a_layout, b_layout) -> pipeline.PipelineTmaAsync:
+        if warp_idx < self.producer_warps:
+            cute.arch.setmaxregister_decrease(self.producer_registers)
+            if self.loads_operands(warp_idx):
+                self.load_operands(copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, self.make_schedule(tables, num_rows))
+            if cutlass.const_expr(self.epilogue_input is not None):
+                if warp_idx == 1:
+                    self.load_epilogue_input(args.c[0], args.c[1], sC, c_pipeline,
+                                             self.make_schedule(tables, num_rows))
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_registers)
+            stored_smem = self._stored_buffers(storage, epilogue_storage, args.d_layout)
+            scratch = None
+            if cutlass.const_expr(self.epilogue_scratch is not None):
+                scratch = epilogue_storage.epilogue_scratch.get_tensor(self._row_major(self.epilogue_scratch[1]))
+            self.consume(args.tiled_mma, sA, sB, ab_pipeline, sC, c_pipeline, stored_smem, scratch, args,
+                         self.make_schedule(tables, num_rows), tidx - 128)
+
+    def num_rows(self, params) -> Int32:
+        """The problem's row count m (`Rows` extents are in it), from the kernel's parameters."""
+        return params.num_rows
+
+    def descriptors(self, copy_a, tma_b, args) -> list:
+        """The TMA descriptors warp 0 prefetches."""
+        return [copy_a, tma_b] + ([args.c[0]] if self.epilogue_input is not None else []) + [
+            tma for tma, _ in args.stored
+        ]
+
+    @cute.jit
+    def _prefetch(self, atoms):
+        """Warp 0 prefetches the TMA descriptors."""
+        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+            for i in cutlass.range_constexpr(len(atoms)):
+                cpasync.prefetch_descriptor(atoms[i])
+
+    def operand_pipeline(self, storage, a_layout, b_layout) -> pipeline.PipelineTmaAsync:
         """The A/B ring: warp 0 produces, the 8 consumer warps release. In a cluster along
         N a stage's A tile is written by every CTA of the cluster, so each consumer warp
         releases the stage in every CTA (one lane per CTA)."""
@@ -149,6 +339,18 @@ class GemmSm90:
             + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_layout, (None, None, 0))),
             self.config.cluster_n,
         )
+
+    def _epilogue_input_pipeline(self, storage, c_layout):
+        """The epilogue input's ring, filled by warp 1; None without one."""
+        if self.epilogue_input is None:
+            return None
+        return self._tma_pipeline(
+            storage.c_barriers, self.epilogue_input_stages,
+            cute.size_in_bytes(self.c_dtype, cute.slice_(c_layout, (None, None, 0))),
+        )
+
+    def _epilogue_input_buffer(self, storage, c_layout):
+        return None if self.epilogue_input is None else self._smem(storage.sC, c_layout)
 
     def _tma_pipeline(self, barriers, stages: int, stage_bytes, multicast: int = 1) -> pipeline.PipelineTmaAsync:
         """A ring filled by one TMA-issuing thread and released by the consumer warps,
@@ -165,13 +367,6 @@ class GemmSm90:
             enable_multicast_signaling=True,
             defer_sync=True,
         )
-
-    @cute.jit
-    def _prefetch(self, atoms):
-        """Warp 0 prefetches the TMA descriptors."""
-        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
-            for i in cutlass.range_constexpr(len(atoms)):
-                cpasync.prefetch_descriptor(atoms[i])
 
     def _table(self, storage, name: str) -> cute.Tensor:
         return getattr(storage, name).get_tensor(cute.make_layout(self.num_experts + 1))
@@ -195,9 +390,210 @@ class GemmSm90:
             cute.arch.sync_threads()
         return row_start, tile_start
 
+    def _cluster_walk(self):
+        """(first work item, stride, rank) of this CTA's walk: the items are its cluster's,
+        every CTA of a cluster walks the same ones, and `rank` says which N-tile of each
+        is this CTA's."""
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        cluster_n = self.config.cluster_n
+        return bidx // cluster_n, grid // cluster_n, bidx % cluster_n
+
     @staticmethod
     def _smem(buffer, layout) -> cute.Tensor:
         return buffer.get_tensor(layout.outer, swizzle=layout.inner)
+
+    def _epilogue_storage(self, storage):
+        """The struct, where the epilogue has shared buffers of its own (an input ring, a
+        scratch buffer), else None. Named in the consumers' branch, it enters that branch
+        as an argument, and the DSL derives its field pointers there rather than at the
+        kernel's top: a placement that changes the code ptxas receives, kept as the
+        kernels were measured (tests/ptx_digests.py checks their PTX)."""
+        if self.epilogue_input is None and self.epilogue_scratch is None:
+            return None
+        return storage
+
+    def _stored_buffers(self, storage, epilogue_storage, d_layout) -> list:
+        struct = storage if epilogue_storage is None else epilogue_storage
+        return [self._smem(getattr(struct, f"s_{name}"), d_layout) for name in self.stored_outputs()]
+
+    @staticmethod
+    def _row_major(shape):
+        strides, stride = [], 1
+        for extent in reversed(shape):
+            strides.insert(0, stride)
+            stride *= extent
+        return cute.make_layout(shape, stride=tuple(strides))
+
+    # --------------------------------------------------------------- producer warps
+
+    def loads_operands(self, warp_idx):
+        return warp_idx == 0
+
+    @cute.jit
+    def load_operands(self, copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, work_schedule):
+        """The A/B k-tiles of every work item with a mainloop, in schedule order, through
+        one ring whose state carries across items."""
+        state = self._producer_state(self.config.ab_stages)
+        if cutlass.const_expr(self.walk_rebinds):
+            while work_schedule.owned():
+                tile, work_schedule = work_schedule.located()
+                state = self._load_item(copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, state, tile, work_schedule.rank)
+                work_schedule.advance()
+        else:
+            while work_schedule.valid():
+                tile = work_schedule.tile()
+                state = self._load_item(copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, state, tile, work_schedule.rank)
+                work_schedule.advance()
+        ab_pipeline.producer_tail(state)
+
+    def _load_item(self, copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, state, tile, rank):
+        gA = self.a_tiles(mA, tile)
+        gB = self.b_tiles(mB, tile)
+        tAsA, tAgA = self.partition_a(copy_a, sA, gA, rank)
+        tBsB, tBgB = mainloop.tma_partition(tma_b, sB, gB)
+        return self.load_k_tiles(copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, self.k_tile_count(tile))
+
+    def partition_a(self, copy_a, sA, gA, rank):
+        """(shared, global) partitions of A's k-tiles: the CTAs of a cluster share the
+        rows, each loads its slice of A for all."""
+        return mainloop.tma_partition(copy_a, sA, gA, rank, self.config.cluster_n)
+
+    def load_k_tiles(self, copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles):
+        return mainloop.load_k_tiles(copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles,
+                                     self.config.cluster_n)
+
+    @cute.jit
+    def load_epilogue_input(self, tma_c, mC, sC, c_pipeline, work_schedule):
+        """Warp 1: the epilogue input's subtiles of every expert work item (of the ragged-M
+        walk), in epilogue order.
+
+        A warp of its own, so that waiting for a free buffer (freed only by the epilogue)
+        never holds back the A/B loads of the next tile."""
+        state = self._producer_state(self.epilogue_input_stages)
+        while work_schedule.owned():
+            tile, work_schedule = work_schedule.located()
+            tCsC, tCgC = mainloop.tma_partition(tma_c, sC, self.c_tiles(mC, tile))
+            for subtile in cutlass.range_constexpr(self.subtiles):
+                c_pipeline.producer_acquire(state)
+                cute.copy(
+                    tma_c,
+                    tCgC[None, tile.n_tile * self.subtiles + subtile],
+                    tCsC[None, state.index],
+                    tma_bar_ptr=c_pipeline.producer_get_barrier(state),
+                )
+                c_pipeline.producer_commit(state)
+                state.advance()
+            work_schedule.advance()
+        c_pipeline.producer_tail(state)
+
+    @staticmethod
+    def _producer_state(stages: int):
+        return pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+
+    # ------------------------------------------------------------ consumer warpgroups
+
+    @cute.jit
+    def consume(self, tiled_mma, sA, sB, ab_pipeline, sC, c_pipeline, stored_smem, scratch, args, work_schedule,
+                ctid: Int32):
+        """Consumer warpgroups: per work item, the wgmma mainloop, then the epilogue."""
+        warp_c = ctid // 32  # consumer warp 0..7, rows [16 warp_c, 16 warp_c + 16) of the tile
+        lane = ctid % 32
+        tCrA, tCrB, tCcAcc, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
+        tiled_copy_c, tiled_r2s, thr_r2s, sub_shape = self._store_copy(tiled_mma, self.out_dtype, ctid)
+        ctx = SimpleNamespace(
+            ctid=ctid, warp=warp_c, lane=lane, tiled_mma=tiled_mma, tCrA=tCrA, tCrB=tCrB, tCcAcc=tCcAcc, acc=acc,
+            ab_pipeline=ab_pipeline, tiled_r2s=tiled_r2s, sub_shape=sub_shape, params=args.params, scratch=scratch,
+        )
+        ctx.outputs = self._epilogue_outputs(ctx, thr_r2s, stored_smem, args.stored)
+        ctx.c = self._epilogue_input_copies(c_pipeline, tiled_copy_c, sC, sub_shape, ctid)
+        self.epilogue_setup(ctx)
+        # With a buffer per subtile, a tile's stores are one bulk group (one stage).
+        store_pipeline = self._store_pipeline(1 if cutlass.const_expr(self.whole_tile) else self.config.store_stages)
+        ctx.store_pipeline = store_pipeline
+        read_state, release_state = self._consumer_states()
+        c_state = self._epilogue_input_state()
+        store_count = Int32(0)
+        # This thread's two rows in the tile (h = 0, 1: accumulator values 0 and 2). The wgmma
+        # fragment holds value v = c + 2 h + 4 j at column 8 j + 2 (lane % 4) + c, row + 8 h.
+        ctx.tile_row = [tCcAcc[0][0], tCcAcc[2][0]]
+        if cutlass.const_expr(self.walk_rebinds):
+            while work_schedule.valid():
+                if work_schedule.owned():
+                    tile, work_schedule = work_schedule.located()
+                    read_state, release_state, store_count, c_state = self._work_item(
+                        ctx, tile, read_state, release_state, store_count, c_state)
+                else:
+                    store_count = self._store_zero_tile(work_schedule, ctx.tiled_r2s, ctx.outputs, store_pipeline,
+                                                        store_count, ctid)
+                work_schedule.advance()
+        else:
+            while work_schedule.valid():
+                tile = work_schedule.tile()
+                read_state, release_state, store_count, c_state = self._work_item(
+                    ctx, tile, read_state, release_state, store_count, c_state)
+                work_schedule.advance()
+        if ctid == 0:
+            store_pipeline.producer_tail()
+
+    def _work_item(self, ctx, tile, read_state, release_state, store_count, c_state):
+        """One work item: the variant's prefetch, the mainloop, the epilogue subtile by
+        subtile (epilogue input in, visit, store, reduce), the epilogue's end. Returns the
+        states it advances."""
+        item = self.epilogue_prefetch(ctx, tile)
+        read_state, release_state = mainloop.mma_k_tiles(
+            ctx.tiled_mma, ctx.acc, ctx.tCrA, ctx.tCrB, ctx.ab_pipeline, read_state, release_state,
+            self.k_tile_count(tile), self.mma_active(ctx, item),
+        )
+        self.epilogue_begin(ctx, item)
+        stores = self.store_views(ctx.outputs, tile)
+        if self.whole_tile:
+            rF, rOut, tRS_s, tma, gmem, smem = stores[0]
+            epilogue_store.store_tile(
+                ctx.tiled_r2s, ctx.tiled_r2s.retile(ctx.acc), rF, rOut, tRS_s, tma, gmem, smem, ctx.store_pipeline,
+                tile.n_tile * self.subtiles, ctx.ctid, self.subtiles, self.consumer_threads,
+            )
+        else:
+            for subtile in range(self.subtiles):
+                if self.epilogue_input is not None:
+                    c_pipeline, tiled_s2r, tSR_sC, tRS_rC, tSR_rC, tRS_rCf = ctx.c
+                    c_pipeline.consumer_wait(c_state)
+                    cute.copy(tiled_s2r, tSR_sC[None, None, None, c_state.index], tSR_rC)
+                    c_pipeline.consumer_release(c_state)
+                    c_state.advance()
+                    tRS_rCf.store(tRS_rC.load().to(Float32))
+                self.epilogue_visit(ctx, item, tile, subtile)
+                store_count = self._store_subtile(ctx.tiled_r2s, stores, ctx.store_pipeline, store_count, tile.n_tile,
+                                                  subtile, ctx.ctid)
+                self.epilogue_reduce(ctx, item, tile, subtile)
+        self.epilogue_end(ctx, item, tile)
+        return read_state, release_state, store_count, c_state
+
+    # Epilogue hooks: the defaults are a variant's with nothing to add.
+
+    def epilogue_setup(self, ctx) -> None:
+        pass
+
+    def epilogue_prefetch(self, ctx, tile):
+        return None
+
+    def mma_active(self, ctx, item):
+        """None: both warpgroups multiply every tile (see `mainloop.mma_k_tiles`)."""
+        return None
+
+    def epilogue_begin(self, ctx, item) -> None:
+        pass
+
+    def epilogue_visit(self, ctx, item, tile, subtile: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no epilogue")
+
+    def epilogue_reduce(self, ctx, item, tile, subtile: int) -> None:
+        pass
+
+    def epilogue_end(self, ctx, item, tile) -> None:
+        pass
+
+    # Consumer helpers.
 
     def _mma_fragments(self, tiled_mma, sA, sB, ctid: Int32):
         """(tCrA, tCrB, tCcAcc, acc): the warpgroup's wgmma fragments of the rings, the
@@ -224,6 +620,39 @@ class GemmSm90:
         sub_shape = thr_r2s.partition_S(cute.make_identity_tensor((self.tile_m, self.epi_n))).shape
         return tiled_copy_c, tiled_r2s, thr_r2s, sub_shape
 
+    def _epilogue_outputs(self, ctx, thr_r2s, stored_smem, stored):
+        """The stored outputs as `_store_subtile` takes them, before their store views:
+        for each, its float32 registers (the subtile the epilogue writes), a copy in the
+        output dtype, this thread's partition of its shared buffers, the TMA atom, the
+        global tensor and the buffers. `ctx.registers` lists the float32 registers."""
+        ctx.registers = [cute.make_rmem_tensor(ctx.sub_shape, Float32) for _ in stored]
+        ctx.sub_values = cute.size(ctx.registers[0])  # 2 rows x epi_n / 4 columns
+        return [
+            (rF, cute.make_rmem_tensor(ctx.sub_shape, self.out_dtype), thr_r2s.partition_D(smem), tma, tensor, smem)
+            for rF, smem, (tma, tensor) in zip(ctx.registers, stored_smem, stored)
+        ]
+
+    def _epilogue_input_copies(self, c_pipeline, tiled_copy_c, sC, sub_shape, ctid: Int32):
+        """(ring, ldmatrix copy, this thread's shared partition, registers in the input's
+        dtype, their ldmatrix view, registers in float32) of the epilogue input, in the
+        layout of the accumulator fragment (value v of a subtile is accumulator value
+        s v + v); None without one."""
+        if self.epilogue_input is None:
+            return None
+        tiled_s2r = cute.make_tiled_copy_S(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), self.c_dtype), tiled_copy_c
+        )
+        thr_s2r = tiled_s2r.get_slice(ctid)
+        tSR_sC = thr_s2r.partition_S(sC)
+        tRS_rC = cute.make_rmem_tensor(sub_shape, self.c_dtype)
+        tSR_rC = thr_s2r.retile(tRS_rC)
+        return c_pipeline, tiled_s2r, tSR_sC, tRS_rC, tSR_rC, cute.make_rmem_tensor(sub_shape, Float32)
+
+    def _epilogue_input_state(self):
+        if self.epilogue_input is None:
+            return None
+        return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.epilogue_input_stages)
+
     @cute.jit
     def _store_subtile(self, tiled_r2s, stores, store_pipeline, store_count: Int32, n_tile: Int32,
                        subtile: cutlass.Constexpr, ctid: Int32):
@@ -241,116 +670,7 @@ class GemmSm90:
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
         )
 
-    @staticmethod
-    def _producer_state(stages: int):
-        return pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-
     def _consumer_states(self):
         """(read, release) states of the operand ring, both at its start."""
         make = lambda: pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.ab_stages)  # noqa: E731
         return make(), make()
-
-
-class RaggedMGemmSm90(GemmSm90):
-    """The ragged-M work decomposition: output rows cut per expert into tile_m tiles,
-    over n in tile_n tiles; K = k fixed. A (m, k) row-major; B per expert as (n, k, E)."""
-
-    def __init__(self, config, num_experts: int, n: int, k: int):
-        super().__init__(config, num_experts)
-        self.n = n
-        self.k = k
-        self.n_tiles = (n + config.tile_n - 1) // config.tile_n
-        self.k_tiles = (k + config.tile_k - 1) // config.tile_k
-        self._check_pairs_up(self.n_tiles, f"n={n}")
-
-    def _grid(self, num_rows: Int32) -> Int32:
-        """Persistent CTAs, whole clusters, no more than there are work items: expert tiles
-        number at most m_tiles + E and the zero tiles at most m_tiles, per group of
-        cluster_n N-tiles."""
-        m_tiles = (num_rows + (self.tile_m - 1)) // self.tile_m
-        cluster_n = self.config.cluster_n
-        clusters = cutlass.min((2 * m_tiles + self.num_experts) * (self.n_tiles // cluster_n),
-                               Int32(self.config.max_ctas // cluster_n))
-        return clusters * cluster_n
-
-    def _schedule(self, row_start, tile_start, num_rows: Int32) -> schedule.RaggedMSchedule:
-        """A role's own walk of the work items (`_cluster_walk`)."""
-        first, stride, rank = self._cluster_walk()
-        return schedule.RaggedMSchedule.start(
-            row_start, tile_start, num_rows, self.num_experts, self.n_tiles, self.tile_m,
-            first, stride, self.config.cluster_n, rank,
-        )
-
-    @cute.jit
-    def load_operands(self, tma_a, mA, tma_b, mB, sA, sB, ab_pipeline, work_schedule):
-        """Warp 0: the A/B k-tiles of every expert tile, in schedule order."""
-        state = self._producer_state(self.config.ab_stages)
-        while work_schedule.owned():
-            tile, work_schedule = work_schedule.located()
-            row0 = tile.first_row + tile.local_tile * self.tile_m
-            # Rows past the expert are loaded and never stored; rows past m read as zeros.
-            gA = cute.local_tile(cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None))
-            gB = cute.local_tile(mB[None, None, tile.expert], (self.tile_n, self.tile_k), (tile.n_tile, None))
-            # The CTAs of a cluster share the rows: each loads its slice of A for all.
-            tAsA, tAgA = mainloop.tma_partition(tma_a, sA, gA, work_schedule.rank, self.config.cluster_n)
-            tBsB, tBgB = mainloop.tma_partition(tma_b, sB, gB)
-            state = mainloop.load_k_tiles(tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, self.k_tiles,
-                                          self.config.cluster_n)
-            work_schedule.advance()
-        ab_pipeline.producer_tail(state)
-
-    @staticmethod
-    def _warpgroup_active(ctid: Int32, rows_valid: Int32) -> Int32:
-        """`mainloop.warpgroup_active` for this consumer thread's warpgroup, whose 64 rows
-        of the tile start at 64 (ctid // 128)."""
-        return mainloop.warpgroup_active((ctid // 128) * 64, rows_valid)
-
-    def _tile_rows(self, tile: schedule.ExpertTile):
-        """(the tile's first row, how many of its rows belong to the expert: may exceed
-        tile_m, may be below)."""
-        return tile.first_row + tile.local_tile * self.tile_m, tile.rows - tile.local_tile * self.tile_m
-
-    @staticmethod
-    def _row_probs(mProb: cute.Tensor, tile_row, row0: Int32, rows_valid: Int32):
-        """(valid, prob) of this thread's rows `tile_row` of the tile: whether each
-        belongs to the expert, and its prob, 0 where it does not (such a row may be past
-        m: row 0 is read for it instead). Loaded before the mainloop, so that the load's
-        latency hides behind it."""
-        valid = [row < rows_valid for row in tile_row]
-        prob = []
-        for h in range(len(tile_row)):
-            safe_row = Int32(cutlass.select_(valid[h], row0 + tile_row[h], Int32(0)))
-            prob.append(Float32(cutlass.select_(valid[h], mProb[safe_row], Float32(0.0))))
-        return valid, prob
-
-    def _epilogue_outputs(self, thr_r2s, sub_shape, tensors):
-        """The stored outputs as `_stores` and `_store_zero_tile` take them: for each
-        (float32 registers, shared buffers, TMA atom, global tensor) of `tensors`, the
-        registers, a copy of them in the output dtype, this thread's partition of the
-        buffers, the atom, the tensor and the buffers."""
-        return [
-            (rF, cute.make_rmem_tensor(sub_shape, self.out_dtype), thr_r2s.partition_D(smem), tma, tensor, smem)
-            for rF, smem, tma, tensor in tensors
-        ]
-
-    def _stores(self, outputs, offset: Int32, length: Int32, local_tile: Int32):
-        """What `epilogue_store.store_subtile` stores for tile `local_tile` of rows
-        [offset, offset + length): each output (registers f32, registers out dtype, smem
-        partition, TMA atom, global tensor, smem) with its global tensor as the tile's
-        store view, clipped at offset + length."""
-        return [
-            (rF, rOut, tRS_s, tma, epilogue_store.store_view(tensor, offset, length, local_tile, self.tile_m, self.epi_n), smem)
-            for rF, rOut, tRS_s, tma, tensor, smem in outputs
-        ]
-
-    @cute.jit
-    def _store_zero_tile(self, work_schedule, tiled_r2s, outputs, store_pipeline, store_count: Int32, ctid: Int32):
-        """A tile of the rows owned by no expert: every output stored as zeros. Returns
-        the store count."""
-        tile, n_tile, first_row, rows = work_schedule.unowned_tile()
-        stores = self._stores(outputs, first_row, rows, tile)
-        for i in cutlass.range_constexpr(len(outputs)):
-            outputs[i][0].fill(0.0)
-        for subtile in cutlass.range_constexpr(self.subtiles):
-            store_count = self._store_subtile(tiled_r2s, stores, store_pipeline, store_count, n_tile, subtile, ctid)
-        return store_count

@@ -48,6 +48,16 @@ class ExpertTile(NamedTuple):
     rows: Int32  # the expert's row count
 
 
+class ContractTile(NamedTuple):
+    """A work item of the contraction: one output tile of out[expert] (a, b)."""
+
+    expert: Int32
+    m_tile: Int32  # the a-block
+    n_tile: Int32  # the b-block
+    first_row: Int32  # the expert's first row
+    rows: Int32  # the expert's row count: the contraction's extent
+
+
 @cute.jit
 def _seek_expert(tile_start: cute.Tensor, m_tile: Int32, expert: Int32) -> Int32:
     """The expert owning M-tile `m_tile`, searched forward from `expert` (empty experts
@@ -190,8 +200,8 @@ class ContractSchedule:
     def advance(self) -> None:
         self.work = self.work + self.stride
 
-    def tile(self):
-        """(expert, a_tile, b_tile, first_row, expert_rows) of the current work item."""
+    def tile(self) -> ContractTile:
+        """The current work item."""
         size_rank = self.work // self.per_expert
         tile = self.work - size_rank * self.per_expert
         if self.a_fastest:  # a Python bool: one of the two walks is traced
@@ -203,7 +213,7 @@ class ContractSchedule:
         b_tile = b_group * self.cluster_n + self.rank
         expert = self.expert_order[size_rank]
         first_row = self.row_start[expert]
-        return expert, a_tile, b_tile, first_row, self.row_start[expert + 1] - first_row
+        return ContractTile(expert, a_tile, b_tile, first_row, self.row_start[expert + 1] - first_row)
 
 
 @cute.jit

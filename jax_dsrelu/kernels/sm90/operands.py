@@ -1,0 +1,145 @@
+"""Each sm90 kernel's operands, declared once, and the custom call that follows from the declaration.
+
+A kernel declares its operands in the order its host function takes them
+(`GemmSm90.operands`): each one's name, role, dtype, shape as stored (the extents that
+vary with the row count m marked `Rows`), and the mode order in which the kernel sees
+it. From that one list come the host function's unpacking by name
+(`GemmSm90.__call__`), the custom call's inputs, outputs and aliases (`call_layout`),
+the compile descriptions (`compile_kernel`) and the call (`call`); no other list has to
+agree with it by position.
+
+Roles:
+    input       read only
+    accumulate  zero-filled by XLA, updated in place by the kernel's atomics, returned
+                (aliased in and out)
+    output      written by the kernels, workspaces included: no initialisation needed
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Hashable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dsrelu.ffi import cutlass_bridge
+from jax_dsrelu.ffi.cutlass_bridge import Operand
+from jax_dsrelu.kernels.sm90.arch import ARCH
+
+ROLES = ("input", "accumulate", "output")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """An extent that varies with the row count m, ceil(m / per) + plus (m itself by
+    default): compiled as a run-time extent, so a new m never recompiles."""
+
+    per: int = 1
+    plus: int = 0
+
+    def extent(self, num_rows: int) -> int:
+        return -(-num_rows // self.per) + self.plus
+
+
+M = Rows()
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOperand:
+    """One buffer of a kernel's host function.
+
+    `shape` is the array's as stored (row-major), with `Rows` for the extents that vary
+    with m; `mode` the order in which the kernel sees the stored axes (kernel mode i is
+    stored axis mode[i]): a view, never a copy. None keeps the stored order."""
+
+    name: str
+    role: str
+    dtype: np.dtype
+    shape: tuple[int | Rows, ...]
+    mode: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"operand {self.name!r}: role must be one of {ROLES}, got {self.role!r}")
+        if self.mode is not None and sorted(self.mode) != list(range(len(self.shape))):
+            raise ValueError(f"operand {self.name!r}: mode must order the axes of shape {self.shape}, got {self.mode}")
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+
+    @property
+    def operand(self) -> Operand:
+        """How the bridge compiles and passes it: the varying extents at divisibility 1."""
+        varying = tuple(axis for axis, extent in enumerate(self.shape) if isinstance(extent, Rows))
+        return Operand(self.dtype, len(self.shape), varying=varying, mode=self.mode)
+
+    def shape_for(self, num_rows: int) -> tuple[int, ...]:
+        return tuple(extent.extent(num_rows) if isinstance(extent, Rows) else extent for extent in self.shape)
+
+    @property
+    def contiguous_mode(self) -> int:
+        """The kernel's mode along which the stored array is contiguous (its last axis)."""
+        last = len(self.shape) - 1
+        return last if self.mode is None else self.mode.index(last)
+
+
+def call_layout(
+    plan: Sequence[KernelOperand], outputs_in_place: bool
+) -> tuple[list[KernelOperand], list[KernelOperand], dict[int, int]]:
+    """(custom-call inputs, custom-call outputs, input -> output aliases) of a plan.
+
+    Accumulate buffers, and with outputs_in_place every output, are inputs aliased to
+    outputs. The plan lists every input and accumulate buffer before every output, so the
+    host function receives the buffers in plan order either way."""
+    inputs, outputs, aliases = [], [], {}
+    for operand in plan:
+        if operand.role != "output" or outputs_in_place:
+            if operand.role != "input":
+                aliases[len(inputs)] = len(outputs)
+            inputs.append(operand)
+        if operand.role != "input":
+            outputs.append(operand)
+    return inputs, outputs, aliases
+
+
+def compile_kernel(
+    host_function: Callable[..., None],
+    key: Hashable,
+    plan: Sequence[KernelOperand],
+    *,
+    outputs_in_place: bool = False,
+    keep: bool = False,
+) -> cutlass_bridge.Compiled:
+    """The object code of `host_function` for `plan` (compiled now, or found in the cache):
+    the varying extents are described at m = 1, as every m shares the code."""
+    inputs, outputs, aliases = call_layout(plan, outputs_in_place)
+    return cutlass_bridge.compile_function(
+        host_function, key, [(o.operand, o.shape_for(1)) for o in inputs],
+        [(o.operand, o.shape_for(1)) for o in outputs], aliases, arch=ARCH, keep=keep,
+    )
+
+
+def call(
+    host_function: Callable[..., None],
+    key: Hashable,
+    plan: Sequence[KernelOperand],
+    given: Mapping[str, jax.Array],
+    num_rows: int,
+    *,
+    outputs_in_place: bool = False,
+) -> dict[str, jax.Array]:
+    """One custom call of `host_function` on the arrays `given` by name; returns its
+    outputs by name. Accumulate buffers not given start at zero; with outputs_in_place,
+    `given` holds every output too, pre-filled, which the kernels update in place."""
+    inputs, outputs, aliases = call_layout(plan, outputs_in_place)
+    missing = [o.name for o in inputs if o.name not in given and o.role != "accumulate"]
+    if missing:
+        raise ValueError(f"the kernel's call needs {missing}; got {sorted(given)}")
+    arrays = [
+        given[o.name] if o.name in given else jnp.zeros(o.shape_for(num_rows), o.dtype) for o in inputs
+    ]
+    results = cutlass_bridge.call(
+        host_function, key, [(o.operand, array) for o, array in zip(inputs, arrays)],
+        [(o.operand, jax.ShapeDtypeStruct(o.shape_for(num_rows), o.dtype)) for o in outputs], aliases, arch=ARCH,
+    )
+    return {o.name: result for o, result in zip(outputs, results)}
