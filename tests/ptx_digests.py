@@ -14,7 +14,11 @@ outputs), each tile width, cluster pairs, and the shapes the tests and benchmark
 
 Run it against another checkout with PYTHONPATH pointing there. A case's config is the
 one `choose_*_config` picks unless the case names one; the JSON records it beside the
-digest, so that a changed choice is told apart from changed code.
+digest, so that a changed choice is told apart from changed code. A few pinned cases'
+digests are kept in tests/ptx_digests.json, which the compile tier checks
+(tests/test_sm90_ptx.py); a change that means to change the kernels rewrites it:
+
+    CUTE_DSL_ARCH=sm_90a python tests/ptx_digests.py --pinned --out tests/ptx_digests.json
 """
 
 from __future__ import annotations
@@ -173,6 +177,32 @@ def cases() -> list[Case]:
     return [*dsrelu_cases(), *matmul_cases(), *contract_cases()]
 
 
+def pinned_cases() -> list[Case]:
+    """A few small kernels at configs named here (not chosen, so that a change of the
+    tuning rules leaves them be), one per kernel and walk: the compile tier compares their
+    PTX with `PINNED_TABLE` (tests/test_sm90_ptx.py)."""
+    common = dict(tile_k=64, epi_n=32, store_stages=2, max_ctas=sm90_config.DEFAULT_SM_COUNT)
+    contract_tiles = dict(tile_k=32, epi_n=32, max_ctas=sm90_config.DEFAULT_SM_COUNT)
+    return [
+        Case("dsrelu/deterministic", dsrelu(256, 512, 5, deterministic=True),
+             sm90_config.TileConfig(tile_n=256, ab_stages=3, preact_stages=4, **common)),
+        Case("dsrelu/atomic_without_dbias_or_act", dsrelu(256, 512, 5, with_dbias=False, with_act=False),
+             sm90_config.TileConfig(tile_n=256, ab_stages=4, preact_stages=2, **common)),
+        Case("matmul/up_srelu_bias", matmul(8, 520, 320, "up_srelu_bias"),
+             sm90_config.GemmConfig(tile_n=192, ab_stages=4, **common)),
+        Case("matmul/dx_nk", matmul(8, 520, 320, "dx_nk"), sm90_config.GemmConfig(tile_n=192, ab_stages=5, **common)),
+        Case("contract/whole_tile", contract(8, 520, 320, BF16),
+             sm90_config.ContractConfig(tile_n=192, ab_stages=8, store_stages=6, **contract_tiles)),
+        Case("contract/store_ring_pairs_a_fastest", contract(8, 520, 512, F32),
+             sm90_config.ContractConfig(tile_n=256, ab_stages=7, store_stages=3, cluster_n=2, a_fastest=True,
+                                        **contract_tiles)),
+    ]
+
+
+# The pinned cases' digests, as `--pinned --out` writes them.
+PINNED_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ptx_digests.json")
+
+
 def chosen_config(case: Case):
     if case.config is not None:
         return case.config
@@ -202,9 +232,11 @@ def main() -> None:
     parser.add_argument("--compare", help="a JSON file written before: report every case that differs")
     parser.add_argument("--ptx-dir", help="also write each case's PTX here (for diffing)")
     parser.add_argument("--only", help="only the cases whose names start with this")
+    parser.add_argument("--pinned", action="store_true",
+                        help=f"the pinned cases only (their table: --out {os.path.relpath(PINNED_TABLE)})")
     options = parser.parse_args()
     results = {}
-    for case in cases():
+    for case in pinned_cases() if options.pinned else cases():
         if options.only and not case.name.startswith(options.only):
             continue
         text = ptx(case)
