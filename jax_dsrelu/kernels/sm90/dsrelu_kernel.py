@@ -166,12 +166,11 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
         item.row_max = [Int32(0), Int32(0)]
 
     def epilogue_visit(self, ctx, item, tile, subtile: int) -> None:
-        """dh and act of the subtile from the accumulator and preact (`ctx.c`'s float32
-        registers); the rows' dprob and amax partials; the subtile's column partials of
-        dh for dbias (`item.columns`)."""
+        """dh and act of the subtile from the accumulator and preact; the rows' dprob and
+        amax partials; the subtile's column partials of dh for dbias (`item.columns`)."""
         tRS_rD = ctx.registers[0]
         tRS_rAct = ctx.registers[1] if self.with_act else None
-        tRS_rPf = ctx.c[-1]
+        tRS_rPf = ctx.c_registers
         columns = []
         for v in range(ctx.sub_values):
             h = (v // 2) % 2

@@ -45,7 +45,12 @@ short file of hooks:
     a_tiles, b_tiles, c_tiles(m, tile)        a work item's (tile, tile_k | epi_n, blocks) views
     k_tile_count(tile), store_views(outputs, tile)
 
-  The epilogue, on the consumer warpgroups:
+  The epilogue, on the consumer warpgroups, given `ctx`: ctid, warp and lane (of the
+  consumers), acc and tCcAcc (the accumulator and its (row, column) coordinates),
+  tile_row (this thread's two rows of the tile), sub_values (accumulator values per
+  subtile), registers (each stored output's float32 subtile, which the store rounds),
+  outputs, c_registers (the epilogue input's subtile in float32), scratch, params (the
+  kernel_params by name); `item` is what epilogue_prefetch returned:
     epilogue_setup(ctx)                       extra registers, before the walk
     epilogue_prefetch(ctx, tile)              per work item, before its mainloop: loads
                                               whose latency hides behind it; returns the
@@ -506,7 +511,7 @@ class GemmSm90:
             ab_pipeline=ab_pipeline, tiled_r2s=tiled_r2s, sub_shape=sub_shape, params=args.params, scratch=scratch,
         )
         ctx.outputs = self._epilogue_outputs(ctx, thr_r2s, stored_smem, args.stored)
-        ctx.c = self._epilogue_input_copies(c_pipeline, tiled_copy_c, sC, sub_shape, ctid)
+        self._epilogue_input_copies(ctx, c_pipeline, tiled_copy_c, sC, ctid)
         self.epilogue_setup(ctx)
         # With a buffer per subtile, a tile's stores are one bulk group (one stage).
         store_pipeline = self._store_pipeline(1 if cutlass.const_expr(self.whole_tile) else self.config.store_stages)
@@ -632,21 +637,24 @@ class GemmSm90:
             for rF, smem, (tma, tensor) in zip(ctx.registers, stored_smem, stored)
         ]
 
-    def _epilogue_input_copies(self, c_pipeline, tiled_copy_c, sC, sub_shape, ctid: Int32):
-        """(ring, ldmatrix copy, this thread's shared partition, registers in the input's
-        dtype, their ldmatrix view, registers in float32) of the epilogue input, in the
-        layout of the accumulator fragment (value v of a subtile is accumulator value
-        s v + v); None without one."""
+    def _epilogue_input_copies(self, ctx, c_pipeline, tiled_copy_c, sC, ctid: Int32) -> None:
+        """ctx.c: (ring, ldmatrix copy, this thread's shared partition, registers in the
+        input's dtype, their ldmatrix view, registers in float32) of the epilogue input, in
+        the layout of the accumulator fragment (value v of a subtile is accumulator value
+        s v + v); ctx.c_registers: the float32 registers, which hold the subtile's input
+        when `epilogue_visit` runs. Both None without an epilogue input."""
+        ctx.c = ctx.c_registers = None
         if self.epilogue_input is None:
-            return None
+            return
         tiled_s2r = cute.make_tiled_copy_S(
             cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), self.c_dtype), tiled_copy_c
         )
         thr_s2r = tiled_s2r.get_slice(ctid)
         tSR_sC = thr_s2r.partition_S(sC)
-        tRS_rC = cute.make_rmem_tensor(sub_shape, self.c_dtype)
+        tRS_rC = cute.make_rmem_tensor(ctx.sub_shape, self.c_dtype)
         tSR_rC = thr_s2r.retile(tRS_rC)
-        return c_pipeline, tiled_s2r, tSR_sC, tRS_rC, tSR_rC, cute.make_rmem_tensor(sub_shape, Float32)
+        ctx.c_registers = cute.make_rmem_tensor(ctx.sub_shape, Float32)
+        ctx.c = (c_pipeline, tiled_s2r, tSR_sC, tRS_rC, tSR_rC, ctx.c_registers)
 
     def _epilogue_input_state(self):
         if self.epilogue_input is None:
