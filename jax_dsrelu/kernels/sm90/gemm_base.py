@@ -42,7 +42,10 @@ short file of hooks:
     num_rows(params)                          the row count m (params.num_rows)
     publish_schedule(storage, params, m, tidx)  the per-CTA tables every role reads
     make_schedule(tables, m)                  a role's walk (`schedule.py`)
-    a_tiles, b_tiles, c_tiles(m, tile)        a work item's (tile, tile_k | epi_n, blocks) views
+    a_tiles(mA, tile, params), b_tiles(mB, tile), c_tiles(mC, tile)
+                                              a work item's (tile, tile_k | epi_n, blocks)
+                                              views (A's with the kernel's parameters: a
+                                              gathered A reads its row table there)
     k_tile_count(tile), store_views(outputs, tile)
 
   The epilogue, on the consumer warpgroups, given `ctx`: ctid, warp and lane (of the
@@ -303,7 +306,8 @@ class GemmSm90:
         if warp_idx < self.producer_warps:
             cute.arch.setmaxregister_decrease(self.producer_registers)
             if self.loads_operands(warp_idx):
-                self.load_operands(copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, self.make_schedule(tables, num_rows))
+                self.load_operands(copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, self.make_schedule(tables, num_rows),
+                                   args.params)
             if cutlass.const_expr(self.epilogue_input is not None):
                 if warp_idx == 1:
                     self.load_epilogue_input(args.c[0], args.c[1], sC, c_pipeline,
@@ -436,24 +440,26 @@ class GemmSm90:
         return warp_idx == 0
 
     @cute.jit
-    def load_operands(self, copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, work_schedule):
+    def load_operands(self, copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, work_schedule, params):
         """The A/B k-tiles of every work item with a mainloop, in schedule order, through
         one ring whose state carries across items."""
         state = self._producer_state(self.config.ab_stages)
         if cutlass.const_expr(self.walk_rebinds):
             while work_schedule.owned():
                 tile, work_schedule = work_schedule.located()
-                state = self._load_item(copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, state, tile, work_schedule.rank)
+                state = self._load_item(copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, state, tile, work_schedule.rank,
+                                        params)
                 work_schedule.advance()
         else:
             while work_schedule.valid():
                 tile = work_schedule.tile()
-                state = self._load_item(copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, state, tile, work_schedule.rank)
+                state = self._load_item(copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, state, tile, work_schedule.rank,
+                                        params)
                 work_schedule.advance()
         ab_pipeline.producer_tail(state)
 
-    def _load_item(self, copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, state, tile, rank):
-        gA = self.a_tiles(mA, tile)
+    def _load_item(self, copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, state, tile, rank, params):
+        gA = self.a_tiles(mA, tile, params)
         gB = self.b_tiles(mB, tile)
         tAsA, tAgA = self.partition_a(copy_a, sA, gA, rank)
         tBsB, tBgB = mainloop.tma_partition(tma_b, sB, gB)

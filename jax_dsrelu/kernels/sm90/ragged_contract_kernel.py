@@ -124,7 +124,7 @@ class RaggedContractSm90(GemmSm90):
             first, stride, self.config.cluster_n, rank, self.config.a_fastest,
         )
 
-    def a_tiles(self, mA: cute.Tensor, tile: schedule.ContractTile) -> cute.Tensor:
+    def a_tiles(self, mA: cute.Tensor, tile: schedule.ContractTile, params) -> cute.Tensor:
         """(tile_m, tile_k, k-tiles) of the expert's rows of lhs at the a-block, clipped at
         its last row."""
         rows = mainloop.expert_rows(mA, 1, tile.first_row, tile.rows)

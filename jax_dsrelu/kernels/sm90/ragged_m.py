@@ -63,7 +63,7 @@ class RaggedMGemmSm90(GemmSm90):
             first, stride, self.config.cluster_n, rank,
         )
 
-    def a_tiles(self, mA: cute.Tensor, tile: schedule.ExpertTile) -> cute.Tensor:
+    def a_tiles(self, mA: cute.Tensor, tile: schedule.ExpertTile, params) -> cute.Tensor:
         """(tile_m, tile_k, k-tiles) of the tile's rows of A. Rows past the expert are
         loaded and never stored; rows past m read as zeros."""
         row0 = tile.first_row + tile.local_tile * self.tile_m
