@@ -71,6 +71,10 @@ class StandInBackend:
     def cannot_implement(self, request):
         return None
 
+    def gathers_rows(self, request):
+        # Reads every operand in place: the primitives gather any row-indexed operand first.
+        return frozenset()
+
     def implementation(self, request):
         self.requests.append(request)
         reference, params = reference_of(request)
