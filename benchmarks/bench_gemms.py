@@ -69,9 +69,6 @@ RAGGED_ROWS_CONTRACTED = lax.RaggedDotDimensionNumbers(
 )
 
 
-# ------------------------------------------------------------------------------ operands
-
-
 def operand_shapes(m, d, f, num_experts) -> dict[str, jax.ShapeDtypeStruct]:
     s = jax.ShapeDtypeStruct
     return dict(
@@ -101,9 +98,6 @@ def make_operands(m, d, f, num_experts, seed, grouping="dirichlet") -> dict[str,
     return operands
 
 
-# --------------------------------------------------------------------- the six GEMMs
-
-
 @dataclasses.dataclass(frozen=True)
 class RaggedMatmul:
     """out = lhs @ rhs[e] row by row; rhs stored (E, k, n) ("kn") or (E, n, k) ("nk")."""
@@ -121,13 +115,10 @@ class RaggedMatmul:
     def request(self, shapes, contract_out_dtype):
         del contract_out_dtype  # the ragged-M outputs are in the operand dtype, as moe_mlp's are
         lhs, rhs = shapes[self.lhs], shapes[self.rhs]
-        k = lhs.shape[1]
-        n = rhs.shape[2] if self.rhs_layout == "kn" else rhs.shape[1]
         return RaggedMatmulRequest(
-            num_experts=rhs.shape[0], k=k, n=n, rhs_layout=self.rhs_layout,
-            operand_dtype=np.dtype(lhs.dtype), out_dtype=BF16, epilogue=self.epilogue,
-            with_bias=self.epilogue == "srelu",
-        )
+            num_experts=rhs.shape[0], k=lhs.shape[1], n=rhs.shape[2 if self.rhs_layout == "kn" else 1],
+            rhs_layout=self.rhs_layout, operand_dtype=np.dtype(lhs.dtype), out_dtype=BF16, epilogue=self.epilogue,
+            with_bias=self.epilogue == "srelu")
 
     def xla_accumulator(self, lhs, rhs, group_sizes):
         rhs = rhs if self.rhs_layout == "kn" else jnp.swapaxes(rhs, 1, 2)
@@ -181,16 +172,12 @@ class RaggedContract:
 
     def request(self, shapes, contract_out_dtype):
         lhs, rhs = shapes[self.lhs], shapes[self.rhs]
-        return RaggedContractRequest(
-            num_experts=shapes["group_sizes"].shape[0], a=lhs.shape[1], b=rhs.shape[1],
-            operand_dtype=np.dtype(lhs.dtype), out_dtype=np.dtype(contract_out_dtype),
-        )
+        return RaggedContractRequest(num_experts=shapes["group_sizes"].shape[0], a=lhs.shape[1], b=rhs.shape[1],
+                                     operand_dtype=np.dtype(lhs.dtype), out_dtype=np.dtype(contract_out_dtype))
 
     @staticmethod
     def xla_accumulator(lhs, rhs, group_sizes):
-        return lax.ragged_dot_general(
-            lhs, rhs, group_sizes, RAGGED_ROWS_CONTRACTED, preferred_element_type=jnp.float32
-        )
+        return lax.ragged_dot_general(lhs, rhs, group_sizes, RAGGED_ROWS_CONTRACTED, preferred_element_type=jnp.float32)
 
     @staticmethod
     def dense(lhs, rhs):
@@ -199,10 +186,8 @@ class RaggedContract:
     @staticmethod
     def batched(lhs, rhs, batches):
         """lhs_e^T rhs_e over E batches of m / E rows."""
-        return lax.dot_general(
-            lhs.reshape(batches, -1, lhs.shape[1]), rhs.reshape(batches, -1, rhs.shape[1]),
-            (((1,), (1,)), ((0,), (0,))),
-        )
+        lhs, rhs = lhs.reshape(batches, -1, lhs.shape[1]), rhs.reshape(batches, -1, rhs.shape[1])
+        return lax.dot_general(lhs, rhs, (((1,), (1,)), ((0,), (0,))))
 
     def reference(self, operands) -> dict:
         lhs, rhs, sizes = (operands[n] for n in (self.lhs, self.rhs, "group_sizes"))
@@ -244,12 +229,9 @@ DSRELU_OPERANDS = ("dy", "w2", "h", "prob", "group_sizes")
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
 def _compare(ours, reference, scale, accumulation_bound, terms, out_dtype):
     error = jnp.abs(ours.astype(jnp.float32) - reference)
-    tolerance = (
-        2.0 * UNIT_ROUNDOFF[np.dtype(out_dtype)] * scale
-        + 2.0 * terms * F32_ROUNDOFF * accumulation_bound
-        + np.finfo(np.float32).tiny
-    )
-    relative = jnp.linalg.norm(error) / jnp.maximum(jnp.linalg.norm(reference), np.finfo(np.float32).tiny)
+    tiny = np.finfo(np.float32).tiny
+    tolerance = 2.0 * UNIT_ROUNDOFF[np.dtype(out_dtype)] * scale + 2.0 * terms * F32_ROUNDOFF * accumulation_bound + tiny
+    relative = jnp.linalg.norm(error) / jnp.maximum(jnp.linalg.norm(reference), tiny)
     return jnp.max(error), jnp.max(error / tolerance), relative
 
 
@@ -259,23 +241,19 @@ def compare(ours, reference, scale, accumulation_bound, terms) -> dict:
     |ours - reference| <= 2 u |scale| + 2 terms 2^-24 (|lhs| @ |rhs|): u, the output
     dtype's unit roundoff, for the rounding of the result (twice, for a path that rounds
     twice); the second term bounds how far two float32 sums of the same products in
-    different orders can drift apart. `worst` is the largest error over its bound: <= 1
-    passes.
+    different orders can drift apart. `worst` is the largest error over its bound: <= 1 passes.
     """
     if ours.shape != reference.shape:
         raise ValueError(f"result shape {ours.shape} differs from the reference's {reference.shape}")
-    max_error, worst, relative = _compare(
-        ours, reference, scale, accumulation_bound, float(terms), out_dtype=np.dtype(ours.dtype).name
-    )
+    max_error, worst, relative = _compare(ours, reference, scale, accumulation_bound, float(terms),
+                                          out_dtype=np.dtype(ours.dtype).name)
     return dict(max_abs_error=float(max_error), worst_error_over_bound=float(worst),
                 relative_frobenius_error=float(relative))
 
 
 def check_passes(checks: dict) -> bool:
-    return all(
-        entry["worst_error_over_bound"] <= 1.0 if "worst_error_over_bound" in entry else entry["passes"]
-        for entry in checks.values()
-    )
+    return all(entry["worst_error_over_bound"] <= 1.0 if "worst_error_over_bound" in entry else entry["passes"]
+               for entry in checks.values())
 
 
 def check_dsrelu(outputs, reference, tolerances=DSRELU_TOLERANCE) -> dict:
@@ -313,13 +291,10 @@ def quack_check(gemm, operands, reference) -> Callable:
     return lambda out: MATMULS[gemm].check(out, reference, operands)
 
 
-# -------------------------------------------------------------------------- variants
-
-
 def fused(backend, deterministic=False):
     """grouped_gemm_dsrelu with every output (dbias, act) on `backend`."""
-    return jax.jit(lambda *a: jax_dsrelu.grouped_gemm_dsrelu(
-        *a, with_dbias=True, with_act=True, deterministic=deterministic, backend=backend))
+    return jax.jit(lambda *a: jax_dsrelu.grouped_gemm_dsrelu(*a, with_dbias=True, with_act=True,
+                                                             deterministic=deterministic, backend=backend))
 
 
 def sm90_implementation(request):
@@ -385,10 +360,8 @@ def run_variant(variant, gemm, operands, reference, reps, clock) -> dict:
 def bench_gemm(gemm, shape, operands, reps, clock, out_dtype, selected) -> dict:
     m, d, f, _ = shape
     flops = 2.0 * m * d * f
-    if gemm == "dsrelu":
-        reference = fused("xla")(*(operands[n] for n in DSRELU_OPERANDS))
-    else:
-        reference = MATMULS[gemm].reference(operands)
+    reference = (fused("xla")(*(operands[n] for n in DSRELU_OPERANDS)) if gemm == "dsrelu"
+                 else MATMULS[gemm].reference(operands))
     results: dict[str, dict] = {}
     for variant in gemm_variants(gemm, operand_shapes(*shape), out_dtype):
         if variant.name in selected:
@@ -404,33 +377,21 @@ def bench_gemm(gemm, shape, operands, reps, clock, out_dtype, selected) -> dict:
     return dict(flops=flops, variants=results)
 
 
-# ------------------------------------------------------------------------- prebuild
-
-
-# Variants whose kernels a prebuild compiles.
-PREBUILT_VARIANTS = ("sm90", "sm90_det")
-
-
 def prebuild(shapes, gemms, variants, out_dtype) -> None:
-    """Lowers the selected sm90 variants at these shapes for cuda, which builds
-    and caches the kernels they run."""
+    """Lowers the selected sm90 variants at these shapes for cuda, which builds and caches their kernels."""
     cuda_lowering.prepare()
     for shape in shapes:
         described = operand_shapes(*shape)
         for gemm in gemms:
             for variant in gemm_variants(gemm, described, out_dtype):
-                if variant.name not in variants or variant.name not in PREBUILT_VARIANTS:
-                    continue
-                name = f"bench_gemms {gemm} {variant.name} {shape}"
-                try:
-                    fn = variant.build()
-                except NotImplementedError as error:
-                    print(f"prebuild {name}: not built ({str(error)[:200]})", flush=True)
-                    continue
-                cuda_lowering.lower_for_cuda(name, fn, *(described[n] for n in variant.operands))
-
-
-# ------------------------------------------------------------------------- reporting
+                if variant.name in variants and variant.name in ("sm90", "sm90_det"):
+                    name = f"bench_gemms {gemm} {variant.name} {shape}"
+                    try:
+                        fn = variant.build()
+                    except NotImplementedError as error:
+                        print(f"prebuild {name}: not built ({str(error)[:200]})", flush=True)
+                        continue
+                    cuda_lowering.lower_for_cuda(name, fn, *(described[n] for n in variant.operands))
 
 
 def plot(rows, path, title):

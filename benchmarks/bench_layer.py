@@ -59,9 +59,6 @@ GRADIENTS = ("x", "w1", "w2", "prob", "b1")  # moe_mlp's differentiable operands
 TOLERANCE = 2e-2
 
 
-# ------------------------------------------------------------------------------ operands
-
-
 def operand_shapes(m, d, f, num_experts) -> dict[str, jax.ShapeDtypeStruct]:
     s = jax.ShapeDtypeStruct
     return dict(
@@ -88,9 +85,6 @@ def make_operands(m, d, f, num_experts, seed, grouping="dirichlet") -> dict[str,
     operands.update(w1_dense=jnp.array(operands["w1"][0]), w2_dense=jnp.array(operands["w2"][0]),
                     b1_dense=jnp.array(operands["b1"][0]))
     return operands
-
-
-# ------------------------------------------------------------------------ the variants
 
 
 def moe_mlp_with(backend, deterministic):
@@ -161,9 +155,6 @@ def computation(variant, mode):
     return jax.value_and_grad(loss_of(layer), argnums=tuple(range(5))), names + ("cotangent",)
 
 
-# ----------------------------------------------------------------------------- running
-
-
 def flatten(outputs, mode):
     """The named results: the loss and every gradient (step), or y (forward)."""
     if mode == "forward":
@@ -175,12 +166,10 @@ def flatten(outputs, mode):
 def compare(outputs, reference) -> dict:
     """Normwise errors against the xla backend. The loss is recorded but not judged: it is
     a sum of terms of both signs, so its relative error says nothing about the layer."""
-    checks = {}
-    for name, ref in reference.items():
-        relative = float(harness.relative_error(outputs[name], ref))
-        checks[name] = dict(relative_error=relative)
-        if name != "loss":
-            checks[name]["passes"] = relative <= TOLERANCE
+    checks = {name: dict(relative_error=float(harness.relative_error(outputs[name], ref)))
+              for name, ref in reference.items()}
+    for name in checks.keys() - {"loss"}:
+        checks[name]["passes"] = checks[name]["relative_error"] <= TOLERANCE
     return checks
 
 
@@ -208,24 +197,14 @@ def bench_shape(shape, row, operands, variants, modes, reps, clock, save) -> Non
     m, d, f, num_experts = shape
     row.update(group_sizes=np.asarray(operands["group_sizes"]).tolist(), modes={})
     for mode in modes:
-        flops = FLOPS_PER_MDF[mode] * m * d * f
-        results: dict[str, dict] = {}
-        reference = None
-        # The xla backend runs first: every other variant is checked against it.
-        for variant in ["xla"] + [v for v in variants if v != "xla"]:
-            if variant not in variants:
-                continue
+        flops, results, reference = FLOPS_PER_MDF[mode] * m * d * f, {}, None
+        for variant in sorted(variants, key=lambda v: v != "xla"):  # xla first: the others are checked against it
             print(f"{shape} {mode} {variant}", flush=True)
-            entry, outputs = run_variant(variant, mode, operands, reference, reps, clock, flops)
-            if variant == "xla":
-                reference = outputs
-            results[variant] = entry
+            results[variant], outputs = run_variant(variant, mode, operands, reference, reps, clock, flops)
+            reference = outputs if variant == "xla" else reference
         del reference
         row["modes"][mode] = dict(flops=flops, variants=results)
         save()
-
-
-# ------------------------------------------------------------------------- prebuild
 
 
 # Variants that run through moe_mlp, whose kernels a prebuild compiles (xla: none, but
@@ -242,12 +221,7 @@ def prebuild(shapes, variants, modes) -> None:
         for variant in (v for v in variants if v in LAYER_VARIANTS):
             for mode in modes:
                 fn, names = computation(variant, mode)
-                cuda_lowering.lower_for_cuda(
-                    f"bench_layer {variant} {mode} {shape}", fn, *(described[n] for n in names)
-                )
-
-
-# ------------------------------------------------------------------------- reporting
+                cuda_lowering.lower_for_cuda(f"bench_layer {variant} {mode} {shape}", fn, *(described[n] for n in names))
 
 
 def plot(rows, path, title):

@@ -35,7 +35,7 @@ done
 wait
 python3 - "$processes" "$commit" "$digests" "$example" "$mode" "$logs" <<'PY'
 import json, os, re, subprocess, sys
-processes, commit, digests, example, mode, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
+processes, commit, digests, example, mode, out = int(sys.argv[1]), *sys.argv[2:]
 device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
 record = dict(device=device, commit=commit, processes=processes, kernel_cache=mode,
               xla_flags=os.environ.get("XLA_FLAGS", "") or "default",
@@ -44,14 +44,12 @@ for i in range(1, processes + 1):
     lines = [l for l in open(f"{out}/digests_{i}.txt") if l.startswith("{")]
     record["digests"].append(json.loads(lines[-1]) if lines else None)
     output = open(f"{out}/train_moe_{i}.txt").read()
-    found = re.findall(r"parameter digest: (\w+)", output)
-    record["example_digests"].append(found[-1] if found else None)
+    record["example_digests"].append((re.findall(r"parameter digest: (\w+)", output) or [None])[-1])
     options = re.findall(r"compiler options: (\{.*\})", output)
     if options:
         record["example_compiler_options"] = json.loads(options[0])
-def canonical(line):
-    return None if line is None else json.dumps(line["results"], sort_keys=True)
-record["digests_distinct_across_processes"] = len({canonical(d) for d in record["digests"]})
+results = [json.dumps(d["results"], sort_keys=True) if d else None for d in record["digests"]]
+record["digests_distinct_across_processes"] = len(set(results))
 record["example_digests_distinct_across_processes"] = len(set(record["example_digests"]))
 names = sorted({name for d in record["digests"] if d for name in d["results"]})
 record["distinct_across_processes_by_computation"] = {

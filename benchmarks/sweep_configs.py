@@ -55,9 +55,6 @@ CONTRACT_ALTERNATIVES = {
 }
 
 
-# ------------------------------------------------------------------------- the requests
-
-
 def fused_request(k, n, num_experts):
     return request_facts.Request(
         num_experts=num_experts, n=n, k=k, operand_dtype=BF16, preact_dtype=BF16,
@@ -85,9 +82,6 @@ def contract_cases(shapes=CONTRACT_SHAPES):
         for gemm, (a, b) in (("dw1", (d, f)), ("dw2", (f, d))):
             yield (m, d, f, num_experts), gemm, request_facts.RaggedContractRequest(
                 num_experts=num_experts, a=a, b=b, operand_dtype=BF16, out_dtype=BF16)
-
-
-# --------------------------------------------------------------------- the candidates
 
 
 def _fits(config, request):
@@ -165,9 +159,6 @@ def builds(kernel: str, sm_count: int, gemms=GEMM_KERNELS):
 
 def compile_candidate(request, config) -> None:
     (dsrelu_call if isinstance(request, request_facts.Request) else ragged_call).compile_kernel(request, config)
-
-
-# ----------------------------------------------------------------------------- timing
 
 
 def operands_for(gemm, request, operands):
