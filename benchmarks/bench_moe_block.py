@@ -1,50 +1,53 @@
-"""Times one training step of a Nemotron-3-Nano MoE block, against its GEMMs alone, on one GPU.
+"""Times one training step of MoE blocks built with `moe_layer`, beside their GEMMs alone, on one GPU.
 
-The block (`jax_dsrelu.moe_layer`): T = 8192 tokens of d = 2688, sigmoid routing over 128
-experts with a selection bias, top-6, weights renormalized and scaled by 2.5, experts of
-width f = 1856, a shared expert of width 3712; bf16 weights and tokens, a float32 router.
-The step is jax.value_and_grad of sum(out * cotangent) in x, the router, w1, w2 and the
-shared expert's weights. Variants:
+The blocks (BLOCKS; --blocks picks), bf16 with a float32 router: Nemotron-3-Nano's at T = 8192
+and 32768, a DeepSeek-V3 expert shard (its 256 experts over 8 devices; T = 4096, so
+bench_layer.py's 32768 rows) and a block of few large experts. A step is jax.value_and_grad
+of sum(out * cotangent) in x, the router and every expert weight, as (--variants picks;
+precision.py states how each computes)
 
-    auto       moe_layer(backend="auto", deterministic=False): the library's kernels
-    auto_det   moe_layer(backend="auto", deterministic=True)
-    xla        moe_layer(backend="xla"): the same block with its experts on XLA
-    gemms      the block's GEMMs alone, in bf16 as a user writes them (the router float32,
-               as the block's): the routed experts' six batched over 128 equal experts of
-               T * top_k / E rows, the shared expert's six and the router's three, with only
-               the activation and its derivative between them; no routing, no ragged sizes.
-    gemms_cublas  the same with every GEMM on cuBLAS (harness.CUBLAS_ONLY)
+    auto, auto_det   moe_layer(backend="auto"), deterministic False and True: the kernels
+    xla, xla_det     moe_layer(backend="xla"), both modes
+    tokamax          the block in plain JAX, its expert GEMMs on tokamax.ragged_dot (its Pallas
+                     Mosaic GPU kernels; its XLA ones on the CPU); where tokamax is not
+                     installed the record says so and nothing runs
+    gemms_cublas     the step's GEMMs alone, bf16 as a user writes them, each on cuBLAS
 
-Each variant's record holds its time, its CUPTI kernel breakdown and its peak memory; the
-kernels' gradients are checked against the xla variant's before they are timed.
+Each entry holds the step's time, its CUPTI kernel breakdown with the time outside the GEMM
+kernels (timing.outside_gemms), and its peak device memory by XLA's analysis of the compiled
+step (the device's own peak counter cannot be reset between variants); every variant but xla
+and the GEMMs alone is checked against xla's gradients before it is timed.
 
     python benchmarks/bench_moe_block.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_moe_block.py --prebuild
-    python benchmarks/bench_moe_block.py --cpu --out /tmp/block    # plumbing test at a tiny size
+    python benchmarks/bench_moe_block.py --cpu --out /tmp/block    # plumbing test at tiny sizes
 
-writes bench_moe_block.json.
+writes bench_moe_block.json (gzipped where large) and bench_moe_block.png.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import importlib.util
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 import cuda_lowering
 import harness
 import precision
+from bench_layer import TOLERANCE, cublas_gemms
 from harness import BF16
 
 import jax_dsrelu
 
-VARIANTS = ("auto", "auto_det", "xla", "gemms", "gemms_cublas")
-GRADIENTS = ("x", "router", "w1", "w2", "shared_w1", "shared_w2")
-# Normwise against the xla variant: both round h, the activation and dh to bf16, so their
-# results agree to a few bf16 ulps (2^-8) relative to their norm (as in bench_layer.py).
-TOLERANCE = 2e-2
+VARIANTS = ("auto", "auto_det", "xla", "xla_det", "tokamax", "gemms_cublas")
+F32 = jnp.float32
+WEIGHTS = ("router", "w1", "w2", "shared_w1", "shared_w2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,168 +57,219 @@ class Block:
     experts: int
     f: int
     top_k: int
-    shared: int
+    score: str  # "sigmoid" or "softmax"
+    bias: bool  # a selection bias (expert_bias)
+    normalize: bool
     scale: float
+    shared: int = 0  # the shared expert's width; 0: none
+
+    @property
+    def gradients(self) -> tuple[str, ...]:
+        return ("x", "router", "w1", "w2") + (("shared_w1", "shared_w2") if self.shared else ())
 
     @property
     def flops(self) -> float:
-        """Multiply-adds x 2 of the step: three GEMMs of each expert matrix's shape per
-        matrix (forward, two backward), for the routed rows, the shared expert and the router."""
-        routed = self.tokens * self.top_k * self.d * self.f
-        shared = self.tokens * self.d * self.shared
-        router = self.tokens * self.d * self.experts
-        return 2.0 * 3 * (2 * routed + 2 * shared + router)
+        """Three GEMMs (forward, two backward) per weight: over the routed rows, the shared expert's, the router's."""
+        return 6.0 * self.tokens * self.d * (2 * self.top_k * self.f + 2 * self.shared + self.experts)
+
+    def tiny(self) -> Block:
+        """The same routing at a size the CPU runs in a moment (whole rows per expert for the GEMMs alone)."""
+        return dataclasses.replace(self, tokens=64, d=32, experts=max(2 * self.top_k, 8), f=16,
+                                   shared=32 * bool(self.shared))
+
+    def describe(self) -> str:
+        routing = self.score + " with a selection bias" * self.bias + ", normalized" * self.normalize
+        routing += f", scaled by {self.scale:g}" if self.scale != 1 else ""
+        shared = f", a shared expert of {self.shared}" if self.shared else ""
+        return f"T = {self.tokens}, d = {self.d}, {self.experts} experts of {self.f}, top-{self.top_k}, {routing}{shared}"
 
 
-NANO = Block(tokens=8192, d=2688, experts=128, f=1856, top_k=6, shared=3712, scale=2.5)
-TINY = Block(tokens=256, d=64, experts=8, f=32, top_k=2, shared=48, scale=2.5)
+NANO = Block(8192, 2688, 128, 1856, 6, "sigmoid", bias=True, normalize=True, scale=2.5, shared=3712)
+BLOCKS = {
+    "nano_8k": NANO,
+    "nano_32k": dataclasses.replace(NANO, tokens=32768),
+    "deepseek_v3_shard": Block(4096, 7168, 32, 2048, 8, "sigmoid", bias=True, normalize=True, scale=2.5),
+    "few_experts": Block(8192, 4096, 8, 8192, 2, "softmax", bias=False, normalize=True, scale=1.0),
+}
 
 
 def operand_shapes(block: Block) -> dict[str, jax.ShapeDtypeStruct]:
-    """Every operand of every variant. The ceiling's routed rows: T * top_k rows, split
-    equally among the experts."""
-    s = jax.ShapeDtypeStruct
-    rows = block.tokens * block.top_k // block.experts
-    return dict(
-        x=s((block.tokens, block.d), BF16),
-        router=s((block.d, block.experts), jnp.float32),
-        w1=s((block.experts, block.d, block.f), BF16),
-        w2=s((block.experts, block.f, block.d), BF16),
-        shared_w1=s((block.d, block.shared), BF16),
-        shared_w2=s((block.shared, block.d), BF16),
-        expert_bias=s((block.experts,), jnp.float32),
-        cotangent=s((block.tokens, block.d), BF16),
-        rows=s((block.experts, rows, block.d), BF16),
-        rows_cotangent=s((block.experts, rows, block.d), BF16),
-    )
-
-
-# Weights scaled by 1 / sqrt(fan-in), so that every activation is O(1); a small bias.
-SCALES = dict(router="fan_in", w1="fan_in", w2="fan_in", shared_w1="fan_in", shared_w2="fan_in", expert_bias=1e-3)
+    """Every variant's operands; the GEMMs alone take operands of the shapes the step's GEMMs
+    see: T top_k routed rows, and the activations and gradients between the GEMMs."""
+    s, t, d, e, f, fs = jax.ShapeDtypeStruct, block.tokens, block.d, block.experts, block.f, block.shared
+    rows = t * block.top_k
+    shapes = dict(x=s((t, d), BF16), router=s((d, e), F32), w1=s((e, d, f), BF16), w2=s((e, f, d), BF16),
+                  expert_bias=s((e,), F32), cotangent=s((t, d), BF16), x_f32=s((t, d), F32), rows=s((rows, d), BF16),
+                  rows_act=s((rows, f), BF16), rows_dh=s((rows, f), BF16), rows_dy=s((rows, d), BF16))
+    if fs:
+        shapes.update(shared_w1=s((d, fs), BF16), shared_w2=s((fs, d), BF16), shared_act=s((t, fs), BF16),
+                      shared_dh=s((t, fs), BF16))
+    return shapes
 
 
 def make_operands(block: Block, seed: int) -> dict[str, jax.Array]:
-    rng = np.random.default_rng(seed)
-    operands = {}
-    for name, shape in operand_shapes(block).items():
-        scale = SCALES.get(name, 1.0)
-        scale = 1 / np.sqrt(shape.shape[-2]) if scale == "fan_in" else scale
-        operands[name] = jnp.asarray(scale * rng.standard_normal(shape.shape, np.float32), shape.dtype)
-    return operands
-
-
-def prebuild(block: Block, variants) -> None:
-    """Lowers the kernel variants' steps for cuda, which builds and caches their kernels."""
-    cuda_lowering.prepare()
+    """Standard normal operands; the weights scaled by 1 / sqrt(fan-in), so that every
+    activation is O(1), and the selection bias small."""
     shapes = operand_shapes(block)
-    for variant in (v for v in variants if v in ("auto", "auto_det")):
-        fn, names = computation(block, variant)
-        cuda_lowering.lower_for_cuda(f"bench_moe_block {variant}", fn, *(shapes[n] for n in names))
+    keys = dict(zip(shapes, jax.random.split(jax.random.key(seed), len(shapes))))
+
+    def make(name, s):
+        scale = 1e-3 if name == "expert_bias" else 1 / np.sqrt(s.shape[-2]) if name in WEIGHTS else 1.0
+        return (scale * jax.random.normal(keys[name], s.shape, F32)).astype(s.dtype)
+
+    return {name: make(name, s) for name, s in shapes.items()}
 
 
-def block_step(block: Block, backend: str, deterministic: bool):
-    def loss(x, router, w1, w2, shared_w1, shared_w2, expert_bias, cotangent):
-        out = jax_dsrelu.moe_layer(
-            x, router, w1, w2, top_k=block.top_k, score="sigmoid", expert_bias=expert_bias, normalize=True,
-            scale=block.scale, shared_w1=shared_w1, shared_w2=shared_w2, deterministic=deterministic,
-            backend=backend,
-        )
-        return jnp.sum(out.astype(jnp.float32) * cotangent.astype(jnp.float32))
-
-    names = ("x", "router", "w1", "w2", "shared_w1", "shared_w2", "expert_bias", "cotangent")
-    return jax.value_and_grad(loss, argnums=tuple(range(len(GRADIENTS)))), names
-
-
-def squared_relu(h):
-    return jnp.square(jnp.maximum(h.astype(jnp.float32), 0.0)).astype(BF16)
-
-
-def gemms_step():
-    """The ceiling: the block's GEMMs with nothing but elementwise work between them."""
-
-    def loss(x, router, w1, w2, shared_w1, shared_w2, rows, cotangent, rows_cotangent):
-        h = jnp.einsum("erd,edf->erf", rows, w1, preferred_element_type=BF16)
-        y = jnp.einsum("erf,efd->erd", squared_relu(h), w2, preferred_element_type=BF16)
-        shared_h = jnp.dot(x, shared_w1, preferred_element_type=BF16)
-        shared = jnp.dot(squared_relu(shared_h), shared_w2, preferred_element_type=BF16)
-        logits = jnp.dot(x.astype(jnp.float32), router)
-        return (
-            jnp.sum(y.astype(jnp.float32) * rows_cotangent.astype(jnp.float32))
-            + jnp.sum(shared.astype(jnp.float32) * cotangent.astype(jnp.float32))
-            + jnp.sum(logits)
+def library_layer(block: Block, backend: str, deterministic: bool):
+    def layer(x, router, w1, w2, expert_bias, shared_w1=None, shared_w2=None):
+        return jax_dsrelu.moe_layer(
+            x, router, w1, w2, top_k=block.top_k, score=block.score, expert_bias=expert_bias if block.bias else None,
+            normalize=block.normalize, scale=block.scale, shared_w1=shared_w1, shared_w2=shared_w2,
+            deterministic=deterministic, backend=backend,
         )
 
-    names = ("x", "router", "w1", "w2", "shared_w1", "shared_w2", "rows", "cotangent", "rows_cotangent")
-    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5, 6)), names
+    return layer
+
+
+def squared_relu(h, weight=1.0):
+    return (jnp.square(jnp.maximum(h.astype(F32), 0.0)) * weight).astype(h.dtype)
+
+
+def tokamax_layer(block: Block, implementation: str):
+    """The block as a user writes it in JAX around tokamax.ragged_dot, computing what
+    moe_layer computes: float32 scores, the top_k of the biased ones, weights from the
+    unbiased ones; rows sorted by expert, each weight applied to its activation (as
+    moe_mlp does), each token's top_k rows added in float32."""
+
+    def layer(x, router, w1, w2, expert_bias, shared_w1=None, shared_w2=None):
+        import tokamax  # here, so that a failing import is the variant's error
+
+        logits = jnp.dot(x.astype(F32), router)
+        probs = jax.nn.sigmoid(logits) if block.score == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+        _, experts = lax.top_k(lax.stop_gradient(probs) + (expert_bias if block.bias else 0.0), block.top_k)
+        weight = jnp.take_along_axis(probs, experts, axis=1)
+        if block.normalize:
+            weight = weight / (jnp.sum(weight, axis=1, keepdims=True) + 1e-20)
+        order = jnp.argsort(experts.reshape(-1), stable=True)  # the (token, slot) rows by expert
+        sizes = jnp.bincount(experts.reshape(-1), length=block.experts).astype(jnp.int32)
+        h = tokamax.ragged_dot(x[order // block.top_k], w1, sizes, implementation=implementation)
+        act = squared_relu(h, block.scale * weight.reshape(-1)[order, None])
+        y = tokamax.ragged_dot(act, w2, sizes, implementation=implementation)
+        out = y[jnp.argsort(order)].reshape(x.shape[0], block.top_k, -1).astype(F32).sum(axis=1)
+        if shared_w1 is not None:
+            out = out + jnp.dot(squared_relu(jnp.dot(x, shared_w1)), shared_w2).astype(F32)
+        return out.astype(x.dtype)
+
+    return layer
+
+
+def step_of(block: Block, layer):
+    """(jax.value_and_grad of sum(layer(...) * cotangent) in block.gradients, operand names)."""
+    names = block.gradients + ("expert_bias", "cotangent")
+
+    def loss(*operands):
+        named = dict(zip(names, operands))
+        cotangent = named.pop("cotangent")
+        return jnp.sum(layer(**named).astype(F32) * cotangent.astype(F32))
+
+    return jax.value_and_grad(loss, argnums=tuple(range(len(block.gradients)))), names
+
+
+def gemms_step(block: Block):
+    """The ceiling: the step's GEMMs alone (bench_layer.cublas_gemms, on operands of their
+    shapes), with nothing between them: the routed experts' six batched over E equal
+    experts, the shared expert's six, and the router's three in float32 (its logits, and
+    the logits' gradient, stood in for by the logits, times the router and times x)."""
+    routed, shared = cublas_gemms("step", batched=True), cublas_gemms("step", batched=False)
+
+    def gemms(x, x_f32, router, w1, w2, rows, rows_act, rows_dh, rows_dy, cotangent, *shared_operands):
+        logits = jnp.dot(x_f32, router)
+        outputs = routed(rows, w1, w2, rows_act, rows_dh, rows_dy) + (
+            logits, jnp.einsum("te,de->td", logits, router), jnp.einsum("td,te->de", x_f32, logits))
+        if shared_operands:
+            shared_w1, shared_w2, shared_act, shared_dh = shared_operands
+            outputs += shared(x, shared_w1, shared_w2, shared_act, shared_dh, cotangent)
+        return outputs
+
+    names = ("x", "x_f32", "router", "w1", "w2", "rows", "rows_act", "rows_dh", "rows_dy", "cotangent")
+    return gemms, names + (("shared_w1", "shared_w2", "shared_act", "shared_dh") if block.shared else ())
 
 
 def computation(block: Block, variant: str):
-    if variant in ("gemms", "gemms_cublas"):
-        return gemms_step()
-    return block_step(block, "xla" if variant == "xla" else "auto", variant == "auto_det")
-
-
-def named_gradients(outputs) -> dict:
-    _, grads = outputs
-    return {f"d{name}": grad for name, grad in zip(GRADIENTS, grads)}
+    """(function, operand names) of one variant's step."""
+    if variant == "gemms_cublas":
+        return gemms_step(block)
+    if variant == "tokamax":
+        return step_of(block, tokamax_layer(block, "xla" if jax.default_backend() == "cpu" else "mosaic"))
+    return step_of(block, library_layer(block, variant.removesuffix("_det"), variant.endswith("_det")))
 
 
 def run_variant(block, variant, operands, reference, reps, clock) -> tuple[dict, dict | None]:
-    """(entry, gradients): compiled, checked against `reference` (the kernels), timed; or an error."""
+    """(entry, xla's gradients by name): compiled, checked against `reference` (xla's), timed; or why not."""
+    if variant == "tokamax" and importlib.util.find_spec("tokamax") is None:
+        return dict(skipped="tokamax not installed"), None
     fn, names = computation(block, variant)
 
     def check(outputs):
-        errors = {name: dict(relative_error=float(harness.relative_error(grad, reference[name])))
-                  for name, grad in named_gradients(outputs).items()}
-        return errors, all(e["relative_error"] <= TOLERANCE for e in errors.values())
+        errors = {f"d{name}": float(harness.relative_error(grad, reference[name]))
+                  for name, grad in zip(block.gradients, outputs[1])}
+        return errors, all(error <= TOLERANCE for error in errors.values())
 
-    checked = variant in ("auto", "auto_det") and reference is not None
+    checked = variant not in ("xla", "gemms_cublas")
     entry, outputs = harness.measure(
-        fn, tuple(operands[name] for name in names), reps, clock, check=check if checked else None,
+        fn, tuple(operands[name] for name in names), reps, clock, check=check if checked and reference else None,
         compiler_options=harness.CUBLAS_ONLY if variant == "gemms_cublas" else None, flops=block.flops)
-    if variant in ("auto", "auto_det") and reference is None:
+    if checked and reference is None:
         entry["check"] = "not checked: the xla variant failed"
-    return entry, None if outputs is None or variant.startswith("gemms") else named_gradients(outputs)
+    if variant == "tokamax":
+        entry["version"] = importlib.metadata.version("tokamax")
+    return entry, dict(zip(block.gradients, outputs[1])) if variant == "xla" and outputs else None
 
 
-def bench(block, operands, variants, reps, clock) -> dict:
-    results: dict[str, dict] = {}
-    reference = None
-    # xla first: the kernels are checked against it.
-    for variant in sorted(variants, key=lambda v: v != "xla"):
-        print(f"{variant}", flush=True)
-        results[variant], gradients = run_variant(block, variant, operands, reference, reps, clock)
-        if variant == "xla":
-            reference = gradients
-    return dict(variants=results)
+def prebuild(blocks, variants) -> None:
+    """Lowers the kernel variants' steps for cuda, which builds and caches their kernels."""
+    cuda_lowering.prepare()
+    for block in blocks:
+        shapes = operand_shapes(block)
+        for variant in (v for v in variants if v in ("auto", "auto_det")):
+            fn, names = computation(block, variant)
+            cuda_lowering.lower_for_cuda(f"bench_moe_block {variant} {block}", fn, *(shapes[n] for n in names))
 
 
-def summarize(row) -> None:
-    for variant, entry in row["variants"].items():
-        print(f"  {variant:<12} " + (f"{entry['ms']:9.3f} ms ({entry['tflops']:.0f} TFLOP/s)" if "ms" in entry
-                                     else f"error at {entry.get('stage')}: {entry.get('error', '')[:120]}"))
+def plot(blocks: dict, path: str, title: str) -> None:
+    series = {v: [b["variants"].get(v, {}).get("tflops", 0.0) for b in blocks.values()] for v in VARIANTS}
+    harness.plot_bars([("step", list(blocks), series)], path, title, "TFLOP/s")
 
 
 def arguments(argv=None):
     parser = harness.parser(__doc__.split("\n\n")[0], reps=10, variants=VARIANTS, shaped=False)
-    return harness.parse(parser, argv, dict(variants=VARIANTS))
+    parser.add_argument("--blocks", default=",".join(BLOCKS), help=f"comma-separated subset of {','.join(BLOCKS)}")
+    return harness.parse(parser, argv, dict(variants=VARIANTS, blocks=tuple(BLOCKS)))
 
 
 def main(argv=None):
     options = arguments(argv)
+    blocks = {name: BLOCKS[name].tiny() if options.cpu else BLOCKS[name] for name in options.blocks}
     if options.prebuild:
-        prebuild(NANO, options.variants)
+        prebuild(blocks.values(), options.variants)
         return
-    block = TINY if options.cpu else NANO
     result, clock, save = harness.start_record(
-        options, benchmark="bench_moe_block", block=dataclasses.asdict(block),
-        description="Nemotron-3-Nano MoE block: value_and_grad step, bf16, sigmoid top-k with bias, shared expert",
+        options, benchmark="bench_moe_block", description="MoE blocks of moe_layer: value_and_grad step, bf16",
         flops="6 x (2 T top_k d f + 2 T d fs + T d E) per step", memory=harness.MEMORY,
-        precision=precision.stated("bench_moe_block", options.variants))
-    row = bench(block, make_operands(block, options.seed), options.variants, options.reps, clock)
-    result.update(row)
-    print(f"{block}: {save()}")
-    summarize(row)
+        precision=precision.stated("bench_moe_block", options.variants), blocks={})
+    for name, block in blocks.items():
+        print(f"{name}: {block.describe()}", flush=True)
+        entries, operands, reference = {}, make_operands(block, options.seed), None
+        result["blocks"][name] = dict(block=dataclasses.asdict(block), description=block.describe(), variants=entries)
+        for variant in sorted(options.variants, key=lambda v: v != "xla"):  # xla first: the others are checked against it
+            entry, gradients = run_variant(block, variant, operands, reference, options.reps, clock)
+            entries[variant], reference = entry, gradients if variant == "xla" else reference
+            print(f"  {variant:<12} " + (f"{entry['ms']:9.3f} ms ({entry['tflops']:.0f} TFLOP/s)" if "ms" in entry
+                                         else entry.get("skipped") or f"failed at {entry['stage']}"), flush=True)
+            save()
+    plot(result["blocks"], os.path.join(options.out, harness.record_name("bench_moe_block", options.label)[:-5] + ".png"),
+         f"MoE block steps, {result['device']} ({clock})")
+    print(save())
 
 
 if __name__ == "__main__":

@@ -18,7 +18,13 @@
 #             --deterministic, run LM_RUNS (2) times (the digests must agree); Flax and
 #             optax from the machine's image, or, where it lacks them, from a carried
 #             lm_deps.tar.zst of pure-Python packages
-#   moe_block benchmarks/bench_moe_block.py: the Nemotron-3-Nano block's step, every variant
+#   moe_block benchmarks/bench_moe_block.py: every block's step, every variant, both modes
+#             (estimated 6-9 min; MOE_BLOCK_ARGS="--blocks ..." splits it); its tokamax
+#             variant runs where the image or a carried tokamax_deps.tar.zst has tokamax (28
+#             MB: pip download --no-deps for CPython 3.12 x86-64 of tokamax and the needs the
+#             image lacks, einshape pydantic pydantic-core qwix immutabledict tensorboardx
+#             xprof fire gviz-api termcolor annotated-types typing-inspection; pip install
+#             --no-deps --target DIR; tar -C DIR -c . | zstd)
 #   gemms     benchmarks/bench_gemms.py: the six grouped GEMMs of a layer step (estimated 3-5 min)
 #   layer     benchmarks/bench_layer.py: moe_mlp's step and forward, every variant, the bf16
 #             baselines among them (estimated 5-8 min)
@@ -35,9 +41,9 @@
 # Kernels come precompiled (benchmarks/prebuild_kernels.py, .kernels/ carried along). Logs
 # and records go to $OUT, each record named as benchmarks/results/ names it (copied there,
 # it replaces the current one); tracebacks to $OUT/<script>.err. Extra arguments: GEMMS_ARGS,
-# LAYER_ARGS, MOE_BLOCK_ARGS (e.g. GEMMS_ARGS="--label fine_grained ..."). A device call runs
-# at most 10 minutes (give layer and determinism_parallel a call each) and brings back at
-# most 8 files, so it ends by packing $OUT into one archive:
+# LAYER_ARGS, MOE_BLOCK_ARGS (e.g. GEMMS_ARGS="--label fine_grained ..."). A device call
+# runs at most 10 minutes (give layer, moe_block and determinism_parallel a call each) and
+# brings back at most 8 files, so it ends by packing $OUT into one archive:
 #
 #   source .gpu/activate.sh && timeout 560 bash benchmarks/device_run.sh STAGES COMMIT;
 #   tar -C "$OUT" -czf /tmp/out.tgz . && find "$OUT" -mindepth 1 -delete && mv /tmp/out.tgz "$OUT/device_output.tgz"
@@ -55,39 +61,43 @@ if [[ -f .kernels.tar.zst ]]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee -a "$log"
 
-if [[ $stages == *,prebuild,* ]]; then
+selected() { [[ $stages == *,$1,* ]]; }
+# run NAME LIMIT COMMAND...: COMMAND within LIMIT seconds, its output to the log and its
+# tracebacks to $OUT/NAME.err; then NAME's exit status, logged and returned.
+run() {
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" "$@" 2> "$OUT/$name.err" | tee -a "$log"
+  local status=$?
+  echo "$name exit $status" | tee -a "$log"
+  return $status
+}
+# carried ARCHIVE IMPORT: PYTHONPATH, with ARCHIVE's packages (unpacked under /tmp) where
+# the image's python3 cannot run IMPORT and the archive was carried along.
+carried() {
+  if python3 -c "$2" 2>/dev/null || [[ ! -f $1 ]]; then
+    echo "$PYTHONPATH"
+    return
+  fi
+  [[ -d /tmp/$1.d ]] || { mkdir -p "/tmp/$1.d" && .gpu/zstd -dc "$1" | tar -xf - -C "/tmp/$1.d"; }
+  echo "$PYTHONPATH:/tmp/$1.d"
+}
+
+if selected prebuild; then
   start=$(date +%s)
   timeout 300 python3 benchmarks/prebuild_kernels.py --jobs 14 2>&1 \
     | grep -v -e DSLOptimizationWarning -e "for v in" | tail -5 | tee -a "$log"
   echo "prebuild exit $? in $(( $(date +%s) - start ))s" | tee -a "$log"
 fi
+gpu_tests="python3 -m pytest -q -p no:cacheprovider -rs -m gpu"
+selected smoke && { run smoke 180 $gpu_tests -x tests/test_sm90.py \
+  -k "test_matches_float64_contract and one_row and bf16 and False" || exit; }
+selected tests && run tests 420 $gpu_tests --durations=8 tests/
+selected gemm_tests && run gemm_tests 540 $gpu_tests --durations=5 tests/test_sm90_gemms.py \
+  tests/test_moe_mlp_sm90.py tests/test_determinism_gpu.py -k "not default_mode_varies"
+selected dsrelu_tests && run dsrelu_tests 300 $gpu_tests --durations=5 tests/test_sm90.py
 
-if [[ $stages == *,smoke,* ]]; then
-  timeout 180 python3 -m pytest -x -q -p no:cacheprovider tests/test_sm90.py -m gpu \
-    -k "test_matches_float64_contract and one_row and bf16 and False" 2>&1 | tee -a "$log"
-  status=$?
-  echo "smoke exit $status" | tee -a "$log"
-  [[ $status == 0 ]] || exit $status
-fi
-
-if [[ $stages == *,tests,* ]]; then
-  timeout 420 python3 -m pytest -q -p no:cacheprovider -rs --durations=8 -m gpu \
-    tests/ 2>&1 | tee -a "$log"
-  echo "tests exit $?" | tee -a "$log"
-fi
-
-if [[ $stages == *,gemm_tests,* ]]; then
-  timeout 540 python3 -m pytest -q -p no:cacheprovider -rs --durations=5 -m gpu tests/test_sm90_gemms.py \
-    tests/test_moe_mlp_sm90.py tests/test_determinism_gpu.py -k "not default_mode_varies" 2>&1 | tee -a "$log"
-  echo "gemm_tests exit $?" | tee -a "$log"
-fi
-
-if [[ $stages == *,dsrelu_tests,* ]]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -rs --durations=5 -m gpu tests/test_sm90.py 2>&1 | tee -a "$log"
-  echo "dsrelu_tests exit $?" | tee -a "$log"
-fi
-
-if [[ $stages == *,examples,* ]]; then
+if selected examples; then
   for example in ${EXAMPLES:-train_moe expert_parallel}; do
     for run in $(seq "${EXAMPLE_RUNS:-2}"); do
       echo "== $example run $run" >> "$OUT/examples.log"
@@ -98,40 +108,22 @@ if [[ $stages == *,examples,* ]]; then
   done
 fi
 
-if [[ $stages == *,lm,* ]]; then
-  lm_path=$PYTHONPATH
-  if ! python3 -c "import flax, optax" 2>/dev/null; then
-    mkdir -p /tmp/lm_deps && .gpu/zstd -dc lm_deps.tar.zst | tar -xf - -C /tmp/lm_deps
-    lm_path="$PYTHONPATH:/tmp/lm_deps"
-  fi
+if selected lm; then
   for run in $(seq "${LM_RUNS:-2}"); do
-    PYTHONPATH="$lm_path" timeout 300 python3 examples/train_lm.py --dtype bfloat16 --backend sm90 \
-      --d-model 512 --layers 4 --experts 8 --d-ff 1024 --seq-len 256 --batch 64 --steps ${LM_STEPS:-2000} \
-      --deterministic --plot "$OUT/train_lm_gpu.png" > "$OUT/train_lm_gpu_$run.log" 2>&1
+    PYTHONPATH="$(carried lm_deps.tar.zst "import flax, optax")" timeout 300 python3 examples/train_lm.py \
+      --dtype bfloat16 --backend sm90 --d-model 512 --layers 4 --experts 8 --d-ff 1024 --seq-len 256 --batch 64 \
+      --steps ${LM_STEPS:-2000} --deterministic --plot "$OUT/train_lm_gpu.png" > "$OUT/train_lm_gpu_$run.log" 2>&1
     echo "lm run $run exit $?" | tee -a "$log"
     tail -12 "$OUT/train_lm_gpu_$run.log" | tee -a "$log"
   done
 fi
 
-if [[ $stages == *,moe_block,* ]]; then
-  timeout 240 python3 benchmarks/bench_moe_block.py --commit "$commit" --out "$OUT" $MOE_BLOCK_ARGS 2> "$OUT/bench_moe_block.err" \
-    | tee -a "$log"
-  echo "moe_block exit $?" | tee -a "$log"
-fi
+selected moe_block && PYTHONPATH="$(carried tokamax_deps.tar.zst "import tokamax")" run bench_moe_block 550 \
+  python3 benchmarks/bench_moe_block.py --commit "$commit" --out "$OUT" $MOE_BLOCK_ARGS
+selected gemms && run bench_gemms 540 python3 benchmarks/bench_gemms.py --commit "$commit" --out "$OUT" $GEMMS_ARGS
+selected layer && run bench_layer 560 python3 benchmarks/bench_layer.py --commit "$commit" --out "$OUT" $LAYER_ARGS
 
-if [[ $stages == *,gemms,* ]]; then
-  timeout 540 python3 benchmarks/bench_gemms.py --commit "$commit" --out "$OUT" $GEMMS_ARGS \
-    2> "$OUT/bench_gemms.err" | tee -a "$log"
-  echo "gemms exit $?" | tee -a "$log"
-fi
-
-if [[ $stages == *,layer,* ]]; then
-  timeout 560 python3 benchmarks/bench_layer.py --commit "$commit" --out "$OUT" $LAYER_ARGS \
-    2> "$OUT/bench_layer.err" | tee -a "$log"
-  echo "layer exit $?" | tee -a "$log"
-fi
-
-if [[ $stages == *,determinism_parallel,* ]]; then
+if selected determinism_parallel; then
   # Each mode in PARALLEL_MODES runs at the same time as the others (a fresh process spends
   # most of its time compiling on the CPUs, a warm one on the GPU).
   for mode in ${PARALLEL_MODES:-warm}; do
@@ -147,15 +139,12 @@ if [[ $stages == *,determinism_parallel,* ]]; then
 fi
 
 for kernel in gemm contract; do
-  if [[ $stages == *,sweep_$kernel,* ]]; then
-    extra="SWEEP_${kernel^^}_ARGS"
-    timeout 300 python3 benchmarks/sweep_configs.py --kernel $kernel --commit "$commit" --out "$OUT" ${!extra} 2>&1 \
-      | tee -a "$log"
-    echo "sweep_$kernel exit $?" | tee -a "$log"
-  fi
+  extra="SWEEP_${kernel^^}_ARGS"
+  selected sweep_$kernel && run sweep_$kernel 300 python3 benchmarks/sweep_configs.py --kernel $kernel \
+    --commit "$commit" --out "$OUT" ${!extra}
 done
 
-if [[ $stages == *,sanitize,* ]]; then
+if selected sanitize; then
   # Boundary cases of every kernel, first under memcheck, then racecheck: the fused kernel
   # in both modes with negative sizes and one row, alone and in cluster pairs (with rows
   # owned by no expert); the grouped-GEMM family, alone and in pairs, with negative sizes,

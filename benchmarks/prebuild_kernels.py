@@ -13,6 +13,7 @@ whatever kernels it calls.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -22,6 +23,7 @@ for folder in ("tests", "examples"):
 
 import bench_gemms  # noqa: E402
 import bench_layer  # noqa: E402
+import bench_moe_block  # noqa: E402
 import cuda_lowering  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -83,17 +85,14 @@ def lower_determinism_tests():
         t.layer_grads(deterministic).trace(*described).lower(lowering_platforms=("cuda",))
 
 
-def lower_moe_block():
-    """Lowers for cuda what tests/test_moe_block_gpu.py runs and bench_moe_block.py times."""
-    import bench_moe_block
+def lower_moe_block_tests():
+    """Lowers for cuda what tests/test_moe_block_gpu.py runs."""
     import test_moe_block_gpu as t
 
     described = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t.block_inputs(0))
     for deterministic in (False, True):
-        cuda_lowering.lower_for_cuda(
-            f"tests moe block deterministic={deterministic}", t.block_grads(deterministic), *described
-        )
-    bench_moe_block.prebuild(bench_moe_block.NANO, ("auto", "auto_det"))
+        cuda_lowering.lower_for_cuda(f"tests moe block deterministic={deterministic}", t.block_grads(deterministic),
+                                     *described)
 
 
 def example_gradients(deterministic):
@@ -156,23 +155,24 @@ def job_names() -> list[str]:
     names += [f"layer test {i}" for i in range(len(LAYER_TEST_CASES))]
     names += [f"bench_gemms {i}" for i in range(len(harness.SHAPES))]
     names += [f"bench_layer {i}" for i in range(len(harness.SHAPES))]
-    names += ["process_digests", "tests moe_mlp and examples", "determinism tests", "language model", "moe block"]
+    names += [f"bench_moe_block {i}" for i in range(len(bench_moe_block.BLOCKS))] + list(WHOLE_JOBS)
     for gemm in sweep_configs.GEMM_KERNELS:
         names += [f"sweep gemm {gemm} {i}" for i in range(len(sweep_builds("gemm", gemm)))]
     names += [f"sweep contract {i}" for i in range(len(sweep_builds("contract")))]
     return names
 
 
+# Jobs that are one piece of work each, by name.
+WHOLE_JOBS = {"process_digests": lambda: process_digests.prebuild(("sm90", "xla")),
+              "tests moe_mlp and examples": lower_tests_and_examples, "determinism tests": lower_determinism_tests,
+              "moe block tests": lower_moe_block_tests, "language model": lower_language_model}
+
+
 def sweep_builds(kernel, gemm=None):
     return sweep_configs.builds(kernel, sm90_config.DEFAULT_SM_COUNT, (gemm,) if gemm else sweep_configs.GEMM_KERNELS)
 
 
-LAYER_TEST_CASES = [
-    (dtype, deterministic, with_b1)
-    for dtype in ("bfloat16", "float16")
-    for deterministic in (False, True)
-    for with_b1 in (False, True)
-]
+LAYER_TEST_CASES = list(itertools.product(("bfloat16", "float16"), (False, True), (False, True)))  # dtype, det, b1
 
 
 def cluster_requests():
@@ -223,21 +223,13 @@ def run_job(name: str) -> str:
         dtype, deterministic, with_b1 = LAYER_TEST_CASES[index]
         test_moe_mlp_sm90.lowered_text(getattr(jnp, dtype), deterministic, with_b1)
     elif kind == "bench_gemms":
-        bench_gemms.prebuild(
-            harness.SHAPES[index:index + 1], bench_gemms.GEMMS, ("sm90", "sm90_det"), np.dtype(jnp.bfloat16)
-        )
+        bench_gemms.prebuild(harness.SHAPES[index:index + 1], bench_gemms.GEMMS, ("sm90", "sm90_det"), np.dtype(jnp.bfloat16))
     elif kind == "bench_layer":
         bench_layer.prebuild(harness.SHAPES[index:index + 1], ("sm90", "sm90_det"), bench_layer.MODES)
-    elif kind == "process_digests":
-        process_digests.prebuild(("sm90", "xla"))
-    elif kind == "tests moe_mlp and examples":
-        lower_tests_and_examples()
-    elif kind == "determinism tests":
-        lower_determinism_tests()
-    elif kind == "language model":
-        lower_language_model()
-    elif kind == "moe block":
-        lower_moe_block()
+    elif kind == "bench_moe_block":
+        bench_moe_block.prebuild([list(bench_moe_block.BLOCKS.values())[index]], ("auto", "auto_det"))
+    elif kind in WHOLE_JOBS:
+        WHOLE_JOBS[kind]()
     else:
         raise ValueError(f"unknown job {name!r}")
     return name

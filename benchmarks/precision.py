@@ -33,9 +33,10 @@ BY_BENCHMARK = {
     },
     "bench_moe_block": {
         "auto": f"experts {BF16_GEMM} and epilogue; router float32", "auto_det": "as auto",
-        "xla": "as auto, on the library's XLA backend",
-        "gemms": f"{BF16_GEMM} in both directions; the router's GEMMs float32, as the block's",
-        "gemms_cublas": "as gemms, each GEMM on cuBLAS (Triton GEMM fusion off)",
+        "xla": "as auto, on the library's XLA backend", "xla_det": "as xla",
+        "tokamax": f"experts {BF16_GEMM} (tokamax.ragged_dot), epilogue and combine float32; router float32",
+        "gemms_cublas": f"{BF16_GEMM} in both directions, each GEMM on cuBLAS (Triton GEMM fusion off); the "
+                        "router's GEMMs float32, as the block's",
     },
 }
 SAME_SINCE_WRITTEN = {

@@ -17,6 +17,7 @@ from typing import Callable
 
 import precision
 import run_record
+import timing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -25,18 +26,16 @@ GEMMS = ("up", "down", "dsrelu", "dx", "dw1", "dw2")
 # whose precision is known (precision.py).
 HEADERS = {
     "sm90": "sm90", "sm90_det": "sm90, deterministic", "auto": "library, backend auto (sm90)",
-    "auto_det": "the same, deterministic", "xla": "XLA backend", "pallas": "Pallas", "quack": "QuACK",
-    "dense_mlp": "dense bf16 MLP", "batched_mlp": "batched bf16 MLP", "gemms": "its GEMMs alone, bf16",
-    "gemms_cublas": "the same on cuBLAS", "cublas_dense": "dense bf16 cuBLAS", "cublas_batched": "batched bf16 cuBLAS",
+    "auto_det": "the same, deterministic", "xla": "XLA backend", "xla_det": "XLA backend, deterministic",
+    "pallas": "Pallas", "quack": "QuACK", "tokamax": "tokamax ragged_dot", "dense_mlp": "dense bf16 MLP",
+    "batched_mlp": "batched bf16 MLP", "gemms_cublas": "its GEMMs alone, bf16 cuBLAS",
+    "cublas_dense": "dense bf16 cuBLAS", "cublas_batched": "batched bf16 cuBLAS",
 }
 # Our kernels' classes in the mangled CuTe DSL names of a breakdown.
 KERNEL_CLASSES = {"RaggedGemmSm90": "sm90 ragged GEMM", "RaggedContractSm90": "sm90 ragged contraction",
                   "GroupedGemmDsreluSm90": "sm90 fused dsReLU"}
 
 Runs = list[tuple[str, dict]]  # (record name, record)
-
-
-# ----------------------------------------------------------------------- generic pieces
 
 
 def provenance(runs: Runs, what: str) -> str:
@@ -50,6 +49,8 @@ def cell(entry: dict | None) -> str:
     """One variant's time and TFLOP/s, or why there is none."""
     if entry is None:
         return "—"
+    if "skipped" in entry:
+        return entry["skipped"]
     if "ms" in entry:
         return f"{entry['ms']:.3f} ms ({entry['tflops']:.0f})" if "tflops" in entry else f"{entry['ms']:.3f} ms"
     if entry.get("stage") == "build" and entry.get("error", "").startswith("NotImplementedError"):
@@ -119,9 +120,6 @@ def breakdown(entry: dict) -> str:
     return ", ".join(f"{label} {ms:.3f}" for label, ms in ours.items()) + f", all else {rest:.3f} ms"
 
 
-# ------------------------------------------------------------------------- the tables
-
-
 def render_layer(runs: Runs) -> str:
     """Every mode of bench_layer.py's record: each shown variant, the cost of determinism,
     ours over each baseline, and where the sm90 step's time goes."""
@@ -181,17 +179,40 @@ def render_gemms(runs: Runs) -> str:
 
 
 def render_moe_block(runs: Runs) -> str:
-    (_, run) = runs[0]
-    block, variants = run["block"], shown(runs, lambda r: r["variants"])
-    known = precision_of(*runs[0])
-    body = [[HEADERS[v], known[v], cell(run["variants"][v]),
-             breakdown(run["variants"][v]) if v.startswith("auto") and "kernel_summary" in run["variants"][v] else ""]
-            for v in variants]
+    """bench_moe_block.py's record: each block's step per variant in both modes, the share of its kernel
+    time outside the GEMM kernels (timing.GEMM_KERNEL), its peak memory, its time over its GEMMs alone's."""
+    (_, run), note = runs[0], ""
+    blocks = run.get("blocks")
+    if blocks is None:  # the script's first version timed one block, of a routing it did not record
+        b = run["block"]
+        blocks = {"nano_8k": dict(variants=run["variants"], description=(
+            f"T = {b['tokens']}, d = {b['d']}, {b['experts']} experts of {b['f']}, top-{b['top_k']}, sigmoid with a "
+            f"selection bias, normalized, scaled by {b['scale']:g}, a shared expert of {b['shared']}"))}
+        note = " This record is from the script's earlier version, which timed this block alone; its next run replaces it."
+
+    def outside(entry):
+        part = timing.outside_gemms(entry["kernels"]) if entry and entry.get("kernels") else None
+        return "—" if part is None else f"{part['share']:.1%} ({part['ms']:.3f} ms)"
+
+    def peak(entry):
+        return f"{entry['memory']['peak_bytes'] / 2**30:.2f}" if "peak_bytes" in (entry or {}).get("memory", {}) else "—"
+
+    variants, body = shown(runs, lambda r: {v for b in blocks.values() for v in b["variants"]}), []
+    for name, block in blocks.items():
+        entries = block["variants"]
+        for v in (v for v in HEADERS if v in {w.removesuffix("_det") for w in variants}):
+            default, det = entries.get(v), entries.get(f"{v}_det") if f"{v}_det" in variants else None
+            body.append([f"`{name}`", HEADERS[v], cell(default), cell(det) if det else "", ratio(det, default),
+                         outside(default), peak(default) + (f" / {peak(det)}" if det else ""),
+                         ratio(default, entries.get("gemms_cublas"))])
     return "\n".join([
-        provenance(runs, f"T = {block['tokens']} tokens, d = {block['d']}, {block['experts']} experts of "
-                         f"f = {block['f']}, top-{block['top_k']}, a shared expert of {block['shared']}; a step is "
-                         f"`jax.value_and_grad`, throughput at {run['flops']}"),
-        "", *table(["variant", "precision", "step", "where the time goes (CUPTI, ms)"], body)])
+        provenance(runs, f"a step is `jax.value_and_grad` of the block, throughput at {run['flops']}"),
+        "Blocks: " + "; ".join(f"`{name}`, {block['description']}" for name, block in blocks.items()) + f".{note}",
+        f"Each cell: time (TFLOP/s). {RATIOS} Outside the GEMMs: the step's time in kernels that are no GEMM "
+        "(routing, gathers, combine, casts), default mode. Peak memory: by XLA's memory analysis of the compiled "
+        "step, default / deterministic. " + precision_line(runs, variants), "",
+        *table(["block", "variant", "step", "deterministic", "deterministic / default", "outside the GEMMs",
+                "peak memory (GiB)", "step / its GEMMs alone"], body)])
 
 
 def render_summary(runs: Runs) -> str:

@@ -11,6 +11,7 @@ but for a --cpu plumbing test, whose record says WALL CLOCK in its header and en
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 import time
 from typing import Callable
@@ -25,6 +26,12 @@ DESCRIPTIONS = {
 }
 # Mangled CuTe DSL kernel names run to hundreds of characters; the head identifies them.
 KERNEL_NAME_CHARS = 120
+# A GEMM kernel, by its name: cuBLAS's (nvjet_sm90_*, sm90_xmma_gemm_*), XLA's Triton GEMM
+# fusions (gemm_fusion_dot*), CUTLASS's and QuACK's (GemmDefaultSm90), ours (RaggedGemmSm90,
+# GroupedGemmDsreluSm90, RaggedContractSm90) and tokamax's Pallas ones (ragged_dot_sm90,
+# ragged_contracting_dim_dot_sm90). Everything else (routing, sorts, gathers, casts,
+# reductions, copies) is outside the GEMMs.
+GEMM_KERNEL = re.compile(r"gemm|nvjet|contract|ragged_dot", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +43,7 @@ class Timing:
 
     def record(self) -> dict:
         entry = dict(ms=self.ms, calls_ms=self.calls_ms, kernels=[[name, ms] for name, ms in self.kernels],
-                     kernel_summary=kernel_summary(self.kernels))
+                     kernel_summary=kernel_summary(self.kernels), outside_gemms=outside_gemms(self.kernels))
         return entry if self.clock == CUPTI else dict(entry, clock=WALL_CLOCK)
 
 
@@ -126,6 +133,13 @@ def kernel_summary(kernels: list[tuple[str, float]], top: int = 8) -> list[list]
     if len(ranked) > top:
         rows.append([f"{len(ranked) - top} other kernels", sum(ms for _, ms in ranked[top:])])
     return rows
+
+
+def outside_gemms(kernels) -> dict:
+    """The time of a call's kernels that are not GEMMs (GEMM_KERNEL), and its share of the call's."""
+    total = sum(ms for _, ms in kernels)
+    other = sum(ms for name, ms in kernels if not GEMM_KERNEL.search(name))
+    return dict(ms=other, share=other / total if total else None)
 
 
 def tflops(flops: float, ms: float) -> float:
