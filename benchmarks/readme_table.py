@@ -348,11 +348,11 @@ DOCUMENTS = list(dict.fromkeys(document for document, *_ in TABLES))
 
 
 def find(results_dir: pathlib.Path, name: str) -> pathlib.Path | None:
-    """A record by name, as written (name) or gzipped (name.gz)."""
-    for path in (results_dir / name, results_dir / (name + ".gz")):
-        if path.exists():
-            return path
-    return None
+    """A record by name, as written (name) or gzipped (name.gz): a run's record replaces the other form."""
+    found = [path for path in (results_dir / name, results_dir / (name + ".gz")) if path.exists()]
+    if len(found) > 1:
+        raise SystemExit(f"{name} and {name}.gz are both in {results_dir}: remove the one the last run did not write")
+    return found[0] if found else None
 
 
 def updated_document(text: str, document: str, results_dir: pathlib.Path = RESULTS) -> str:
