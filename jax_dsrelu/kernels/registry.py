@@ -40,31 +40,43 @@ def kernel_backend(name: str) -> KernelBackend:
 
 @dataclasses.dataclass(frozen=True)
 class LayerBackends:
-    """The backend a layer asks for each kind of GEMM it runs, from the one name its user
-    gave: the fused dsReLU backward (`Request`), the ragged-M matmuls and the ragged
-    contractions."""
+    """The backend a layer asks for each kind of step it runs, from the one name its user
+    gave: the fused dsReLU backward (`Request`), the ragged-M matmuls, the ragged
+    contractions and the ordered gather-and-sum (`gather_sum`) that combines rows by token."""
 
     dsrelu: str
     matmul: str
     contract: str
+    gather_sum: str
 
 
 def layer_backends(name: str) -> LayerBackends:
-    """Which backend serves each GEMM of a layer whose user asked for `name`.
+    """Which backend serves each step of a layer whose user asked for `name`.
 
     A kernel backend serves the kinds of request it has kernels for and lets "auto" pick
     for the rest: the sm100 backend has a kernel for the fused dsReLU backward only, so a
-    moe_mlp on it runs its plain GEMMs on what "auto" picks on Blackwell (XLA). "auto"
-    and "xla" pass through: "auto" is resolved per call when it is lowered.
+    moe_mlp on it runs its plain GEMMs on what "auto" picks on Blackwell (XLA). No kernel
+    backend has a gather-and-sum kernel yet: "auto" runs it on XLA. "auto" and "xla"
+    pass through: "auto" is resolved per call when it is lowered.
     """
     backend = KERNEL_BACKENDS.get(name)
 
-    def for_kind(kind: type) -> str:
+    def for_kind(kind: type | None) -> str:
         return "auto" if backend is not None and kind not in backend.REQUEST_KINDS else name
 
     return LayerBackends(
-        dsrelu=for_kind(Request), matmul=for_kind(RaggedMatmulRequest), contract=for_kind(RaggedContractRequest)
+        dsrelu=for_kind(Request),
+        matmul=for_kind(RaggedMatmulRequest),
+        contract=for_kind(RaggedContractRequest),
+        gather_sum=for_kind(None),
     )
+
+
+def gathered_reads(name: str, request: AnyRequest) -> frozenset[str]:
+    """The operands of a call that kernel backend `name` reads through their row index
+    itself (its kernels load the rows source[index] in place); the primitives gather the
+    others before its implementation runs (see `jax_dsrelu.primitives.base`)."""
+    return frozenset(kernel_backend(name).gathers_rows(request))
 
 
 def check_explicit_backend(name: str, request: AnyRequest) -> None:

@@ -23,10 +23,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_dsrelu.kernels import registry
 from jax_dsrelu.moe import routing
 from jax_dsrelu.moe.options import LayerOptions, RoutingOptions
 from jax_dsrelu.moe.routing import RoutingPlan
 from jax_dsrelu.moe.weights import LayerWeights
+from jax_dsrelu.ops import block_experts
 from jax_dsrelu.ops.moe_mlp import moe_mlp
 from jax_dsrelu.primitives import validation
 
@@ -112,30 +114,44 @@ def apply(
     on one device. `jax_dsrelu.flax.MoE` calls it with the options it checked when built."""
     validation.require_bool("return_aux", return_aux)
     plan = route_tokens(x, weights, options.routing)
-    y = run_experts(expert_rows(x, weights, plan), plan.row_prob, plan.group_sizes, weights, options)
-    out = block_output(routing.combine(y, plan), x, weights, options)
+    routed = block_experts.routed_experts(
+        expert_tokens(x, weights), weights.w1, weights.w2, weights.b1, plan.row_prob, plan.group_sizes,
+        plan.order, plan.inverse, top_k=plan.top_k, deterministic=options.deterministic,
+        backends=registry.layer_backends(options.backend),
+    )
+    out = block_output(routed, x, weights, options)
     if not return_aux:
         return out
     return out, MoEAux(plan.load_balancing_loss, plan.router_z_loss, plan.group_sizes)
 
 
-# The block's steps, each shared by `moe_layer` and `moe_layer_expert_parallel` (which moves
-# the rows to the devices that hold their experts between `expert_rows` and `run_experts`).
+# The block's steps. `moe_layer` runs route_tokens, expert_tokens, the routed experts
+# (`block_experts.routed_experts`: dispatch, experts and combine in one custom VJP that
+# reads the rows through the routing) and block_output. `moe_layer_expert_parallel` runs
+# the same steps with the rows made (`expert_rows`), sent to the devices that hold their
+# experts and run there (`run_experts`), and sent back before they are combined.
 
 
 def route_tokens(x: jax.Array, weights: LayerWeights, options: RoutingOptions) -> RoutingPlan:
     """(T, d) tokens -> their plan. The logits x @ router are computed in float32 whatever
     the dtypes of x and the router: rounding them to bfloat16 would turn near ties into
     ties and change the experts chosen."""
-    logits = jnp.dot(x.astype(jnp.float32), weights.router.astype(jnp.float32))
-    return routing.plan_routes(logits, options, weights.expert_bias)
+    return routing.plan_routes(_router_logits(x, weights.router), options, weights.expert_bias)
+
+
+def expert_tokens(x: jax.Array, weights: LayerWeights) -> jax.Array:
+    """(T, d) tokens -> (T, l), the routed experts' input before its cast to w1.dtype: x,
+    or x @ latent_in rounded to w1.dtype (the experts' backward keeps it, so it is kept
+    in their width and dtype rather than in float32)."""
+    if weights.latent_in is None:
+        return x
+    return _project_tokens(x, weights.latent_in).astype(weights.w1.dtype)
 
 
 def expert_rows(x: jax.Array, weights: LayerWeights, plan: RoutingPlan) -> jax.Array:
     """(T, d) tokens -> (T * top_k, l) rows in w1.dtype, sorted by expert: each token in the
     experts' width (through latent_in if given), once per chosen expert."""
-    z = x if weights.latent_in is None else project(x, weights.latent_in)
-    return routing.dispatch(z.astype(weights.w1.dtype), plan)
+    return routing.dispatch(expert_tokens(x, weights).astype(weights.w1.dtype), plan)
 
 
 def run_experts(
@@ -154,32 +170,35 @@ def run_experts(
 
 def block_output(routed: jax.Array, x: jax.Array, weights: LayerWeights, options: LayerOptions) -> jax.Array:
     """(T, l) combined expert outputs (float32) -> (T, d) in x.dtype: projected back
-    through latent_out if given, plus the shared expert on x if given."""
-    out = routed if weights.latent_out is None else project(routed, weights.latent_out)
+    through latent_out if given, plus the shared expert on x if given.
+
+    The shared expert is one expert that owns all T rows with weight 1, so it runs on the
+    same kernels as the routed experts, with the same determinism.
+    """
+    out = routed if weights.latent_out is None else _project(routed, weights.latent_out)
     if weights.shared_w1 is not None:
-        out = out + shared_expert(x, weights.shared_w1, weights.shared_w2, options)
+        shared = block_experts.shared_expert(
+            x, weights.shared_w1, weights.shared_w2, deterministic=options.deterministic,
+            backends=registry.layer_backends(options.backend),
+        )
+        out = out + shared.astype(jnp.float32)
     return out.astype(x.dtype)
 
 
-def shared_expert(x, shared_w1, shared_w2, options: LayerOptions) -> jax.Array:
-    """(T, d) -> (T, d) float32: relu(x @ shared_w1)**2 @ shared_w2 on every token.
-
-    One expert that owns all T rows with weight 1, so it runs on the same kernels as the
-    routed experts, with the same determinism.
-    """
-    num_tokens = x.shape[0]
-    y = moe_mlp(
-        x.astype(shared_w1.dtype),
-        shared_w1[None],
-        shared_w2[None],
-        jnp.ones((num_tokens,), jnp.float32),
-        jnp.full((1,), num_tokens, jnp.int32),
-        deterministic=options.deterministic,
-        backend=options.backend,
-    )
-    return y.astype(jnp.float32)
-
-
-def project(a: jax.Array, weight: jax.Array) -> jax.Array:
-    """(T, n) @ (n, m) -> (T, m) float32, multiplied in weight.dtype."""
+def _project(a: jax.Array, weight: jax.Array) -> jax.Array:
+    """(T, n) @ (n, m) -> (T, m) float32, multiplied in weight.dtype. Its backward keeps a
+    in weight.dtype: latent_out's gradient needs the rounded routed output."""
     return jnp.dot(a.astype(weight.dtype), weight, preferred_element_type=jnp.float32)
+
+
+# The products of the tokens with a dense weight: their backward keeps x and the weight
+# as given and casts x again (remat of the cast alone; the product itself is not needed),
+# rather than keeping a float32 or weight-dtype copy of x.
+
+
+@jax.checkpoint
+def _router_logits(x: jax.Array, router: jax.Array) -> jax.Array:  # (T, E) float32
+    return jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
+
+
+_project_tokens = jax.checkpoint(_project)

@@ -42,6 +42,31 @@ def sort_by_group(group: jax.Array, num_groups: int) -> GroupOrder:
     return GroupOrder(order, inverse, sizes)
 
 
+def sort_choices(choices: jax.Array, num_groups: int) -> GroupOrder:
+    """`sort_by_group(choices.reshape(-1), num_groups)` for choices (T, k) int32 whose k
+    groups per token are distinct and in 0..G-1 (each token's top_k experts), with one
+    sort instead of two.
+
+    The sorted position of row a = t * k + s, of group g, is the first position of group
+    g plus the number of tokens before t that chose g: with each group chosen at most
+    once per token, rows of one group sort by token. Those counts are a cumulative sum
+    over tokens of the (T, G) choice mask, so the inverse permutation comes without a
+    sort, and one sort of that permutation (unique keys: its order is fully determined)
+    gives the order. The group sizes are the mask's column sums.
+    """
+    num_tokens, top_k = choices.shape
+    groups = lax.iota(jnp.int32, num_groups)
+    chosen = jnp.zeros((num_tokens, num_groups), jnp.int32)
+    for slot in range(top_k):
+        chosen = chosen + (choices[:, slot, None] == groups).astype(jnp.int32)
+    before = jnp.cumsum(chosen, axis=0) - chosen  # (T, G): earlier tokens in each group
+    sizes = jnp.sum(chosen, axis=0)
+    starts = jnp.cumsum(sizes) - sizes
+    inverse = (jnp.take_along_axis(before, choices, axis=1) + starts[choices]).reshape(-1)
+    _, order = lax.sort((inverse, lax.iota(jnp.int32, inverse.shape[0])), num_keys=1)
+    return GroupOrder(order, inverse, sizes)
+
+
 def gather_rows(
     x: jax.Array,  # (n, ...) rows
     index: jax.Array,  # (m,) int32 row of x for each output row

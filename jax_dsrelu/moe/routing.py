@@ -4,8 +4,9 @@
 its top_k experts, sorted by expert as `moe_mlp` wants them; `combine` adds each token's
 top_k expert outputs back together. None of their gradients adds two values into one
 place in an order the hardware chooses: every gradient is a gather by an inverse
-permutation, or a sum over a token's top_k slots in slot order, so they are bitwise
-reproducible, and their HLO holds no scatter.
+permutation, or a sum over a token's top_k slots in slot order (the ordered
+gather-and-sum, `jax_dsrelu.primitives.gather_sum`), so they are bitwise reproducible,
+and their HLO holds no scatter.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_dsrelu.moe import permutation
 from jax_dsrelu.moe.options import RoutingOptions
 from jax_dsrelu.primitives import validation
+from jax_dsrelu.primitives.gather_sum import gather_sum
 
 
 @functools.partial(
@@ -125,11 +128,61 @@ def plan_routes(
     options: RoutingOptions,
     expert_bias: jax.Array | None = None,  # (E,) float, checked
 ) -> RoutingPlan:
-    """`route` on arguments already checked: what the layers call."""
+    """`route` on arguments already checked: what the layers call.
+
+    One pass over the (T, E) logits makes the scores, the selection and what the
+    auxiliary losses need (`_select`); one sort makes the plan
+    (`permutation.sort_choices`).
+    """
     num_tokens, num_experts = logits.shape
     top_k, score = options.top_k, options.score
-    logits = logits.astype(jnp.float32)
-    if score == "softmax":
+    token_count = max(num_tokens, 1)  # T = 0 gives zero losses, not 0 / 0
+    slot_prob, experts, expert_prob, log_normalizer = _select(
+        logits.astype(jnp.float32), expert_bias, options, token_count
+    )
+    if options.normalize:
+        total = _sum_slots(slot_prob[:, :, None])
+        slot_prob = slot_prob / (total if score == "softmax" else total + 1e-20)
+    if options.scale != 1.0:
+        slot_prob = slot_prob * jnp.float32(options.scale)
+
+    grouping = permutation.sort_choices(experts, num_experts)
+    row_prob = permutation.gather_rows(slot_prob.reshape(-1), grouping.order, grouping.inverse)
+    fraction = grouping.sizes.astype(jnp.float32) / (token_count * top_k)
+    return RoutingPlan(
+        order=grouping.order,
+        inverse=grouping.inverse,
+        group_sizes=grouping.sizes,
+        row_prob=row_prob,
+        expert_prob=expert_prob,
+        load_balancing_loss=num_experts * jnp.sum(fraction * expert_prob),
+        router_z_loss=jnp.sum(log_normalizer**2) / token_count,
+        top_k=top_k,
+    )
+
+
+# The name under which `_select` keeps the chosen experts for its backward.
+_EXPERTS = "jax_dsrelu.route.experts"
+
+
+@functools.partial(
+    jax.checkpoint, static_argnums=(2, 3), policy=jax.checkpoint_policies.save_only_these_names(_EXPERTS)
+)
+def _select(
+    logits: jax.Array,  # (T, E) float32
+    expert_bias: jax.Array | None,  # (E,)
+    options: RoutingOptions,
+    token_count: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(the chosen scores (T, top_k), the chosen experts (T, top_k) int32, each expert's
+    mean affinity P_e (E,), each token's logsumexp (T,)).
+
+    Rematerialized: the backward keeps the logits and the chosen experts, and makes the
+    scores, the affinities and the softmax of the logits again (a few elementwise passes
+    over (T, E)) rather than keeping them beside the logits.
+    """
+    num_experts = logits.shape[1]
+    if options.score == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
     else:
         probs = jax.nn.sigmoid(logits)
@@ -141,32 +194,12 @@ def plan_routes(
     if options.drops_groups:
         choice = _keep_top_groups(choice, options.num_groups, options.top_groups)
     # lax.top_k puts the lower index first among equal values.
-    _, experts = lax.top_k(choice, top_k)
-    slot_prob = _take_slots(num_experts, probs, experts)  # (T, top_k)
-    if options.normalize:
-        total = _sum_slots(slot_prob[:, :, None])
-        slot_prob = slot_prob / (total if score == "softmax" else total + 1e-20)
-    if options.scale != 1.0:
-        slot_prob = slot_prob * jnp.float32(options.scale)
-
-    grouping = permutation.sort_by_group(experts.reshape(-1), num_experts)
-    row_prob = permutation.gather_rows(slot_prob.reshape(-1), grouping.order, grouping.inverse)
-
-    token_count = max(num_tokens, 1)  # T = 0 gives zero losses, not 0 / 0
-    affinity = probs if score == "softmax" else probs / jnp.sum(probs, axis=-1, keepdims=True)
+    _, experts = lax.top_k(choice, options.top_k)
+    experts = checkpoint_name(experts, _EXPERTS)
+    slot_prob = _take_slots(num_experts, probs, experts)
+    affinity = probs if options.score == "softmax" else probs / jnp.sum(probs, axis=-1, keepdims=True)
     expert_prob = jnp.sum(affinity, axis=0) / token_count
-    fraction = grouping.sizes.astype(jnp.float32) / (token_count * top_k)
-    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
-    return RoutingPlan(
-        order=grouping.order,
-        inverse=grouping.inverse,
-        group_sizes=grouping.sizes,
-        row_prob=row_prob,
-        expert_prob=expert_prob,
-        load_balancing_loss=num_experts * jnp.sum(fraction * expert_prob),
-        router_z_loss=jnp.sum(log_normalizer**2) / token_count,
-        top_k=top_k,
-    )
+    return slot_prob, experts, expert_prob, jax.nn.logsumexp(logits, axis=-1)
 
 
 def update_expert_bias(
@@ -324,9 +357,8 @@ def _dispatch_fwd(top_k, x, order, inverse):
 
 def _dispatch_bwd(top_k, residuals, g):
     order, inverse = residuals
-    slots = jnp.take(g, inverse, axis=0).reshape(-1, top_k, *g.shape[1:])
     # g has x's dtype: dispatch returns rows of x unchanged.
-    return _sum_slots(slots).astype(g.dtype), None, None
+    return gather_sum(g, inverse.reshape(-1, top_k), backend="auto").astype(g.dtype), None, None
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
@@ -334,7 +366,7 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _combine(top_k, dtype, y, order, inverse):
-    return _sum_slots(jnp.take(y, inverse, axis=0).reshape(-1, top_k, *y.shape[1:]))
+    return gather_sum(y, inverse.reshape(-1, top_k), backend="auto")
 
 
 def _combine_fwd(top_k, dtype, y, order, inverse):

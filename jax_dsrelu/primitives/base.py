@@ -1,7 +1,8 @@
-"""How each of the library's grouped-GEMM primitives is put together, once for all.
+"""How each of the library's primitives is put together, once for all.
 
 A `GroupedPrimitive` is a JAX primitive described by its `Schema`, an XLA reference and a
-function building the backend request from operand shapes. It provides:
+function building the backend request from operand shapes (None for a primitive that no
+kernel backend serves yet: it runs on XLA everywhere). It provides:
 
 - abstract evaluation from the schema's dimensions and result dtypes;
 - lowering: every platform lowers "xla" (and "auto", off CUDA) through the reference; on
@@ -16,6 +17,18 @@ function building the backend request from operand shapes. It provides:
 
 The reference and the kernel implementations take the schema's positional arguments
 (`Schema.call_arguments`) and return the present results in schema order.
+
+Gathered operands (`schema.row_gathered`): a call may give an operand as a source
+(T, ...) and a row index (m,) int32, meaning the operand source[index]. A kernel backend
+names the operands it reads that way itself (its `gathers_rows(request)`, through
+`registry.gathered_reads`); its implementation is then called with the source in the
+operand's place and the index by name (`lhs_index=...`, `grad_index=...`), and builds the
+kernel variant that loads those rows through the index. Every other gathered operand is
+gathered here, before the implementation (or the XLA reference) is called with the rows
+in place, so a backend that gathers nothing runs such a call unchanged. Indices outside
+[0, T) are clamped into it, as a kernel must do too, so no index reads out of bounds.
+The request is the same either way: gathering changes no static fact but the operand's
+row count, which no request holds.
 """
 
 from __future__ import annotations
@@ -32,14 +45,15 @@ from jax.interpreters import batching, mlir
 from jax_dsrelu import jax_internals
 from jax_dsrelu.kernels import registry
 from jax_dsrelu.primitives import sharding
-from jax_dsrelu.primitives.schema import Schema
+from jax_dsrelu.primitives.schema import GROUP_SIZES, Schema
 
 RequestBuilder = Callable[[Sequence[Any], Mapping[str, Any]], Any]
 
 
 class GroupedPrimitive:
     """reference(*call_arguments, **params) computes the results in plain JAX (params
-    without `backend`); request_of(operand_avals, params) gives the backend request."""
+    without `backend` and the row-index flags); request_of(operand_avals, params) gives
+    the backend request, or None where no kernel backend serves the primitive."""
 
     def __init__(self, schema: Schema, reference: Callable[..., Sequence[jax.Array]], request_of: RequestBuilder):
         self.schema = schema
@@ -67,9 +81,16 @@ class GroupedPrimitive:
         backend that cannot serve the call is refused here, at trace time, from the same
         request its lowering will build.
         """
-        named = dict(named, group_sizes=named["group_sizes"].astype(jnp.int32))
+        if GROUP_SIZES in named:
+            named = dict(named, group_sizes=named[GROUP_SIZES].astype(jnp.int32))
         operands = self.schema.bound_operands(named, params)
-        registry.check_explicit_backend(params["backend"], self.request_of(operands, params))
+        request = self.request_of(operands, params)
+        if request is None and params["backend"] not in ("xla", "auto"):
+            raise NotImplementedError(
+                f"backend={params['backend']!r} has no kernel for {self.schema.name}; "
+                f"backend='xla' or 'auto' runs it"
+            )
+        registry.check_explicit_backend(params["backend"], request)
         mesh = sharding.explicit_mesh(operands)
         if mesh is None:
             results = self.primitive.bind(*operands, **params)
@@ -84,8 +105,37 @@ class GroupedPrimitive:
         ]
 
     def _reference_call(self, *operands, **params):
-        reference_params = {k: v for k, v in params.items() if k != "backend"}
+        operands, params = self._gathered(operands, params, reads=frozenset())
+        reference_params = {
+            k: v for k, v in params.items() if k != "backend" and not self._is_index_flag(k)
+        }
         return tuple(self.reference(*self.schema.call_arguments(operands, params), **reference_params))
+
+    def _kernel_call(self, implementation, reads: frozenset, params, *operands):
+        """The kernel implementation on the operands, the gathered ones it does not read
+        through their index itself gathered first."""
+        operands, params = self._gathered(operands, params, reads)
+        named = self.schema.named_operands(operands, params)
+        indices = {f.name: named[f.name] for f in self.schema.index_fields(params)}
+        return tuple(implementation(*self.schema.call_arguments(operands, params), **indices))
+
+    def _gathered(self, operands, params, reads: frozenset):
+        """(operands, params) with every gathered operand not in `reads` replaced by its
+        rows, source[index] (indices clamped into the source), and its index dropped."""
+        fields = self.schema.index_fields(params)
+        if all(f.gathers in reads for f in fields):
+            return list(operands), params
+        named = self.schema.named_operands(operands, params)
+        params = dict(params)
+        for field in fields:
+            if field.gathers not in reads:
+                named[field.gathers] = jnp.take(named[field.gathers], named[field.name], axis=0, mode="clip")
+                named[field.name] = None
+                params[field.present_if] = False
+        return self.schema.bound_operands(named, params), params
+
+    def _is_index_flag(self, param: str) -> bool:
+        return any(f.present_if == param for f in self.schema.operands if f.gathers is not None)
 
     def _eager_impl(self, *operands, **params):
         # Outside jit, run the primitive as a one-equation computation so that eager
@@ -96,13 +146,15 @@ class GroupedPrimitive:
         """For operands of the given shapes on one device: the function computing the outputs."""
 
         def for_shapes(operand_avals, params):
+            # Built again from the local shapes: under a partitioned jit a device may hold
+            # part of n, and its kernel is compiled for its own part.
+            request = self.request_of(operand_avals, params)
             if "cuda" in platforms:
-                # Built again from the local shapes: under a partitioned jit a device may
-                # hold part of n, and its kernel is compiled for its own part.
-                request = self.request_of(operand_avals, params)
-                _, implementation = registry.cuda_implementation(params["backend"], request)
-                if implementation is not None:
-                    return lambda *ops: tuple(implementation(*self.schema.call_arguments(ops, params)))
+                if request is not None:
+                    name, implementation = registry.cuda_implementation(params["backend"], request)
+                    if implementation is not None:
+                        reads = registry.gathered_reads(name, request)
+                        return functools.partial(self._kernel_call, implementation, reads, params)
             elif params["backend"] not in ("xla", "auto"):
                 raise NotImplementedError(
                     f"backend={params['backend']!r} runs only on CUDA GPUs, but this computation "

@@ -4,7 +4,10 @@ Operands and results are those of `schema.GROUPED_GEMM_DSRELU`: grad (m, k), wei
 (E, n, k), preact (m, n), prob (m,) float32, group_sizes (E,) int32, alpha (E,) float32,
 and for MXFP8 operands (block_scaled) grad_scale (m, k/32) and weight_scale (E, n, k/32)
 float8_e8m0fnu; results dh, dprob, [dbias], [act], amax, the bracketed ones only when
-asked for. Abstract evaluation, lowering per platform, batching and partitioning are
+asked for. grad may be gathered: with grad_index (m,) int32, grad is a source (T, k) and
+row i reads grad[grad_index[i]] (the layer's dy read by token through the routing; see
+`jax_dsrelu.primitives.base`); not with MXFP8 operands, whose scales would need the same
+index. Abstract evaluation, lowering per platform, batching and partitioning are
 `jax_dsrelu.primitives.base`'s. On CUDA a kernel backend's implementation emits one
 custom call that runs the kernel and, in deterministic mode, the fixed-order reduction
 pass.
@@ -55,13 +58,22 @@ def bind(
     backend: str,
     **operands: jax.Array | None,
 ) -> dict[str, jax.Array | None]:
-    """Operands by schema name (grad_scale and weight_scale None unless MXFP8)."""
+    """Operands by schema name (grad_scale and weight_scale None unless MXFP8; grad_index
+    None unless grad is read through it)."""
+    block_scaled = operands.get("grad_scale") is not None
+    gathered = operands.get("grad_index") is not None
+    if block_scaled and gathered:
+        raise NotImplementedError(
+            "grad_index cannot be combined with MXFP8 operands (grad_scale): gather grad and "
+            "grad_scale first, or pass unscaled operands"
+        )
     return grouped_gemm_dsrelu.bind(
         operands,
         with_dbias=with_dbias,
         with_act=with_act,
         out_dtype=np.dtype(out_dtype),
         deterministic=deterministic,
-        block_scaled=operands.get("grad_scale") is not None,
+        block_scaled=block_scaled,
+        with_grad_index=gathered,
         backend=backend,
     )

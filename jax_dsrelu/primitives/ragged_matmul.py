@@ -14,6 +14,11 @@ layout in place; only the XLA reference swaps the axes of an "nk" rhs. Accumulat
 float32; rows owned by no expert come out 0, and bad group sizes are clamped
 (`jax_dsrelu.groups`). One writer per output element and a fixed summation order make
 every backend bitwise reproducible, so there is no deterministic flag.
+
+lhs may be gathered: with lhs_index (m,) int32, lhs is a source (T, k) and row i of the
+GEMM reads lhs[lhs_index[i]] (the up-projection reading its tokens through the routing,
+with no (m, k) copy of them where the backend loads rows through the index; see
+`jax_dsrelu.primitives.base`).
 """
 
 from __future__ import annotations
@@ -63,23 +68,24 @@ def _check_layout(rhs_layout: str) -> None:
 
 
 def ragged_matmul(
-    lhs: jax.Array,  # (m, k)
+    lhs: jax.Array,  # (m, k), or (T, k) with lhs_index
     rhs: jax.Array,  # (E, k, n) for "kn", (E, n, k) for "nk"
     group_sizes: jax.Array,  # (E,) int
     *,
     rhs_layout: str,
     out_dtype: Any,
     backend: str,
+    lhs_index: jax.Array | None = None,  # (m,) int32: row i of the GEMM is lhs[lhs_index[i]]
 ) -> jax.Array:  # (m, n) out_dtype
     """The plain ragged matmul; shapes and dtypes are the caller's to have checked."""
     _check_layout(rhs_layout)
-    params = dict(rhs_layout=rhs_layout, out_dtype=np.dtype(out_dtype))
-    named = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
+    params = dict(rhs_layout=rhs_layout, out_dtype=np.dtype(out_dtype), with_lhs_index=lhs_index is not None)
+    named = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes, lhs_index=lhs_index)
     return ragged_matmul_primitive.bind(named, backend=backend, **params)["out"]
 
 
 def ragged_matmul_srelu(
-    lhs: jax.Array,  # (m, k)
+    lhs: jax.Array,  # (m, k), or (T, k) with lhs_index
     rhs: jax.Array,  # (E, k, n) for "kn", (E, n, k) for "nk"
     group_sizes: jax.Array,  # (E,) int
     prob: jax.Array,  # (m,)
@@ -88,12 +94,17 @@ def ragged_matmul_srelu(
     rhs_layout: str,
     out_dtype: Any,
     backend: str,
+    lhs_index: jax.Array | None = None,  # (m,) int32: row i of the GEMM is lhs[lhs_index[i]]
 ) -> tuple[jax.Array, jax.Array]:  # h, act: (m, n) out_dtype
     """The ragged matmul with the squared-ReLU forward epilogue."""
     _check_layout(rhs_layout)
-    params = dict(rhs_layout=rhs_layout, out_dtype=np.dtype(out_dtype), with_bias=bias is not None)
+    params = dict(
+        rhs_layout=rhs_layout, out_dtype=np.dtype(out_dtype), with_bias=bias is not None,
+        with_lhs_index=lhs_index is not None,
+    )
     named = dict(
         lhs=lhs,
+        lhs_index=lhs_index,
         rhs=rhs,
         group_sizes=group_sizes,
         # The kernel's epilogue reads prob and bias as float32 whatever their dtype.

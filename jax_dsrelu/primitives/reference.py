@@ -155,3 +155,19 @@ def per_expert_outer(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Ar
         return None, product
 
     return lax.scan(expert_sum, None, (starts, ends))[1]
+
+
+def gather_sum_reference(rows: jax.Array, index: jax.Array) -> tuple[jax.Array]:
+    """out[t] = rows[index[t, 0]] + rows[index[t, 1]] + ... in float32, slot by slot:
+    (m, n), (T, k) int32 -> (T, n) float32.
+
+    The slots are added by an explicit loop, one elementwise add after another, so the
+    order is written in the program rather than left to a reduction whose order XLA
+    picks. Indices are clamped into [0, m).
+    """
+    num_tokens, top_k = index.shape
+    total = jnp.zeros((num_tokens, rows.shape[1]), jnp.float32)
+    for slot in range(top_k):
+        row = jnp.take(rows, index[:, slot], axis=0, mode="clip").astype(jnp.float32)
+        total = row if slot == 0 else total + row
+    return (total,)

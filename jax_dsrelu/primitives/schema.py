@@ -9,6 +9,14 @@ space-separated per array; a letter stands for one size wherever it appears. `{p
 in a dimension string is replaced by the letters of that static parameter's value
 (rhs_layout "kn" -> "k n"), so a layout parameter reorders dimensions without a second
 schema.
+
+An operand whose rows the primitive may read through a row index ("gathered") is declared
+with `row_gathered`: row i of the operand is then source[index[i]], the source holding
+rows of its own count (a letter of its own, kept whole: any row of it may be read), and
+the index (m,) int32 is an operand of its own, present when the static parameter
+`with_<operand>_index` is True. A call without that parameter reads its rows in place.
+The index operands come after every other operand, so the other operands' positions do
+not depend on which are gathered.
 """
 
 from __future__ import annotations
@@ -32,6 +40,10 @@ class Field:
     dtype (results only): a dtype name, or "out_dtype" for that static parameter.
     reduce (results only): how per-shard partials combine across a split dimension the
     result lacks ("sum" or "max").
+    gathered_if, source (operands that may be gathered): the static parameter saying that
+    the operand's rows are read through its index, and the letter of its source's rows,
+    which then stands in place of the row letter.
+    gathers (index operands): the name of the operand whose rows the index picks.
     """
 
     name: str
@@ -40,9 +52,19 @@ class Field:
     absent_as_none: bool = False
     dtype: str | None = None
     reduce: str = "sum"
+    gathered_if: str | None = None
+    source: str | None = None
+    gathers: str | None = None
 
     def present(self, params: Mapping[str, Any]) -> bool:
-        return self.present_if is None or bool(params[self.present_if])
+        if self.present_if is None:
+            return True
+        # A row index is optional by nature: a call that does not name its flag reads
+        # the operand's rows in place.
+        return bool(params.get(self.present_if, False) if self.gathers else params[self.present_if])
+
+    def gathered(self, params: Mapping[str, Any]) -> bool:
+        return self.gathered_if is not None and bool(params.get(self.gathered_if, False))
 
     def letters(self, params: Mapping[str, Any]) -> tuple[str, ...]:
         out: list[str] = []
@@ -51,6 +73,8 @@ class Field:
                 out.extend(str(params[token.strip("{}")]))
             else:
                 out.append(token)
+        if self.gathered(params):
+            out = [self.source if letter == ROWS else letter for letter in out]
         return tuple(out)
 
     def result_dtype(self, params: Mapping[str, Any]) -> np.dtype:
@@ -87,14 +111,27 @@ class Schema:
         values = iter(results)
         return {f.name: next(values) if f.present(params) else None for f in self.results}
 
+    def named_operands(self, operands: Sequence[Any], params: Mapping[str, Any]) -> dict[str, Any]:
+        """The primitive's positional operands -> operands by name (absent ones None)."""
+        values = iter(operands)
+        return {f.name: next(values) if f.present(params) else None for f in self.operands}
+
+    def index_fields(self, params: Mapping[str, Any]) -> tuple[Field, ...]:
+        """The row indices present in a call, each naming (`gathers`) the operand it reads."""
+        return tuple(f for f in self.operands if f.gathers is not None and f.present(params))
+
     def call_arguments(self, operands: Sequence[Any], params: Mapping[str, Any]) -> list[Any]:
         """The primitive's operands -> a kernel implementation's (or the reference's)
-        positional arguments, which keep a None in place of an absent_as_none operand."""
+        positional arguments, which keep a None in place of an absent_as_none operand.
+        Row indices are not among them: a kernel that reads gathered rows itself takes
+        them by name (see `jax_dsrelu.primitives.base`)."""
         values = iter(operands)
         arguments = []
         for field in self.operands:
             if field.present(params):
-                arguments.append(next(values))
+                value = next(values)
+                if field.gathers is None:
+                    arguments.append(value)
             elif field.absent_as_none:
                 arguments.append(None)
         return arguments
@@ -116,10 +153,27 @@ class Schema:
         ]
 
 
+def row_gathered(name: str, dims: str, source: str) -> tuple[Field, Field]:
+    """(the operand, its row index): an operand (m, ...) that a call may read as
+    source[index] instead, source (`source`, ...) and index (m,) int32, when the static
+    parameter with_<name>_index is True. List the index after every other operand."""
+    flag = f"with_{name}_index"
+    return (
+        Field(name, dims, gathered_if=flag, source=source),
+        Field(f"{name}_index", ROWS, present_if=flag, gathers=name),
+    )
+
+
+# The rows of a gathered operand's source: tokens, of which each row of the primitive
+# reads one (a token is read by each of its top_k rows). Never split across devices: a
+# device's rows may read any token.
+SOURCE_ROWS = "t"
+_GRAD, _GRAD_INDEX = row_gathered("grad", "m k", SOURCE_ROWS)
+
 GROUPED_GEMM_DSRELU = Schema(
     name="grouped_gemm_dsrelu",
     operands=(
-        Field("grad", "m k"),
+        _GRAD,
         Field("weight", "e n k"),
         Field("preact", "m n"),
         Field("prob", "m"),
@@ -128,6 +182,7 @@ GROUPED_GEMM_DSRELU = Schema(
         # MXFP8 operands: one scale per 32 elements along k ("b" the k/32 blocks).
         Field("grad_scale", "m b", present_if="block_scaled"),
         Field("weight_scale", "e n b", present_if="block_scaled"),
+        _GRAD_INDEX,
     ),
     results=(
         Field("dh", "m n", dtype="out_dtype"),
@@ -138,17 +193,18 @@ GROUPED_GEMM_DSRELU = Schema(
     ),
     # k: a cross-device sum would come before the nonlinear epilogue; e: splitting the
     # experts of a ragged, row-ordered layout is not a sharding of its rows.
-    kept_whole=("k", "e", "b"),
+    kept_whole=("k", "e", "b", SOURCE_ROWS),
 )
 
 # lhs (m, k) times expert e's rhs, stored (e, k, n) or (e, n, k).
-_RAGGED_MATMUL_OPERANDS = (Field("lhs", "m k"), Field("rhs", "e {rhs_layout}"), Field(GROUP_SIZES, "e"))
+_LHS, _LHS_INDEX = row_gathered("lhs", "m k", SOURCE_ROWS)
+_RAGGED_MATMUL_OPERANDS = (_LHS, Field("rhs", "e {rhs_layout}"), Field(GROUP_SIZES, "e"))
 
 RAGGED_MATMUL = Schema(
     name="ragged_matmul",
-    operands=_RAGGED_MATMUL_OPERANDS,
+    operands=_RAGGED_MATMUL_OPERANDS + (_LHS_INDEX,),
     results=(Field("out", "m n", dtype="out_dtype"),),
-    kept_whole=("k", "e"),
+    kept_whole=("k", "e", SOURCE_ROWS),
 )
 
 RAGGED_MATMUL_SRELU = Schema(
@@ -156,23 +212,40 @@ RAGGED_MATMUL_SRELU = Schema(
     operands=_RAGGED_MATMUL_OPERANDS + (
         Field("prob", "m"),
         Field("bias", "e n", present_if="with_bias", absent_as_none=True),
+        _LHS_INDEX,
     ),
     results=(
         Field("h", "m n", dtype="out_dtype"),
         Field("act", "m n", dtype="out_dtype"),
     ),
     # k: the epilogue is nonlinear in the sum over k.
-    kept_whole=("k", "e"),
+    kept_whole=("k", "e", SOURCE_ROWS),
 )
+
+# Each side its own source: the weight gradients read x rows (dW1 = x^T dh) or dy rows
+# (dW2 = act^T dy) through the routing's index, beside an operand in row order.
+_CONTRACT_LHS, _CONTRACT_LHS_INDEX = row_gathered("lhs", "m a", SOURCE_ROWS)
+_CONTRACT_RHS, _CONTRACT_RHS_INDEX = row_gathered("rhs", "m b", "u")
 
 RAGGED_CONTRACT = Schema(
     name="ragged_contract",
     operands=(
-        Field("lhs", "m a"),
-        Field("rhs", "m b"),
+        _CONTRACT_LHS,
+        _CONTRACT_RHS,
         Field(GROUP_SIZES, "e"),
+        _CONTRACT_LHS_INDEX,
+        _CONTRACT_RHS_INDEX,
     ),
     # Rows are the contracted dimension: split rows give per-shard partials to sum.
     results=(Field("out", "e a b", dtype="out_dtype", reduce="sum"),),
-    kept_whole=("e",),
+    kept_whole=("e", SOURCE_ROWS, "u"),
+)
+
+GATHER_SUM = Schema(
+    name="gather_sum",
+    # out[t] = sum over s of rows[index[t, s]]: rows (m, n), index (t, s) int32.
+    operands=(Field("rows", "m n"), Field("index", "t s")),
+    results=(Field("out", "t n", dtype="float32"),),
+    # m: a token may read any row; s: the slots of a token are added in one order.
+    kept_whole=("m", "s"),
 )

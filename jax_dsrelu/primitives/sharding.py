@@ -5,7 +5,8 @@ results; the rules below read nothing else, so every primitive partitions the sa
 
 - rows (m) sharded over any mesh axes (data parallel): each device runs its rows with
   its local group sizes, cut from the global ones at its row offset; row-indexed results
-  stay sharded like the rows;
+  stay sharded like the rows; a row index (of a gathered operand) is split like the
+  rows, and the source it reads from is kept whole, since any row may read any token;
 - any other dimension that is not kept whole (n, the expert hidden dimension; a and b,
   the sides of a ragged contraction) may be sharded over other axes (tensor parallel);
   results keep those dimensions sharded;
@@ -89,7 +90,8 @@ def partitioned(
     computation.def_partition(
         partition=partition,
         sharding_rule=", ".join(operand_dims) + " -> " + ", ".join(result_dims),
-        need_replication_factors=tuple(f for f in schema.kept_whole if f in letters),
+        # In the order the factors first appear in the rule, as Shardy requires.
+        need_replication_factors=tuple(dict.fromkeys(f for f in letters if f in schema.kept_whole)),
     )
     return computation
 
@@ -143,13 +145,15 @@ def local_computation(
         for field, over in zip(result_fields, combined_over)
     )
     local_params = dict(params, out_dtype=np.dtype(np.float32)) if summed_in_out_dtype else params
-    sizes_index = [f.name for f in operand_fields].index(GROUP_SIZES)
+    names = [f.name for f in operand_fields]
+    # A primitive without group sizes (gather_sum) keeps its rows whole: nothing to cut.
+    sizes_index = names.index(GROUP_SIZES) if GROUP_SIZES in names else None
     rows_index = next(i for i, f in enumerate(operand_fields) if ROWS in f.letters(params))
     row_axes = axes.get(ROWS, ())
 
     def run(*operands):
         local = list(operands)
-        if row_axes:
+        if row_axes and sizes_index is not None:
             local_rows = local[rows_index].shape[list(operand_fields[rows_index].letters(params)).index(ROWS)]
             offset = lax.axis_index(row_axes) * local_rows
             local[sizes_index] = groups.local_group_sizes(

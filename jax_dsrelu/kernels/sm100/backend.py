@@ -34,6 +34,14 @@ def cannot_implement(request: AnyRequest) -> str | None:
     return config.cannot_implement(request)
 
 
+def gathers_rows(request: AnyRequest) -> frozenset[str]:
+    """The operands of `request`'s primitive whose rows the kernels read through a row
+    index themselves (e.g. "lhs" of a ragged matmul); the primitives gather the others
+    before calling `implementation` (see `jax_dsrelu.primitives.base`).
+    None: cuDNN's kernel loads every operand in place."""
+    return frozenset()
+
+
 def implementation(request: AnyRequest) -> Callable[..., tuple[jax.Array, ...]]:
     from jax_dsrelu.kernels.sm100 import dsrelu_call
 

@@ -1,0 +1,107 @@
+"""The squared-ReLU expert MLP on the primitives: its forward and its backward, once.
+
+`moe_mlp`'s custom VJP (rows in, rows out) and the MoE block's (`block_experts`: tokens
+in, read through the routing's row index, summed per token out) are both built from
+these two functions, so the block computes exactly what `moe_mlp` computes on the
+gathered rows.
+
+Forward: the up-projection with the squared-ReLU epilogue, then the plain ragged matmul.
+Backward: the fused dsReLU kernel (dh, dprob, db1, the regenerated activation), drows on
+the ragged matmul reading w1 transposed in place, dw1 and dw2 on the ragged contraction.
+No weight is ever transposed in memory, and the activation is never kept: the backward
+regenerates it from the pre-activation h.
+
+Rows may be read through a row index (`row_index`, `dy_index`): row i is then
+source[index[i]], and the primitives read it so (`jax_dsrelu.primitives.base`), which on a
+backend that loads rows through the index makes no (m, l) copy of the source.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_dsrelu.kernels.registry import LayerBackends
+from jax_dsrelu.primitives import dsrelu
+from jax_dsrelu.primitives.ragged_contract import ragged_contract
+from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
+
+
+class Gradients(NamedTuple):
+    """What `backward` returns: the rows' gradient and the parameters'."""
+
+    rows: jax.Array  # (m, l) in w1.dtype, in row order (not summed by token)
+    w1: jax.Array  # (E, l, f) w1.dtype
+    w2: jax.Array  # (E, f, l) w2.dtype
+    prob: jax.Array  # (m,) prob.dtype
+    b1: jax.Array | None  # (E, f) b1.dtype
+
+
+def forward(
+    backends: LayerBackends,
+    rows: jax.Array,  # (m, l) in w1.dtype, or its source (T, l) with row_index
+    w1: jax.Array,  # (E, l, f)
+    w2: jax.Array,  # (E, f, l)
+    prob: jax.Array,  # (m,)
+    group_sizes: jax.Array,  # (E,) int32
+    b1: jax.Array | None,  # (E, f)
+    row_index: jax.Array | None = None,  # (m,) int32: row i is rows[row_index[i]]
+) -> tuple[jax.Array, jax.Array]:  # y (m, l), h (m, f), both in w1.dtype
+    """(y, h); h is the pre-activation rounded to w1.dtype, as the backward reads it.
+
+    The up-projection makes the activation in the same call, from the rounded h.
+    """
+    dtype = w1.dtype
+    h, act = ragged_matmul_srelu(
+        rows, w1, group_sizes, prob, b1, rhs_layout="kn", out_dtype=dtype, backend=backends.matmul,
+        lhs_index=row_index,
+    )
+    y = ragged_matmul(act, w2, group_sizes, rhs_layout="kn", out_dtype=dtype, backend=backends.matmul)
+    return y, h
+
+
+def backward(
+    deterministic: bool,
+    backends: LayerBackends,
+    rows: jax.Array,  # (m, l) in w1.dtype, or its source (T, l) with row_index
+    w1: jax.Array,  # (E, l, f)
+    w2: jax.Array,  # (E, f, l)
+    prob: jax.Array,  # (m,)
+    group_sizes: jax.Array,  # (E,) int32
+    b1: jax.Array | None,  # (E, f)
+    h: jax.Array,  # (m, f) the forward's pre-activation
+    dy: jax.Array,  # (m, l) in w1.dtype, or its source (U, l) with dy_index
+    row_index: jax.Array | None = None,  # (m,) int32: row i is rows[row_index[i]]
+    dy_index: jax.Array | None = None,  # (m,) int32: row i of dy is dy[dy_index[i]]
+) -> Gradients:
+    dtype = w1.dtype
+    num_experts = w1.shape[0]
+    fused = dsrelu.bind(
+        grad=dy,
+        grad_index=dy_index,
+        weight=w2,
+        preact=h,
+        prob=prob,
+        group_sizes=group_sizes,
+        alpha=jnp.ones((num_experts,), jnp.float32),
+        grad_scale=None,
+        weight_scale=None,
+        with_dbias=b1 is not None,
+        with_act=True,
+        out_dtype=dtype,
+        deterministic=deterministic,
+        backend=backends.dsrelu,
+    )
+    dh, act = fused["dh"], fused["act"]
+    # w1 (E, l, f) read as (E, n, k) with n = l, k = f: drows = dh @ w1[e]^T, in place.
+    drows = ragged_matmul(dh, w1, group_sizes, rhs_layout="nk", out_dtype=dtype, backend=backends.matmul)
+    dw1 = ragged_contract(
+        rows, dh, group_sizes, out_dtype=w1.dtype, backend=backends.contract, lhs_index=row_index
+    )
+    dw2 = ragged_contract(
+        act, dy, group_sizes, out_dtype=w2.dtype, backend=backends.contract, rhs_index=dy_index
+    )
+    db1 = None if b1 is None else fused["dbias"].astype(b1.dtype)
+    return Gradients(drows, dw1, dw2, fused["dprob"].astype(prob.dtype), db1)
