@@ -202,7 +202,11 @@ def test_bad_group_sizes_without_checkify_are_safe(inputs):
 def test_each_gemm_of_moe_mlp_gets_its_backend_from_one_decision():
     from jax_dsrelu.kernels.registry import LayerBackends, layer_backends
 
-    for name in ("auto", "xla", "sm90"):
-        assert layer_backends(name) == LayerBackends(dsrelu=name, matmul=name, contract=name)
+    for name in ("auto", "xla"):
+        assert layer_backends(name) == LayerBackends(dsrelu=name, matmul=name, contract=name, gather_sum=name)
+    # The gather-and-sum is left to what "auto" picks on a kernel backend.
+    assert layer_backends("sm90") == LayerBackends(dsrelu="sm90", matmul="sm90", contract="sm90", gather_sum="auto")
     # sm100 has a kernel for the fused backward only: its plain GEMMs go to what "auto" picks.
-    assert layer_backends("sm100") == LayerBackends(dsrelu="sm100", matmul="auto", contract="auto")
+    assert layer_backends("sm100") == LayerBackends(
+        dsrelu="sm100", matmul="auto", contract="auto", gather_sum="auto"
+    )

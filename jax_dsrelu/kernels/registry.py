@@ -55,20 +55,21 @@ def layer_backends(name: str) -> LayerBackends:
 
     A kernel backend serves the kinds of request it has kernels for and lets "auto" pick
     for the rest: the sm100 backend has a kernel for the fused dsReLU backward only, so a
-    moe_mlp on it runs its plain GEMMs on what "auto" picks on Blackwell (XLA). No kernel
-    backend has a gather-and-sum kernel yet: "auto" runs it on XLA. "auto" and "xla"
+    moe_mlp on it runs its plain GEMMs on what "auto" picks on Blackwell (XLA). The
+    gather-and-sum is left to "auto" under every kernel backend: a kernel serves it where
+    one can, XLA where none can, and the layer is never refused for it. "auto" and "xla"
     pass through: "auto" is resolved per call when it is lowered.
     """
     backend = KERNEL_BACKENDS.get(name)
 
-    def for_kind(kind: type | None) -> str:
+    def for_kind(kind: type) -> str:
         return "auto" if backend is not None and kind not in backend.REQUEST_KINDS else name
 
     return LayerBackends(
         dsrelu=for_kind(Request),
         matmul=for_kind(RaggedMatmulRequest),
         contract=for_kind(RaggedContractRequest),
-        gather_sum=for_kind(None),
+        gather_sum="auto" if backend is not None else name,
     )
 
 
