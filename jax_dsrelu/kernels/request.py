@@ -77,8 +77,22 @@ class RaggedContractRequest:
     out_dtype: np.dtype
 
 
+@dataclasses.dataclass(frozen=True)
+class GatherSumRequest:
+    """Static facts of an ordered gather-and-sum (the `gather_sum` primitive):
+    out[t] (n,) = rows[index[t, 0]] + ... + rows[index[t, slots - 1]], added in slot order
+    in float32; rows (m, n) in rows_dtype, index (T, slots) int32, indices clamped into
+    [0, m). The counts m and T are absent, as the rows are from a GEMM's.
+    implementation: (rows, index) -> (out,)
+    """
+
+    n: int
+    slots: int
+    rows_dtype: np.dtype
+
+
 # Every kind of request a kernel backend may be asked to serve.
-AnyRequest = Request | RaggedMatmulRequest | RaggedContractRequest
+AnyRequest = Request | RaggedMatmulRequest | RaggedContractRequest | GatherSumRequest
 
 
 class KernelBackend(Protocol):
@@ -98,8 +112,15 @@ class KernelBackend(Protocol):
         """Why this request is outside the kernel's constraints, or None. A backend that
         has no kernel for a kind of request says so here."""
 
+    def gathers_rows(self, request: AnyRequest) -> frozenset[str]:
+        """The operands of `request`'s primitive whose rows the kernels read through a row
+        index themselves; the primitives gather the others first
+        (`jax_dsrelu.primitives.base`)."""
+
     def implementation(self, request: AnyRequest) -> Callable[..., tuple[jax.Array, ...]]:
-        """A function of the primitive's operands returning its outputs, for lowering."""
+        """A function of the primitive's operands returning its outputs, for lowering; it
+        takes the row index of each operand named by `gathers_rows` by keyword
+        (`lhs_index=...`), where a call gives one."""
 
 
 @functools.cache
@@ -113,6 +134,12 @@ def cuda_compute_capability() -> tuple[int, int] | None:
         return None
     major, minor = str(devices[0].compute_capability).split(".")
     return int(major), int(minor)
+
+
+def gather_sum_request(rows: Any, index: Any) -> GatherSumRequest:
+    """The request of a gather-and-sum of `rows` (m, n) by `index` (T, slots), from their
+    shapes and dtypes (arrays or avals)."""
+    return GatherSumRequest(n=rows.shape[1], slots=index.shape[1], rows_dtype=np.dtype(rows.dtype))
 
 
 def request_from_avals(avals: Any, *, block_scaled: bool = False, **params: Any) -> Request:

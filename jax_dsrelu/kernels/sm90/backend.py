@@ -1,17 +1,59 @@
-"""How the sm90 backend presents itself to the registry. Imports no CuTe DSL."""
+"""How the sm90 backend presents itself to the registry. Imports no CuTe DSL.
+
+Kernels that have not yet run on the hardware they claim are compiled and lowered, but
+no call uses them unless the environment variable `UNVERIFIED_VARIABLE` names their kind
+(comma-separated), which the H200 run that checks them sets: until then the primitives
+gather rows themselves and run the verified kernels, and the gather-and-sum runs on XLA.
+A kind leaves `UNVERIFIED_KINDS` once such a run has checked it.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import jax
 
 from jax_dsrelu.kernels import software
-from jax_dsrelu.kernels.request import AnyRequest, RaggedContractRequest, RaggedMatmulRequest, Request
+from jax_dsrelu.kernels.request import (
+    AnyRequest,
+    GatherSumRequest,
+    RaggedContractRequest,
+    RaggedMatmulRequest,
+    Request,
+)
 
 NAME = "sm90"
 DEVICE_DESCRIPTION = "Hopper GPUs (compute capability 9.0: H100, H200)"
-REQUEST_KINDS = (Request, RaggedMatmulRequest, RaggedContractRequest)
+REQUEST_KINDS = (Request, RaggedMatmulRequest, RaggedContractRequest, GatherSumRequest)
+
+UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
+# Kernel kinds not yet run on an H200:
+#   "gathered"    the GEMMs reading rows through a row index (`gathered_kernels.py`):
+#                 the up-projection's x rows, the fused dsReLU kernel's dy rows, the
+#                 weight gradients' x rows
+#   "gather_sum"  the ordered gather-and-sum (`gather_sum_kernel.py`)
+UNVERIFIED_KINDS = ("gathered", "gather_sum")
+# The operands of each request kind that the "gathered" kernels read through an index.
+_GATHERED_OPERANDS = {
+    Request: frozenset({"grad"}),
+    RaggedMatmulRequest: frozenset({"lhs"}),
+    RaggedContractRequest: frozenset({"lhs"}),
+}
+
+
+def enabled(kind: str) -> bool:
+    """Whether kernels of `kind` may serve calls: verified, or named in UNVERIFIED_VARIABLE."""
+    if kind not in UNVERIFIED_KINDS:
+        return True
+    named = {name.strip() for name in os.environ.get(UNVERIFIED_VARIABLE, "").split(",") if name.strip()}
+    unknown = named - set(UNVERIFIED_KINDS)
+    if unknown:
+        raise ValueError(
+            f"{UNVERIFIED_VARIABLE} names {sorted(unknown)}; the sm90 kernel kinds not yet verified are "
+            f"{list(UNVERIFIED_KINDS)}"
+        )
+    return kind in named
 
 
 def software_missing() -> str | None:
@@ -24,8 +66,13 @@ def supports_compute_capability(capability: tuple[int, int]) -> bool:
 
 
 def cannot_implement(request: AnyRequest) -> str | None:
-    from jax_dsrelu.kernels.sm90 import config
+    from jax_dsrelu.kernels.sm90 import config, gather_sum_config
 
+    if isinstance(request, GatherSumRequest):
+        if not enabled("gather_sum"):
+            return (f"the sm90 gather-and-sum kernel has not yet run on an H200 (set {UNVERIFIED_VARIABLE}="
+                    f"gather_sum to use it)")
+        return gather_sum_config.cannot_implement(request)
     if isinstance(request, RaggedMatmulRequest):
         return config.cannot_implement_gemm(request)
     if isinstance(request, RaggedContractRequest):
@@ -33,11 +80,26 @@ def cannot_implement(request: AnyRequest) -> str | None:
     return config.cannot_implement(request)
 
 
+def gathers_rows(request: AnyRequest) -> frozenset[str]:
+    """The operands of `request`'s primitive whose rows the kernels read through a row
+    index themselves ("lhs" of a ragged matmul and of the contraction, "grad" of the
+    fused dsReLU kernel, not with MXFP8 operands); the primitives gather the others
+    before calling `implementation` (see `jax_dsrelu.primitives.base`). None while the
+    "gathered" kernels are unverified."""
+    if not enabled("gathered") or getattr(request, "block_scaled", False):
+        return frozenset()
+    return _GATHERED_OPERANDS.get(type(request), frozenset())
+
+
 def implementation(request: AnyRequest) -> Callable[..., tuple[jax.Array, ...]]:
     if isinstance(request, Request):
         from jax_dsrelu.kernels.sm90 import dsrelu_call
 
         return dsrelu_call.implementation(request)
+    if isinstance(request, GatherSumRequest):
+        from jax_dsrelu.kernels.sm90 import gather_sum_call
+
+        return gather_sum_call.implementation(request)
     from jax_dsrelu.kernels.sm90 import ragged_call
 
     return ragged_call.implementation(request)

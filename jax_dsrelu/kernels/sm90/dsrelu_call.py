@@ -26,12 +26,17 @@ from jax_dsrelu.kernels.sm90 import operands as kernel_operands
 from jax_dsrelu.kernels.sm90.arch import sm_count
 from jax_dsrelu.kernels.sm90.dsrelu_kernel import GroupedGemmDsreluSm90
 from jax_dsrelu.kernels.sm90.mainloop import MAX_ROWS
+from jax_dsrelu.kernels.sm90.operands import ROWS, SOURCE_ROWS
 
 _F32 = np.dtype(np.float32)
 
 
 @functools.cache
-def _kernel(request: Request, config: sm90_config.TileConfig) -> GroupedGemmDsreluSm90:
+def _kernel(request: Request, config: sm90_config.TileConfig, gathered: bool = False) -> GroupedGemmDsreluSm90:
+    if gathered:
+        from jax_dsrelu.kernels.sm90.gathered_kernels import GatheredDsreluSm90
+
+        return GatheredDsreluSm90(config, request)
     return GroupedGemmDsreluSm90(config, request)
 
 
@@ -41,13 +46,18 @@ def kernel_request(request: Request) -> Request:
     return dataclasses.replace(request, prob_dtype=_F32)
 
 
-def operands(request: Request, config: sm90_config.TileConfig) -> list[kernel_operands.KernelOperand]:
-    """The kernel's declared operands for this request and config (`GroupedGemmDsreluSm90.operands`)."""
-    return _kernel(kernel_request(request), config).operands()
+def operands(
+    request: Request, config: sm90_config.TileConfig, *, gathered: bool = False
+) -> list[kernel_operands.KernelOperand]:
+    """The kernel's declared operands for this request and config
+    (`GroupedGemmDsreluSm90.operands`, or with grad read through grad_index
+    `GatheredDsreluSm90.operands`)."""
+    return _kernel(kernel_request(request), config, gathered).operands()
 
 
-def _compile_key(request: Request, config: sm90_config.TileConfig, outputs_in_place: bool):
-    return ("jax_dsrelu.sm90", request, config, outputs_in_place)
+def _compile_key(request: Request, config: sm90_config.TileConfig, outputs_in_place: bool, gathered: bool = False):
+    key = ("jax_dsrelu.sm90", request, config, outputs_in_place)
+    return key + ("gathered grad",) if gathered else key
 
 
 def compile_kernel(
@@ -56,13 +66,15 @@ def compile_kernel(
     *,
     outputs_in_place: bool = False,
     keep: bool = False,
+    gathered: bool = False,
 ) -> cutlass_bridge.Compiled:
     """The object code `implementation` runs for this request and config (compiled now,
-    or found in the cache). keep=True also returns its PTX and cubin."""
+    or found in the cache), with grad read through grad_index where `gathered`.
+    keep=True also returns its PTX and cubin."""
     request = kernel_request(request)
-    kernel = _kernel(request, config)
+    kernel = _kernel(request, config, gathered)
     return kernel_operands.compile_kernel(
-        kernel, _compile_key(request, config, outputs_in_place), kernel.operands(),
+        kernel, _compile_key(request, config, outputs_in_place, gathered), kernel.operands(),
         outputs_in_place=outputs_in_place, keep=keep,
     )
 
@@ -79,6 +91,10 @@ def implementation(
     pre-filled output buffers by name (dh, act, and in deterministic mode dprob, dbias
     and the slot workspaces), which the kernels update in place and return. Tests fill
     them with NaN to show that the kernels write every element they own.
+
+    With `grad_index=` (m,) int32, grad is a source (T, k) whose rows grad[grad_index]
+    the kernel reads itself (`gathered_kernels.GatheredDsreluSm90`, alone rather than in
+    cluster pairs), with no (m, k) copy.
     """
     reason = sm90_config.cannot_implement(request)
     if reason is not None:
@@ -87,17 +103,18 @@ def implementation(
     if config is None:
         config = sm90_config.choose_config(request, sm_count())
     config.check_fits(request.num_experts, request.with_act, request.with_dbias)
-    kernel = _kernel(request, config)
-    key = _compile_key(request, config, outputs_in_place)
 
-    def run(grad, weight, preact, prob, group_sizes, alpha, filled=None):
-        num_rows = grad.shape[0]
+    def run(grad, weight, preact, prob, group_sizes, alpha, filled=None, *, grad_index=None):
+        gathered = grad_index is not None
+        num_rows = preact.shape[0]
         if num_rows > MAX_ROWS:
             raise NotImplementedError(
-                f"backend='sm90' takes at most {MAX_ROWS} rows, got grad.shape={grad.shape}"
+                f"backend='sm90' takes at most {MAX_ROWS} rows, got preact.shape={preact.shape}"
             )
         if num_rows == 0:
             return _no_rows(request)
+        kernel_config = dataclasses.replace(config, cluster_n=1) if gathered else config
+        kernel = _kernel(request, kernel_config, gathered)
         given = dict(
             grad=grad,
             weight=weight,
@@ -106,10 +123,14 @@ def implementation(
             group_sizes=group_sizes,
             alpha=alpha.astype(jnp.float32),
         )
+        counts = {ROWS: num_rows}
+        if gathered:
+            given["grad_index"] = grad_index.astype(jnp.int32)
+            counts[SOURCE_ROWS] = kernel_operands.source_rows(grad, num_rows, "grad")
         if outputs_in_place:
             given.update(filled)
-        named = kernel_operands.call(kernel, key, kernel.operands(), given, num_rows,
-                                     outputs_in_place=outputs_in_place)
+        named = kernel_operands.call(kernel, _compile_key(request, kernel_config, outputs_in_place, gathered),
+                                     kernel.operands(), given, counts, outputs_in_place=outputs_in_place)
         amax = lax.bitcast_convert_type(named["amax"], jnp.float32)
         return _ordered(
             request, named["dh"], named["dprob"], named.get("dbias"), named.get("act"), amax

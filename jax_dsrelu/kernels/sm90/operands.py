@@ -2,8 +2,9 @@
 
 A kernel declares its operands in the order its host function takes them
 (`GemmSm90.operands`): each one's name, role, dtype, shape as stored (the extents that
-vary with the row count m marked `Rows`), and the mode order in which the kernel sees
-it. From that one list come the host function's unpacking by name
+vary from call to call marked `Rows`: with the row count m, or with a count of its own
+such as the tokens T of a source whose rows are read through a row index), and the mode
+order in which the kernel sees it. From that one list come the host function's unpacking by name
 (`GemmSm90.__call__`), the custom call's inputs, outputs and aliases (`call_layout`),
 the compile descriptions (`compile_kernel`) and the call (`call`); no other list has to
 agree with it by position.
@@ -17,6 +18,7 @@ Roles:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Callable, Hashable, Mapping, Sequence
 
@@ -30,20 +32,38 @@ from jax_dsrelu.kernels.sm90.arch import ARCH
 
 ROLES = ("input", "accumulate", "output")
 
+# The run-time counts an extent may vary with: the problem's rows m (a GEMM's rows, the
+# rows a gather-and-sum reads), and the rows of the sources that rows are gathered from
+# (the tokens T of x; U of dy, where a call gathers both sides).
+ROWS = "m"
+SOURCE_ROWS = "t"
+OTHER_SOURCE_ROWS = "u"
+
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    """An extent that varies with the row count m, ceil(m / per) + plus (m itself by
-    default): compiled as a run-time extent, so a new m never recompiles."""
+    """An extent that varies from call to call, ceil(count / per) + plus of the run-time
+    count `of` (m itself by default): compiled as a run-time extent, so a new count never
+    recompiles."""
 
     per: int = 1
     plus: int = 0
+    of: str = ROWS
 
-    def extent(self, num_rows: int) -> int:
-        return -(-num_rows // self.per) + self.plus
+    def extent(self, counts: Mapping[str, int]) -> int:
+        try:
+            count = counts[self.of]
+        except KeyError:
+            raise ValueError(f"an extent varies with the count {self.of!r}, which the call does not give: "
+                             f"{dict(counts)}") from None
+        return -(-count // self.per) + self.plus
 
 
 M = Rows()
+T = Rows(of=SOURCE_ROWS)
+U = Rows(of=OTHER_SOURCE_ROWS)
+# Every count at 1: how the compile describes the varying extents (every count shares the code).
+_EVERY_COUNT_ONE = collections.defaultdict(lambda: 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +93,20 @@ class KernelOperand:
         varying = tuple(axis for axis, extent in enumerate(self.shape) if isinstance(extent, Rows))
         return Operand(self.dtype, len(self.shape), varying=varying, mode=self.mode)
 
-    def shape_for(self, num_rows: int) -> tuple[int, ...]:
-        return tuple(extent.extent(num_rows) if isinstance(extent, Rows) else extent for extent in self.shape)
+    def shape_for(self, counts: int | Mapping[str, int]) -> tuple[int, ...]:
+        """The stored shape at the run-time counts ({count name: value}, or m alone)."""
+        counts = _counts(counts)
+        return tuple(extent.extent(counts) if isinstance(extent, Rows) else extent for extent in self.shape)
 
     @property
     def contiguous_mode(self) -> int:
         """The kernel's mode along which the stored array is contiguous (its last axis)."""
         last = len(self.shape) - 1
         return last if self.mode is None else self.mode.index(last)
+
+
+def _counts(counts: int | Mapping[str, int]) -> Mapping[str, int]:
+    return {ROWS: counts} if isinstance(counts, int) else counts
 
 
 def call_layout(
@@ -111,11 +137,11 @@ def compile_kernel(
     keep: bool = False,
 ) -> cutlass_bridge.Compiled:
     """The object code of `host_function` for `plan` (compiled now, or found in the cache):
-    the varying extents are described at m = 1, as every m shares the code."""
+    the varying extents are described at every count 1, as every count shares the code."""
     inputs, outputs, aliases = call_layout(plan, outputs_in_place)
     return cutlass_bridge.compile_function(
-        host_function, key, [(o.operand, o.shape_for(1)) for o in inputs],
-        [(o.operand, o.shape_for(1)) for o in outputs], aliases, arch=ARCH, keep=keep,
+        host_function, key, [(o.operand, o.shape_for(_EVERY_COUNT_ONE)) for o in inputs],
+        [(o.operand, o.shape_for(_EVERY_COUNT_ONE)) for o in outputs], aliases, arch=ARCH, keep=keep,
     )
 
 
@@ -124,22 +150,32 @@ def call(
     key: Hashable,
     plan: Sequence[KernelOperand],
     given: Mapping[str, jax.Array],
-    num_rows: int,
+    counts: int | Mapping[str, int],
     *,
     outputs_in_place: bool = False,
 ) -> dict[str, jax.Array]:
     """One custom call of `host_function` on the arrays `given` by name; returns its
-    outputs by name. Accumulate buffers not given start at zero; with outputs_in_place,
-    `given` holds every output too, pre-filled, which the kernels update in place."""
+    outputs by name, shaped at the run-time `counts` ({count name: value}, or m alone).
+    Accumulate buffers not given start at zero; with outputs_in_place, `given` holds
+    every output too, pre-filled, which the kernels update in place."""
     inputs, outputs, aliases = call_layout(plan, outputs_in_place)
     missing = [o.name for o in inputs if o.name not in given and o.role != "accumulate"]
     if missing:
         raise ValueError(f"the kernel's call needs {missing}; got {sorted(given)}")
     arrays = [
-        given[o.name] if o.name in given else jnp.zeros(o.shape_for(num_rows), o.dtype) for o in inputs
+        given[o.name] if o.name in given else jnp.zeros(o.shape_for(counts), o.dtype) for o in inputs
     ]
     results = cutlass_bridge.call(
         host_function, key, [(o.operand, array) for o, array in zip(inputs, arrays)],
-        [(o.operand, jax.ShapeDtypeStruct(o.shape_for(num_rows), o.dtype)) for o in outputs], aliases, arch=ARCH,
+        [(o.operand, jax.ShapeDtypeStruct(o.shape_for(counts), o.dtype)) for o in outputs], aliases, arch=ARCH,
     )
     return {o.name: result for o, result in zip(outputs, results)}
+
+
+def source_rows(source, num_rows: int, name: str) -> int:
+    """The rows of a source read through a row index of `num_rows` entries; refuses an
+    empty source, from which no row can be read (as the primitives' own gather does)."""
+    if source.shape[0] == 0:
+        raise ValueError(f"{name} is read through a row index of {num_rows} rows, but has no rows: "
+                         f"{name}.shape={tuple(source.shape)}")
+    return source.shape[0]

@@ -7,6 +7,10 @@ place, with the call signature documented on the request (`jax_dsrelu.kernels.re
     RaggedMatmulRequest, epilogue "srelu": (lhs, rhs, group_sizes, prob, bias | None) -> (h, act)
     RaggedContractRequest:                 (lhs, rhs, group_sizes) -> (out,)
 
+The ragged matmul also takes `lhs_index=` (m,) int32: lhs is then a source (T, k) whose
+rows lhs[lhs_index] the kernel reads itself (`gathered_kernels.GatheredRaggedGemmSm90`,
+alone rather than in cluster pairs), with no (m, k) copy of them.
+
 The buffers are each kernel's declared operands (`operands`, from the kernel's
 `operands()`): every one passed as it is stored, some seen by the kernel in another mode
 order (a view, never a copy). Every output element is written by the kernels, so no
@@ -17,6 +21,7 @@ group sizes never recompile.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -29,44 +34,59 @@ from jax_dsrelu.kernels.sm90 import config as sm90_config
 from jax_dsrelu.kernels.sm90 import operands as kernel_operands
 from jax_dsrelu.kernels.sm90.arch import sm_count
 from jax_dsrelu.kernels.sm90.mainloop import MAX_ROWS
+from jax_dsrelu.kernels.sm90.operands import ROWS, SOURCE_ROWS
 
 
 @functools.cache
-def _kernel(request, config):
+def _kernel(request, config, gathered: bool = False):
     if isinstance(request, RaggedContractRequest):
+        if gathered:
+            from jax_dsrelu.kernels.sm90.gathered_kernels import GatheredContractSm90
+
+            return GatheredContractSm90(config, request)
         from jax_dsrelu.kernels.sm90.ragged_contract_kernel import RaggedContractSm90
 
         return RaggedContractSm90(config, request)
+    if gathered:
+        from jax_dsrelu.kernels.sm90.gathered_kernels import GatheredRaggedGemmSm90
+
+        return GatheredRaggedGemmSm90(config, request)
     from jax_dsrelu.kernels.sm90.ragged_matmul_kernel import RaggedGemmSm90
 
     return RaggedGemmSm90(config, request)
 
 
-def operands(request, config=None) -> list[kernel_operands.KernelOperand]:
+def operands(request, config=None, *, gathered: bool = False) -> list[kernel_operands.KernelOperand]:
     """The kernel's declared operands for this request and config (the chosen one by
-    default): `RaggedGemmSm90.operands`, `RaggedContractSm90.operands`."""
-    return _kernel(request, config or choose_config(request)).operands()
+    default): `RaggedGemmSm90.operands`, `RaggedContractSm90.operands`, or with gathered
+    lhs rows their gathered variants'."""
+    return _kernel(request, config or choose_config(request, gathered=gathered), gathered).operands()
 
 
-def choose_config(request):
+def choose_config(request, *, gathered: bool = False):
+    """The chosen config; with gathered lhs rows, alone: each CTA gathers its own A."""
     if isinstance(request, RaggedContractRequest):
-        return sm90_config.choose_contract_config(request, sm_count())
-    return sm90_config.choose_gemm_config(request, sm_count())
+        config = sm90_config.choose_contract_config(request, sm_count())
+    else:
+        config = sm90_config.choose_gemm_config(request, sm_count())
+    return dataclasses.replace(config, cluster_n=1) if gathered else config
 
 
-def _compile_key(request, config, outputs_in_place: bool = False):
-    return ("jax_dsrelu.sm90_gemm", request, config, outputs_in_place)
+def _compile_key(request, config, outputs_in_place: bool = False, gathered: bool = False):
+    key = ("jax_dsrelu.sm90_gemm", request, config, outputs_in_place)
+    return key + ("gathered lhs",) if gathered else key
 
 
 def compile_kernel(
-    request, config=None, *, outputs_in_place: bool = False, keep: bool = False
+    request, config=None, *, outputs_in_place: bool = False, keep: bool = False, gathered: bool = False
 ) -> cutlass_bridge.Compiled:
     """The object code `implementation` runs for this request (compiled now, or found in
-    the cache). keep=True also returns its PTX and cubin."""
-    config = config or choose_config(request)
-    kernel = _kernel(request, config)
+    the cache), with gathered lhs rows where `gathered`. keep=True also returns its PTX
+    and cubin."""
+    config = config or choose_config(request, gathered=gathered)
+    kernel = _kernel(request, config, gathered)
     return kernel_operands.compile_kernel(
-        kernel, _compile_key(request, config, outputs_in_place), kernel.operands(),
+        kernel, _compile_key(request, config, outputs_in_place, gathered), kernel.operands(),
         outputs_in_place=outputs_in_place, keep=keep,
     )
 
@@ -79,7 +99,8 @@ def implementation(
     With outputs_in_place=True the function takes one more keyword argument, `filled`: a
     dict of pre-filled output buffers by name (the declared outputs), which the kernel
     overwrites in place (aliased in and out) and returns. Tests fill them with NaN to
-    show that the kernel writes every element."""
+    show that the kernel writes every element. `config`, where given, serves the call
+    without a row index; with one, the gathered kernel takes it alone (cluster_n = 1)."""
     reason = (
         sm90_config.cannot_implement_contract(request)
         if isinstance(request, RaggedContractRequest)
@@ -89,27 +110,33 @@ def implementation(
         raise NotImplementedError(f"backend='sm90' cannot serve this call: {reason}")
     config = config or choose_config(request)
     config.check_fits(request)
-    kernel = _kernel(request, config)
-    plan = kernel.operands()
-    key = _compile_key(request, config, outputs_in_place)
     srelu = isinstance(request, RaggedMatmulRequest) and request.epilogue == "srelu"
 
-    def run(lhs, rhs, group_sizes, prob=None, bias=None, *, filled=None):
-        num_rows = lhs.shape[0]
+    def run(lhs, rhs, group_sizes, prob=None, bias=None, *, filled=None, lhs_index=None):
+        gathered = lhs_index is not None
+        num_rows = lhs_index.shape[0] if gathered else lhs.shape[0]
         if num_rows > MAX_ROWS:
-            raise NotImplementedError(f"backend='sm90' takes at most {MAX_ROWS} rows, got lhs.shape={lhs.shape}")
-        outputs = [o for o in plan if o.role == "output"]
+            raise NotImplementedError(f"backend='sm90' takes at most {MAX_ROWS} rows, got {num_rows}")
+        kernel_config = dataclasses.replace(config, cluster_n=1) if gathered else config
+        kernel = _kernel(request, kernel_config, gathered)
+        outputs = [o for o in kernel.operands() if o.role == "output"]
         if num_rows == 0:
             # m = 0 is static: no rows, no expert owns any, nothing needs a kernel.
-            return tuple(jnp.zeros(o.shape_for(0), o.dtype) for o in outputs)
+            return tuple(jnp.zeros(o.shape_for({ROWS: 0}), o.dtype) for o in outputs)
         given = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
+        counts = {ROWS: num_rows}
+        if gathered:
+            given["lhs_index"] = lhs_index.astype(jnp.int32)
+            counts[SOURCE_ROWS] = kernel_operands.source_rows(lhs, num_rows, "lhs")
         if srelu:
             given["prob"] = prob.astype(jnp.float32)
             if request.with_bias:
                 given["bias"] = bias.astype(jnp.float32)
         if outputs_in_place:
             given.update(filled)
-        named = kernel_operands.call(kernel, key, plan, given, num_rows, outputs_in_place=outputs_in_place)
+        named = kernel_operands.call(kernel, _compile_key(request, kernel_config, outputs_in_place, gathered),
+                                     kernel.operands(), given, counts, outputs_in_place=outputs_in_place)
         return tuple(named[o.name] for o in outputs)
 
     return run
+

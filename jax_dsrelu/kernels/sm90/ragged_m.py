@@ -41,12 +41,17 @@ class RaggedMGemmSm90(GemmSm90):
         """Persistent CTAs, whole clusters, no more than there are work items: expert tiles
         number at most m_tiles + E and the zero tiles at most m_tiles, per group of
         cluster_n N-tiles."""
-        num_rows = cute.size(getattr(t, self.operand_a), mode=[0])
+        num_rows = self.host_rows(t)
         m_tiles = (num_rows + (self.tile_m - 1)) // self.tile_m
         cluster_n = self.config.cluster_n
         clusters = cutlass.min((2 * m_tiles + self.num_experts) * (self.n_tiles // cluster_n),
                                Int32(self.config.max_ctas // cluster_n))
         return clusters * cluster_n
+
+    def host_rows(self, t) -> Int32:
+        """The row count m, on the host: A's rows (a variant reading A through a row index
+        counts the index's)."""
+        return cute.size(getattr(t, self.operand_a), mode=[0])
 
     # ---------------------------------------------------------------- device side
 
