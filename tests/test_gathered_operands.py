@@ -4,6 +4,8 @@ receives, whether it reads gathered rows itself or not; what the MoE block asks 
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -260,3 +262,29 @@ def test_the_block_reads_its_rows_through_the_routing(monkeypatch):
         ("RaggedContractRequest", [(tokens, d), (m, f), (experts,)], {"lhs_index": (m,)}),
         ("RaggedContractRequest", [(m, f), (tokens, d), (experts,)], {"rhs_index": (m,)}),
     ]
+
+
+@pytest.mark.compile
+def test_the_block_lowers_to_the_sm90_kernels():
+    # The whole block's training step for cuda on the real sm90 backend: the routed and
+    # the shared expert's six GEMMs each on a kernel, the gathered operands gathered for
+    # kernels that load rows in place, and no scatter anywhere.
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    s, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    tokens, d, f, experts, fs = 512, 256, 512, 8, 512
+
+    def loss(x, router, w1, w2, shared_w1, shared_w2, bias):
+        out = jax_dsrelu.moe_layer(
+            x, router, w1, w2, top_k=2, score="sigmoid", expert_bias=bias, normalize=True,
+            shared_w1=shared_w1, shared_w2=shared_w2, deterministic=True, backend="sm90",
+        )
+        return jnp.sum(out.astype(jnp.float32))
+
+    args = (
+        s((tokens, d), bf16), s((d, experts), jnp.float32), s((experts, d, f), bf16), s((experts, f, d), bf16),
+        s((d, fs), bf16), s((fs, d), bf16), s((experts,), jnp.float32),
+    )
+    text = lowered_for_cuda(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5)), *args)
+    kernels = [t for t in re.findall(r"stablehlo\.custom_call @(\w+)", text) if t == "CuteDSLRT_NvJaxCutlassCall_v2"]
+    assert len(kernels) == 12
+    assert not re.search(r"\bstablehlo\.scatter\b", text)

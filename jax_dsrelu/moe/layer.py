@@ -1,19 +1,26 @@
 """`moe_layer`: a dropless top-k MoE feed-forward block on one device.
 
-route -> dispatch -> `moe_mlp` -> combine, with the options of the models that train
-squared-ReLU experts (Nemotron-H, Nemotron 3): sigmoid scores with a selection bias,
-group-limited selection, renormalized and scaled weights, a shared expert on every token
-and latent projections around the routed experts. Routing, dispatch and combine are
+The values of route -> dispatch -> `moe_mlp` -> combine, with the options of the models
+that train squared-ReLU experts (Nemotron-H, Nemotron 3): sigmoid scores with a selection
+bias, group-limited selection, renormalized and scaled weights, a shared expert on every
+token and latent projections around the routed experts. Routing, dispatch and combine are
 bitwise reproducible by construction (see `jax_dsrelu.moe.routing`); the experts, the shared
-one included, run on `moe_mlp` with `deterministic` passed on, and the router and the
-latent projections are plain matmuls, whose gradients are GEMMs (a fixed summation
-order, no scatter). So with deterministic=True every gradient of the block, the router's
-included, is bitwise reproducible from run to run.
+one included, run on the kernels of `moe_mlp` with `deterministic` passed on, and the
+router and the latent projections are plain matmuls, whose gradients are GEMMs (a fixed
+summation order, no scatter). So with deterministic=True every gradient of the block, the
+router's included, is bitwise reproducible from run to run.
 
-The block's steps (`route_tokens`, `expert_rows`, `run_experts`, `block_output`) are
-functions of the checked weights (`LayerWeights`) and options (`LayerOptions`), so that
-`moe_layer_expert_parallel` runs these same steps with its exchanges between them, and
-`jax_dsrelu.flax.MoE` calls `apply` with the options it checked once, when it was built.
+What the block keeps for its backward is x (or the latent z), the pre-activations, the
+router's logits and the routing (docs/moe.md, "What the block keeps"): the routed experts
+run as one custom VJP that reads their rows through the routing's indices
+(`jax_dsrelu.ops.block_experts`), the shared expert keeps its weights as given, and the
+products of x with the router and latent_in cast x again in their backward.
+
+The block's steps (`route_tokens`, `expert_tokens`, `block_output`, and for experts on
+other devices `expert_rows` and `run_experts`) are functions of the checked weights
+(`LayerWeights`) and options (`LayerOptions`), so that `moe_layer_expert_parallel` runs
+these same steps with its exchanges between them, and `jax_dsrelu.flax.MoE` calls `apply`
+with the options it checked once, when it was built.
 """
 
 from __future__ import annotations

@@ -166,8 +166,10 @@ def gather_sum_reference(rows: jax.Array, index: jax.Array) -> tuple[jax.Array]:
     picks. Indices are clamped into [0, m).
     """
     num_tokens, top_k = index.shape
-    total = jnp.zeros((num_tokens, rows.shape[1]), jnp.float32)
-    for slot in range(top_k):
-        row = jnp.take(rows, index[:, slot], axis=0, mode="clip").astype(jnp.float32)
-        total = row if slot == 0 else total + row
+    slot_rows = [jnp.take(rows, index[:, s], axis=0, mode="clip").astype(jnp.float32) for s in range(top_k)]
+    if not slot_rows:
+        return (jnp.zeros((num_tokens, rows.shape[1]), jnp.float32),)
+    total = slot_rows[0]
+    for row in slot_rows[1:]:
+        total = total + row
     return (total,)
