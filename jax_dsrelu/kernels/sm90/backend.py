@@ -31,14 +31,14 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 # Kernel kinds not yet run on an H200:
 #   "gathered"    the GEMMs reading rows through a row index (`gathered_kernels.py`):
 #                 the up-projection's x rows, the fused dsReLU kernel's dy rows, the
-#                 weight gradients' x rows
+#                 weight gradients' x rows (dW1) and dy rows (dW2)
 #   "gather_sum"  the ordered gather-and-sum (`gather_sum_kernel.py`)
 UNVERIFIED_KINDS = ("gathered", "gather_sum")
 # The operands of each request kind that the "gathered" kernels read through an index.
 _GATHERED_OPERANDS = {
     Request: frozenset({"grad"}),
     RaggedMatmulRequest: frozenset({"lhs"}),
-    RaggedContractRequest: frozenset({"lhs"}),
+    RaggedContractRequest: frozenset({"lhs", "rhs"}),
 }
 
 
@@ -82,8 +82,8 @@ def cannot_implement(request: AnyRequest) -> str | None:
 
 def gathers_rows(request: AnyRequest) -> frozenset[str]:
     """The operands of `request`'s primitive whose rows the kernels read through a row
-    index themselves ("lhs" of a ragged matmul and of the contraction, "grad" of the
-    fused dsReLU kernel, not with MXFP8 operands); the primitives gather the others
+    index themselves ("lhs" of a ragged matmul, "lhs" and "rhs" of the contraction,
+    "grad" of the fused dsReLU kernel, not with MXFP8 operands); the primitives gather the others
     before calling `implementation` (see `jax_dsrelu.primitives.base`). None while the
     "gathered" kernels are unverified."""
     if not enabled("gathered") or getattr(request, "block_scaled", False):

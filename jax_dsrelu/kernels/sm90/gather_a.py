@@ -1,19 +1,21 @@
-"""A's rows read through a row index: the A-load hooks of `gemm_base.GemmSm90` for a variant
-whose A operand is source[index], with no copy of the gathered rows in memory.
+"""An operand's rows read through a row index: the operand-load hooks of `gemm_base.GemmSm90`
+for a variant whose A (or, in the contraction, B) is source[index], with no copy of the
+gathered rows in memory.
 
-Hopper's TMA loads boxes of a tensor and cannot gather rows, so A comes by cp.async:
-16-byte copies from the source rows straight into the swizzled shared layout that TMA
-would fill and wgmma reads, while B still comes by TMA into the same ring stage.
+Hopper's TMA loads boxes of a tensor and cannot gather rows, so the gathered operand comes
+by cp.async: 16-byte copies from the source rows straight into the swizzled shared layout
+that TMA would fill and wgmma reads, while the other operand still comes by TMA into the
+same ring stage.
 
     producer warps   `a_load_warps` of warpgroup 0 (all four; warp 3 alone where warp 1
                      streams the epilogue input). Per k-tile each waits for the stage to
-                     be free, copies its chunks of A (cp.async, 16 bytes each) and arrives
-                     on the stage's full barrier when they have landed
-                     (cp.async.mbarrier.arrive.noinc). The first of them also takes the
-                     stage for B: its elected thread arrives with B's byte count and
-                     issues B's TMA load.
-    full barrier     1 + 32 len(a_load_warps) arrivals and B's bytes: a stage is full
-                     when B's box and every thread's chunks of A have landed.
+                     be free, copies its chunks of the gathered operand (cp.async, 16
+                     bytes each) and arrives on the stage's full barrier when they have
+                     landed (cp.async.mbarrier.arrive.noinc). The first of them also takes
+                     the stage for the other operand: its elected thread arrives with
+                     that operand's byte count and issues its TMA load.
+    full barrier     1 + 32 len(a_load_warps) arrivals and the TMA bytes: a stage is full
+                     when the TMA box and every thread's chunks have landed.
     consumers        unchanged: wait, wgmma, release.
 
 Neighbouring threads copy neighbouring 16-byte chunks of a row, 32 bytes or more of it
@@ -26,15 +28,17 @@ Two geometries:
                      item and kept in registers; a row past the expert reads source row
                      0 (loaded, never stored); chunks past k are zero-filled (a source
                      size of 0), as TMA fills them.
-    `GatheredRowsK`  the contraction (A MN-major, its rows the k of the GEMM): every
-                     k-tile has rows of its own, read from the index per k-tile; a row
-                     past the expert, or a chunk past the a extent, is zero-filled, so
-                     the last k-tile adds nothing beyond the expert's rows.
+    `GatheredRowsK`  the contraction (A and B MN-major, their rows the k of the GEMM),
+                     either operand gathered: every k-tile has rows of its own, read from
+                     the index per k-tile; a row past the expert, or a chunk past the
+                     operand's width, is zero-filled, so the last k-tile adds nothing
+                     beyond the expert's rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from types import SimpleNamespace
 
 import cutlass
@@ -51,31 +55,38 @@ _I32 = np.dtype(np.int32)
 
 
 class GatheredA:
-    """What both geometries share. A mixin, before the variant in the bases: A
-    (`operand_a`) is declared as its source (T, ...) and read through `row_index` (m,)
-    int32, which the variant passes among its kernel parameters under that name."""
+    """What both geometries share. A mixin, before the variant in the bases: the gathered
+    operand (A, or B where `gathered` says "b") is declared as its source (T, ...) and
+    read through `row_index` (m,) int32, which the variant passes among its kernel
+    parameters under that name."""
 
-    row_index: str  # the declared name of A's row index
+    row_index: str  # the declared name of the gathered operand's row index
+    gathered = "a"  # which operand of the GEMM is gathered: "a" or "b"
 
     def __init__(self, config, request):
         if config.cluster_n != 1:
-            raise ValueError(f"a gathered A is loaded by each CTA alone: cluster_n must be 1, got {config.cluster_n}")
+            raise ValueError(f"a gathered operand is loaded by each CTA alone: cluster_n must be 1, got {config.cluster_n}")
         super().__init__(config, request)
 
     @property
     def a_load_warps(self) -> tuple[int, ...]:
-        """The producer warps that gather A, the first of which loads B too: all four, or
-        where warp 1 streams the epilogue input, warp 3 alone (the fused dsReLU kernel's
-        producers spilled registers with warps 2 and 3 gathering, or with warp 0 alone,
-        in their 40 registers: ptxas's report at Nemotron-3 Nano's shape)."""
+        """The producer warps that gather, the first of which loads the other operand too:
+        all four, or where warp 1 streams the epilogue input, warp 3 alone (the fused
+        dsReLU kernel's producers spilled registers with warps 2 and 3 gathering, or with
+        warp 0 alone, in their 40 registers: ptxas's report at Nemotron-3 Nano's shape)."""
         return (0, 1, 2, 3) if self.epilogue_input is None else (3,)
 
+    @property
+    def gathered_name(self) -> str:
+        """The declared name of the gathered operand."""
+        return self.operand_a if self.gathered == "a" else self.operand_b
+
     def operands(self) -> list[KernelOperand]:
-        """The variant's declaration with A's rows (stored axis 0) those of its source,
-        T, and A's row index (m,) int32 right after A."""
+        """The variant's declaration with the gathered operand's rows (stored axis 0)
+        those of its source, T, and its row index (m,) int32 right after it."""
         plan = []
         for operand in super().operands():
-            if operand.name == self.operand_a:
+            if operand.name == self.gathered_name:
                 plan.append(dataclasses.replace(operand, shape=(T, *operand.shape[1:])))
                 plan.append(KernelOperand(self.row_index, "input", _I32, (M,)))
             else:
@@ -84,53 +95,77 @@ class GatheredA:
 
     # ------------------------------------------------------------------ host side
 
-    def a_source(self, t, a_layout):
-        """A cp.async atom of 16-byte copies, and the source itself."""
-        source = getattr(t, self.operand_a)
+    def _gather_source(self, t):
+        """A cp.async atom of 16-byte copies, and the gathered operand's source itself."""
+        source = getattr(t, self.gathered_name)
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), source.element_type,
                                    num_bits_per_copy=_COPY_BITS)
         return atom, source
 
+    def a_source(self, t, a_layout):
+        return self._gather_source(t) if self.gathered == "a" else super().a_source(t, a_layout)
+
+    def b_source(self, t, b_layout):
+        return self._gather_source(t) if self.gathered == "b" else super().b_source(t, b_layout)
+
     # ---------------------------------------------------------------- device side
 
     def descriptors(self, copy_a, tma_b, args) -> list:
-        """B's descriptor and the epilogue's: A has none."""
-        return [tma_b] + ([args.c[0]] if self.epilogue_input is not None else []) + [tma for tma, _ in args.stored]
+        """The TMA operand's descriptor and the epilogue's: the gathered operand has none."""
+        tma = [tma_b] if self.gathered == "a" else [copy_a]
+        return tma + ([args.c[0]] if self.epilogue_input is not None else []) + [atom for atom, _ in args.stored]
 
     def loads_operands(self, warp_idx):
-        """The A-gathering warps (the caller asks producer warps only)."""
+        """The gathering warps (the caller asks producer warps only)."""
         if self.a_load_warps[0] == 0:
             return True
         return warp_idx >= self.a_load_warps[0]
 
     def operand_pipeline(self, storage, a_layout, b_layout) -> pipeline.PipelineTmaAsync:
-        """The ring: full when B's TMA bytes and every gathering thread's arrival are in."""
+        """The ring: full when the TMA operand's bytes and every gathering thread's
+        arrival are in."""
+        tma_layout = b_layout if self.gathered == "a" else a_layout
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.config.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + 32 * len(self.a_load_warps)),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
-            tx_count=cute.size_in_bytes(self.ab_dtype, cute.slice_(b_layout, (None, None, 0))),
+            tx_count=cute.size_in_bytes(self.ab_dtype, cute.slice_(tma_layout, (None, None, 0))),
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             mcast_mode_mn=(1, 0),
             enable_multicast_signaling=True,
             defer_sync=True,
         )
 
+    def a_tiles(self, mA, tile, params):
+        return self._gathered_tiles(mA, tile, params) if self.gathered == "a" else super().a_tiles(mA, tile, params)
+
+    def b_tiles(self, mB, tile, params):
+        return self._gathered_tiles(mB, tile, params) if self.gathered == "b" else super().b_tiles(mB, tile, params)
+
+    def partition_a(self, copy_a, sA, gA, rank):
+        return self._gathered_partition(copy_a, sA, gA) if self.gathered == "a" else super().partition_a(
+            copy_a, sA, gA, rank)
+
+    def partition_b(self, tma_b, sB, gB):
+        return self._gathered_partition(tma_b, sB, gB) if self.gathered == "b" else super().partition_b(tma_b, sB, gB)
+
     @cute.jit
     def load_k_tiles(self, copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles):
         """Per k-tile: every gathering warp waits for the stage (the first arrives with
-        B's bytes and loads B by TMA), copies its chunks of A, and arrives when they
-        land."""
+        the TMA operand's bytes and loads its box), copies its chunks of the gathered
+        operand, and arrives when they land."""
+        tma, tma_global, tma_shared = (tma_b, tBgB, tBsB) if self.gathered == "a" else (copy_a, tAgA, tAsA)
+        gathered, gathered_shared = (tAgA, tAsA) if self.gathered == "a" else (tBgB, tBsB)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         for k_tile in range(k_tiles):
             if warp_idx == self.a_load_warps[0]:
                 ab_pipeline.producer_acquire(state)
-                cute.copy(tma_b, tBgB[None, k_tile], tBsB[None, state.index],
+                cute.copy(tma, tma_global[None, k_tile], tma_shared[None, state.index],
                           tma_bar_ptr=ab_pipeline.producer_get_barrier(state))
             else:
                 ab_pipeline.sync_object_empty.wait(state.index, state.phase)
-            self._copy_k_tile(tAgA, tAsA, k_tile, state.index)
+            self._copy_k_tile(gathered, gathered_shared, k_tile, state.index)
             cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipeline.producer_get_barrier(state))
             state.advance()
         return state
@@ -158,13 +193,13 @@ class GatheredRowsA(GatheredA):
         with four gathering warps, 8 with one."""
         return 4 if len(self.a_load_warps) == 4 else 8
 
-    def a_tiles(self, mA: cute.Tensor, tile, params):
+    def _gathered_tiles(self, mA: cute.Tensor, tile, params):
         """The tile's rows: the source, its row index, the tile's first row of the index
         and how many of its rows the expert owns."""
         row0, rows_valid = self._tile_rows(tile)
         return SimpleNamespace(source=mA, index=getattr(params, self.row_index), row0=row0, rows_valid=rows_valid)
 
-    def _gather_copy(self, copy_a):
+    def _gather_copy(self, atom):
         """The tiled copy of a (tile_m, tile_k) tile: `lanes` threads on a row's
         neighbouring chunks, each taking every lanes-th chunk of the row, as many as
         keep its rows to `a_rows_per_thread`; the rows split over the threads' passes."""
@@ -172,14 +207,14 @@ class GatheredRowsA(GatheredA):
         chunks = self.tile_k // vector
         threads = 32 * len(self.a_load_warps)
         lanes = chunks // max(1, self.tile_m * chunks // (threads * self.a_rows_per_thread))
-        return cute.make_tiled_copy_tv(copy_a, cute.make_layout((threads // lanes, lanes), stride=(lanes, 1)),
+        return cute.make_tiled_copy_tv(atom, cute.make_layout((threads // lanes, lanes), stride=(lanes, 1)),
                                        cute.make_layout((1, vector)))
 
-    def partition_a(self, copy_a, sA, gA, rank):
+    def _gathered_partition(self, atom, sA, gA):
         """(this thread's shared destinations (copy, passes, chunks, stage); what it copies
         from: the source in k-tiles, its source row of each pass, its columns of a k-tile,
         its slice of the tiled copy)."""
-        tiled = self._gather_copy(copy_a)
+        tiled = self._gather_copy(atom)
         thr = self._gather_thread(tiled)
         tAcA = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
         passes = cute.size(tAcA, mode=[1])
@@ -215,52 +250,65 @@ class GatheredRowsA(GatheredA):
 
 
 class GatheredRowsK(GatheredA):
-    """A MN-major, seen as (a, m), its m rows read as source[index]: the contraction,
-    whose k is the expert's rows (see the module doc)."""
+    """An MN-major operand, seen as (width, m), its m rows read as source[index]: the
+    contraction, whose k is the expert's rows (see the module doc)."""
 
-    def a_tiles(self, mA: cute.Tensor, tile, params):
-        """The work item's rows: the source (a, T), its row index, the expert's first row
-        and row count, and the a-block's first column."""
-        return SimpleNamespace(source=mA, index=getattr(params, self.row_index), first_row=tile.first_row,
-                               rows=tile.rows, column0=cute.assume(tile.m_tile * self.tile_m, divby=self.tile_m))
+    @property
+    def _width(self) -> int:
+        """The gathered operand's tile extent along its contiguous mode."""
+        return self.tile_m if self.gathered == "a" else self.tile_n
 
-    def _gather_copy(self, copy_a):
-        """The tiled copy of a (tile_m, tile_k) tile, M contiguous: a row's tile_m
-        elements on neighbouring threads, one 16-byte chunk each, the tile's rows split
-        over the threads."""
+    def _gathered_tiles(self, source: cute.Tensor, tile, params):
+        """The work item's rows: the source (width, T), its row index, the expert's first
+        row and row count, and the block's first column (a multiple of 64)."""
+        block = tile.m_tile if self.gathered == "a" else tile.n_tile
+        return SimpleNamespace(source=source, index=getattr(params, self.row_index), first_row=tile.first_row,
+                               rows=tile.rows, column0=cute.assume(block * self._width, divby=64))
+
+    def _gather_copy(self, atom):
+        """The tiled copy of a (width, tile_k) tile, the width contiguous: `lanes` threads
+        on neighbouring 16-byte chunks of a row (16, or 8 where 16 do not divide the
+        row), each taking every lanes-th chunk of it; the rows split over the threads."""
         vector = _COPY_BITS // self.ab_dtype.width
-        lanes = self.tile_m // vector  # threads per row
+        lanes = math.gcd(self._width // vector, 16)
         threads = 32 * len(self.a_load_warps)
-        return cute.make_tiled_copy_tv(copy_a, cute.make_layout((lanes, threads // lanes), stride=(1, lanes)),
+        return cute.make_tiled_copy_tv(atom, cute.make_layout((lanes, threads // lanes), stride=(1, lanes)),
                                        cute.make_layout((vector, 1)))
 
-    def partition_a(self, copy_a, sA, gA, rank):
-        """(this thread's shared destinations (copy, 1, rows, stage); what it copies from:
-        the item's rows, its rows' coordinates in a k-tile and its column, its slice of
-        the tiled copy)."""
-        tiled = self._gather_copy(copy_a)
+    def _gathered_partition(self, atom, smem, item):
+        """(this thread's shared destinations (copy, chunks, rows, stage); what it copies
+        from: the item, its rows' coordinates in a k-tile, which of its chunks lie within
+        the width, its slice of the tiled copy)."""
+        tiled = self._gather_copy(atom)
         thr = self._gather_thread(tiled)
-        tAcA = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
-        return thr.partition_D(sA), SimpleNamespace(item=gA, coords=tAcA[0, 0, None], thr=thr, tiled=tiled,
-                                                    column_ok=gA.column0 + tAcA[0, 0, 0][0] < cute.size(gA.source, mode=[0]))
+        coords = thr.partition_S(cute.make_identity_tensor((self._width, self.tile_k)))
+        chunks = cute.size(coords, mode=[1])
+        width = cute.size(item.source, mode=[0])
+        in_width = cute.make_rmem_tensor(chunks, Boolean)
+        for c in range(chunks):  # static: unrolled as Python
+            in_width[c] = item.column0 + coords[0, c, 0][0] < width
+        return thr.partition_D(smem), SimpleNamespace(item=item, rows=coords[0, 0, None], in_width=in_width,
+                                                      thr=thr, tiled=tiled)
 
     @cute.jit
-    def _copy_k_tile(self, tAgA, tAsA, k_tile: Int32, stage: Int32):
-        """This thread's chunk of each of its rows of k-tile `k_tile` into stage `stage`:
+    def _copy_k_tile(self, gathered, shared, k_tile: Int32, stage: Int32):
+        """This thread's chunks of each of its rows of k-tile `k_tile` into stage `stage`,
         the row's source row read from the index now; zero-filled past the expert's rows
-        or past the a extent."""
-        item = tAgA.item
+        or past the width."""
+        item = gathered.item
         last_row = cute.size(item.source, mode=[1]) - 1
-        rows = cute.size(tAgA.coords)
-        pred = cute.make_rmem_tensor(cute.make_layout((1, rows)), Boolean)
-        for r in cutlass.range_constexpr(rows):
-            row = k_tile * self.tile_k + tAgA.coords[r][1]  # within the expert
+        chunks = cute.size(gathered.in_width)
+        for r in cutlass.range_constexpr(cute.size(gathered.rows)):
+            row = k_tile * self.tile_k + gathered.rows[r][1]  # within the expert
             valid = row < item.rows
-            pred[0, r] = valid & tAgA.column_ok
             entry = item.index[Int32(cutlass.select_(valid, item.first_row + row, Int32(0)))]
             source_row = Int32(cutlass.select_(valid, self._clamped(entry, last_row), Int32(0)))
-            # Every column of this view is the source row's a-block: the thread's partition
-            # of it is its chunk of that row, shaped as its partition of the shared tile.
-            segment = cute.domain_offset((item.column0, source_row), item.source)
-            alias = cute.make_tensor(segment.iterator, cute.make_layout((self.tile_m, self.tile_k), stride=(1, 0)))
-            cute.copy(tAgA.tiled, tAgA.thr.partition_S(alias)[None, 0, r], tAsA[None, 0, r, stage], pred=pred[None, r])
+            pred = cute.make_rmem_tensor(cute.make_layout((1, chunks)), Boolean)
+            for c in cutlass.range_constexpr(chunks):
+                pred[0, c] = valid & gathered.in_width[c]
+            # Every column of this view is the source row's block: the thread's partition
+            # of it is its chunks of that row, shaped as its partition of the shared tile.
+            block = cute.domain_offset((item.column0, source_row), item.source)
+            alias = cute.make_tensor(block.iterator, cute.make_layout((self._width, self.tile_k), stride=(1, 0)))
+            cute.copy(gathered.tiled, gathered.thr.partition_S(alias)[None, None, r], shared[None, None, r, stage],
+                      pred=pred)

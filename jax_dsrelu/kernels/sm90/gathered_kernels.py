@@ -1,4 +1,4 @@
-"""The kernels of the family that read A's rows through a row index (`gather_a.GatheredRowsA`).
+"""The kernels of the family that read an operand's rows through a row index (`gather_a.py`).
 
     GatheredRaggedGemmSm90   the ragged-M GEMM (plain or squared-ReLU epilogue) with lhs
                              read as lhs[lhs_index]: the up-projection on the tokens x
@@ -7,8 +7,10 @@
                              the layer's dy (T, d) read per row through the routing
     GatheredContractSm90     the ragged contraction with lhs read as lhs[lhs_index]: dW1
                              = x^T dh with x's rows read through the routing
+    GatheredRhsContractSm90  the ragged contraction with rhs read as rhs[rhs_index]: dW2
+                             = act^T dy with dy's rows read through the routing
 
-Each is its variant with the gathered A-load hooks and the row index among the kernel's
+Each is its variant with the gathered operand's load hooks and the row index among the kernel's
 parameters; the rest (schedule, epilogue, outputs) is the variant's own, so they compute
 what the variant computes on the gathered rows.
 """
@@ -52,3 +54,17 @@ class GatheredContractSm90(GatheredRowsK, RaggedContractSm90):
 
     def kernel_params(self, t) -> dict:
         return dict(super().kernel_params(t), num_rows=cute.size(t.lhs_index, mode=[0]), lhs_index=t.lhs_index)
+
+
+class GatheredRhsContractSm90(GatheredRowsK, RaggedContractSm90):
+    """The ragged contraction with rhs (T, b) read through rhs_index (m,): dW2 = act^T dy
+    with dy's rows read through the routing."""
+
+    row_index = "rhs_index"
+    gathered = "b"
+
+    def b_view(self, tensor: cute.Tensor) -> cute.Tensor:
+        return tensor  # read by cp.async through the index: no ragged TMA view
+
+    def kernel_params(self, t) -> dict:
+        return dict(super().kernel_params(t), rhs_index=t.rhs_index)

@@ -30,22 +30,26 @@ short file of hooks:
     grid(t), after_gemm(t, stream)     the launch's CTAs; what runs after the GEMM on
                            its stream (the dsReLU kernel's slot reduction)
 
-  How A is loaded (a gathered-A variant overrides these; B always comes by TMA):
-    a_source(t, layout)    host: (copy atom, tensor) the kernel gets for A (TMA by default)
+  How A and B are loaded (TMA by default; a variant reading an operand's rows through a
+  row index overrides these, `gather_a.py`):
+    a_source(t, layout), b_source(t, layout)
+                           host: (copy atom, tensor) the kernel gets for A, for B
     loads_operands(warp)   which producer warps run the operand loop (warp 0)
     operand_pipeline(...)  the operand ring (filled by TMA alone by default)
-    partition_a(...)       A's per-work-item partition for the copy
+    partition_a(...), partition_b(...)
+                           A's and B's per-work-item partitions for the copy
     load_k_tiles(...)      the per-work-item k-tile loop (`mainloop.load_k_tiles`)
-    descriptors(...)       the TMA descriptors warp 0 prefetches (A's, where A is TMA's)
+    descriptors(...)       the TMA descriptors warp 0 prefetches
 
   The work schedule (`ragged_m.RaggedMGemmSm90` for the ragged-M kernels):
     num_rows(params)                          the row count m (params.num_rows)
     publish_schedule(storage, params, m, tidx)  the per-CTA tables every role reads
     make_schedule(tables, m)                  a role's walk (`schedule.py`)
-    a_tiles(mA, tile, params), b_tiles(mB, tile), c_tiles(mC, tile)
+    a_tiles(mA, tile, params), b_tiles(mB, tile, params), c_tiles(mC, tile)
                                               a work item's (tile, tile_k | epi_n, blocks)
-                                              views (A's with the kernel's parameters: a
-                                              gathered A reads its row table there)
+                                              views (A's and B's with the kernel's
+                                              parameters: a gathered operand reads its
+                                              row table there)
     k_tile_count(tile), store_views(outputs, tile)
 
   The epilogue, on the consumer warpgroups, given `ctx`: ctid, warp and lane (of the
@@ -151,7 +155,7 @@ class GemmSm90:
             getattr(t, self.operand_a).element_type, self._major(self.operand_a), self._major(self.operand_b)
         )
         copy_a, mA = self.a_source(t, a_layout)
-        tma_b, mB = self._tma_load(self.b_view(getattr(t, self.operand_b)), b_layout, (self.tile_n, self.tile_k))
+        tma_b, mB = self.b_source(t, b_layout)
         args, barriers, buffers = self._kernel_arguments(t, tiled_mma, a_layout, b_layout)
         self.shared_storage = self._shared_storage(a_layout, b_layout, barriers, buffers)
         self._launch(self.kernel(copy_a, mA, tma_b, mB, args), self.grid(t), stream)
@@ -199,6 +203,10 @@ class GemmSm90:
         along N each CTA of one loads its slice of the box into all of them."""
         return self._tma_load(self.a_view(getattr(t, self.operand_a)), a_layout, (self.tile_m, self.tile_k),
                               self.config.cluster_n)
+
+    def b_source(self, t, b_layout):
+        """(copy atom, tensor) of B in the kernel: a TMA load of `b_view`."""
+        return self._tma_load(self.b_view(getattr(t, self.operand_b)), b_layout, (self.tile_n, self.tile_k))
 
     def a_view(self, tensor: cute.Tensor) -> cute.Tensor:
         return tensor
@@ -460,15 +468,19 @@ class GemmSm90:
 
     def _load_item(self, copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, state, tile, rank, params):
         gA = self.a_tiles(mA, tile, params)
-        gB = self.b_tiles(mB, tile)
+        gB = self.b_tiles(mB, tile, params)
         tAsA, tAgA = self.partition_a(copy_a, sA, gA, rank)
-        tBsB, tBgB = mainloop.tma_partition(tma_b, sB, gB)
+        tBsB, tBgB = self.partition_b(tma_b, sB, gB)
         return self.load_k_tiles(copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, self.k_tile_count(tile))
 
     def partition_a(self, copy_a, sA, gA, rank):
         """(shared, global) partitions of A's k-tiles: the CTAs of a cluster share the
         rows, each loads its slice of A for all."""
         return mainloop.tma_partition(copy_a, sA, gA, rank, self.config.cluster_n)
+
+    def partition_b(self, tma_b, sB, gB):
+        """(shared, global) TMA partitions of B's k-tiles."""
+        return mainloop.tma_partition(tma_b, sB, gB)
 
     def load_k_tiles(self, copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles):
         return mainloop.load_k_tiles(copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles,

@@ -7,9 +7,11 @@ place, with the call signature documented on the request (`jax_dsrelu.kernels.re
     RaggedMatmulRequest, epilogue "srelu": (lhs, rhs, group_sizes, prob, bias | None) -> (h, act)
     RaggedContractRequest:                 (lhs, rhs, group_sizes) -> (out,)
 
-The ragged matmul also takes `lhs_index=` (m,) int32: lhs is then a source (T, k) whose
-rows lhs[lhs_index] the kernel reads itself (`gathered_kernels.GatheredRaggedGemmSm90`,
-alone rather than in cluster pairs), with no (m, k) copy of them.
+Both also take `lhs_index=` (m,) int32, and the contraction `rhs_index=`: that operand is
+then a source (T, ...) whose rows source[index] the kernel reads itself
+(`gathered_kernels.py`, alone rather than in cluster pairs), with no (m, ...) copy of
+them. Given both indices, the contraction reads lhs through its index and rhs's rows are
+gathered in memory first.
 
 The buffers are each kernel's declared operands (`operands`, from the kernel's
 `operands()`): every one passed as it is stored, some seen by the kernel in another mode
@@ -37,34 +39,39 @@ from jax_dsrelu.kernels.sm90.mainloop import MAX_ROWS
 from jax_dsrelu.kernels.sm90.operands import ROWS, SOURCE_ROWS
 
 
-@functools.cache
-def _kernel(request, config, gathered: bool = False):
-    if isinstance(request, RaggedContractRequest):
-        if gathered:
-            from jax_dsrelu.kernels.sm90.gathered_kernels import GatheredContractSm90
+# The kernel classes reading an operand's rows through its row index, by operand.
+_GATHERED_KERNELS = {
+    (RaggedMatmulRequest, "lhs"): "GatheredRaggedGemmSm90",
+    (RaggedContractRequest, "lhs"): "GatheredContractSm90",
+    (RaggedContractRequest, "rhs"): "GatheredRhsContractSm90",
+}
 
-            return GatheredContractSm90(config, request)
+
+@functools.cache
+def _kernel(request, config, gathered: str | None = None):
+    if gathered is not None:
+        from jax_dsrelu.kernels.sm90 import gathered_kernels
+
+        return getattr(gathered_kernels, _GATHERED_KERNELS[type(request), gathered])(config, request)
+    if isinstance(request, RaggedContractRequest):
         from jax_dsrelu.kernels.sm90.ragged_contract_kernel import RaggedContractSm90
 
         return RaggedContractSm90(config, request)
-    if gathered:
-        from jax_dsrelu.kernels.sm90.gathered_kernels import GatheredRaggedGemmSm90
-
-        return GatheredRaggedGemmSm90(config, request)
     from jax_dsrelu.kernels.sm90.ragged_matmul_kernel import RaggedGemmSm90
 
     return RaggedGemmSm90(config, request)
 
 
-def operands(request, config=None, *, gathered: bool = False) -> list[kernel_operands.KernelOperand]:
+def operands(request, config=None, *, gathered: str | None = None) -> list[kernel_operands.KernelOperand]:
     """The kernel's declared operands for this request and config (the chosen one by
-    default): `RaggedGemmSm90.operands`, `RaggedContractSm90.operands`, or with gathered
-    lhs rows their gathered variants'."""
+    default): `RaggedGemmSm90.operands`, `RaggedContractSm90.operands`, or with the
+    operand `gathered` ("lhs", "rhs") read through its row index their gathered variants'."""
     return _kernel(request, config or choose_config(request, gathered=gathered), gathered).operands()
 
 
-def choose_config(request, *, gathered: bool = False):
-    """The chosen config; with gathered lhs rows, alone: each CTA gathers its own A."""
+def choose_config(request, *, gathered: str | None = None):
+    """The chosen config; with an operand read through its row index, alone: each CTA
+    gathers its own rows."""
     if isinstance(request, RaggedContractRequest):
         config = sm90_config.choose_contract_config(request, sm_count())
     else:
@@ -72,17 +79,17 @@ def choose_config(request, *, gathered: bool = False):
     return dataclasses.replace(config, cluster_n=1) if gathered else config
 
 
-def _compile_key(request, config, outputs_in_place: bool = False, gathered: bool = False):
+def _compile_key(request, config, outputs_in_place: bool = False, gathered: str | None = None):
     key = ("jax_dsrelu.sm90_gemm", request, config, outputs_in_place)
-    return key + ("gathered lhs",) if gathered else key
+    return key + (f"gathered {gathered}",) if gathered else key
 
 
 def compile_kernel(
-    request, config=None, *, outputs_in_place: bool = False, keep: bool = False, gathered: bool = False
+    request, config=None, *, outputs_in_place: bool = False, keep: bool = False, gathered: str | None = None
 ) -> cutlass_bridge.Compiled:
     """The object code `implementation` runs for this request (compiled now, or found in
-    the cache), with gathered lhs rows where `gathered`. keep=True also returns its PTX
-    and cubin."""
+    the cache), with the operand `gathered` read through its row index where given.
+    keep=True also returns its PTX and cubin."""
     config = config or choose_config(request, gathered=gathered)
     kernel = _kernel(request, config, gathered)
     return kernel_operands.compile_kernel(
@@ -112,9 +119,13 @@ def implementation(
     config.check_fits(request)
     srelu = isinstance(request, RaggedMatmulRequest) and request.epilogue == "srelu"
 
-    def run(lhs, rhs, group_sizes, prob=None, bias=None, *, filled=None, lhs_index=None):
-        gathered = lhs_index is not None
-        num_rows = lhs_index.shape[0] if gathered else lhs.shape[0]
+    def run(lhs, rhs, group_sizes, prob=None, bias=None, *, filled=None, lhs_index=None, rhs_index=None):
+        if lhs_index is not None and rhs_index is not None:
+            # One operand is gathered in the kernel; the other's rows are read in memory.
+            rhs, rhs_index = jnp.take(rhs, rhs_index, axis=0, mode="clip"), None
+        gathered, index = next(((name, index) for name, index in (("lhs", lhs_index), ("rhs", rhs_index))
+                                if index is not None), (None, None))
+        num_rows = index.shape[0] if gathered else lhs.shape[0]
         if num_rows > MAX_ROWS:
             raise NotImplementedError(f"backend='sm90' takes at most {MAX_ROWS} rows, got {num_rows}")
         kernel_config = dataclasses.replace(config, cluster_n=1) if gathered else config
@@ -126,8 +137,8 @@ def implementation(
         given = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
         counts = {ROWS: num_rows}
         if gathered:
-            given["lhs_index"] = lhs_index.astype(jnp.int32)
-            counts[SOURCE_ROWS] = kernel_operands.source_rows(lhs, num_rows, "lhs")
+            given[f"{gathered}_index"] = index.astype(jnp.int32)
+            counts[SOURCE_ROWS] = kernel_operands.source_rows(given[gathered], num_rows, gathered)
         if srelu:
             given["prob"] = prob.astype(jnp.float32)
             if request.with_bias:

@@ -130,7 +130,7 @@ class RaggedContractSm90(GemmSm90):
         rows = mainloop.expert_rows(mA, 1, tile.first_row, tile.rows)
         return cute.local_tile(rows, (self.tile_m, self.tile_k), (tile.m_tile, None))
 
-    def b_tiles(self, mB: cute.Tensor, tile: schedule.ContractTile) -> cute.Tensor:
+    def b_tiles(self, mB: cute.Tensor, tile: schedule.ContractTile, params) -> cute.Tensor:
         rows = mainloop.expert_rows(mB, 1, tile.first_row, tile.rows)
         return cute.local_tile(rows, (self.tile_n, self.tile_k), (tile.n_tile, None))
 

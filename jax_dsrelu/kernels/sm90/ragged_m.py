@@ -74,7 +74,7 @@ class RaggedMGemmSm90(GemmSm90):
         row0 = tile.first_row + tile.local_tile * self.tile_m
         return cute.local_tile(cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None))
 
-    def b_tiles(self, mB: cute.Tensor, tile: schedule.ExpertTile) -> cute.Tensor:
+    def b_tiles(self, mB: cute.Tensor, tile: schedule.ExpertTile, params) -> cute.Tensor:
         """(tile_n, tile_k, k-tiles) of the expert's B at the tile's N-tile."""
         return cute.local_tile(mB[None, None, tile.expert], (self.tile_n, self.tile_k), (tile.n_tile, None))
 
