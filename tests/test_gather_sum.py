@@ -108,7 +108,7 @@ def test_tokens_split_over_devices_give_the_same_bits(axis_type):
     assert_bits_equal(got, sequential_sum(rows, index, range(SLOTS)))
 
 
-def test_a_kernel_backend_is_refused_while_none_serves_it():
+def test_a_backend_without_the_kernel_is_refused():
     rows, index = jnp.zeros((4, 2), jnp.float32), jnp.zeros((2, 2), jnp.int32)
     with pytest.raises(NotImplementedError, match="sm100"):
         gather_sum(rows, index, backend="sm100")

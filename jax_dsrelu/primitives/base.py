@@ -1,8 +1,7 @@
 """How each of the library's primitives is put together, once for all.
 
 A `GroupedPrimitive` is a JAX primitive described by its `Schema`, an XLA reference and a
-function building the backend request from operand shapes (None for a primitive that no
-kernel backend serves yet: it runs on XLA everywhere). It provides:
+function building the backend request from operand shapes. It provides:
 
 - abstract evaluation from the schema's dimensions and result dtypes;
 - lowering: every platform lowers "xla" (and "auto", off CUDA) through the reference; on
@@ -53,7 +52,7 @@ RequestBuilder = Callable[[Sequence[Any], Mapping[str, Any]], Any]
 class GroupedPrimitive:
     """reference(*call_arguments, **params) computes the results in plain JAX (params
     without `backend` and the row-index flags); request_of(operand_avals, params) gives
-    the backend request, or None where no kernel backend serves the primitive."""
+    the backend request."""
 
     def __init__(self, schema: Schema, reference: Callable[..., Sequence[jax.Array]], request_of: RequestBuilder):
         self.schema = schema
@@ -84,13 +83,7 @@ class GroupedPrimitive:
         if GROUP_SIZES in named:
             named = dict(named, group_sizes=named[GROUP_SIZES].astype(jnp.int32))
         operands = self.schema.bound_operands(named, params)
-        request = self.request_of(operands, params)
-        if request is None and params["backend"] not in ("xla", "auto"):
-            raise NotImplementedError(
-                f"backend={params['backend']!r} has no kernel for {self.schema.name}; "
-                f"backend='xla' or 'auto' runs it"
-            )
-        registry.check_explicit_backend(params["backend"], request)
+        registry.check_explicit_backend(params["backend"], self.request_of(operands, params))
         mesh = sharding.explicit_mesh(operands)
         if mesh is None:
             results = self.primitive.bind(*operands, **params)
@@ -146,15 +139,14 @@ class GroupedPrimitive:
         """For operands of the given shapes on one device: the function computing the outputs."""
 
         def for_shapes(operand_avals, params):
-            # Built again from the local shapes: under a partitioned jit a device may hold
-            # part of n, and its kernel is compiled for its own part.
-            request = self.request_of(operand_avals, params)
             if "cuda" in platforms:
-                if request is not None:
-                    name, implementation = registry.cuda_implementation(params["backend"], request)
-                    if implementation is not None:
-                        reads = registry.gathered_reads(name, request)
-                        return functools.partial(self._kernel_call, implementation, reads, params)
+                # Built again from the local shapes: under a partitioned jit a device may
+                # hold part of n, and its kernel is compiled for its own part.
+                request = self.request_of(operand_avals, params)
+                name, implementation = registry.cuda_implementation(params["backend"], request)
+                if implementation is not None:
+                    reads = registry.gathered_reads(name, request)
+                    return functools.partial(self._kernel_call, implementation, reads, params)
             elif params["backend"] not in ("xla", "auto"):
                 raise NotImplementedError(
                     f"backend={params['backend']!r} runs only on CUDA GPUs, but this computation "

@@ -8,9 +8,9 @@ gradient of its dispatch (each token's top_k row gradients): a gather where each
 has one writer and a fixed order of additions, so it is bitwise reproducible on every
 backend, with no scatter-add. Indices outside [0, m) are clamped into it.
 
-No kernel backend serves it yet (its request is None): it runs on XLA everywhere, and an
-explicitly named kernel backend is refused. A kernel joins by giving the primitive a
-request kind in `jax_dsrelu.kernels.request` and returning it from `_request` here.
+Its request (`jax_dsrelu.kernels.request.GatherSumRequest`) holds n, the slots and the
+rows' dtype; the MoE layer asks "auto" for it under every backend
+(`registry.layer_backends`), so a kernel serves it where one can and XLA elsewhere.
 Under sharded jit the tokens may be split and n too; the rows are kept whole, since a
 token reads any of them.
 """
@@ -22,14 +22,16 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from jax_dsrelu.kernels.request import GatherSumRequest, gather_sum_request
 from jax_dsrelu.primitives import reference
 from jax_dsrelu.primitives.base import GroupedPrimitive
 from jax_dsrelu.primitives.schema import GATHER_SUM
 
 
-def _request(operand_avals: Sequence[Any], params: Mapping[str, Any]) -> None:
-    del operand_avals, params
-    return None
+def _request(operand_avals: Sequence[Any], params: Mapping[str, Any]) -> GatherSumRequest:
+    del params
+    rows, index = operand_avals
+    return gather_sum_request(rows, index)
 
 
 gather_sum_primitive = GroupedPrimitive(GATHER_SUM, reference.gather_sum_reference, _request)
