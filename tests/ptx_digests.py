@@ -6,7 +6,10 @@ every case below before and after, and compare. The cases cover each kernel's st
 options (the fused dsReLU kernel with and without dbias, act and deterministic mode, in
 bfloat16 and float16; the ragged-M GEMM without epilogue, with the squared-ReLU one and
 its bias, rhs read "kn" and "nk"; the contraction with both walks and float32 or 16-bit
-outputs), each tile width, cluster pairs, and the shapes the tests and benchmarks build.
+outputs), each tile width, cluster pairs, and the shapes the tests and benchmarks build;
+and the kernels not yet run on an H200: the gathered variants (an operand's rows read
+through a row index) and the gather-and-sum, whose digests show that the code an H200 run
+checks is the code that ships.
 
     CUTE_DSL_ARCH=sm_90a python tests/ptx_digests.py --out before.json
     ... change the kernels ...
@@ -37,7 +40,7 @@ from typing import NamedTuple  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest, Request  # noqa: E402
+from jax_dsrelu.kernels.request import GatherSumRequest, RaggedContractRequest, RaggedMatmulRequest, Request  # noqa: E402
 from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
 
 BF16 = np.dtype("bfloat16")
@@ -47,9 +50,10 @@ F32 = np.dtype("float32")
 
 class Case(NamedTuple):
     name: str
-    request: Request | RaggedMatmulRequest | RaggedContractRequest
+    request: Request | RaggedMatmulRequest | RaggedContractRequest | GatherSumRequest
     config: object = None  # None: the chosen one
     outputs_in_place: bool = False
+    gathered: str | None = None  # the operand read through a row index, if any
 
 
 def dsrelu(k, n, num_experts, *, dtype=BF16, out_dtype=None, deterministic=False, with_dbias=True, with_act=True):
@@ -173,8 +177,25 @@ def contract_cases():
         yield case(contract(128, 2688, 1856, BF16), f"/{tag}", config)
 
 
+def unverified_cases():
+    """The gathered variants at the layer's shapes and the tests' small ones, and the
+    gather-and-sum."""
+    for k, n, num_experts in ((2688, 1856, 128), (7168, 2048, 32), (520, 320, 8)):
+        for deterministic in (False, True):
+            yield Case(f"gathered/dsrelu/k{k}_n{n}_e{num_experts}/{'deterministic' if deterministic else 'atomic'}",
+                       dsrelu(k, n, num_experts, deterministic=deterministic), gathered="grad")
+        for variant in MATMUL_VARIANTS:
+            yield Case(f"gathered/matmul/k{k}_n{n}_e{num_experts}/{variant}", matmul(num_experts, k, n, variant),
+                       gathered="lhs")
+        # dW1 = x^T dh (a = d) and dW2 = act^T dy (b = d).
+        yield Case(f"gathered/contract/a{k}_b{n}_e{num_experts}/lhs", contract(num_experts, k, n, BF16), gathered="lhs")
+        yield Case(f"gathered/contract/a{n}_b{k}_e{num_experts}/rhs", contract(num_experts, n, k, BF16), gathered="rhs")
+    for n, slots, dtype in ((2688, 6, BF16), (7168, 8, BF16), (2688, 6, F32), (64, 2, FP16)):
+        yield Case(f"gather_sum/{dtype.name}/n{n}_slots{slots}", GatherSumRequest(n=n, slots=slots, rows_dtype=dtype))
+
+
 def cases() -> list[Case]:
-    return [*dsrelu_cases(), *matmul_cases(), *contract_cases()]
+    return [*dsrelu_cases(), *matmul_cases(), *contract_cases(), *unverified_cases()]
 
 
 def pinned_cases() -> list[Case]:
@@ -196,6 +217,13 @@ def pinned_cases() -> list[Case]:
         Case("contract/store_ring_pairs_a_fastest", contract(8, 520, 512, F32),
              sm90_config.ContractConfig(tile_n=256, ab_stages=7, store_stages=3, cluster_n=2, a_fastest=True,
                                         **contract_tiles)),
+        Case("gathered/dsrelu/deterministic", dsrelu(520, 320, 8, deterministic=True),
+             sm90_config.TileConfig(tile_n=128, ab_stages=4, preact_stages=2, **common), gathered="grad"),
+        Case("gathered/matmul/up_srelu_bias", matmul(8, 520, 320, "up_srelu_bias"),
+             sm90_config.GemmConfig(tile_n=192, ab_stages=4, **common), gathered="lhs"),
+        Case("gathered/contract/rhs", contract(8, 328, 520, BF16),
+             sm90_config.ContractConfig(tile_n=192, ab_stages=8, store_stages=6, **contract_tiles), gathered="rhs"),
+        Case("gather_sum/bfloat16", GatherSumRequest(n=2688, slots=6, rows_dtype=BF16)),
     ]
 
 
@@ -204,22 +232,30 @@ PINNED_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ptx_dig
 
 
 def chosen_config(case: Case):
+    """The case's config (None for the gather-and-sum, which has none)."""
     if case.config is not None:
         return case.config
+    if isinstance(case.request, GatherSumRequest):
+        return None
     if isinstance(case.request, Request):
-        return sm90_config.choose_config(case.request)
-    if isinstance(case.request, RaggedMatmulRequest):
-        return sm90_config.choose_gemm_config(case.request)
-    return sm90_config.choose_contract_config(case.request)
+        config = sm90_config.choose_config(case.request)
+    elif isinstance(case.request, RaggedMatmulRequest):
+        config = sm90_config.choose_gemm_config(case.request)
+    else:
+        config = sm90_config.choose_contract_config(case.request)
+    # A gathered operand is loaded by each CTA alone, as the call plans choose.
+    return dataclasses.replace(config, cluster_n=1) if case.gathered else config
 
 
 def ptx(case: Case) -> str:
     """The case's PTX, compiled for sm_90a."""
-    from jax_dsrelu.kernels.sm90 import dsrelu_call, ragged_call
+    from jax_dsrelu.kernels.sm90 import dsrelu_call, gather_sum_call, ragged_call
 
+    if isinstance(case.request, GatherSumRequest):
+        return gather_sum_call.compile_kernel(case.request, keep=True).ptx
     call = dsrelu_call if isinstance(case.request, Request) else ragged_call
     return call.compile_kernel(case.request, chosen_config(case), outputs_in_place=case.outputs_in_place,
-                               keep=True).ptx
+                               keep=True, gathered=case.gathered).ptx
 
 
 def digest(text: str) -> str:

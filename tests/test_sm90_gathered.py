@@ -141,7 +141,7 @@ def test_gathered_declarations_read_a_source_of_its_own_rows():
         ("lhs", (4, 512), None, (0,)), ("lhs_index", (10,), None, (0,)), ("rhs", (8, 512, 384), (2, 1, 0), ()),
     ]
     declared = dsrelu_call.operands(dsrelu_request(8, 512, 384), sm90_config.choose_config(dsrelu_request(8, 512, 384)),
-                                    gathered=True)
+                                    gathered="grad")
     assert plan(declared)[:3] == [
         ("grad", (4, 512), None, (0,)), ("grad_index", (10,), None, (0,)), ("weight", (8, 384, 512), (1, 2, 0), ()),
     ]
@@ -201,7 +201,7 @@ def test_gathered_matmul_compiles_for_sm90a(request_):
 @pytest.mark.parametrize("request_", [dsrelu_request(128, 2688, 1856), dsrelu_request(8, 520, 320, False)],
                          ids=["nano_deterministic", "partial_k_atomic"])
 def test_gathered_dsrelu_compiles_for_sm90a(request_):
-    ptx = dsrelu_call.compile_kernel(request_, sm90_config.choose_config(request_), keep=True, gathered=True).ptx
+    ptx = dsrelu_call.compile_kernel(request_, sm90_config.choose_config(request_), keep=True, gathered="grad").ptx
     assert_gathers_a(ptx)
     assert bool(ZERO_FILLED.search(ptx)) == (request_.k % 64 != 0)
 

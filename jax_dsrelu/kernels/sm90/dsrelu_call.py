@@ -32,8 +32,10 @@ _F32 = np.dtype(np.float32)
 
 
 @functools.cache
-def _kernel(request: Request, config: sm90_config.TileConfig, gathered: bool = False) -> GroupedGemmDsreluSm90:
-    if gathered:
+def _kernel(request: Request, config: sm90_config.TileConfig, gathered: str | None = None) -> GroupedGemmDsreluSm90:
+    if gathered is not None:
+        if gathered != "grad":
+            raise ValueError(f"the fused kernel reads grad's rows through an index, not {gathered!r}'s")
         from jax_dsrelu.kernels.sm90.gathered_kernels import GatheredDsreluSm90
 
         return GatheredDsreluSm90(config, request)
@@ -47,17 +49,18 @@ def kernel_request(request: Request) -> Request:
 
 
 def operands(
-    request: Request, config: sm90_config.TileConfig, *, gathered: bool = False
+    request: Request, config: sm90_config.TileConfig, *, gathered: str | None = None
 ) -> list[kernel_operands.KernelOperand]:
     """The kernel's declared operands for this request and config
-    (`GroupedGemmDsreluSm90.operands`, or with grad read through grad_index
-    `GatheredDsreluSm90.operands`)."""
+    (`GroupedGemmDsreluSm90.operands`, or with gathered="grad", grad read through
+    grad_index, `GatheredDsreluSm90.operands`)."""
     return _kernel(kernel_request(request), config, gathered).operands()
 
 
-def _compile_key(request: Request, config: sm90_config.TileConfig, outputs_in_place: bool, gathered: bool = False):
+def _compile_key(request: Request, config: sm90_config.TileConfig, outputs_in_place: bool,
+                 gathered: str | None = None):
     key = ("jax_dsrelu.sm90", request, config, outputs_in_place)
-    return key + ("gathered grad",) if gathered else key
+    return key + (f"gathered {gathered}",) if gathered else key
 
 
 def compile_kernel(
@@ -66,10 +69,10 @@ def compile_kernel(
     *,
     outputs_in_place: bool = False,
     keep: bool = False,
-    gathered: bool = False,
+    gathered: str | None = None,
 ) -> cutlass_bridge.Compiled:
     """The object code `implementation` runs for this request and config (compiled now,
-    or found in the cache), with grad read through grad_index where `gathered`.
+    or found in the cache), with grad read through grad_index where gathered="grad".
     keep=True also returns its PTX and cubin."""
     request = kernel_request(request)
     kernel = _kernel(request, config, gathered)
@@ -105,7 +108,7 @@ def implementation(
     config.check_fits(request.num_experts, request.with_act, request.with_dbias)
 
     def run(grad, weight, preact, prob, group_sizes, alpha, filled=None, *, grad_index=None):
-        gathered = grad_index is not None
+        gathered = None if grad_index is None else "grad"
         num_rows = preact.shape[0]
         if num_rows > MAX_ROWS:
             raise NotImplementedError(
