@@ -358,6 +358,33 @@ def test_new_row_and_token_counts_do_not_recompile():
 # ------------------------------------------------------------------------------ GPU tier
 
 
+def prebuild() -> int:
+    """Compiles every kernel the GPU tier below runs, as it runs them (into the disk cache
+    where JAX_DSRELU_KERNEL_CACHE is set), so that the GPU machine spends no time
+    compiling; returns how many."""
+    built = []
+    for name in GATHER_CASES:
+        tokens, k, n, sizes, _ = GATHER_CASES[name]
+        for variant in MATMUL_CASE_VARIANTS.values():
+            request = matmul_request(len(sizes), k, n, *variant)
+            config = ragged_call.choose_config(request, gathered="lhs")
+            built += [ragged_call.compile_kernel(request, config), ragged_call.compile_kernel(request, gathered="lhs")]
+        for deterministic in (False, True):
+            request = dsrelu_request(len(sizes), k, n, deterministic)
+            config = sm90_config.choose_config(request)
+            built += [dsrelu_call.compile_kernel(request, config),
+                      dsrelu_call.compile_kernel(request, dataclasses.replace(config, cluster_n=1), gathered="grad")]
+        for out_dtype in (F32, BF16):
+            for request, gathered in ((contract_request(len(sizes), k, n, out_dtype), "lhs"),
+                                      (contract_request(len(sizes), n, k, out_dtype), "rhs")):
+                built += [ragged_call.compile_kernel(request), ragged_call.compile_kernel(request, gathered=gathered)]
+    for tokens, n, slots in GATHER_SUM_CASES:
+        for dtype in (BF16, F32):
+            built.append(gather_sum_call.compile_kernel(GatherSumRequest(n=n, slots=slots, rows_dtype=dtype)))
+    return len(built)
+
+
+
 @pytest.fixture(scope="module")
 def hopper():
     capability = registry.cuda_compute_capability()
@@ -401,9 +428,16 @@ def gathered_case(name, dtype=BF16):
     return rng, x, index, rows, k, n, sizes
 
 
+# (rhs_layout, epilogue, with_bias) of the ragged-M GEMMs the layer runs on gathered rows.
+MATMUL_CASE_VARIANTS = {"up_srelu_bias": ("kn", "srelu", True), "down_kn": ("kn", "none", False),
+                        "dx_nk": ("nk", "none", False)}
+# (tokens, n, slots) of the gather-and-sum: Nano's width at top-6, one token of one slot,
+# a width of 17 chunks, and a width of one chunk over many tokens.
+GATHER_SUM_CASES = [(1000, 2688, 6), (1, 64, 1), (333, 136, 8), (4097, 8, 2)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [("kn", "srelu", True), ("kn", "none", False), ("nk", "none", False)],
-                         ids=["up_srelu_bias", "down_kn", "dx_nk"])
+@pytest.mark.parametrize("variant", list(MATMUL_CASE_VARIANTS.values()), ids=list(MATMUL_CASE_VARIANTS))
 @pytest.mark.parametrize("name", sorted(GATHER_CASES))
 def test_gathered_matmul_is_the_verified_kernel_on_gathered_rows(hopper, name, variant):
     rng, x, index, rows, k, n, sizes = gathered_case(name)
@@ -482,7 +516,7 @@ def test_gathered_contraction_is_the_verified_kernel_on_gathered_rows(hopper, na
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("tokens, n, slots", [(1000, 2688, 6), (1, 64, 1), (333, 136, 8), (4097, 8, 2)], ids=str)
+@pytest.mark.parametrize("tokens, n, slots", GATHER_SUM_CASES, ids=str)
 def test_gather_sum_is_the_sequential_sum(hopper, tokens, n, slots, dtype):
     rng = np.random.default_rng(zlib.crc32(f"sum{tokens}{n}{slots}{dtype.name}".encode()))
     m = max(tokens * slots - 3, 1)

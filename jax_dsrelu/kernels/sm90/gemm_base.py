@@ -4,9 +4,10 @@ Every kernel of the family is a persistent, warp-specialized GEMM, acc = A B^T i
 one CTA per multiprocessor, 384 threads:
 
     warpgroup 0       producers: warp 0 streams A and B k-tiles into the operand ring
-                      (TMA, `mainloop.load_k_tiles`); warp 1 streams the epilogue input
-                      (a variant's C, e.g. the dsReLU kernel's preact) subtile by subtile
-                      into its own ring, where the variant has one
+                      (TMA, `mainloop.load_k_tiles`; an operand read through a row index
+                      comes by cp.async from more warps, `gather_a.py`); warp 1 streams
+                      the epilogue input (a variant's C, e.g. the dsReLU kernel's preact)
+                      subtile by subtile into its own ring, where the variant has one
     warpgroups 1, 2   consumers, cooperative: 64 rows of the 128-row tile each, wgmma into
                       the accumulator (`mainloop.mma_k_tiles`), then the variant's epilogue,
                       stored through shared memory by TMA (`epilogue_store`)
