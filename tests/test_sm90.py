@@ -199,7 +199,7 @@ def test_shared_memory_estimate_is_the_kernels_struct(shape, monkeypatch):
     never more (a stage that fits would be left out)."""
     built = []
     make = lowering._kernel
-    monkeypatch.setattr(lowering, "_kernel", lambda request, config: built.append(make(request, config)) or built[-1])
+    monkeypatch.setattr(lowering, "_kernel", lambda *key: built.append(make(*key)) or built[-1])
     request = request_for(*shape)
     config = sm90_config.choose_config(request)
     lowering.compile_kernel(request, config, keep=True)

@@ -198,6 +198,21 @@ def test_gathered_matmul_compiles_for_sm90a(request_):
 
 
 @pytest.mark.compile
+def test_gathered_kernels_take_the_shared_memory_of_their_config():
+    # The ring is the same; no buffer of the gathered loads' own: the chosen configs fit.
+    matmul = matmul_request(256, 2048, 512)  # exactly the 227 KiB sm_90 grants a CTA
+    config = ragged_call.choose_config(matmul, gathered="lhs")
+    ragged_call.compile_kernel(matmul, config, gathered="lhs")
+    assert ragged_call._kernel(matmul, config, "lhs").shared_storage.size_in_bytes() == config.request_bytes(
+        matmul) == sm90_config.SMEM_CAPACITY
+    fused = dsrelu_request(128, 2688, 1856)
+    config = sm90_config.choose_config(fused)
+    dsrelu_call.compile_kernel(fused, config, gathered="grad")
+    assert dsrelu_call._kernel(fused, config, "grad").shared_storage.size_in_bytes() == config.smem_bytes(
+        128, True, True)
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("request_", [dsrelu_request(128, 2688, 1856), dsrelu_request(8, 520, 320, False)],
                          ids=["nano_deterministic", "partial_k_atomic"])
 def test_gathered_dsrelu_compiles_for_sm90a(request_):

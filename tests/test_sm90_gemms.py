@@ -286,7 +286,7 @@ def test_shared_memory_estimate_is_the_kernels_struct(kind, shape, monkeypatch):
     never more (a stage that fits would be left out)."""
     built = []
     make = sm90_gemm._kernel
-    monkeypatch.setattr(sm90_gemm, "_kernel", lambda request, config: built.append(make(request, config)) or built[-1])
+    monkeypatch.setattr(sm90_gemm, "_kernel", lambda *key: built.append(make(*key)) or built[-1])
     request = contract_request(shape, BF16) if kind == "contraction" else matmul_request(shape, kind)
     config = sm90_gemm.choose_config(request)
     sm90_gemm.compile_kernel(request, config, keep=True)
