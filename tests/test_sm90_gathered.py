@@ -338,17 +338,18 @@ def test_a_contraction_given_both_indices_gathers_one_side_in_memory(monkeypatch
 
 @pytest.mark.compile
 def test_gather_sum_lowers_to_one_custom_call(monkeypatch):
-    request = GatherSumRequest(n=K, slots=3, rows_dtype=BF16)
     x, _, _, rng = small_operands()
     index = jnp.asarray(rng.integers(-2, T + 2, (9, 3)), jnp.int32)
     monkeypatch.delenv(SWITCH, raising=False)
     with pytest.raises(NotImplementedError, match=SWITCH):
-        registry.check_explicit_backend("sm90", request)
+        gather_sum(x, index, backend="sm90")
+    # "auto" runs it on XLA even on a Hopper GPU.
+    monkeypatch.setattr(registry, "cuda_compute_capability", lambda: (9, 0))
+    assert not CUSTOM_CALL.search(lowered(lambda r, i: gather_sum(r, i, backend="auto"), x, index))
     monkeypatch.setenv(SWITCH, "gather_sum")
-    registry.check_explicit_backend("sm90", request)
-    _, implementation = registry.cuda_implementation("sm90", request)
-    text = lowered(lambda r, i: implementation(r, i)[0], x, index)
-    assert re.findall(r"\bstablehlo\.\w+", text) == ["stablehlo.custom_call"]
+    for name in ("sm90", "auto"):
+        text = lowered(lambda r, i: gather_sum(r, i, backend=name), x, index)
+        assert re.findall(r"\bstablehlo\.\w+", text) == ["stablehlo.custom_call"], name
 
 
 @pytest.mark.compile
