@@ -366,7 +366,7 @@ def updated_document(text: str, document: str, results_dir: pathlib.Path = RESUL
             raise SystemExit(f"{document} must hold exactly one {start} ... {end} pair for the table of {names}")
         head, rest = text.split(start)
         _, tail = rest.split(end)
-        rendered = render([(path.name.removesuffix(".gz"), run_record.load(path)) for path in paths])
+        rendered = render([(path.name, run_record.load(path)) for path in paths])
         # Renderers link from the repository's root; a document in a folder links from there.
         rendered = rendered.replace("](docs/", "](" + "../" * document.count("/") + "docs/")
         text = f"{head}{start}\n{rendered}\n{end}{tail}"

@@ -191,3 +191,13 @@ def test_results_hold_the_current_records_within_their_budget():
     assert sum(path.stat().st_size for path in files) <= 2 * 2**20
     # Current records only: no folder of past runs beside them.
     assert all(path.parent == ROOT / "benchmarks" / "results" for path in files)
+
+
+def test_benchmark_scripts_and_documents_keep_within_their_budgets():
+    # A tool, not a diary: the scripts under 3,000 lines in all, and no document over 400.
+    scripts = [path for path in (ROOT / "benchmarks").iterdir() if path.is_file()]
+    script_lines = sum(len(path.read_text().splitlines()) for path in scripts)
+    assert script_lines < 3000, f"benchmarks/ holds {script_lines} lines of scripts"
+    documents = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    long = {path.name: n for path in documents if (n := len(path.read_text().splitlines())) > 400}
+    assert not long, f"documents over 400 lines: {long}"
