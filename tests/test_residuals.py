@@ -1,7 +1,7 @@
 """What the MoE block keeps for its backward: at most 1.15x of what the backward needs.
 
 The count is of the arrays the function returned by `jax.vjp(moe_layer, ...)` holds, each
-once, read from its jaxpr (tracing only: nothing runs, so the sm90 backend is counted on a
+once, read from its jaxpr (tracing only: nothing runs, so the kernel backends are counted on a
 machine without a GPU; the primitives choose their backend when lowered). The weight
 arguments themselves are not counted (the caller holds them anyway); any other array is,
 a copy of a weight included. The minimum (docs/moe.md, "What the block keeps"):
@@ -113,7 +113,7 @@ def layer(names, options, backend, return_aux):
 @pytest.mark.parametrize("dtypes", [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.bfloat16)], ids=["bf16", "f32_x"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
-@pytest.mark.parametrize("backend", ["xla", "sm90"])
+@pytest.mark.parametrize("backend", ["xla", "sm90", "sm100", "auto"])
 def test_block_keeps_at_most_the_bound_over_the_minimum(backend, score, config, dtypes, return_aux):
     x, weights, options = block_arguments(score, CONFIGS[config], *dtypes)
     arrays, total = kept_beyond_weights(layer(list(weights), options, backend, return_aux), x, weights)
