@@ -147,7 +147,8 @@ class RaggedGemmSm90(RaggedMGemmSm90):
         where nothing is stored), loaded before the mainloop so that the loads' latency
         hides behind it; [] without bias. Loaded in the epilogue instead, subtile by
         subtile, the up-projection took 4% more time at Nemotron-3 Nano's shape and 6% more
-        at (65536, 2048, 768, 256) (benchmarks/results/fine_grained/sweep_gemm_bias_257da8f.json)."""
+        at (65536, 2048, 768, 256) (sweep_gemm_bias_257da8f.json, under
+        benchmarks/results/fine_grained/ at commit 03cb159)."""
         if not self.with_bias:
             return []
         bias = []
