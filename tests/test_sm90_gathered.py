@@ -8,10 +8,11 @@ names their kind (`kernels/sm90/backend.py`).
 CPU: the switch, the kernels' declarations, the gather-and-sum's refusals.
 
 Compile tier (marked `compile`, no GPU): each kernel compiles for sm_90a, A by cp.async
-and B by TMA, with no spills and no serialized wgmma (ptxas); through the primitives,
-lowered for cuda, the switch off runs the verified kernels on rows XLA gathers first and
-the switch on runs the gathered kernels with no gather left; new row or token counts do
-not recompile.
+and B by TMA, with no spills and no serialized wgmma (ptxas), its consumers fencing the
+proxies between each stage's wait and its wgmma batch (a verified kernel does not);
+through the primitives, lowered for cuda, the switch off runs the verified kernels on
+rows XLA gathers first and the switch on runs the gathered kernels with no gather left;
+new row or token counts do not recompile.
 
 GPU tier (marked `gpu`): what the H200 run checks before a kind leaves UNVERIFIED_KINDS.
 The gathered kernels bit for bit against the verified ones on the rows gathered in
@@ -170,14 +171,41 @@ def test_gathered_kernels_load_their_a_alone():
 # -------------------------------------------------------------------------- compile tier
 
 
+def fences_before_each_wgmma_batch(ptx: str) -> list[int]:
+    """Per wgmma batch (the wgmmas up to a commit), in PTX order: how many proxy fences
+    lie between the last barrier wait before it and its first wgmma."""
+    fences, batches, in_batch = 0, [], False
+    for line in ptx.splitlines():
+        line = line.strip()
+        if line.startswith("mbarrier.try_wait"):
+            fences = 0
+        elif line.startswith("fence.proxy.async"):
+            fences += 1
+        elif line.startswith("wgmma.mma_async") and not in_batch:
+            batches.append(fences)
+            in_batch = True
+        elif line.startswith("wgmma.commit_group"):
+            in_batch = False
+    return batches
+
+
 def assert_gathers_a(ptx: str) -> None:
-    """A by cp.async (16-byte copies, their arrival on the ring's barrier), B by TMA, wgmma."""
+    """A by cp.async (16-byte copies, their arrival on the ring's barrier), B by TMA, wgmma
+    reading a stage only past one proxy fence after its wait (cp.async writes through the
+    generic proxy, wgmma reads through the async proxy): the first k-tile's batch and the
+    k loop's."""
     assert re.search(r"cp\.async\.cg\.shared\.global \[%r\d+(\+\d+)?\], \[%rd\d+(\+\d+)?\], 16", ptx)
     assert "cp.async.mbarrier.arrive.noinc.shared" in ptx
     assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx)
-    assert "wgmma.mma_async" in ptx
+    assert fences_before_each_wgmma_batch(ptx) == [1, 1]
     assert "ld.local" not in ptx and "st.local" not in ptx
     ptxas.check_assembly(ptx)
+
+
+@pytest.mark.compile
+def test_a_verified_kernel_reads_its_tma_ring_with_no_proxy_fence():
+    ptx = ragged_call.compile_kernel(matmul_request(8, 520, 320, "nk", "none", False), keep=True).ptx
+    assert fences_before_each_wgmma_batch(ptx) == [0, 0]
 
 
 ZERO_FILLED = re.compile(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16, %r\d+;")

@@ -16,7 +16,12 @@ same ring stage.
                      that operand's byte count and issues its TMA load.
     full barrier     1 + 32 len(a_load_warps) arrivals and the TMA bytes: a stage is full
                      when the TMA box and every thread's chunks have landed.
-    consumers        unchanged: wait, wgmma, release.
+    consumers        wait, fence.proxy.async.shared::cta, wgmma, release
+                     (`operands_written_by_generic_proxy`): cp.async writes shared
+                     memory through the generic proxy, wgmma reads it through the
+                     async proxy, and PTX orders the two only across a proxy fence. The
+                     writers signal the barrier and cannot fence after their copies
+                     land, so the readers fence after their wait.
 
 Neighbouring threads copy neighbouring 16-byte chunks of a row, 32 bytes or more of it
 per copy instruction: whole L2 sectors. Every row index is clamped into the source, as
@@ -62,6 +67,7 @@ class GatheredA:
 
     row_index: str  # the declared name of the gathered operand's row index
     gathered = "a"  # which operand of the GEMM is gathered: "a" or "b"
+    operands_written_by_generic_proxy = True  # cp.async: the consumers fence (see the module doc)
 
     def __init__(self, config, request):
         if config.cluster_n != 1:

@@ -37,6 +37,10 @@ short file of hooks:
                            host: (copy atom, tensor) the kernel gets for A, for B
     loads_operands(warp)   which producer warps run the operand loop (warp 0)
     operand_pipeline(...)  the operand ring (filled by TMA alone by default)
+    operands_written_by_generic_proxy
+                           True where a ring stage is written by cp.async: the
+                           consumers fence each stage before wgmma reads it
+                           (`mainloop.mma_k_tiles`)
     partition_a(...), partition_b(...)
                            A's and B's per-work-item partitions for the copy
     load_k_tiles(...)      the per-work-item k-tile loop (`mainloop.load_k_tiles`)
@@ -118,6 +122,8 @@ class GemmSm90:
     # (`epilogue_store.store_tile`): needs a buffer per subtile and one stored output
     # whose values are the accumulator's.
     whole_tile = False
+    # The operand ring filled by TMA alone: wgmma reads its stages with no proxy fence.
+    operands_written_by_generic_proxy = False
 
     def __init__(self, config, num_experts: int):
         self.config = config
@@ -567,7 +573,7 @@ class GemmSm90:
         item = self.epilogue_prefetch(ctx, tile)
         read_state, release_state = mainloop.mma_k_tiles(
             ctx.tiled_mma, ctx.acc, ctx.tCrA, ctx.tCrB, ctx.ab_pipeline, read_state, release_state,
-            self.k_tile_count(tile), self.mma_active(ctx, item),
+            self.k_tile_count(tile), self.mma_active(ctx, item), self.operands_written_by_generic_proxy,
         )
         self.epilogue_begin(ctx, item)
         stores = self.store_views(ctx.outputs, tile)

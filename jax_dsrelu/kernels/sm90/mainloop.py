@@ -106,6 +106,7 @@ def mma_k_tiles(
     release_state: pipeline.PipelineState,
     k_tiles: Int32,
     active=None,
+    operands_written_by_generic_proxy: cutlass.Constexpr = False,
 ):
     """Consumers: acc = sum over the tile's k-tiles of A B^T (acc = 0 for none).
 
@@ -122,14 +123,21 @@ def mma_k_tiles(
     section). The branch is taken once per tile, around two whole loops: a wgmma under a
     run-time branch inside the loop made ptxas serialize every wgmma of the kernel (C7520:
     the steps ran 10-19% slower on the H200), or, behind a warp-uniform flag, slowed the
-    steps by 3-4%. The compile tier fails on serialization (tests/ptxas.py)."""
+    steps by 3-4%. The compile tier fails on serialization (tests/ptxas.py).
+
+    `operands_written_by_generic_proxy`: the ring's stages are written by cp.async (a
+    gathered operand, `gather_a.py`), that is through the generic proxy, which wgmma's
+    async-proxy reads of shared memory do not see without a proxy fence. The writers
+    signal completion on the stage's barrier and cannot fence after their copies land,
+    so each consumer thread fences (fence.proxy.async.shared::cta) between its wait for
+    a stage and the wgmma batch that reads it. A stage filled by TMA alone needs none."""
     if cutlass.const_expr(active is None):
         read_state, release_state = _wgmma_k_tiles(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state,
-                                                   release_state, k_tiles)
+                                                   release_state, k_tiles, operands_written_by_generic_proxy)
     else:
         if active != 0:
             read_state, release_state = _wgmma_k_tiles(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state,
-                                                       release_state, k_tiles)
+                                                       release_state, k_tiles, operands_written_by_generic_proxy)
         else:
             acc.fill(0.0)
             for _ in range(k_tiles):
@@ -141,7 +149,8 @@ def mma_k_tiles(
 
 
 @cute.jit
-def _wgmma_k_tiles(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, k_tiles: Int32):
+def _wgmma_k_tiles(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_state, k_tiles: Int32,
+                   operands_written_by_generic_proxy: cutlass.Constexpr):
     """`mma_k_tiles`' loop of wgmma batches. The accumulator is zeroed and fenced here,
     past the caller's branch: a register write between the fence and the first wgmma
     makes ptxas fence every wgmma batch itself (C7519)."""
@@ -151,6 +160,7 @@ def _wgmma_k_tiles(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_
     warpgroup.fence()
     if k_tiles > 0:
         ab_pipeline.consumer_wait(read_state)
+        _fence_generic_writes(operands_written_by_generic_proxy)
         for k_block in cutlass.range_constexpr(k_blocks):
             coord = (None, None, k_block, read_state.index)
             cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
@@ -158,6 +168,7 @@ def _wgmma_k_tiles(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_
         read_state.advance()
         for k_tile in range(1, k_tiles):
             ab_pipeline.consumer_wait(read_state)
+            _fence_generic_writes(operands_written_by_generic_proxy)
             for k_block in cutlass.range_constexpr(k_blocks):
                 coord = (None, None, k_block, read_state.index)
                 cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
@@ -170,6 +181,14 @@ def _wgmma_k_tiles(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_
         ab_pipeline.consumer_release(release_state)
         release_state.advance()
     return read_state, release_state
+
+
+@cute.jit
+def _fence_generic_writes(operands_written_by_generic_proxy: cutlass.Constexpr):
+    """Makes a stage's generic-proxy writes (cp.async) visible to wgmma's async-proxy
+    reads, after the wait on its barrier (see `mma_k_tiles`); nothing for a TMA ring."""
+    if cutlass.const_expr(operands_written_by_generic_proxy):
+        cute.arch.fence_proxy("async.shared", space="cta")
 
 
 def warpgroup_active(first_row_of_warpgroup: Int32, rows_stored: Int32) -> Int32:
