@@ -12,6 +12,9 @@ precision.py states how each computes)
                      Mosaic GPU kernels; its XLA ones on the CPU); where tokamax is not
                      installed the record says so and nothing runs
     gemms_cublas     the step's GEMMs alone, bf16 as a user writes them, each on cuBLAS
+    gathered, gathered_det  auto with the sm90 kernels not yet verified switched on (the
+                     GEMMs reading rows through the routing index, the ordered
+                     gather-and-sum; kernels/sm90/backend.py), both modes
 
 Each entry holds the step's time, its CUPTI kernel breakdown with the time outside the GEMM
 kernels (timing.outside_gemms), and its peak device memory by XLA's analysis of the compiled
@@ -27,6 +30,7 @@ writes bench_moe_block.json (gzipped where large) and bench_moe_block.png.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -44,8 +48,9 @@ from bench_layer import TOLERANCE, cublas_gemms
 from harness import BF16
 
 import jax_dsrelu
+from jax_dsrelu.kernels.sm90 import backend as sm90_backend
 
-VARIANTS = ("auto", "auto_det", "xla", "xla_det", "tokamax", "gemms_cublas")
+VARIANTS = ("auto", "auto_det", "xla", "xla_det", "tokamax", "gemms_cublas", "gathered", "gathered_det")
 F32 = jnp.float32
 WEIGHTS = ("router", "w1", "w2", "shared_w1", "shared_w2")
 
@@ -201,7 +206,13 @@ def computation(block: Block, variant: str):
         return gemms_step(block)
     if variant == "tokamax":
         return step_of(block, tokamax_layer(block, "xla" if jax.default_backend() == "cpu" else "mosaic"))
-    return step_of(block, library_layer(block, variant.removesuffix("_det"), variant.endswith("_det")))
+    backend = "auto" if variant.startswith("gathered") else variant.removesuffix("_det")
+    return step_of(block, library_layer(block, backend, variant.endswith("_det")))
+
+
+def switches(variant: str):
+    """The context a variant is traced in: the unverified sm90 kernels switched on for the gathered ones."""
+    return sm90_backend.unverified_enabled() if variant.startswith("gathered") else contextlib.nullcontext()
 
 
 def run_variant(block, variant, operands, reference, reps, clock) -> tuple[dict, dict | None]:
@@ -216,9 +227,10 @@ def run_variant(block, variant, operands, reference, reps, clock) -> tuple[dict,
         return errors, all(error <= TOLERANCE for error in errors.values())
 
     checked = variant not in ("xla", "gemms_cublas")
-    entry, outputs = harness.measure(
-        fn, tuple(operands[name] for name in names), reps, clock, check=check if checked and reference else None,
-        compiler_options=harness.CUBLAS_ONLY if variant == "gemms_cublas" else None, flops=block.flops)
+    with switches(variant):
+        entry, outputs = harness.measure(
+            fn, tuple(operands[name] for name in names), reps, clock, check=check if checked and reference else None,
+            compiler_options=harness.CUBLAS_ONLY if variant == "gemms_cublas" else None, flops=block.flops)
     if checked and reference is None:
         entry["check"] = "not checked: the xla variant failed"
     if variant == "tokamax":
@@ -231,9 +243,10 @@ def prebuild(blocks, variants) -> None:
     cuda_lowering.prepare()
     for block in blocks:
         shapes = operand_shapes(block)
-        for variant in (v for v in variants if v in ("auto", "auto_det")):
+        for variant in (v for v in variants if v.startswith(("auto", "gathered"))):
             fn, names = computation(block, variant)
-            cuda_lowering.lower_for_cuda(f"bench_moe_block {variant} {block}", fn, *(shapes[n] for n in names))
+            with switches(variant):
+                cuda_lowering.lower_for_cuda(f"bench_moe_block {variant} {block}", fn, *(shapes[n] for n in names))
 
 
 def plot(blocks: dict, path: str, title: str) -> None:

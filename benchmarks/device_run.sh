@@ -4,10 +4,10 @@
 #   bash benchmarks/device_run.sh STAGES COMMIT
 #
 # STAGES is a comma-separated list of:
-#   prebuild  benchmarks/prebuild_kernels.py --jobs 14 on the machine's CPUs, for whatever
-#             the carried cache lacks
 #   smoke     one small case with a hard time limit (a hang stops everything here)
-#   tests     the whole GPU tier: python -m pytest -m gpu tests/
+#   tests     the whole GPU tier but the gathered kernels': python -m pytest -m gpu tests/
+#   gathered_tests  the GPU tier of the kernels not yet verified (tests/test_sm90_gathered.py),
+#             under a limit of its own, so that a kernel that hangs costs little
 #   dsrelu_tests  the fused kernel's GPU tier: tests/test_sm90.py
 #   gemm_tests  the GPU tier of the grouped-GEMM family and of what runs on it:
 #             test_sm90_gemms.py (the contraction's 20-run bitwise check included),
@@ -36,7 +36,8 @@
 #   sweep_gemm, sweep_contract  benchmarks/sweep_configs.py --kernel gemm or contract
 #             (SWEEP_GEMM_ARGS, SWEEP_CONTRACT_ARGS for --gemms or --shapes)
 #   sanitize  every kernel's boundary cases in the GPU tests under compute-sanitizer's
-#             memcheck and racecheck
+#             memcheck and racecheck (SANITIZE_FILES, a regular expression, picks the test
+#             files; default all)
 #
 # Kernels come precompiled (benchmarks/prebuild_kernels.py, .kernels/ carried along). Logs
 # and records go to $OUT, each record named as benchmarks/results/ names it (copied there,
@@ -83,16 +84,17 @@ carried() {
   echo "$PYTHONPATH:/tmp/$1.d"
 }
 
-if selected prebuild; then
-  start=$(date +%s)
-  timeout 300 python3 benchmarks/prebuild_kernels.py --jobs 14 2>&1 \
-    | grep -v -e DSLOptimizationWarning -e "for v in" | tail -5 | tee -a "$log"
-  echo "prebuild exit $? in $(( $(date +%s) - start ))s" | tee -a "$log"
-fi
+# GPU_TEST_WORKERS: pytest-xdist processes side by side on the GPU (the tier's time goes
+# mostly to its float64 references on the CPUs); each allocates only what it uses.
 gpu_tests="python3 -m pytest -q -p no:cacheprovider -rs -m gpu"
+if [[ -n $GPU_TEST_WORKERS ]]; then
+  gpu_tests+=" -n $GPU_TEST_WORKERS"
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+fi
 selected smoke && { run smoke 180 $gpu_tests -x tests/test_sm90.py \
   -k "test_matches_float64_contract and one_row and bf16 and False" || exit; }
-selected tests && run tests 420 $gpu_tests --durations=8 tests/
+selected gathered_tests && run gathered_tests 200 $gpu_tests --durations=5 tests/test_sm90_gathered.py
+selected tests && run tests 480 $gpu_tests --durations=8 --ignore=tests/test_sm90_gathered.py tests/
 selected gemm_tests && run gemm_tests 540 $gpu_tests --durations=5 tests/test_sm90_gemms.py \
   tests/test_moe_mlp_sm90.py tests/test_determinism_gpu.py -k "not default_mode_varies"
 selected dsrelu_tests && run dsrelu_tests 300 $gpu_tests --durations=5 tests/test_sm90.py
@@ -157,8 +159,11 @@ if selected sanitize; then
       "memcheck|tests/test_sm90_gemms.py|(bfloat16 and (negative or exact_tile or past_m)) or (clusters_of_each_size and (negative or exact_tile or past_m) and 2) or (_pairs and (negative or exact_tile))" \
       "racecheck|tests/test_sm90_gemms.py|(bfloat16 and (exact_tile or past_m) and (dx_nk or up_srelu_bias or contraction)) or (clusters_of_each_size and (exact_tile or past_m) and (dx_nk or up_srelu_bias) and 2) or (_pairs and exact_tile)" \
       "memcheck|tests/test_sm90.py|(test_matches_float64_contract and bf16 and negative) or (clusters_of_each_size and negative_and_unowned)" \
-      "racecheck|tests/test_sm90.py|(test_matches_float64_contract and bf16 and one_row) or (clusters_of_each_size and one_row and 2)"; do
+      "racecheck|tests/test_sm90.py|(test_matches_float64_contract and bf16 and one_row) or (clusters_of_each_size and one_row and 2)" \
+      "memcheck|tests/test_sm90_gathered.py|not nano_widths and (gathered_matmul or gathered_dsrelu or (gathered_contraction and f32) or (gather_sum_is and bf16))" \
+      "racecheck|tests/test_sm90_gathered.py|(one_token or ragged_with_empty) and (up_srelu_bias or (gathered_dsrelu and True) or (gathered_contraction and f32 and both)) or (gather_sum_is and bf16)"; do
     IFS="|" read -r tool file selection <<<"$check"
+    [[ $file =~ ${SANITIZE_FILES:-.} ]] || continue
     timeout 120 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -rs \
       -p no:cacheprovider -m gpu "$file" -k "$selection" 2>&1 | tail -6 | tee -a "$log"
     echo "$tool $file exit $?" | tee -a "$log"

@@ -227,7 +227,8 @@ def run_job(name: str) -> str:
     elif kind == "bench_layer":
         bench_layer.prebuild(harness.SHAPES[index:index + 1], ("sm90", "sm90_det"), bench_layer.MODES)
     elif kind == "bench_moe_block":
-        bench_moe_block.prebuild([list(bench_moe_block.BLOCKS.values())[index]], ("auto", "auto_det"))
+        bench_moe_block.prebuild([list(bench_moe_block.BLOCKS.values())[index]],
+                                 ("auto", "auto_det", "gathered", "gathered_det"))
     elif kind in WHOLE_JOBS:
         WHOLE_JOBS[kind]()
     else:

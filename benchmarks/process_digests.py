@@ -16,6 +16,7 @@ changes the bits.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -25,12 +26,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+for folder in ("examples", "tests"):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", folder))
 
 import cuda_lowering  # noqa: E402
+import test_moe_block_gpu  # noqa: E402
 import train_moe  # noqa: E402
 
 import jax_dsrelu  # noqa: E402
+from jax_dsrelu.kernels.sm90 import backend as sm90_backend  # noqa: E402
 
 SIZES = [1500, 700, 0, 1024, 1200, 900, 1024, 1844]
 GRADIENTS = ("x", "w1", "w2", "prob", "b1")
@@ -44,7 +48,8 @@ def digest(tree) -> str:
 
 
 def computations(backends):
-    """(name, jitted function, operands, names of its outputs) for everything digested."""
+    """(name, jitted function, operands, names of its outputs, whether it is traced with the
+    unverified sm90 kernels switched on) for everything digested."""
     rng = np.random.default_rng(0)
     m, k, n = sum(SIZES), 512, 2048
     grad = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -58,7 +63,7 @@ def computations(backends):
                 *a, with_dbias=True, with_act=True, deterministic=True, backend=backend
             )
         )
-        yield f"primitive_{backend}", run, (grad, weight, preact, prob, sizes), jax_dsrelu.DsreluOutputs._fields
+        yield f"primitive_{backend}", run, (grad, weight, preact, prob, sizes), jax_dsrelu.DsreluOutputs._fields, False
 
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w1 = jnp.asarray(rng.standard_normal((len(SIZES), k, 1024)) / np.sqrt(k), jnp.bfloat16)
@@ -74,24 +79,37 @@ def computations(backends):
                 argnums=(0, 1, 2, 3, 4),
             )
         )
-        yield f"moe_mlp_grads_{backend}", grads, (x, w1, w2, prob, b1, sizes), GRADIENTS
+        yield f"moe_mlp_grads_{backend}", grads, (x, w1, w2, prob, b1, sizes), GRADIENTS, False
 
     params = train_moe.init_moe(jax.random.key(1), 64, 128, 8, jnp.bfloat16)
     tokens = jax.random.normal(jax.random.key(2), (2048, 64), jnp.float32)
     target = jax.random.normal(jax.random.key(3), (2048, 64), jnp.float32)
     layer_grads = jax.grad(lambda p, tokens, target: jnp.mean((train_moe.moe_layer(p, tokens, 2, True) - target) ** 2))
-    yield "example_layer_grads", jax.jit(layer_grads), (params, tokens, target), sorted(params)
+    yield "example_layer_grads", jax.jit(layer_grads), (params, tokens, target), sorted(params), False
     reproducible = jax.jit(layer_grads, compiler_options=train_moe.REPRODUCIBLE_COMPILATION)
-    yield "example_layer_grads_reproducible", reproducible, (params, tokens, target), sorted(params)
-    yield "router_dot_f32", jax.jit(lambda t, r: t @ r), (tokens, params["router"]), ("logits",)
+    yield "example_layer_grads_reproducible", reproducible, (params, tokens, target), sorted(params), False
+    yield "router_dot_f32", jax.jit(lambda t, r: t @ r), (tokens, params["router"]), ("logits",), False
+
+    block = test_moe_block_gpu.block_inputs(3)
+    names = ("x",) + tuple(sorted(block[1]))  # the gradients' leaves: x's, then the parameters' by name
+    for deterministic in (False, True):
+        for kernels in ("verified", "unverified"):
+            mode = "deterministic" if deterministic else "default"
+            yield (f"block_grads_{mode}_{kernels}_kernels", test_moe_block_gpu.block_grads(deterministic), block,
+                   names, kernels == "unverified")
 
 
-def digests_of(fn, operands, output_names, runs) -> dict:
+def switches(unverified: bool):
+    return sm90_backend.unverified_enabled() if unverified else contextlib.nullcontext()
+
+
+def digests_of(fn, operands, output_names, unverified, runs) -> dict:
     """Digests of one computation's outputs, and how many distinct results `runs` calls gave."""
     whole, outputs = set(), None
-    for _ in range(runs):
-        outputs = fn(*operands)
-        whole.add(digest(outputs))
+    with switches(unverified):  # where the first call traces
+        for _ in range(runs):
+            outputs = fn(*operands)
+            whole.add(digest(outputs))
     leaves = jax.tree.leaves(outputs)
     if isinstance(outputs, dict):  # a parameter tree: its leaves in sorted key order
         leaves = [outputs[name] for name in output_names]
@@ -103,9 +121,10 @@ def prebuild(backends) -> None:
     """Lowers every computation for cuda (builds and caches the kernels they call); the
     operands are small, so they are made here and passed as shapes."""
     cuda_lowering.prepare()
-    for name, fn, operands, _ in computations(backends):
+    for name, fn, operands, _, unverified in computations(backends):
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), operands)
-        cuda_lowering.lower_for_cuda(f"process_digests {name}", fn, *shapes)
+        with switches(unverified):
+            cuda_lowering.lower_for_cuda(f"process_digests {name}", fn, *shapes)
 
 
 def kernel_compiles() -> int | None:
@@ -127,9 +146,9 @@ def main() -> None:
         prebuild(backends)
         return
     results = {}
-    for name, fn, operands, output_names in computations(backends):
+    for name, fn, operands, output_names, unverified in computations(backends):
         try:
-            results[name] = digests_of(fn, operands, output_names, args.runs)
+            results[name] = digests_of(fn, operands, output_names, unverified, args.runs)
         except Exception as error:  # recorded; the other computations still run
             results[name] = dict(error=f"{type(error).__name__}: {str(error)[:400]}")
     line = dict(

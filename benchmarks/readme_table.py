@@ -30,9 +30,14 @@ HEADERS = {
     "pallas": "Pallas", "quack": "QuACK", "tokamax": "tokamax ragged_dot", "dense_mlp": "dense bf16 MLP",
     "batched_mlp": "batched bf16 MLP", "gemms_cublas": "its GEMMs alone, bf16 cuBLAS",
     "cublas_dense": "dense bf16 cuBLAS", "cublas_batched": "batched bf16 cuBLAS",
+    "gathered": "library, auto with gathered loads (sm90, not yet in auto)", "gathered_det": "the same, deterministic",
 }
-# Our kernels' classes in the mangled CuTe DSL names of a breakdown.
-KERNEL_CLASSES = {"RaggedGemmSm90": "sm90 ragged GEMM", "RaggedContractSm90": "sm90 ragged contraction",
+# Our kernels' classes in the mangled CuTe DSL names of a breakdown; the gathered ones first,
+# since a name holds the first class it matches (GatheredRaggedGemmSm90 holds RaggedGemmSm90).
+KERNEL_CLASSES = {"GatheredRaggedGemmSm90": "sm90 gathered ragged GEMM", "GatheredDsreluSm90": "sm90 gathered fused dsReLU",
+                  "GatheredContractSm90": "sm90 gathered contraction",
+                  "GatheredRhsContractSm90": "sm90 gathered contraction (rhs)", "GatherSumSm90": "sm90 gather-and-sum",
+                  "RaggedGemmSm90": "sm90 ragged GEMM", "RaggedContractSm90": "sm90 ragged contraction",
                   "GroupedGemmDsreluSm90": "sm90 fused dsReLU"}
 
 Runs = list[tuple[str, dict]]  # (record name, record)
@@ -113,9 +118,9 @@ def breakdown(entry: dict) -> str:
     """Where a step's time goes: our kernels by class, then everything else together."""
     ours: dict[str, float] = {}
     for name, ms in entry["kernel_summary"]:
-        for cls, label in KERNEL_CLASSES.items():
-            if cls in name:
-                ours[label] = ours.get(label, 0.0) + ms
+        label = next((label for cls, label in KERNEL_CLASSES.items() if cls in name), None)
+        if label is not None:
+            ours[label] = ours.get(label, 0.0) + ms
     rest = entry["ms"] - sum(ours.values())
     return ", ".join(f"{label} {ms:.3f}" for label, ms in ours.items()) + f", all else {rest:.3f} ms"
 

@@ -28,10 +28,10 @@ DESCRIPTIONS = {
 KERNEL_NAME_CHARS = 120
 # A GEMM kernel, by its name: cuBLAS's (nvjet_sm90_*, sm90_xmma_gemm_*), XLA's Triton GEMM
 # fusions (gemm_fusion_dot*), CUTLASS's and QuACK's (GemmDefaultSm90), ours (RaggedGemmSm90,
-# GroupedGemmDsreluSm90, RaggedContractSm90) and tokamax's Pallas ones (ragged_dot_sm90,
+# GroupedGemmDsreluSm90, RaggedContractSm90, their Gathered* twins) and tokamax's Pallas ones (ragged_dot_sm90,
 # ragged_contracting_dim_dot_sm90). Everything else (routing, sorts, gathers, casts,
 # reductions, copies) is outside the GEMMs.
-GEMM_KERNEL = re.compile(r"gemm|nvjet|contract|ragged_dot", re.IGNORECASE)
+GEMM_KERNEL = re.compile(r"gemm|nvjet|contract|ragged_dot|DsreluSm90", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)

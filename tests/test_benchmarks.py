@@ -74,11 +74,14 @@ GEMM_KERNELS = [
     "kernel_cutlass_kernel_jax_dsrelukernelssm90ragged_contract_kernelRaggedContractSm90_object_at__CopyAtom_ThrID10_TVLayout",
     "kernel_cutlass_kernel_jax_dsrelukernelssm90dsrelu_kernelGroupedGemmDsreluSm90_object_at__CopyAtom_ThrID10_TVLayoutSrc181",
     "kernel_cutlass_kernel_quackgemm_default_epiGemmDefaultSm90_object_at__TiledMMA_ThrLayoutVMNK12811110",  # QuACK
+    "kernel_cutlass_kernel_jax_dsrelukernelssm90gathered_kernelsGatheredDsreluSm90_object_at__CopyAtom_ThrID10_TVLay",
+    "kernel_cutlass_kernel_jax_dsrelukernelssm90gathered_kernelsGatheredRhsContractSm90_object_at__CopyAtom_ThrID10_",
 ]
 OTHER_KERNELS = [
     "loop_select_fusion_3", "input_add_reduce_fusion", "loop_convert_select_fusion", "sort_22_1__5", "memcpy128",
     "wrapped_transpose_1", "input_scatter_fusion", "loop_and_gather_fusion",
     "kernel_cutlass_kernel_jax_dsrelukernelsslot_reductionSlotReduction_object_at__tensorptrf32gmemalign256odiv15i641_None_te",
+    "kernel_cutlass_kernel_jax_dsrelukernelssm90gather_sum_kernelGatherSumSm90_object_at__tensorptrbf16gmemalign16o",
     "_ZN2at6native13reduce_kernelILi512ELi1ENS0_8ReduceOpIfNS0_14func_wrapper_tIfZNS0_11sum_functorIfffEc",
 ]
 

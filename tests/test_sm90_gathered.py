@@ -109,6 +109,20 @@ def test_the_switch_names_the_kinds_it_enables(monkeypatch):
         backend.enabled("gathered")
 
 
+def test_unverified_enabled_sets_the_switch_for_its_block_only(monkeypatch):
+    monkeypatch.setenv(SWITCH, "gather_sum")
+    with backend.unverified_enabled():
+        assert backend.enabled("gathered") and backend.enabled("gather_sum")
+    assert not backend.enabled("gathered") and backend.enabled("gather_sum")
+    monkeypatch.delenv(SWITCH)
+    with backend.unverified_enabled("gathered"):
+        assert backend.enabled("gathered") and not backend.enabled("gather_sum")
+    assert SWITCH not in os.environ
+    with pytest.raises(ValueError, match=r"kinds names \['gathers'\]"):
+        with backend.unverified_enabled("gathers"):
+            pass
+
+
 def test_gather_sum_refusals_name_the_value():
     def reason(**facts):
         return gather_sum_config.cannot_implement(GatherSumRequest(**dict(dict(n=64, slots=2, rows_dtype=BF16), **facts)))
@@ -425,6 +439,10 @@ def prebuild() -> int:
     for tokens, n, slots in GATHER_SUM_CASES:
         for dtype in (BF16, F32):
             built.append(gather_sum_call.compile_kernel(GatherSumRequest(n=n, slots=slots, rows_dtype=dtype)))
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in layer_inputs()]
+    layer_value_and_grads().trace(*shapes).lower(lowering_platforms=("cuda",))
+    with backend.unverified_enabled():
+        layer_value_and_grads().trace(*shapes).lower(lowering_platforms=("cuda",))
     return len(built)
 
 
@@ -577,27 +595,35 @@ def test_gather_sum_is_the_sequential_sum(hopper, tokens, n, slots, dtype):
     assert (np.abs(np.asarray(out, np.float64) - terms.sum(axis=1)) <= bound).all()
 
 
-@pytest.mark.gpu
-def test_moe_layer_gives_the_same_bits_with_the_unverified_kernels(hopper, monkeypatch):
+# The MoE layer of the switch test: T, d, f, experts, top_k.
+LAYER = (1000, 256, 192, 8, 3)
+
+
+def layer_inputs():
+    tokens, d, f, num_experts, _ = LAYER
     rng = np.random.default_rng(41)
-    tokens, d, f, num_experts = 1000, 256, 192, 8
     x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.bfloat16)
     router = jnp.asarray(rng.standard_normal((d, num_experts)) / np.sqrt(d), jnp.float32)
     w1 = jnp.asarray(rng.standard_normal((num_experts, d, f)) / np.sqrt(d), jnp.bfloat16)
     w2 = jnp.asarray(rng.standard_normal((num_experts, f, d)) / np.sqrt(f), jnp.bfloat16)
     b1 = jnp.asarray(rng.standard_normal((num_experts, f)) * 0.1, jnp.bfloat16)
+    return x, router, w1, w2, b1
 
-    def value_and_grads():
-        def loss(x, router, w1, w2, b1):
-            out = jax_dsrelu.moe_layer(x, router, w1, w2, b1=b1, top_k=3, deterministic=True, backend="sm90")
-            return jnp.sum(out.astype(jnp.float32) ** 2)
 
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(x, router, w1, w2, b1)
+def layer_value_and_grads():
+    """A fresh jitted value and gradients of the layer: traced anew, so that it sees the switch as it is."""
+    def loss(x, router, w1, w2, b1):
+        out = jax_dsrelu.moe_layer(x, router, w1, w2, b1=b1, top_k=LAYER[-1], deterministic=True, backend="sm90")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
 
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+@pytest.mark.gpu
+def test_moe_layer_gives_the_same_bits_with_the_unverified_kernels(hopper, monkeypatch):
     monkeypatch.delenv(SWITCH, raising=False)
-    verified = value_and_grads()
-    monkeypatch.setenv(SWITCH, ",".join(backend.UNVERIFIED_KINDS))
-    jax.clear_caches()
-    unverified = value_and_grads()
+    verified = layer_value_and_grads()(*layer_inputs())
+    with backend.unverified_enabled():
+        unverified = layer_value_and_grads()(*layer_inputs())
     for got, want in zip(jax.tree.leaves(unverified), jax.tree.leaves(verified)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -9,8 +9,9 @@ A kind leaves `UNVERIFIED_KINDS` once such a run has checked it.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 
@@ -54,6 +55,26 @@ def enabled(kind: str) -> bool:
             f"{list(UNVERIFIED_KINDS)}"
         )
     return kind in named
+
+
+@contextlib.contextmanager
+def unverified_enabled(*kinds: str) -> Iterator[None]:
+    """Within the block, functions traced may use the kernels of `kinds` (all of
+    UNVERIFIED_KINDS if none is named): the switch set for the block's duration, as the
+    H200 run's benchmarks set it to time them beside the verified kernels."""
+    unknown = set(kinds) - set(UNVERIFIED_KINDS)
+    if unknown:
+        raise ValueError(f"kinds names {sorted(unknown)}; the sm90 kernel kinds not yet verified are "
+                         f"{list(UNVERIFIED_KINDS)}")
+    saved = os.environ.get(UNVERIFIED_VARIABLE)
+    os.environ[UNVERIFIED_VARIABLE] = ",".join(kinds or UNVERIFIED_KINDS)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(UNVERIFIED_VARIABLE, None)
+        else:
+            os.environ[UNVERIFIED_VARIABLE] = saved
 
 
 def software_missing() -> str | None:
