@@ -8,10 +8,6 @@
 #   tests     the whole GPU tier but the gathered kernels': python -m pytest -m gpu tests/
 #   gathered_tests  the GPU tier of the kernels not yet verified (tests/test_sm90_gathered.py),
 #             under a limit of its own, so that a kernel that hangs costs little
-#   dsrelu_tests  the fused kernel's GPU tier: tests/test_sm90.py
-#   gemm_tests  the GPU tier of the grouped-GEMM family and of what runs on it:
-#             test_sm90_gemms.py (the contraction's 20-run bitwise check included),
-#             test_moe_mlp_sm90.py, test_determinism_gpu.py's deterministic cases
 #   examples  EXAMPLES (examples/train_moe.py and expert_parallel.py) in bfloat16 on the GPU,
 #             each run EXAMPLE_RUNS (2) times with --deterministic (the digests must agree)
 #   lm        examples/train_lm.py with its docstring's GPU command (LM_STEPS steps, 2000),
@@ -20,11 +16,8 @@
 #             lm_deps.tar.zst of pure-Python packages
 #   moe_block benchmarks/bench_moe_block.py: every block's step, every variant, both modes
 #             (estimated 6-9 min; MOE_BLOCK_ARGS="--blocks ..." splits it); its tokamax
-#             variant runs where the image or a carried tokamax_deps.tar.zst has tokamax (28
-#             MB: pip download --no-deps for CPython 3.12 x86-64 of tokamax and the needs the
-#             image lacks, einshape pydantic pydantic-core qwix immutabledict tensorboardx
-#             xprof fire gviz-api termcolor annotated-types typing-inspection; pip install
-#             --no-deps --target DIR; tar -C DIR -c . | zstd)
+#             variant runs where the image has tokamax (it has not, and its 28 MB of
+#             packages do not fit in a call beside the CuTe DSL bundle)
 #   gemms     benchmarks/bench_gemms.py: the six grouped GEMMs of a layer step (estimated 3-5 min)
 #   layer     benchmarks/bench_layer.py: moe_mlp's step and forward, every variant, the bf16
 #             baselines among them (estimated 5-8 min)
@@ -95,9 +88,6 @@ selected smoke && { run smoke 180 $gpu_tests -x tests/test_sm90.py \
   -k "test_matches_float64_contract and one_row and bf16 and False" || exit; }
 selected gathered_tests && run gathered_tests 200 $gpu_tests --durations=5 tests/test_sm90_gathered.py
 selected tests && run tests 480 $gpu_tests --durations=8 --ignore=tests/test_sm90_gathered.py tests/
-selected gemm_tests && run gemm_tests 540 $gpu_tests --durations=5 tests/test_sm90_gemms.py \
-  tests/test_moe_mlp_sm90.py tests/test_determinism_gpu.py -k "not default_mode_varies"
-selected dsrelu_tests && run dsrelu_tests 300 $gpu_tests --durations=5 tests/test_sm90.py
 
 if selected examples; then
   for example in ${EXAMPLES:-train_moe expert_parallel}; do
@@ -120,7 +110,7 @@ if selected lm; then
   done
 fi
 
-selected moe_block && PYTHONPATH="$(carried tokamax_deps.tar.zst "import tokamax")" run bench_moe_block 550 \
+selected moe_block && run bench_moe_block 550 \
   python3 benchmarks/bench_moe_block.py --commit "$commit" --out "$OUT" $MOE_BLOCK_ARGS
 selected gemms && run bench_gemms 540 python3 benchmarks/bench_gemms.py --commit "$commit" --out "$OUT" $GEMMS_ARGS
 selected layer && run bench_layer 560 python3 benchmarks/bench_layer.py --commit "$commit" --out "$OUT" $LAYER_ARGS
