@@ -16,8 +16,13 @@
 #             lm_deps.tar.zst of pure-Python packages
 #   moe_block benchmarks/bench_moe_block.py: every block's step, every variant, both modes
 #             (estimated 6-9 min; MOE_BLOCK_ARGS="--blocks ..." splits it); its tokamax
-#             variant runs where the image has tokamax (it has not, and its 28 MB of
-#             packages do not fit in a call beside the CuTe DSL bundle)
+#             variant runs from a carried tokamax_deps.tar.zst (3.2 MB, what fits beside the
+#             CuTe DSL bundle): tokamax and the needs the image lacks, pip download --no-deps
+#             (einshape pydantic pydantic-core qwix immutabledict tensorboardx fire gviz-api
+#             termcolor annotated-types typing-inspection) unpacked into one folder, less
+#             tokamax's tests and its TPU, A100 and B200 tuning data, and xprof (32 MB, which
+#             tokamax imports for benchmarking helpers this script never calls) as a stub
+#             module whose function raises
 #   gemms     benchmarks/bench_gemms.py: the six grouped GEMMs of a layer step (estimated 3-5 min)
 #   layer     benchmarks/bench_layer.py: moe_mlp's step and forward, every variant, the bf16
 #             baselines among them (estimated 5-8 min)
@@ -110,7 +115,7 @@ if selected lm; then
   done
 fi
 
-selected moe_block && run bench_moe_block 550 \
+selected moe_block && PYTHONPATH="$(carried tokamax_deps.tar.zst "import tokamax")" run bench_moe_block 550 \
   python3 benchmarks/bench_moe_block.py --commit "$commit" --out "$OUT" $MOE_BLOCK_ARGS
 selected gemms && run bench_gemms 540 python3 benchmarks/bench_gemms.py --commit "$commit" --out "$OUT" $GEMMS_ARGS
 selected layer && run bench_layer 560 python3 benchmarks/bench_layer.py --commit "$commit" --out "$OUT" $LAYER_ARGS
