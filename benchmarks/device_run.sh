@@ -16,13 +16,7 @@
 #             lm_deps.tar.zst of pure-Python packages
 #   moe_block benchmarks/bench_moe_block.py: every block's step, every variant, both modes
 #             (estimated 6-9 min; MOE_BLOCK_ARGS="--blocks ..." splits it); its tokamax
-#             variant runs from a carried tokamax_deps.tar.zst (3.2 MB, what fits beside the
-#             CuTe DSL bundle): tokamax and the needs the image lacks, pip download --no-deps
-#             (einshape pydantic pydantic-core qwix immutabledict tensorboardx fire gviz-api
-#             termcolor annotated-types typing-inspection) unpacked into one folder, less
-#             tokamax's tests and its TPU, A100 and B200 tuning data, and xprof (32 MB, which
-#             tokamax imports for benchmarking helpers this script never calls) as a stub
-#             module whose function raises
+#             variant runs from a carried tokamax_deps.tar.zst (docs/performance.md)
 #   gemms     benchmarks/bench_gemms.py: the six grouped GEMMs of a layer step (estimated 3-5 min)
 #   layer     benchmarks/bench_layer.py: moe_mlp's step and forward, every variant, the bf16
 #             baselines among them (estimated 5-8 min)
