@@ -4,7 +4,6 @@
 #   bash benchmarks/device_run.sh STAGES COMMIT
 #
 # STAGES is a comma-separated list of:
-#   smoke     one small case with a hard time limit (a hang stops everything here)
 #   tests     the whole GPU tier but the gathered kernels': python -m pytest -m gpu tests/
 #   gathered_tests  the GPU tier of the kernels not yet verified (tests/test_sm90_gathered.py),
 #             under a limit of its own, so that a kernel that hangs costs little
@@ -83,8 +82,6 @@ if [[ -n $GPU_TEST_WORKERS ]]; then
   gpu_tests+=" -n $GPU_TEST_WORKERS"
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
 fi
-selected smoke && { run smoke 180 $gpu_tests -x tests/test_sm90.py \
-  -k "test_matches_float64_contract and one_row and bf16 and False" || exit; }
 selected gathered_tests && run gathered_tests 200 $gpu_tests --durations=5 tests/test_sm90_gathered.py
 selected tests && run tests 480 $gpu_tests --durations=8 --ignore=tests/test_sm90_gathered.py tests/
 

@@ -98,6 +98,10 @@ def computations(backends):
             mode = "deterministic" if deterministic else "default"
             yield (f"block_grads_{mode}_{kernels}_kernels", test_moe_block_gpu.block_grads(deterministic), block,
                    names, kernels == "unverified")
+    # XLA times candidate algorithms for its own GEMMs (the router's, the latent projections')
+    # once per process: with autotuning off, their choice, and so their bits, is fixed.
+    reproducible = jax.jit(test_moe_block_gpu.block_grads(True), compiler_options=train_moe.REPRODUCIBLE_COMPILATION)
+    yield "block_grads_deterministic_reproducible", reproducible, block, names, False
 
 
 def switches(unverified: bool):

@@ -186,14 +186,8 @@ def render_gemms(runs: Runs) -> str:
 def render_moe_block(runs: Runs) -> str:
     """bench_moe_block.py's record: each block's step per variant in both modes, the share of its kernel
     time outside the GEMM kernels (timing.GEMM_KERNEL), its peak memory, its time over its GEMMs alone's."""
-    (_, run), note = runs[0], ""
-    blocks = run.get("blocks")
-    if blocks is None:  # the script's first version timed one block, of a routing it did not record
-        b = run["block"]
-        blocks = {"nano_8k": dict(variants=run["variants"], description=(
-            f"T = {b['tokens']}, d = {b['d']}, {b['experts']} experts of {b['f']}, top-{b['top_k']}, sigmoid with a "
-            f"selection bias, normalized, scaled by {b['scale']:g}, a shared expert of {b['shared']}"))}
-        note = " This record is from the script's earlier version, which timed this block alone; its next run replaces it."
+    run = runs[0][1]
+    blocks = run["blocks"]
 
     def outside(entry):
         part = timing.outside_gemms(entry["kernels"]) if entry and entry.get("kernels") else None
@@ -212,7 +206,7 @@ def render_moe_block(runs: Runs) -> str:
                          ratio(default, entries.get("gemms_cublas"))])
     return "\n".join([
         provenance(runs, f"a step is `jax.value_and_grad` of the block, throughput at {run['flops']}"),
-        "Blocks: " + "; ".join(f"`{name}`, {block['description']}" for name, block in blocks.items()) + f".{note}",
+        "Blocks: " + "; ".join(f"`{name}`, {block['description']}" for name, block in blocks.items()) + ".",
         f"Each cell: time (TFLOP/s). {RATIOS} Outside the GEMMs: the step's time in kernels that are no GEMM "
         "(routing, gathers, combine, casts), default mode. Peak memory: by XLA's memory analysis of the compiled "
         "step, default / deterministic. " + precision_line(runs, variants), "",
@@ -222,26 +216,17 @@ def render_moe_block(runs: Runs) -> str:
 
 def render_summary(runs: Runs) -> str:
     """The front page: the moe_mlp step on the kernels beside bf16 cuBLAS doing only the
-    step's six GEMMs, dense and batched over equal experts: from the step's own record
-    where it timed them, else summed from bench_gemms.py's per-GEMM records."""
-    (step_name, step_run), gemm_runs = runs[0], runs[1:]
-    ceilings, sources = {}, []
-    for name, run in gemm_runs:
-        for key, sums in six_gemm_sums(run, ("cublas_dense", "cublas_batched")).items():
-            for variant, entry in sums.items():
-                if (key, variant) not in ceilings:
-                    if name not in sources:
-                        sources.append(name)
-                    ceilings[(key, variant)] = dict(entry, note=f" ({'abc'[sources.index(name)]})")
+    step's six GEMMs, dense and batched over equal experts, as the step's record timed them."""
+    (step_name, step_run) = runs[0]
     body, slower, timed_here = [], {"cublas_dense": [], "cublas_batched": []}, precision_of(step_name, step_run)
     for row in step_run["shapes"]:
-        entries, key = row["modes"]["step"]["variants"], (shape_text(row["shape"]), grouping(row))
-        found = {v: entries.get(v) if v in timed_here else ceilings.get((key, v)) for v in slower}
+        entries = row["modes"]["step"]["variants"]
+        found = {v: entries.get(v) if v in timed_here else None for v in slower}
         for variant, ceiling in found.items():
             if over(entries.get("sm90"), ceiling) is not None:
                 slower[variant].append(over(entries.get("sm90"), ceiling))
-        body.append([key[0], cell(entries.get("sm90")), cell(entries.get("sm90_det")),
-                     *("pending" if c is None else cell(c) + c.get("note", "") for c in found.values()),
+        body.append([shape_text(row["shape"]), cell(entries.get("sm90")), cell(entries.get("sm90_det")),
+                     *("pending" if c is None else cell(c) for c in found.values()),
                      *(ratio(entries.get("sm90"), c) for c in found.values())])
     said = []
     for variant, what in (("cublas_dense", "the six dense GEMMs"), ("cublas_batched", "the batched GEMMs")):
@@ -249,14 +234,12 @@ def render_summary(runs: Runs) -> str:
         if times:
             said.append(f"{what} at {sum(t > 1 for t in times)} of the {len(times)} shapes where they were timed "
                         f"({min(times):.2f}x-{max(times):.2f}x their time)")
-    notes = [f"({'abc'[i]}) the sum of the six GEMMs' times in `benchmarks/results/{name}` "
-             f"(`{dict(gemm_runs)[name]['commit']}`, another run)" for i, name in enumerate(sources)]
     return "\n".join([
         f"A `moe_mlp` training step (`jax.value_and_grad`, bf16 with b1, ragged group sizes) on an "
         f"{step_run['device']}, CUPTI kernel time (TFLOP/s), commit `{step_run['commit']}`, beside bf16 cuBLAS "
         "doing only the step's six GEMMs (bf16 operands and outputs, float32 accumulation): dense GEMMs of the "
-        "same FLOPs, the practical ceiling, and batched GEMMs over E equal experts. Generated from "
-        f"`benchmarks/results/{step_name}`; {'; '.join(notes) or 'the step record'}. "
+        "same FLOPs, the practical ceiling, and batched GEMMs over E equal experts, timed in the same run. "
+        f"Generated from `benchmarks/results/{step_name}`. "
         "[docs/performance.md](docs/performance.md) has every table and how each was measured.",
         "", *table(["shape (m, d, f, E)", "sm90 step", "deterministic", "six bf16 cuBLAS GEMMs, dense",
                     "the same batched over experts", "step / dense", "step / batched"], body),
@@ -308,6 +291,13 @@ def render_determinism(runs: Runs) -> str:
                                     "default compile",
              "example_layer_grads_reproducible": "the same, compiled with `train_moe.REPRODUCIBLE_COMPILATION`",
              "router_dot_f32": "the router's float32 GEMM alone (XLA's own)",
+             "block_grads_default_verified_kernels": "the Nemotron-style block of `tests/test_moe_block_gpu.py`, every "
+                                                     "gradient, XLA's default compile, default mode",
+             "block_grads_deterministic_verified_kernels": "the same, `deterministic=True`",
+             "block_grads_deterministic_reproducible": "the same, compiled with `train_moe.REPRODUCIBLE_COMPILATION`",
+             "block_grads_default_unverified_kernels": "the same block with the unverified (gathered) sm90 kernels, "
+                                                       "default mode",
+             "block_grads_deterministic_unverified_kernels": "the same, `deterministic=True`",
              "example": "`train_moe.py --dtype bfloat16 --deterministic`: final parameters"}
 
     def digests(run, key):
@@ -321,6 +311,12 @@ def render_determinism(runs: Runs) -> str:
             return "not run"
         distinct = len(set(found))
         text = f"identical in {len(found)}" if distinct == 1 else f"**{distinct} distinct** in {len(found)}"
+        results = [d["results"][key] for d in run["digests"] if key != "example" and d and "outputs" in d["results"].get(key, {})]
+        differ = sorted(o for o in (results[0]["outputs"] if results else {}) if len({r["outputs"][o] for r in results}) > 1)
+        if 0 < len(differ) < len(results[0]["outputs"]):
+            text += f" (differing: {', '.join(differ)})"
+        within = max((r.get("distinct_in_process", 1) for r in results), default=1)
+        text += f"; up to {within} distinct in a process's {results[0]['runs']} runs" if within > 1 else ""
         return text + ("" if len(found) == run["processes"] else f" (of {run['processes']} started)")
 
     headers = [f"`{run['commit']}`: kernels " + ("from the disk cache" if run["kernel_cache"] == "warm"
@@ -338,7 +334,7 @@ def render_determinism(runs: Runs) -> str:
 
 # (document, marker, records, renderer)
 TABLES: list[tuple[str, str, tuple[str, ...], Callable[[Runs], str]]] = [
-    ("README.md", "summary", ("bench_layer.json", "bench_gemms_fine_grained.json", "bench_gemms.json"), render_summary),
+    ("README.md", "summary", ("bench_layer.json",), render_summary),
     ("README.md", "quack", ("bench_gemms_quack.json",), render_quack),
     ("docs/performance.md", "layer", ("bench_layer.json",), render_layer),
     ("docs/performance.md", "gemms", ("bench_gemms.json",), render_gemms),
