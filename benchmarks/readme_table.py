@@ -114,15 +114,19 @@ def shape_text(shape: dict) -> str:
     return ", ".join(str(shape[key]) for key in "mdfE")
 
 
-def breakdown(entry: dict) -> str:
-    """Where a step's time goes: our kernels by class, then everything else together."""
+def breakdown(entry: dict, named_others: int = 0) -> str:
+    """Where a step's time goes: our kernels by class, then everything else together (its
+    `named_others` longest kernels by name)."""
     ours: dict[str, float] = {}
+    others = sorted(((ms, name) for name, ms in entry["kernel_summary"]
+                     if not any(cls in name for cls in KERNEL_CLASSES)), reverse=True)[:named_others]
     for name, ms in entry["kernel_summary"]:
         label = next((label for cls, label in KERNEL_CLASSES.items() if cls in name), None)
         if label is not None:
             ours[label] = ours.get(label, 0.0) + ms
     rest = entry["ms"] - sum(ours.values())
-    return ", ".join(f"{label} {ms:.3f}" for label, ms in ours.items()) + f", all else {rest:.3f} ms"
+    named = f" (of which {', '.join(f'{name[:40]} {ms:.3f}' for ms, name in others)})" if others else ""
+    return ", ".join(f"{label} {ms:.3f}" for label, ms in ours.items()) + f", all else {rest:.3f} ms{named}"
 
 
 def render_layer(runs: Runs) -> str:
@@ -211,7 +215,11 @@ def render_moe_block(runs: Runs) -> str:
         "(routing, gathers, combine, casts), default mode. Peak memory: by XLA's memory analysis of the compiled "
         "step, default / deterministic. " + precision_line(runs, variants), "",
         *table(["block", "variant", "step", "deterministic", "deterministic / default", "outside the GEMMs",
-                "peak memory (GiB)", "step / its GEMMs alone"], body)])
+                "peak memory (GiB)", "step / its GEMMs alone"], body),
+        "", "Where the library's default-mode steps go (CUPTI, ms):", "",
+        *(f"- `{name}`, {HEADERS[v]} ({entry['ms']:.3f} ms): {breakdown(entry, named_others=3)}"
+          for name, block in blocks.items() for v in ("auto", "gathered")
+          if "kernel_summary" in (entry := block["variants"].get(v, {})))])
 
 
 def render_summary(runs: Runs) -> str:

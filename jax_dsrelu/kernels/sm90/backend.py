@@ -1,10 +1,11 @@
 """How the sm90 backend presents itself to the registry. Imports no CuTe DSL.
 
-Kernels that have not yet run on the hardware they claim are compiled and lowered, but
+Kernels not yet verified on the hardware they claim are compiled and lowered, but
 no call uses them unless the environment variable `UNVERIFIED_VARIABLE` names their kind
 (comma-separated), which the H200 run that checks them sets: until then the primitives
 gather rows themselves and run the verified kernels, and the gather-and-sum runs on XLA.
-A kind leaves `UNVERIFIED_KINDS` once such a run has checked it.
+A kind leaves `UNVERIFIED_KINDS` once such a run has checked it and timed it faster than
+what `backend="auto"` runs in its place.
 """
 
 from __future__ import annotations
@@ -29,11 +30,18 @@ DEVICE_DESCRIPTION = "Hopper GPUs (compute capability 9.0: H100, H200)"
 REQUEST_KINDS = (Request, RaggedMatmulRequest, RaggedContractRequest, GatherSumRequest)
 
 UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
-# Kernel kinds not yet run on an H200:
+# Kernel kinds not verified on an H200:
 #   "gathered"    the GEMMs reading rows through a row index (`gathered_kernels.py`):
 #                 the up-projection's x rows, the fused dsReLU kernel's dy rows, the
-#                 weight gradients' x rows (dW1) and dy rows (dW2)
-#   "gather_sum"  the ordered gather-and-sum (`gather_sum_kernel.py`)
+#                 weight gradients' x rows (dW1) and dy rows (dW2). Run at 13cf1f7: the
+#                 fused kernel in deterministic mode gave other bits than on the rows
+#                 gathered in memory, the block on them varied within a process, and the
+#                 block's step was slower than on the verified kernels
+#                 (benchmarks/results/bench_moe_block.json.gz, device_checks.log).
+#   "gather_sum"  the ordered gather-and-sum (`gather_sum_kernel.py`). Run at 13cf1f7:
+#                 bit for bit XLA's sequential sum, no memcheck error or racecheck hazard,
+#                 and in the gathered blocks' records no faster than XLA's fused
+#                 gather-and-sum in the default blocks'.
 UNVERIFIED_KINDS = ("gathered", "gather_sum")
 # The operands of each request kind that the "gathered" kernels read through an index.
 _GATHERED_OPERANDS = {
