@@ -75,12 +75,12 @@ carried() {
   echo "$PYTHONPATH:/tmp/$1.d"
 }
 
-# GPU_TEST_WORKERS: pytest-xdist processes side by side on the GPU (the tier's time goes
-# mostly to its float64 references on the CPUs); each allocates only what it uses.
+# GPU_TEST_WORKERS: pytest-xdist (the image's) processes side by side on the GPU (the
+# tier's time goes mostly to its float64 references on the CPUs); each allocates only what
+# it uses, which the benchmarks after them need not share.
 gpu_tests="python3 -m pytest -q -p no:cacheprovider -rs -m gpu"
 if [[ -n $GPU_TEST_WORKERS ]]; then
-  gpu_tests+=" -n $GPU_TEST_WORKERS"
-  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  gpu_tests="env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n $GPU_TEST_WORKERS"
 fi
 selected gathered_tests && run gathered_tests 200 $gpu_tests --durations=5 tests/test_sm90_gathered.py
 selected tests && run tests 480 $gpu_tests --durations=8 --ignore=tests/test_sm90_gathered.py tests/

@@ -37,8 +37,8 @@ BY_BENCHMARK = {
         "tokamax": f"experts {BF16_GEMM} (tokamax.ragged_dot), epilogue and combine float32; router float32",
         "gemms_cublas": f"{BF16_GEMM} in both directions, each GEMM on cuBLAS (Triton GEMM fusion off); the "
                         "router's GEMMs float32, as the block's",
-        "gathered": "as auto (the same arithmetic): its GEMMs read rows through the routing "
-                    "index, its ordered gather-and-sums run on the sm90 kernel", "gathered_det": "as gathered",
+        "gathered": "as auto, its GEMMs reading rows through the routing index, its ordered "
+                    "gather-and-sums on the sm90 kernel", "gathered_det": "as gathered",
     },
 }
 SAME_SINCE_WRITTEN = {

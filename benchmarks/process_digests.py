@@ -5,7 +5,9 @@ and moe_mlp's gradients with deterministic=True on each backend, the gradients o
 examples/train_moe.py's layer (bfloat16, backend "auto") jitted with XLA's defaults and
 with train_moe.REPRODUCIBLE_COMPILATION (autotuning off), a float32 GEMM of XLA's own, and
 the gradients of tests/test_moe_block_gpu.py's block (x, the router, every projection) in
-both modes, on the verified kernels and with the unverified ones switched on; it prints one JSON line: each one's digest, and how many distinct results its calls gave
+both modes, on the verified kernels and with the unverified ones switched on, and with
+deterministic=True compiled with autotuning off; it prints one JSON line: each one's
+digest, and how many distinct results its calls gave
 (1: bitwise identical within the process). Comparing the lines of several processes
 (benchmarks/determinism_parallel.sh) shows whether anything chosen at compile time
 changes the bits.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import re
 import sys
 from typing import Callable
 
@@ -118,13 +119,14 @@ def breakdown(entry: dict, named_others: int = 0) -> str:
     """Where a step's time goes: our kernels by class, then everything else together (its
     `named_others` longest kernels by name)."""
     ours: dict[str, float] = {}
-    others = sorted(((ms, name) for name, ms in entry["kernel_summary"]
-                     if not any(cls in name for cls in KERNEL_CLASSES)), reverse=True)[:named_others]
+    # Named others: single kernels, not the summary's "N other kernels" row.
+    others = sorted(((ms, name) for name, ms in entry["kernel_summary"] if not any(cls in name for cls in KERNEL_CLASSES)
+                     and not re.fullmatch(r"\d+ other kernels", name)), reverse=True)[:named_others]
     for name, ms in entry["kernel_summary"]:
         label = next((label for cls, label in KERNEL_CLASSES.items() if cls in name), None)
         if label is not None:
             ours[label] = ours.get(label, 0.0) + ms
-    rest = entry["ms"] - sum(ours.values())
+    rest = sum(ms for _, ms in entry["kernel_summary"]) - sum(ours.values())
     named = f" (of which {', '.join(f'{name[:40]} {ms:.3f}' for ms, name in others)})" if others else ""
     return ", ".join(f"{label} {ms:.3f}" for label, ms in ours.items()) + f", all else {rest:.3f} ms{named}"
 
@@ -233,7 +235,8 @@ def render_summary(runs: Runs) -> str:
         for variant, ceiling in found.items():
             if over(entries.get("sm90"), ceiling) is not None:
                 slower[variant].append(over(entries.get("sm90"), ceiling))
-        body.append([shape_text(row["shape"]), cell(entries.get("sm90")), cell(entries.get("sm90_det")),
+        shape = shape_text(row["shape"]) + ("" if grouping(row) == "dirichlet" else f", {grouping(row)}")
+        body.append([shape, cell(entries.get("sm90")), cell(entries.get("sm90_det")),
                      *("pending" if c is None else cell(c) for c in found.values()),
                      *(ratio(entries.get("sm90"), c) for c in found.values())])
     said = []

@@ -7,7 +7,7 @@ options (the fused dsReLU kernel with and without dbias, act and deterministic m
 bfloat16 and float16; the ragged-M GEMM without epilogue, with the squared-ReLU one and
 its bias, rhs read "kn" and "nk"; the contraction with both walks and float32 or 16-bit
 outputs), each tile width, cluster pairs, and the shapes the tests and benchmarks build;
-and the kernels not yet run on an H200: the gathered variants (an operand's rows read
+and the kernels not verified on an H200: the gathered variants (an operand's rows read
 through a row index) and the gather-and-sum, whose digests show that the code an H200 run
 checks is the code that ships.
 

@@ -1,4 +1,4 @@
-"""The sm90 kernels not yet run on an H200: gathered operand loads and the ordered gather-and-sum.
+"""The sm90 kernels not verified on an H200: gathered operand loads and the ordered gather-and-sum.
 
 Kernels: the ragged-M GEMM, the fused dsReLU kernel and the contraction reading their A
 rows through a row index (`kernels/sm90/gather_a.py`, `gathered_kernels.py`), and the

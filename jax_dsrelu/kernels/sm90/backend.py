@@ -33,15 +33,15 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 # Kernel kinds not verified on an H200:
 #   "gathered"    the GEMMs reading rows through a row index (`gathered_kernels.py`):
 #                 the up-projection's x rows, the fused dsReLU kernel's dy rows, the
-#                 weight gradients' x rows (dW1) and dy rows (dW2). Run at 13cf1f7: the
-#                 fused kernel in deterministic mode gave other bits than on the rows
-#                 gathered in memory, the block on them varied within a process, and the
-#                 block's step was slower than on the verified kernels
-#                 (benchmarks/results/bench_moe_block.json.gz, device_checks.log).
+#                 weight gradients' x rows (dW1) and dy rows (dW2). Run at 13cf1f7: wrong
+#                 rows from the fused kernel at Nano's widths, the block on them outside
+#                 its check at nano_8k and varying within a process in both modes, and
+#                 slower where it passed (benchmarks/results/bench_moe_block.json.gz,
+#                 device_checks.log).
 #   "gather_sum"  the ordered gather-and-sum (`gather_sum_kernel.py`). Run at 13cf1f7:
 #                 bit for bit XLA's sequential sum, no memcheck error or racecheck hazard,
-#                 and in the gathered blocks' records no faster than XLA's fused
-#                 gather-and-sum in the default blocks'.
+#                 and, in the block records, faster than XLA's fused gather-and-sum at
+#                 one block of three and slower at two.
 UNVERIFIED_KINDS = ("gathered", "gather_sum")
 # The operands of each request kind that the "gathered" kernels read through an index.
 _GATHERED_OPERANDS = {
@@ -69,7 +69,8 @@ def enabled(kind: str) -> bool:
 def unverified_enabled(*kinds: str) -> Iterator[None]:
     """Within the block, functions traced may use the kernels of `kinds` (all of
     UNVERIFIED_KINDS if none is named): the switch set for the block's duration, as the
-    H200 run's benchmarks set it to time them beside the verified kernels."""
+    H200 run's benchmarks set it to time them beside the verified kernels. It names exactly
+    these kinds for the block, an outer setting's included."""
     unknown = set(kinds) - set(UNVERIFIED_KINDS)
     if unknown:
         raise ValueError(f"kinds names {sorted(unknown)}; the sm90 kernel kinds not yet verified are "
@@ -99,7 +100,7 @@ def cannot_implement(request: AnyRequest) -> str | None:
 
     if isinstance(request, GatherSumRequest):
         if not enabled("gather_sum"):
-            return (f"the sm90 gather-and-sum kernel has not yet run on an H200 (set {UNVERIFIED_VARIABLE}="
+            return (f"the sm90 gather-and-sum kernel is not verified on an H200 (set {UNVERIFIED_VARIABLE}="
                     f"gather_sum to use it)")
         return gather_sum_config.cannot_implement(request)
     if isinstance(request, RaggedMatmulRequest):
