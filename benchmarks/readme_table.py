@@ -119,16 +119,17 @@ def breakdown(entry: dict, named_others: int = 0) -> str:
     """Where a step's time goes: our kernels by class, then everything else together (its
     `named_others` longest kernels by name)."""
     ours: dict[str, float] = {}
-    # Named others: single kernels, not the summary's "N other kernels" row.
-    others = sorted(((ms, name) for name, ms in entry["kernel_summary"] if not any(cls in name for cls in KERNEL_CLASSES)
-                     and not re.fullmatch(r"\d+ other kernels", name)), reverse=True)[:named_others]
+    others: list[tuple[float, str]] = []
     for name, ms in entry["kernel_summary"]:
         label = next((label for cls, label in KERNEL_CLASSES.items() if cls in name), None)
         if label is not None:
             ours[label] = ours.get(label, 0.0) + ms
+        elif not re.fullmatch(r"\d+ other kernels", name):  # single kernels, not the summary's remainder row
+            others.append((ms, name))
     rest = sum(ms for _, ms in entry["kernel_summary"]) - sum(ours.values())
-    named = f" (of which {', '.join(f'{name[:40]} {ms:.3f}' for ms, name in others)})" if others else ""
-    return ", ".join(f"{label} {ms:.3f}" for label, ms in ours.items()) + f", all else {rest:.3f} ms{named}"
+    named = ", ".join(f"{name[:40]} {ms:.3f}" for ms, name in sorted(others, reverse=True)[:named_others])
+    return ", ".join(f"{label} {ms:.3f}" for label, ms in ours.items()) + f", all else {rest:.3f} ms" + (
+        f" (of which {named})" if named else "")
 
 
 def render_layer(runs: Runs) -> str:
