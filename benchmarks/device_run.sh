@@ -4,9 +4,12 @@
 #   bash benchmarks/device_run.sh STAGES COMMIT
 #
 # STAGES is a comma-separated list of:
-#   tests     the whole GPU tier but the gathered kernels': python -m pytest -m gpu tests/
+#   tests     the whole GPU tier but the gathered kernels': python -m pytest -m gpu tests/ (TEST_FILES
+#             picks files instead, to split the tier over calls; TESTS_LIMIT, default 480 s)
 #   gathered_tests  the GPU tier of the kernels not yet verified (tests/test_sm90_gathered.py),
 #             under a limit of its own, so that a kernel that hangs costs little
+#   check_gathered  benchmarks/check_gathered.py: the gathered fused kernel run CHECK_RUNS (20)
+#             times beside the verified one and a variant, every run held to float64
 #   examples  EXAMPLES (examples/train_moe.py and expert_parallel.py) in bfloat16 on the GPU,
 #             each run EXAMPLE_RUNS (2) times with --deterministic (the digests must agree)
 #   lm        examples/train_lm.py with its docstring's GPU command (LM_STEPS steps, 2000),
@@ -83,7 +86,10 @@ if [[ -n $GPU_TEST_WORKERS ]]; then
   gpu_tests="env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n $GPU_TEST_WORKERS"
 fi
 selected gathered_tests && run gathered_tests 200 $gpu_tests --durations=5 tests/test_sm90_gathered.py
-selected tests && run tests 480 $gpu_tests --durations=8 --ignore=tests/test_sm90_gathered.py tests/
+selected tests && run tests "${TESTS_LIMIT:-480}" $gpu_tests --durations=8 --ignore=tests/test_sm90_gathered.py \
+  ${TEST_FILES:-tests/}
+selected check_gathered && run check_gathered 240 python3 benchmarks/check_gathered.py --commit "$commit" \
+  --out "$OUT" --runs "${CHECK_RUNS:-20}"
 
 if selected examples; then
   for example in ${EXAMPLES:-train_moe expert_parallel}; do

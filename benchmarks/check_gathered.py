@@ -1,0 +1,240 @@
+"""The gathered fused dsReLU kernel run again and again beside the verified kernel on the same
+rows, at the GPU tier's case where it once gave wrong rows (tests/test_sm90_gathered.py,
+"nano_widths"), to say what goes wrong and where.
+
+Every output is NaN-filled before each run, and each run is held to the float64 contract
+(tests/contract_numpy.py). Where a run is outside it, the record says where (expert, the
+tile within it, N-tile, subtile), whether the wrong entries were never written (NaN), and
+whose values they are: act = relu(preact)^2 prob does not depend on the GEMM, so a wrong act
+block names the preact block the epilogue read instead (searched over every tile's rows and
+every subtile's columns), and a wrong dh block equal to the verified dh elsewhere names a
+misplaced store.
+
+Three kernels per mode: the verified one on rows gathered in memory, the gathered one, and
+a variant of the gathered one whose gathering threads wait for their own copies, fence them
+for the async proxy and then arrive (`WaitedGatheredDsrelu`, slower, for this check only):
+if it alone stays within the contract, the cp.async completion signal is what fails.
+
+    python benchmarks/check_gathered.py --runs 20 --commit C --out DIR
+    JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/check_gathered.py --prebuild
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import hashlib
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+import test_sm90_gathered as cases  # noqa: E402, I001  (first: it sets CUTE_DSL_ARCH before CuTe DSL loads)
+import contract_numpy  # noqa: E402
+import cuda_lowering  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import run_record  # noqa: E402
+
+from jax_dsrelu.kernels.sm90 import dsrelu_call  # noqa: E402
+from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
+from jax_dsrelu.kernels.sm90.gathered_kernels import GatheredDsreluSm90  # noqa: E402
+from jax_dsrelu.kernels.sm90.operands import ROWS, SOURCE_ROWS  # noqa: E402
+
+CASE = "nano_widths"
+OUTPUTS = ("dh", "dprob", "dbias", "act", "amax")
+KERNELS = ("in_memory", "gathered", "gathered_waited")
+SAMPLED = 20_000  # wrong entries placed in blocks, at most (the counts are of these)
+
+
+class WaitedGatheredDsrelu(GatheredDsreluSm90):
+    """The gathered kernel with each gathering thread waiting for its own copies of a k-tile,
+    fencing them (generic to async proxy) and arriving plainly, instead of
+    cp.async.mbarrier.arrive.noinc: the completion signal taken out of the question."""
+
+    @cute.jit
+    def load_k_tiles(self, copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        for k_tile in range(k_tiles):
+            if warp_idx == self.a_load_warps[0]:
+                ab_pipeline.producer_acquire(state)
+                cute.copy(tma_b, tBgB[None, k_tile], tBsB[None, state.index],
+                          tma_bar_ptr=ab_pipeline.producer_get_barrier(state))
+            else:
+                ab_pipeline.sync_object_empty.wait(state.index, state.phase)
+            self._copy_k_tile(tAgA, tAsA, k_tile, state.index)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.mbarrier_arrive(ab_pipeline.producer_get_barrier(state))
+            state.advance()
+        return state
+
+
+@contextlib.contextmanager
+def waited_kernel():
+    """dsrelu_call builds (and keys) the waited variant for its gathered calls."""
+    kernel, key = dsrelu_call._kernel, dsrelu_call._compile_key
+    dsrelu_call._kernel = lambda request, config, gathered=None: (
+        WaitedGatheredDsrelu(config, request) if gathered else kernel(request, config))
+    dsrelu_call._compile_key = lambda *a: key(*a) + ("waited",)
+    try:
+        yield
+    finally:
+        dsrelu_call._kernel, dsrelu_call._compile_key = kernel, key
+
+
+def problem(deterministic: bool):
+    """The tier's case: its inputs (as the test draws them) and the request and config."""
+    rng, dy, index, rows, k, n, sizes = cases.gathered_case(CASE)
+    num_experts = len(sizes)
+    weight = jnp.asarray(rng.standard_normal((num_experts, n, k)) / np.sqrt(k), jnp.bfloat16)
+    preact = jnp.asarray(rng.standard_normal((index.size, n)), jnp.bfloat16)
+    prob = jnp.asarray(rng.uniform(0.05, 1.0, index.size), jnp.float32)
+    alpha = jnp.asarray(rng.uniform(-2.0, 2.0, num_experts), jnp.float32)
+    request = cases.dsrelu_request(num_experts, k, n, deterministic)
+    config = sm90_config.choose_config(dsrelu_call.kernel_request(request))
+    inputs = dict(dy=jnp.asarray(dy), index=jnp.asarray(index), rows=jnp.asarray(rows), weight=weight,
+                  preact=preact, prob=prob, sizes=jnp.asarray(sizes, jnp.int32), alpha=alpha)
+    return inputs, request, config
+
+
+def runner(kernel: str, request, config):
+    """A jitted (inputs, NaN-filled outputs) -> outputs of one kernel, with its context."""
+    run = dsrelu_call.implementation(request, config, outputs_in_place=True)
+    if kernel == "in_memory":
+        fn = lambda i, filled: run(i["rows"], i["weight"], i["preact"], i["prob"], i["sizes"], i["alpha"], filled)  # noqa: E731
+    else:
+        fn = lambda i, filled: run(i["dy"], i["weight"], i["preact"], i["prob"], i["sizes"], i["alpha"], filled,  # noqa: E731
+                                   grad_index=i["index"])
+    context = waited_kernel if kernel == "gathered_waited" else contextlib.nullcontext
+    return jax.jit(fn), context
+
+
+def poisoned(request, config, kernel: str, inputs) -> dict:
+    gathered = None if kernel == "in_memory" else "grad"
+    counts = {ROWS: inputs["preact"].shape[0], SOURCE_ROWS: inputs["dy"].shape[0]}
+    return {o.name: jnp.full(o.shape_for(counts), jnp.nan, o.dtype)
+            for o in dsrelu_call.operands(request, config, gathered=gathered) if o.role == "output"}
+
+
+def outside(got: np.ndarray, want: np.ndarray, bound: np.ndarray) -> np.ndarray:
+    """Where got (as float64) is outside the contract's bound of want (NaN counts as outside)."""
+    with np.errstate(invalid="ignore"):
+        return ~(np.abs(got.astype(np.float64) - want) <= bound)
+
+
+def tile_starts(sizes, num_rows: int, tile_m: int) -> list[tuple[int, int, int, int]]:
+    """(expert, tile within it, first row, rows) of every expert tile."""
+    return [(e, t, start + t * tile_m, min(tile_m, end - start - t * tile_m))
+            for e, (start, end) in enumerate(contract_numpy.expert_rows(sizes, num_rows))
+            for t in range(-(-(end - start) // tile_m))]
+
+
+def blocks_of(bad: np.ndarray, tiles, config) -> list[dict]:
+    """The (expert tile, N-tile, subtile) blocks holding the wrong entries, most first."""
+    counter = collections.Counter()
+    rows, columns = np.nonzero(bad)
+    for row, column in zip(rows[:SAMPLED], columns[:SAMPLED]):
+        e, t, first, _ = next(tile for tile in tiles if tile[2] <= row < tile[2] + tile[3])
+        counter[(e, t, first, column // config.tile_n, (column % config.tile_n) // config.epi_n)] += 1
+    return [dict(expert=int(e), tile=int(t), first_row=int(f), n_tile=int(nt), subtile=int(s), wrong=int(c))
+            for (e, t, f, nt, s), c in counter.most_common(8)]
+
+
+def sources(block: dict, got: dict, inputs, verified_dh: np.ndarray, tiles, config) -> dict:
+    """Whose values a wrong block holds: the preact blocks whose relu^2 prob match its act,
+    and the places where the verified dh equals its dh, best first."""
+    rows = slice(block["first_row"], block["first_row"] + next(t[3] for t in tiles if t[2] == block["first_row"]))
+    column0 = block["n_tile"] * config.tile_n + block["subtile"] * config.epi_n
+    n = verified_dh.shape[1]
+    columns = slice(column0, min(column0 + config.epi_n, n))
+    height, width = rows.stop - rows.start, columns.stop - columns.start
+    prob = np.asarray(inputs["prob"], np.float64)
+    relu2 = np.maximum(np.asarray(inputs["preact"], np.float64), 0.0) ** 2
+    implied = np.asarray(got["act"][rows, columns], np.float64) / prob[rows, None]
+    dh = np.asarray(got["dh"][rows, columns])
+    act_matches, dh_matches = [], []
+    for _, _, first, count in tiles:
+        if count < height:
+            continue
+        for c0 in range(0, n - width + 1, config.epi_n):
+            candidate = relu2[first:first + height, c0:c0 + width]
+            act_matches.append((float(np.mean(np.isclose(implied, candidate, rtol=2**-6, atol=1e-6))), first, c0))
+            dh_matches.append((float(np.mean(verified_dh[first:first + height, c0:c0 + width] == dh)), first, c0))
+    best = lambda found: [dict(share=s, first_row=f, column=c) for s, f, c in sorted(found, reverse=True)[:3]]  # noqa: E731
+    return dict(rows=[rows.start, rows.stop], columns=[columns.start, columns.stop], act_from_preact_at=best(act_matches),
+                dh_equals_verified_at=best(dh_matches))
+
+
+def digest(outputs) -> str:
+    return hashlib.sha256(b"".join(np.ascontiguousarray(o).tobytes() for o in outputs)).hexdigest()[:16]
+
+
+def check(deterministic: bool, runs: int) -> dict:
+    inputs, request, config = problem(deterministic)
+    expected = contract_numpy.grouped_gemm_dsrelu(inputs["rows"], inputs["weight"], inputs["preact"], inputs["prob"],
+                                                  inputs["sizes"], alpha=inputs["alpha"], out_dtype=jnp.bfloat16)
+    tiles = tile_starts(np.asarray(inputs["sizes"]), inputs["preact"].shape[0], config.tile_m)
+    found, verified_dh = {}, None
+    for kernel in KERNELS:
+        fn, context = runner(kernel, request, config)
+        entry = dict(runs=runs, outside_contract=0, digests=collections.Counter(), failures=[])
+        with context():
+            for run in range(runs):
+                got = dict(zip(OUTPUTS, map(np.asarray, fn(inputs, poisoned(request, config, kernel, inputs)))))
+                entry["digests"][digest(got[name] for name in OUTPUTS)] += 1
+                if verified_dh is None:
+                    verified_dh = got["dh"]
+                bad = {name: outside(got[name], getattr(expected, name), getattr(expected, f"{name}_bound"))
+                       for name in OUTPUTS}
+                if not any(b.any() for b in bad.values()):
+                    continue
+                entry["outside_contract"] += 1
+                if len(entry["failures"]) < 4:
+                    blocks = blocks_of(bad["dh"] | bad["act"], tiles, config)
+                    entry["failures"].append(dict(
+                        run=run, wrong={name: int(b.sum()) for name, b in bad.items()},
+                        unwritten={name: int(np.isnan(got[name]).sum()) for name in ("dh", "act")}, blocks=blocks,
+                        first_block=sources(blocks[0], got, inputs, verified_dh, tiles, config) if blocks else None))
+        entry["distinct"] = len(entry["digests"])
+        entry["digests"] = dict(entry["digests"])
+        print(f"  {'deterministic' if deterministic else 'default'} {kernel}: {entry['outside_contract']} of {runs} "
+              f"runs outside the contract, {entry['distinct']} distinct results", flush=True)
+        found[kernel] = entry
+    return dict(config=str(config), kernels=found)
+
+
+def prebuild() -> None:
+    cuda_lowering.prepare()
+    for deterministic in (False, True):
+        inputs, request, config = problem(deterministic)
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
+        for kernel in KERNELS:
+            fn, context = runner(kernel, request, config)
+            filled = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                  poisoned(request, config, kernel, inputs))
+            with context():
+                cuda_lowering.lower_for_cuda(f"check_gathered {kernel} deterministic={deterministic}", fn, shapes,
+                                             filled)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--commit")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--prebuild", action="store_true", help="build the kernels into the disk cache and stop")
+    args = parser.parse_args()
+    if args.prebuild:
+        return prebuild()
+    result = dict(run_record.header(args.commit, "none: a correctness check"), case=CASE)
+    result["modes"] = {mode: check(mode == "deterministic", args.runs) for mode in ("deterministic", "default")}
+    print(run_record.write_json(result, args.out, "check_gathered.json"))
+
+
+if __name__ == "__main__":
+    main()
