@@ -102,6 +102,23 @@ def test_compiles_for_sm90a_with_the_most_experts(deterministic):
         request_for(2048, 768, num_experts + 1))
 
 
+def preact_releases_fenced(ptx: str) -> list[bool]:
+    """Per read of a preact buffer (its ldmatrix), in PTX order: whether a proxy fence lies
+    between the read and the buffer's release (the next mbarrier.arrive), after which the
+    TMA warp writes the buffer through the async proxy."""
+    found, read, fenced = [], False, False
+    for line in ptx.splitlines():
+        line = line.strip()
+        if line.startswith("ldmatrix"):
+            read, fenced = True, False
+        elif read and line.startswith("fence.proxy.async"):
+            fenced = True
+        elif read and line.startswith("mbarrier.arrive"):
+            found.append(fenced)
+            read = False
+    return found
+
+
 # The benchmark shapes and the fused GEMM of the Nemotron-3 Nano layer (k = d = 2688,
 # n = f = 1856: a partial last N-tile).
 COMPILE_SHAPES = BENCHMARK_SHAPES + [(49152, 2688, 1856, 128)]
@@ -119,6 +136,8 @@ def test_compiles_for_sm90a_at_benchmark_shapes(shape, deterministic):
     assert ".target sm_90a" in ptx
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     assert "stmatrix" in ptx and "ldmatrix" in ptx
+    # One release per subtile of the tile's walk, each after a proxy fence.
+    assert preact_releases_fenced(ptx) == [True] * config.subtiles
     float_atomics = FLOAT_ATOMIC.findall(ptx)
     if deterministic:
         # dprob and dbias go to single-writer slots, summed by the reduction pass.

@@ -43,6 +43,7 @@ import pytest  # noqa: E402
 pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
 
 from contract_numpy import assert_matches_contract  # noqa: E402
+from test_sm90 import preact_releases_fenced  # noqa: E402
 from test_sm90_gemms import check_matmul, clamped_bounds, matmul_bound  # noqa: E402
 
 import jax_dsrelu  # noqa: E402
@@ -258,9 +259,11 @@ def test_gathered_kernels_take_the_shared_memory_of_their_config():
 @pytest.mark.parametrize("request_", [dsrelu_request(128, 2688, 1856), dsrelu_request(8, 520, 320, False)],
                          ids=["nano_deterministic", "partial_k_atomic"])
 def test_gathered_dsrelu_compiles_for_sm90a(request_):
-    ptx = dsrelu_call.compile_kernel(request_, sm90_config.choose_config(request_), keep=True, gathered="grad").ptx
+    config = sm90_config.choose_config(request_)
+    ptx = dsrelu_call.compile_kernel(request_, config, keep=True, gathered="grad").ptx
     assert_gathers_a(ptx)
     assert bool(ZERO_FILLED.search(ptx)) == (request_.k % 64 != 0)
+    assert preact_releases_fenced(ptx) == [True] * config.subtiles
 
 
 @pytest.mark.compile

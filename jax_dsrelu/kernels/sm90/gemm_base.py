@@ -586,12 +586,7 @@ class GemmSm90:
         else:
             for subtile in range(self.subtiles):
                 if self.epilogue_input is not None:
-                    c_pipeline, tiled_s2r, tSR_sC, tRS_rC, tSR_rC, tRS_rCf = ctx.c
-                    c_pipeline.consumer_wait(c_state)
-                    cute.copy(tiled_s2r, tSR_sC[None, None, None, c_state.index], tSR_rC)
-                    c_pipeline.consumer_release(c_state)
-                    c_state.advance()
-                    tRS_rCf.store(tRS_rC.load().to(Float32))
+                    c_state = self.read_epilogue_input(ctx, c_state)
                 self.epilogue_visit(ctx, item, tile, subtile)
                 store_count = self._store_subtile(ctx.tiled_r2s, stores, ctx.store_pipeline, store_count, tile.n_tile,
                                                   subtile, ctx.ctid)
@@ -680,6 +675,23 @@ class GemmSm90:
         tSR_rC = thr_s2r.retile(tRS_rC)
         ctx.c_registers = cute.make_rmem_tensor(ctx.sub_shape, Float32)
         ctx.c = (c_pipeline, tiled_s2r, tSR_sC, tRS_rC, tSR_rC, ctx.c_registers)
+
+    def read_epilogue_input(self, ctx, c_state):
+        """The next subtile of the epilogue input into `ctx.c_registers` (float32), its
+        buffer handed back to warp 1; returns the advanced ring state.
+
+        The buffer is read through the generic proxy (ldmatrix) and written next by TMA,
+        the async proxy, which mbarrier ordering alone does not order after those reads:
+        each thread fences the proxies between its read and the release (as CUTLASS's
+        epilogues do), so that warp 1's next load cannot land in the buffer first."""
+        c_pipeline, tiled_s2r, tSR_sC, tRS_rC, tSR_rC, tRS_rCf = ctx.c
+        c_pipeline.consumer_wait(c_state)
+        cute.copy(tiled_s2r, tSR_sC[None, None, None, c_state.index], tSR_rC)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        c_pipeline.consumer_release(c_state)
+        c_state.advance()
+        tRS_rCf.store(tRS_rC.load().to(Float32))
+        return c_state
 
     def _epilogue_input_state(self):
         if self.epilogue_input is None:
