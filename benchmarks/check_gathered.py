@@ -12,8 +12,9 @@ misplaced store.
 
 Four kernels per mode: the verified one on rows gathered in memory, the gathered one, and two
 variants of the gathered one, for this check only: `UnfencedGatheredDsrelu`, whose consumers
-hand each preact buffer back to the TMA warp with no proxy fence after reading it (as every
-kernel did before the fence in `gemm_base.read_epilogue_input`), and `WaitedGatheredDsrelu`,
+hand each preact buffer back to the TMA warp with no proxy fence after reading it (as the
+gathered kernel did at 13cf1f7 and the verified one still does: `epilogue_input_fenced`),
+and `WaitedGatheredDsrelu`,
 whose gathering threads wait for their own copies, fence them for the async proxy and then
 arrive: whichever alone goes wrong, or alone stays right, says which signal fails.
 
@@ -40,7 +41,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import run_record  # noqa: E402
-from cutlass import Float32  # noqa: E402
 
 from jax_dsrelu.kernels.sm90 import dsrelu_call  # noqa: E402
 from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
@@ -79,16 +79,10 @@ class WaitedGatheredDsrelu(GatheredDsreluSm90):
 
 class UnfencedGatheredDsrelu(GatheredDsreluSm90):
     """The gathered kernel with each preact buffer released right after it is read, with no
-    proxy fence between the generic reads and warp 1's next TMA write into it."""
+    proxy fence between the generic reads and warp 1's next TMA write into it (as the
+    verified kernels still release theirs)."""
 
-    def read_epilogue_input(self, ctx, c_state):
-        c_pipeline, tiled_s2r, tSR_sC, tRS_rC, tSR_rC, tRS_rCf = ctx.c
-        c_pipeline.consumer_wait(c_state)
-        cute.copy(tiled_s2r, tSR_sC[None, None, None, c_state.index], tSR_rC)
-        c_pipeline.consumer_release(c_state)
-        c_state.advance()
-        tRS_rCf.store(tRS_rC.load().to(Float32))
-        return c_state
+    epilogue_input_fenced = False
 
 
 VARIANTS = {"gathered_unfenced": UnfencedGatheredDsrelu, "gathered_waited": WaitedGatheredDsrelu}
