@@ -30,7 +30,6 @@ writes bench_moe_block.json (gzipped where large) and bench_moe_block.png.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -210,11 +209,6 @@ def computation(block: Block, variant: str):
     return step_of(block, library_layer(block, backend, variant.endswith("_det")))
 
 
-def switches(variant: str):
-    """The context a variant is traced in: the unverified sm90 kernels switched on for the gathered ones."""
-    return sm90_backend.unverified_enabled() if variant.startswith("gathered") else contextlib.nullcontext()
-
-
 def run_variant(block, variant, operands, reference, reps, clock) -> tuple[dict, dict | None]:
     """(entry, xla's gradients by name): compiled, checked against `reference` (xla's), timed; or why not."""
     if variant == "tokamax" and importlib.util.find_spec("tokamax") is None:
@@ -227,7 +221,7 @@ def run_variant(block, variant, operands, reference, reps, clock) -> tuple[dict,
         return errors, all(error <= TOLERANCE for error in errors.values())
 
     checked = variant not in ("xla", "gemms_cublas")
-    with switches(variant):
+    with sm90_backend.unverified_enabled(on=variant.startswith("gathered")):
         entry, outputs = harness.measure(
             fn, tuple(operands[name] for name in names), reps, clock, check=check if checked and reference else None,
             compiler_options=harness.CUBLAS_ONLY if variant == "gemms_cublas" else None, flops=block.flops)
@@ -245,7 +239,7 @@ def prebuild(blocks, variants) -> None:
         shapes = operand_shapes(block)
         for variant in (v for v in variants if v.startswith(("auto", "gathered"))):
             fn, names = computation(block, variant)
-            with switches(variant):
+            with sm90_backend.unverified_enabled(on=variant.startswith("gathered")):
                 cuda_lowering.lower_for_cuda(f"bench_moe_block {variant} {block}", fn, *(shapes[n] for n in names))
 
 

@@ -1,22 +1,19 @@
 """The gathered fused dsReLU kernel run again and again beside the verified kernel on the same
 rows, at the GPU tier's case where it once gave wrong rows (tests/test_sm90_gathered.py,
-"nano_widths"), to say what goes wrong and where.
+"nano_widths"): what goes wrong, and where.
 
-Every output is NaN-filled before each run, and each run is held to the float64 contract
-(tests/contract_numpy.py). Where a run is outside it, the record says where (expert, the
-tile within it, N-tile, subtile), whether the wrong entries were never written (NaN), and
-whose values they are: act = relu(preact)^2 prob does not depend on the GEMM, so a wrong act
-block names the preact block the epilogue read instead (searched over every tile's rows and
-every subtile's columns), and a wrong dh block equal to the verified dh elsewhere names a
+Every output is NaN-filled before each run and each run held to the float64 contract
+(tests/contract_numpy.py). Where one is outside it, the record names the blocks (expert,
+tile, N-tile, subtile), the entries never written (NaN), and whose values they hold: act =
+relu(preact)^2 prob does not depend on the GEMM, so a wrong act block names the preact block
+the epilogue read instead, and a wrong dh block equal to the verified dh elsewhere names a
 misplaced store.
 
-Four kernels per mode: the verified one on rows gathered in memory, the gathered one, and two
-variants of the gathered one, for this check only: `UnfencedGatheredDsrelu`, whose consumers
-hand each preact buffer back to the TMA warp with no proxy fence after reading it (as the
-gathered kernel did at 13cf1f7 and the verified one still does: `epilogue_input_fenced`),
-and `WaitedGatheredDsrelu`,
-whose gathering threads wait for their own copies, fence them for the async proxy and then
-arrive: whichever alone goes wrong, or alone stays right, says which signal fails.
+Four kernels per mode: the verified one on rows gathered in memory, the gathered one, and,
+for this check only, the gathered one with no proxy fence before each preact buffer's
+release (`UnfencedGatheredDsrelu`: as at 13cf1f7, and as the verified kernel still is) and
+with its gathering threads waiting for their copies, fencing and arriving plainly
+(`WaitedGatheredDsrelu`): which goes wrong and which stays right says which signal fails.
 
     python benchmarks/check_gathered.py --runs 20 --commit C --out DIR
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/check_gathered.py --prebuild
@@ -54,9 +51,8 @@ SAMPLED = 20_000  # wrong entries placed in blocks, at most (the counts are of t
 
 
 class WaitedGatheredDsrelu(GatheredDsreluSm90):
-    """The gathered kernel with each gathering thread waiting for its own copies of a k-tile,
-    fencing them (generic to async proxy) and arriving plainly, instead of
-    cp.async.mbarrier.arrive.noinc: the completion signal taken out of the question."""
+    """Each gathering thread waits for its copies of a k-tile, fences them and arrives
+    plainly: no cp.async.mbarrier.arrive.noinc."""
 
     @cute.jit
     def load_k_tiles(self, copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles):
@@ -78,9 +74,7 @@ class WaitedGatheredDsrelu(GatheredDsreluSm90):
 
 
 class UnfencedGatheredDsrelu(GatheredDsreluSm90):
-    """The gathered kernel with each preact buffer released right after it is read, with no
-    proxy fence between the generic reads and warp 1's next TMA write into it (as the
-    verified kernels still release theirs)."""
+    """Each preact buffer released right after it is read, with no proxy fence."""
 
     epilogue_input_fenced = False
 

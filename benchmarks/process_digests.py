@@ -19,7 +19,6 @@ changes the bits.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -106,14 +105,10 @@ def computations(backends):
     yield "block_grads_deterministic_reproducible", reproducible, block, names, False
 
 
-def switches(unverified: bool):
-    return sm90_backend.unverified_enabled() if unverified else contextlib.nullcontext()
-
-
 def digests_of(fn, operands, output_names, unverified, runs) -> dict:
     """Digests of one computation's outputs, and how many distinct results `runs` calls gave."""
     whole, outputs = set(), None
-    with switches(unverified):  # where the first call traces
+    with sm90_backend.unverified_enabled(on=unverified):  # where the first call traces
         for _ in range(runs):
             outputs = fn(*operands)
             whole.add(digest(outputs))
@@ -130,7 +125,7 @@ def prebuild(backends) -> None:
     cuda_lowering.prepare()
     for name, fn, operands, _, unverified in computations(backends):
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), operands)
-        with switches(unverified):
+        with sm90_backend.unverified_enabled(on=unverified):
             cuda_lowering.lower_for_cuda(f"process_digests {name}", fn, *shapes)
 
 

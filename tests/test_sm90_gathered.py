@@ -119,6 +119,11 @@ def test_unverified_enabled_sets_the_switch_for_its_block_only(monkeypatch):
     with backend.unverified_enabled("gathered"):
         assert backend.enabled("gathered") and not backend.enabled("gather_sum")
     assert SWITCH not in os.environ
+    with backend.unverified_enabled(on=False):  # the switch as it was: off
+        assert not backend.enabled("gathered") and SWITCH not in os.environ
+    monkeypatch.setenv(SWITCH, "gathered")
+    with backend.unverified_enabled(on=False):
+        assert backend.enabled("gathered")
     with pytest.raises(ValueError, match=r"kinds names \['gathers'\]"):
         with backend.unverified_enabled("gathers"):
             pass

@@ -66,15 +66,19 @@ def enabled(kind: str) -> bool:
 
 
 @contextlib.contextmanager
-def unverified_enabled(*kinds: str) -> Iterator[None]:
+def unverified_enabled(*kinds: str, on: bool = True) -> Iterator[None]:
     """Within the block, functions traced may use the kernels of `kinds` (all of
     UNVERIFIED_KINDS if none is named): the switch set for the block's duration, as the
     H200 run's benchmarks set it to time them beside the verified kernels. It names exactly
-    these kinds for the block, an outer setting's included."""
+    these kinds for the block, an outer setting's included. With on=False the block leaves
+    the switch as it finds it (a script's variants with and without the kernels)."""
     unknown = set(kinds) - set(UNVERIFIED_KINDS)
     if unknown:
         raise ValueError(f"kinds names {sorted(unknown)}; the sm90 kernel kinds not yet verified are "
                          f"{list(UNVERIFIED_KINDS)}")
+    if not on:
+        yield
+        return
     saved = os.environ.get(UNVERIFIED_VARIABLE)
     os.environ[UNVERIFIED_VARIABLE] = ",".join(kinds or UNVERIFIED_KINDS)
     try:
