@@ -42,7 +42,7 @@ import run_record  # noqa: E402
 from jax_dsrelu.kernels.sm90 import dsrelu_call  # noqa: E402
 from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
 from jax_dsrelu.kernels.sm90.gathered_kernels import GatheredDsreluSm90  # noqa: E402
-from jax_dsrelu.kernels.sm90.operands import ROWS, SOURCE_ROWS  # noqa: E402
+from jax_dsrelu.kernels.operands import ROWS, SOURCE_ROWS  # noqa: E402
 
 CASE = "nano_widths"
 OUTPUTS = ("dh", "dprob", "dbias", "act", "amax")

@@ -61,8 +61,9 @@ def _probe(cases: dict) -> dict:
     from jax_dsrelu.kernels import registry as backend_choice
     from jax_dsrelu.kernels import request as request_facts
     from jax_dsrelu.ffi import cutlass_bridge
+    from jax_dsrelu.kernels.sm100 import adapter, layout
     from jax_dsrelu.kernels.sm100 import dsrelu_call as lowering
-    from jax_dsrelu.kernels.sm100 import adapter
+    from jax_dsrelu.kernels.sm100.config import CONFIG
 
     report = {"cases": {}, "scale_offsets": []}
     compiles = []
@@ -106,6 +107,15 @@ def _probe(cases: dict) -> dict:
             )
             gemm = adapter.gemm_kernel(lowering.kernel_key(request))
             report["cases"][name]["smem"] = [gemm.shared_storage.size_in_bytes(), gemm.num_smem_capacity]
+            # The call's declaration against the arrays the layout bridge makes: the shapes
+            # it declares at the padded row count, and the dtypes, input by input.
+            ops, _ = jax.eval_shape(lambda *a: layout.kernel_operands(*a, CONFIG), *args[:5], s((e,), jnp.float32),
+                                    *args[5:])
+            report["cases"][name]["declared"] = {
+                o.name: [list(o.shape_for(ops.a.shape[0])), str(o.dtype)]
+                for o in adapter.Sm100Call(lowering.kernel_key(request)).operands() if o.role == "input"}
+            report["cases"][name]["laid_out"] = {
+                field: [list(array.shape), str(array.dtype)] for field, array in ops._asdict().items()}
 
     report["compiles"] = compiles
 
@@ -188,6 +198,18 @@ def test_lowers_to_one_custom_call_running_cudnns_kernel(compiled, name):
     assert report["outputs"] == _expected_outputs(CASES[name])
     requested, capacity = report["smem"]
     assert 0 < requested <= capacity
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", [name for name in CASES if CASES[name][0] > 0])
+def test_the_call_declares_the_arrays_the_layout_makes(compiled, name):
+    # Every input the adapter's declaration names, at its declared shape and dtype; the
+    # padding bookkeeping (source and padded rows) stays with the layout bridge.
+    report = compiled["cases"][name]
+    declared, laid_out = report["declared"], report["laid_out"]
+    deterministic = CASES[name][-1]
+    assert set(declared) == set(laid_out) - ({"padded_sizes"} if not deterministic else set())
+    assert {name: laid_out[name] for name in declared} == declared
 
 
 @pytest.mark.compile

@@ -50,7 +50,8 @@ import jax_dsrelu  # noqa: E402
 from jax_dsrelu.ffi import cutlass_bridge  # noqa: E402
 from jax_dsrelu.kernels import registry  # noqa: E402
 from jax_dsrelu.kernels.request import GatherSumRequest, RaggedContractRequest, RaggedMatmulRequest, Request  # noqa: E402
-from jax_dsrelu.kernels.sm90 import backend, dsrelu_call, gather_sum_call, gather_sum_config, operands  # noqa: E402
+from jax_dsrelu.kernels import operands  # noqa: E402
+from jax_dsrelu.kernels.sm90 import backend, dsrelu_call, gather_sum_call, gather_sum_config  # noqa: E402
 from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
 from jax_dsrelu.kernels.sm90 import ragged_call  # noqa: E402
 from jax_dsrelu.primitives import dsrelu as dsrelu_primitive  # noqa: E402

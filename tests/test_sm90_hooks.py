@@ -33,7 +33,9 @@ from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 import jax_dsrelu.kernels.sm90 as sm90_package  # noqa: E402
 from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest, Request  # noqa: E402
 from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
-from jax_dsrelu.kernels.sm90 import dsrelu_call, mainloop, operands, ragged_call, schedule  # noqa: E402
+from jax_dsrelu.kernels import operands  # noqa: E402
+from jax_dsrelu.kernels.sm90 import dsrelu_call, mainloop, ragged_call, schedule  # noqa: E402
+from jax_dsrelu.kernels.sm90.arch import ARCH  # noqa: E402
 from jax_dsrelu.kernels.sm90.dsrelu_kernel import GroupedGemmDsreluSm90  # noqa: E402
 from jax_dsrelu.kernels.sm90.gemm_base import GemmSm90  # noqa: E402
 from jax_dsrelu.kernels.sm90.ragged_contract_kernel import RaggedContractSm90  # noqa: E402
@@ -85,7 +87,7 @@ def test_the_dsrelu_call_plan_is_its_declaration(deterministic):
         assert names(outputs) == ["amax", "dh", "act", "dprob", "dbias", "dprob_slots", "dbias_slots"]
         assert aliases == {6: 0}
         slots = {o.name: o for o in plan}
-        n_tiles = sm90_config.num_n_tiles(512, config)
+        n_tiles = -(-512 // config.tile_n)  # the N-tiles of n = 512: a dprob slot row each
         assert slots["dprob_slots"].shape_for(1000) == (n_tiles, 1000)
         assert slots["dbias_slots"].shape_for(1000) == (sm90_config.max_m_tiles(1000, 5, config.tile_m), 512)
         assert slots["dprob_slots"].operand.varying == (1,) and slots["dbias_slots"].operand.varying == (0,)
@@ -136,8 +138,8 @@ def test_majorness_follows_from_the_declared_mode_order():
 
 def test_the_host_function_refuses_tensors_that_are_not_its_declaration():
     kernel = ragged_call._kernel(CONTRACT, ragged_call.choose_config(CONTRACT))
-    with pytest.raises(ValueError, match=r"takes \['lhs', 'rhs', 'group_sizes', 'out'\], got 3 tensors"):
-        kernel._by_name([1, 2, 3])
+    with pytest.raises(ValueError, match=r"RaggedContractSm90 takes \['lhs', 'rhs', 'group_sizes', 'out'\], got 3"):
+        operands.by_name(kernel.operands(), [1, 2, 3], type(kernel).__name__)
     with pytest.raises(ValueError, match="role must be one of"):
         operands.KernelOperand("x", "scratch", F32, (4,))
     with pytest.raises(ValueError, match=r"mode must order the axes of shape \(4, 2\), got \(0, 2\)"):
@@ -146,7 +148,7 @@ def test_the_host_function_refuses_tensors_that_are_not_its_declaration():
 
 def test_a_call_without_a_declared_input_names_it():
     with pytest.raises(ValueError, match=r"needs \['group_sizes'\]"):
-        operands.call(None, None, ragged_call.operands(CONTRACT), dict(lhs=None, rhs=None), 10)
+        operands.call(None, None, ragged_call.operands(CONTRACT), dict(lhs=None, rhs=None), 10, arch=ARCH)
 
 
 # -------------------------------------------------------------- variants (compile tier)
@@ -154,7 +156,7 @@ def test_a_call_without_a_declared_input_names_it():
 
 def compiled_ptx(kernel) -> str:
     key = ("tests.test_sm90_hooks", type(kernel).__name__, kernel.request, kernel.config)
-    return operands.compile_kernel(kernel, key, kernel.operands(), keep=True).ptx
+    return operands.compile_kernel(kernel, key, kernel.operands(), arch=ARCH, keep=True).ptx
 
 
 def without_kernel_names(ptx: str) -> str:

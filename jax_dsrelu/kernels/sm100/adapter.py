@@ -41,6 +41,8 @@ import cuda.bindings.driver as cuda
 import cudnn
 import cutlass
 import cutlass.cute as cute
+import jax.numpy as jnp
+import numpy as np
 from cudnn.gemm.cutedsl.grouped.dsrelu.moe_blockscaled_grouped_gemm_dsrelu_quant import (
     BlockScaledMoEGroupedGemmQuantBwdKernel,
     EpilogueType,
@@ -49,10 +51,14 @@ from cudnn.gemm.cutedsl.grouped.moe_utils import MoEWeightMode
 from cutlass.cute.nvgpu import OperandMajorMode
 
 from jax_dsrelu.kernels import request as request_facts
-from jax_dsrelu.kernels.sm100 import slots
-from jax_dsrelu.kernels.slot_reduction import SlotReduction
-from jax_dsrelu.kernels.sm100.config import Sm100Config
+from jax_dsrelu.kernels.operands import M, KernelOperand, Rows, by_name
 from jax_dsrelu.kernels.request import Request
+from jax_dsrelu.kernels.slot_reduction import SlotReduction
+from jax_dsrelu.kernels.sm100 import slots
+from jax_dsrelu.kernels.sm100.config import Sm100Config
+
+_F32, _I32, _BF16 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(jnp.bfloat16)
+_SCALE = np.dtype(jnp.float8_e8m0fnu)
 
 # Persistent clusters to launch when no GPU is visible (compile-only lowering). B200 has 148
 # SMs and this kernel fits one CTA per SM, so 74 two-CTA clusters. The number only sizes the
@@ -139,22 +145,13 @@ def _column(t: cute.Tensor, unit_modes: int) -> cute.Tensor:
 
 class Sm100Call:
     """The custom call's host function for one key: cuDNN's kernel, then (deterministic
-    mode) the reduction pass, on the stream XLA passes in.
-
-    `__call__(stream, *tensors)` takes, in order, the call's inputs
-        a (M_pad, k) float8, b (E, n, k) float8, c (M_pad, n), sfa and sfb (flat MMA-tiled
-        float8_e8m0fnu), padded_offsets (E,) int32, [padded_sizes (E,) int32: deterministic],
-        alpha (E,) float32, prob (M_pad,) float32,
-        dprob_acc (deterministic: (M_pad, S_p) float32 slots; else (M_pad,)),
-        [dbias_acc (deterministic: (M_pad / 128, n) bfloat16 slots; else (E, n)): with dbias],
-        amax (E,) float32
-    (the accumulators zero-initialised and aliased to outputs), then the other outputs
-        d (M_pad, n), [act (M_pad, n)], [dprob (M_pad,) float32, [dbias (E, n) float32]:
-        deterministic].
-    """
+    mode) the reduction pass, on the stream XLA passes in. `__call__(stream, *tensors)`
+    takes the buffers `operands()` declares, in that order."""
 
     def __init__(self, key: KernelKey):
         request = key.request
+        self.request = request
+        self.config = key.config
         self.gemm = gemm_kernel(key)
         self.with_act = request.with_act
         self.with_dbias = request.with_dbias
@@ -164,18 +161,49 @@ class Sm100Call:
         if request.deterministic:
             self.reduction = SlotReduction(num_experts=request.num_experts, tile_m=key.config.cta_tile_m)
 
+    def operands(self) -> list[KernelOperand]:
+        """The call's buffers, inputs and accumulators before outputs; the rows extent M
+        is the padded row count (`layout.py`). The accumulators are zero-filled by XLA and
+        updated in place: dprob and dbias partials (deterministic: a slot per N-tile of each
+        row and per CTA M-tile of each column; else the sums, added by atomics) and amax."""
+        r, config = self.request, self.config
+        e, n, k = r.num_experts, r.n, r.k
+        scale_atoms = 512 * (-(-k // 128))  # MMA-tiled scale bytes per 128 rows (layout.tile_scales)
+        plan = [
+            KernelOperand("a", "input", r.operand_dtype, (M, k)),
+            KernelOperand("b", "input", r.operand_dtype, (e, n, k)),
+            KernelOperand("c", "input", r.preact_dtype, (M, n)),
+            KernelOperand("sfa", "input", _SCALE, (Rows(per=128, times=scale_atoms),)),
+            KernelOperand("sfb", "input", _SCALE, (e * (-(-n // 128)) * scale_atoms,)),
+            KernelOperand("padded_offsets", "input", _I32, (e,)),
+        ]
+        if self.deterministic:
+            plan.append(KernelOperand("padded_sizes", "input", _I32, (e,)))
+        plan += [KernelOperand("alpha", "input", _F32, (e,)), KernelOperand("prob", "input", _F32, (M,))]
+        if self.deterministic:
+            plan.append(KernelOperand("dprob_acc", "accumulate", _F32, (M, config.dprob_slots(n))))
+        else:
+            plan.append(KernelOperand("dprob_acc", "accumulate", _F32, (M,)))
+        if self.with_dbias:
+            rows = Rows(per=config.cta_tile_m) if self.deterministic else e
+            plan.append(KernelOperand("dbias_acc", "accumulate", _BF16, (rows, n)))
+        plan += [KernelOperand("amax", "accumulate", _F32, (e,)), KernelOperand("d", "output", r.out_dtype, (M, n))]
+        if self.with_act:
+            plan.append(KernelOperand("act", "output", r.out_dtype, (M, n)))
+        if self.deterministic:
+            plan.append(KernelOperand("dprob", "output", _F32, (M,)))
+            if self.with_dbias:
+                plan.append(KernelOperand("dbias", "output", _F32, (e, n)))
+        return plan
+
     @cute.jit
     def __call__(self, stream: cuda.CUstream, *tensors: cute.Tensor):
-        tensors = list(tensors)
-        a, b, c, sfa, sfb, padded_offsets = tensors[:6]
-        del tensors[:6]
-        padded_sizes = tensors.pop(0) if cutlass.const_expr(self.deterministic) else None
-        alpha, prob, dprob_acc = tensors[:3]
-        del tensors[:3]
-        dbias_acc = tensors.pop(0) if cutlass.const_expr(self.with_dbias) else None
-        amax, d = tensors[:2]
-        del tensors[:2]
-        act = tensors.pop(0) if cutlass.const_expr(self.with_act) else None
+        t = by_name(self.operands(), tensors, type(self).__name__)
+        a, b, c, sfa, sfb, padded_offsets = t.a, t.b, t.c, t.sfa, t.sfb, t.padded_offsets
+        padded_sizes = t.padded_sizes if cutlass.const_expr(self.deterministic) else None
+        alpha, prob, dprob_acc, amax, d = t.alpha, t.prob, t.dprob_acc, t.amax, t.d
+        dbias_acc = t.dbias_acc if cutlass.const_expr(self.with_dbias) else None
+        act = t.act if cutlass.const_expr(self.with_act) else None
 
         if cutlass.const_expr(self.deterministic):
             dprob_kernel = _with_unit_batch(dprob_acc)
@@ -215,6 +243,6 @@ class Sm100Call:
             stream=stream,
         )
         if cutlass.const_expr(self.deterministic):
-            dprob = tensors.pop(0)
-            dbias = tensors.pop(0) if cutlass.const_expr(self.with_dbias) else None
+            dprob = t.dprob
+            dbias = t.dbias if cutlass.const_expr(self.with_dbias) else None
             slots.reduce_cudnn_slots(dprob_acc, dbias_acc, padded_sizes, dprob, dbias, self.reduction, stream)

@@ -19,18 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dsrelu.ffi import cutlass_bridge
-from jax_dsrelu.kernels.sm100 import layout
-from jax_dsrelu.ffi.cutlass_bridge import Operand
-from jax_dsrelu.kernels.sm100 import adapter
-from jax_dsrelu.kernels.sm100.config import CONFIG
+from jax_dsrelu.kernels import operands as kernel_operands
 from jax_dsrelu.kernels.request import Request
+from jax_dsrelu.kernels.sm100 import adapter, layout
+from jax_dsrelu.kernels.sm100.config import CONFIG
 
 # tcgen05 and the block-scaled MMA exist only on the architecture-specific target.
 ARCH = "sm_100a"
 
-_F32, _I32, _BF16 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(jnp.bfloat16)
-_SCALE = np.dtype(jnp.float8_e8m0fnu)
+_F32 = np.dtype(np.float32)
 
 
 def kernel_key(request: Request) -> adapter.KernelKey:
@@ -46,9 +43,7 @@ def implementation(request: Request) -> Callable[..., tuple[jax.Array, ...]]:
     key = kernel_key(request)
     host_function = adapter.Sm100Call(key)
     compile_key = ("jax_dsrelu.sm100", key)
-    num_experts, n = request.num_experts, request.n
-    deterministic, with_dbias, with_act = request.deterministic, request.with_dbias, request.with_act
-    operand_dtype, out_dtype = request.operand_dtype, request.out_dtype
+    plan = host_function.operands()
 
     def run(grad, weight, preact, prob, group_sizes, alpha, grad_scale, weight_scale):
         if grad.shape[0] == 0:
@@ -56,69 +51,20 @@ def implementation(request: Request) -> Callable[..., tuple[jax.Array, ...]]:
         ops, rows = layout.kernel_operands(
             grad, weight, preact, prob, group_sizes, alpha, grad_scale, weight_scale, CONFIG
         )
-        num_padded = ops.a.shape[0]
-        # Dimension 0 of every row-space buffer follows m: compiled as a dynamic extent.
-        inputs = [
-            (Operand(operand_dtype, 2, varying=(0,)), ops.a),
-            (Operand(operand_dtype, 3), ops.b),
-            (Operand(request.preact_dtype, 2, varying=(0,)), ops.c),
-            (Operand(_SCALE, 1, varying=(0,)), ops.sfa),
-            (Operand(_SCALE, 1), ops.sfb),
-            (Operand(_I32, 1), ops.padded_offsets),
-        ]
-        if deterministic:
-            inputs.append((Operand(_I32, 1), ops.padded_sizes))
-            dprob_acc = jnp.zeros((num_padded, CONFIG.dprob_slots(n)), _F32)
-            dbias_acc = jnp.zeros((CONFIG.dbias_slots(num_padded), n), _BF16)
-            accumulators = [(Operand(_F32, 2, varying=(0,)), dprob_acc)]
-            dbias_operand = Operand(_BF16, 2, varying=(0,))
+        # The rows extent of every row-space buffer is the padded row count, which follows
+        # m: a run-time extent of the compiled code. The accumulators start at zero.
+        named = kernel_operands.call(host_function, compile_key, plan, ops._asdict(), ops.a.shape[0], arch=ARCH)
+        if request.deterministic:
+            dprob, dbias = named["dprob"], named.get("dbias")
         else:
-            dprob_acc = jnp.zeros((num_padded,), _F32)
-            dbias_acc = jnp.zeros((num_experts, n), _BF16)
-            accumulators = [(Operand(_F32, 1, varying=(0,)), dprob_acc)]
-            dbias_operand = Operand(_BF16, 2)
-        inputs += [(Operand(_F32, 1), ops.alpha), (Operand(_F32, 1, varying=(0,)), ops.prob)]
-        if with_dbias:
-            accumulators.append((dbias_operand, dbias_acc))
-        accumulators.append((Operand(_F32, 1), jnp.zeros((num_experts,), _F32)))  # amax
-
-        def result(operand, shape, dtype):
-            return operand, jax.ShapeDtypeStruct(shape, dtype)
-
-        rows_out = Operand(out_dtype, 2, varying=(0,))
-        outputs = [result(rows_out, (num_padded, n), out_dtype)]  # d
-        if with_act:
-            outputs.append(result(rows_out, (num_padded, n), out_dtype))
-        if deterministic:
-            outputs.append(result(Operand(_F32, 1, varying=(0,)), (num_padded,), _F32))
-            if with_dbias:
-                outputs.append(result(Operand(_F32, 2), (num_experts, n), _F32))
-        # The accumulators are updated in place: inputs aliased to the last outputs.
-        first_accumulator = len(inputs)
-        aliases = {first_accumulator + i: len(outputs) + i for i in range(len(accumulators))}
-        outputs += [(operand, jax.ShapeDtypeStruct(x.shape, x.dtype)) for operand, x in accumulators]
-        results = cutlass_bridge.call(
-            host_function, compile_key, inputs + accumulators, outputs, aliases, arch=ARCH
-        )
-
-        d = results[0]
-        act = results[1] if with_act else None
-        accumulated = results[len(results) - len(accumulators) :]  # dprob_acc, [dbias_acc], amax
-        amax = accumulated[-1]
-        if deterministic:
-            reduced = results[2 if with_act else 1 :]
-            dprob = reduced[0]
-            dbias = reduced[1] if with_dbias else None
-        else:
-            dprob = accumulated[0]
-            dbias = accumulated[1].astype(_F32) if with_dbias else None
-
-        outputs = [layout.caller_rows(d, rows), layout.caller_rows(dprob, rows)]
-        if with_dbias:
+            dprob = named["dprob_acc"]
+            dbias = named["dbias_acc"].astype(_F32) if request.with_dbias else None
+        outputs = [layout.caller_rows(named["d"], rows), layout.caller_rows(dprob, rows)]
+        if request.with_dbias:
             outputs.append(dbias)
-        if with_act:
-            outputs.append(layout.caller_rows(act, rows))
-        outputs.append(amax)
+        if request.with_act:
+            outputs.append(layout.caller_rows(named["act"], rows))
+        outputs.append(named["amax"])
         return tuple(outputs)
 
     return run

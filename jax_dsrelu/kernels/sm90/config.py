@@ -138,10 +138,6 @@ class TileConfig(KernelTiles):
             )
 
 
-def num_n_tiles(n: int, config: TileConfig) -> int:
-    return math.ceil(n / config.tile_n)
-
-
 def max_m_tiles(num_rows: int, num_experts: int, tile_m: int = TILE_M) -> int:
     """Upper bound on the scheduler's expert M-tiles: sum_e ceil(size_e / tile_m).
 

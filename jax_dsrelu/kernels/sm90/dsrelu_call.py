@@ -20,13 +20,13 @@ import numpy as np
 from jax import lax
 
 from jax_dsrelu.ffi import cutlass_bridge
+from jax_dsrelu.kernels import operands as kernel_operands
+from jax_dsrelu.kernels.operands import ROWS, SOURCE_ROWS
 from jax_dsrelu.kernels.request import Request
 from jax_dsrelu.kernels.sm90 import config as sm90_config
-from jax_dsrelu.kernels.sm90 import operands as kernel_operands
-from jax_dsrelu.kernels.sm90.arch import sm_count
+from jax_dsrelu.kernels.sm90.arch import ARCH, sm_count
 from jax_dsrelu.kernels.sm90.dsrelu_kernel import GroupedGemmDsreluSm90
 from jax_dsrelu.kernels.sm90.mainloop import MAX_ROWS
-from jax_dsrelu.kernels.sm90.operands import ROWS, SOURCE_ROWS
 
 _F32 = np.dtype(np.float32)
 
@@ -78,7 +78,7 @@ def compile_kernel(
     kernel = _kernel(request, config, gathered)
     return kernel_operands.compile_kernel(
         kernel, _compile_key(request, config, outputs_in_place, gathered), kernel.operands(),
-        outputs_in_place=outputs_in_place, keep=keep,
+        arch=ARCH, outputs_in_place=outputs_in_place, keep=keep,
     )
 
 
@@ -133,7 +133,8 @@ def implementation(
         if outputs_in_place:
             given.update(filled)
         named = kernel_operands.call(kernel, _compile_key(request, kernel_config, outputs_in_place, gathered),
-                                     kernel.operands(), given, counts, outputs_in_place=outputs_in_place)
+                                     kernel.operands(), given, counts, arch=ARCH,
+                                     outputs_in_place=outputs_in_place)
         amax = lax.bitcast_convert_type(named["amax"], jnp.float32)
         return _ordered(
             request, named["dh"], named["dprob"], named.get("dbias"), named.get("act"), amax

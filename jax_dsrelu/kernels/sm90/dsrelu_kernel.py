@@ -49,11 +49,11 @@ import cutlass.cute as cute
 import numpy as np
 from cutlass import Float32, Int32
 
+from jax_dsrelu.kernels.operands import M, KernelOperand, Rows
 from jax_dsrelu.kernels.request import Request
 from jax_dsrelu.kernels.slot_reduction import SlotReduction
 from jax_dsrelu.kernels.sm90.barriers import NamedBarrier
 from jax_dsrelu.kernels.sm90.config import TileConfig
-from jax_dsrelu.kernels.sm90.operands import M, KernelOperand, Rows
 from jax_dsrelu.kernels.sm90.ragged_m import RaggedMGemmSm90
 
 _ABS_MASK = 0x7FFFFFFF

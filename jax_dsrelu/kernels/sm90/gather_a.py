@@ -53,7 +53,7 @@ import numpy as np
 from cutlass import Boolean, Int32
 from cutlass.cute.nvgpu import cpasync
 
-from jax_dsrelu.kernels.sm90.operands import M, T, KernelOperand
+from jax_dsrelu.kernels.operands import M, T, KernelOperand
 
 _COPY_BITS = 128
 _I32 = np.dtype(np.int32)

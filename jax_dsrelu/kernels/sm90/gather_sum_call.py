@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from jax_dsrelu.ffi import cutlass_bridge
+from jax_dsrelu.kernels import operands as kernel_operands
+from jax_dsrelu.kernels.operands import ROWS, SOURCE_ROWS
 from jax_dsrelu.kernels.request import GatherSumRequest
 from jax_dsrelu.kernels.sm90 import gather_sum_config
-from jax_dsrelu.kernels.sm90 import operands as kernel_operands
+from jax_dsrelu.kernels.sm90.arch import ARCH
 from jax_dsrelu.kernels.sm90.gather_sum_kernel import GatherSumSm90
-from jax_dsrelu.kernels.sm90.operands import ROWS, SOURCE_ROWS
 
 
 @functools.cache
@@ -40,7 +41,7 @@ def compile_kernel(request: GatherSumRequest, *, keep: bool = False) -> cutlass_
     """The object code `implementation` runs for this request (compiled now, or found in
     the cache). keep=True also returns its PTX and cubin."""
     kernel = _kernel(request)
-    return kernel_operands.compile_kernel(kernel, _compile_key(request), kernel.operands(), keep=keep)
+    return kernel_operands.compile_kernel(kernel, _compile_key(request), kernel.operands(), arch=ARCH, keep=keep)
 
 
 def implementation(request: GatherSumRequest) -> Callable[..., tuple[jax.Array, ...]]:
@@ -62,7 +63,7 @@ def implementation(request: GatherSumRequest) -> Callable[..., tuple[jax.Array, 
             )
         named = kernel_operands.call(
             kernel, key, kernel.operands(), dict(rows=rows, index=index.astype(jnp.int32)),
-            {ROWS: num_rows, SOURCE_ROWS: tokens},
+            {ROWS: num_rows, SOURCE_ROWS: tokens}, arch=ARCH,
         )
         return (named["out"],)
 

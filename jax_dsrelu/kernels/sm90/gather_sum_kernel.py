@@ -33,9 +33,9 @@ import cutlass.cute as cute
 import numpy as np
 from cutlass import Float32, Int32
 
+from jax_dsrelu.kernels.operands import M, T, KernelOperand
 from jax_dsrelu.kernels.request import GatherSumRequest
 from jax_dsrelu.kernels.sm90.gather_sum_config import THREADS, VECTOR_BYTES, token_lanes, vector_elements
-from jax_dsrelu.kernels.sm90.operands import M, T, KernelOperand
 
 _I32 = np.dtype(np.int32)
 _F32 = np.dtype(np.float32)

@@ -95,8 +95,8 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_dsrelu.kernels.group_tables import build_expert_tables
+from jax_dsrelu.kernels.operands import KernelOperand, by_name
 from jax_dsrelu.kernels.sm90 import epilogue_store, mainloop
-from jax_dsrelu.kernels.sm90.operands import KernelOperand
 
 
 class GemmSm90:
@@ -163,7 +163,7 @@ class GemmSm90:
         """Launches the GEMM on `stream`, then `after_gemm`. `tensors` are the declared
         operands in declaration order (inputs and accumulate buffers, then outputs), as
         the JAX bridge passes them."""
-        t = self._by_name(tensors)
+        t = by_name(self.operands(), tensors, type(self).__name__)
         tiled_mma, a_layout, b_layout = self._mma(
             getattr(t, self.operand_a).element_type, self._major(self.operand_a), self._major(self.operand_b)
         )
@@ -173,12 +173,6 @@ class GemmSm90:
         self.shared_storage = self._shared_storage(a_layout, b_layout, barriers, buffers)
         self._launch(self.kernel(copy_a, mA, tma_b, mB, args), self.grid(t), stream)
         self.after_gemm(t, stream)
-
-    def _by_name(self, tensors) -> SimpleNamespace:
-        names = [o.name for o in self.operands()]
-        if len(tensors) != len(names):
-            raise ValueError(f"{type(self).__name__} takes {names}, got {len(tensors)} tensors")
-        return SimpleNamespace(**dict(zip(names, tensors)))
 
     def _kernel_arguments(self, t, tiled_mma, a_layout, b_layout):
         """(the kernel's arguments after A and B, the ring barriers and the shared buffers

@@ -45,11 +45,11 @@ import cutlass.cute as cute
 import numpy as np
 from cutlass import Int32
 
+from jax_dsrelu.kernels.operands import M, KernelOperand
 from jax_dsrelu.kernels.request import RaggedContractRequest
 from jax_dsrelu.kernels.sm90 import mainloop, schedule
 from jax_dsrelu.kernels.sm90.config import ContractConfig
 from jax_dsrelu.kernels.sm90.gemm_base import GemmSm90
-from jax_dsrelu.kernels.sm90.operands import M, KernelOperand
 
 _I32 = np.dtype(np.int32)
 

@@ -36,9 +36,9 @@ import cutlass.cute as cute
 import numpy as np
 from cutlass import Float32, Int32
 
+from jax_dsrelu.kernels.operands import M, KernelOperand
 from jax_dsrelu.kernels.request import RaggedMatmulRequest
 from jax_dsrelu.kernels.sm90.config import GemmConfig
-from jax_dsrelu.kernels.sm90.operands import M, KernelOperand
 from jax_dsrelu.kernels.sm90.ragged_m import RaggedMGemmSm90
 
 _F32 = np.dtype(np.float32)

@@ -1,11 +1,11 @@
-"""Each sm90 kernel's operands, declared once, and the custom call that follows from the declaration.
+"""A kernel's operands, declared once, and the custom call that follows from the declaration.
 
-A kernel declares its operands in the order its host function takes them
-(`GemmSm90.operands`): each one's name, role, dtype, shape as stored (the extents that
+A kernel declares its operands in the order its host function takes them (the sm90
+family's `GemmSm90.operands`, the sm100 adapter's `Sm100Call.operands`): each one's name, role, dtype, shape as stored (the extents that
 vary from call to call marked `Rows`: with the row count m, or with a count of its own
 such as the tokens T of a source whose rows are read through a row index), and the mode
 order in which the kernel sees it. From that one list come the host function's unpacking by name
-(`GemmSm90.__call__`), the custom call's inputs, outputs and aliases (`call_layout`),
+(`by_name`), the custom call's inputs, outputs and aliases (`call_layout`),
 the compile descriptions (`compile_kernel`) and the call (`call`); no other list has to
 agree with it by position.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import types
 from typing import Callable, Hashable, Mapping, Sequence
 
 import jax
@@ -28,7 +29,6 @@ import numpy as np
 
 from jax_dsrelu.ffi import cutlass_bridge
 from jax_dsrelu.ffi.cutlass_bridge import Operand
-from jax_dsrelu.kernels.sm90.arch import ARCH
 
 ROLES = ("input", "accumulate", "output")
 
@@ -42,13 +42,14 @@ OTHER_SOURCE_ROWS = "u"
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    """An extent that varies from call to call, ceil(count / per) + plus of the run-time
-    count `of` (m itself by default): compiled as a run-time extent, so a new count never
-    recompiles."""
+    """An extent that varies from call to call, ceil(count / per) times + plus of the
+    run-time count `of` (m itself by default): compiled as a run-time extent, so a new
+    count never recompiles."""
 
     per: int = 1
     plus: int = 0
     of: str = ROWS
+    times: int = 1
 
     def extent(self, counts: Mapping[str, int]) -> int:
         try:
@@ -56,7 +57,7 @@ class Rows:
         except KeyError:
             raise ValueError(f"an extent varies with the count {self.of!r}, which the call does not give: "
                              f"{dict(counts)}") from None
-        return -(-count // self.per) + self.plus
+        return -(-count // self.per) * self.times + self.plus
 
 
 M = Rows()
@@ -105,6 +106,14 @@ class KernelOperand:
         return last if self.mode is None else self.mode.index(last)
 
 
+def by_name(plan: Sequence[KernelOperand], tensors, owner: str):
+    """The host function's tensors (in `plan` order) as attributes named by the plan."""
+    names = [o.name for o in plan]
+    if len(tensors) != len(names):
+        raise ValueError(f"{owner} takes {names}, got {len(tensors)} tensors")
+    return types.SimpleNamespace(**dict(zip(names, tensors)))
+
+
 def _counts(counts: int | Mapping[str, int]) -> Mapping[str, int]:
     return {ROWS: counts} if isinstance(counts, int) else counts
 
@@ -133,6 +142,7 @@ def compile_kernel(
     key: Hashable,
     plan: Sequence[KernelOperand],
     *,
+    arch: str,
     outputs_in_place: bool = False,
     keep: bool = False,
 ) -> cutlass_bridge.Compiled:
@@ -141,7 +151,7 @@ def compile_kernel(
     inputs, outputs, aliases = call_layout(plan, outputs_in_place)
     return cutlass_bridge.compile_function(
         host_function, key, [(o.operand, o.shape_for(_EVERY_COUNT_ONE)) for o in inputs],
-        [(o.operand, o.shape_for(_EVERY_COUNT_ONE)) for o in outputs], aliases, arch=ARCH, keep=keep,
+        [(o.operand, o.shape_for(_EVERY_COUNT_ONE)) for o in outputs], aliases, arch=arch, keep=keep,
     )
 
 
@@ -152,6 +162,7 @@ def call(
     given: Mapping[str, jax.Array],
     counts: int | Mapping[str, int],
     *,
+    arch: str,
     outputs_in_place: bool = False,
 ) -> dict[str, jax.Array]:
     """One custom call of `host_function` on the arrays `given` by name; returns its
@@ -167,7 +178,7 @@ def call(
     ]
     results = cutlass_bridge.call(
         host_function, key, [(o.operand, array) for o, array in zip(inputs, arrays)],
-        [(o.operand, jax.ShapeDtypeStruct(o.shape_for(counts), o.dtype)) for o in outputs], aliases, arch=ARCH,
+        [(o.operand, jax.ShapeDtypeStruct(o.shape_for(counts), o.dtype)) for o in outputs], aliases, arch=arch,
     )
     return {o.name: result for o, result in zip(outputs, results)}
 
