@@ -9,7 +9,7 @@
 #   gathered_tests  the GPU tier of the kernels not yet verified (tests/test_sm90_gathered.py),
 #             under a limit of its own, so that a kernel that hangs costs little
 #   check_gathered  benchmarks/check_gathered.py: the gathered fused kernel run CHECK_RUNS (20)
-#             times beside the verified one and a variant, every run held to float64
+#             times beside the verified one and two variants, every run held to float64
 #   examples  EXAMPLES (examples/train_moe.py and expert_parallel.py) in bfloat16 on the GPU,
 #             each run EXAMPLE_RUNS (2) times with --deterministic (the digests must agree)
 #   lm        examples/train_lm.py with its docstring's GPU command (LM_STEPS steps, 2000),

@@ -164,6 +164,7 @@ def job_names() -> list[str]:
 
 # Jobs that are one piece of work each, by name.
 WHOLE_JOBS = {"process_digests": lambda: process_digests.prebuild(("sm90", "xla")),
+              "check_gathered": lambda: __import__("check_gathered").prebuild(),
               "tests moe_mlp and examples": lower_tests_and_examples, "determinism tests": lower_determinism_tests,
               "moe block tests": lower_moe_block_tests, "language model": lower_language_model}
 

@@ -111,11 +111,16 @@ def _probe(cases: dict) -> dict:
             # it declares at the padded row count, and the dtypes, input by input.
             ops, _ = jax.eval_shape(lambda *a: layout.kernel_operands(*a, CONFIG), *args[:5], s((e,), jnp.float32),
                                     *args[5:])
+            padded = ops.a.shape[0]
+            plan = adapter.Sm100Call(lowering.kernel_key(request)).operands()
             report["cases"][name]["declared"] = {
-                o.name: [list(o.shape_for(ops.a.shape[0])), str(o.dtype)]
-                for o in adapter.Sm100Call(lowering.kernel_key(request)).operands() if o.role == "input"}
+                o.name: [list(o.shape_for(padded)), str(o.dtype)] for o in plan if o.role == "input"}
             report["cases"][name]["laid_out"] = {
                 field: [list(array.shape), str(array.dtype)] for field, array in ops._asdict().items()}
+            # The accumulators against the slot counts the config gives cuDNN's scheduler.
+            report["cases"][name]["accumulators"] = {
+                o.name: list(o.shape_for(padded)) for o in plan if o.role == "accumulate"}
+            report["cases"][name]["slots"] = [padded, CONFIG.dprob_slots(n), CONFIG.dbias_slots(padded)]
 
     report["compiles"] = compiles
 
@@ -210,6 +215,12 @@ def test_the_call_declares_the_arrays_the_layout_makes(compiled, name):
     deterministic = CASES[name][-1]
     assert set(declared) == set(laid_out) - ({"padded_sizes"} if not deterministic else set())
     assert {name: laid_out[name] for name in declared} == declared
+    m, _, n, experts, *_, with_dbias, _, _ = CASES[name]
+    padded, dprob_slots, dbias_slots = report["slots"]
+    expected = {"dprob_acc": [padded, dprob_slots] if deterministic else [padded], "amax": [experts]}
+    if with_dbias:
+        expected["dbias_acc"] = [dbias_slots, n] if deterministic else [experts, n]
+    assert report["accumulators"] == expected
 
 
 @pytest.mark.compile

@@ -173,6 +173,25 @@ def test_new_row_count_does_not_recompile(monkeypatch):
     assert len(set(keys)) == 1
 
 
+class _DsreluVariant(lowering.GroupedGemmDsreluSm90):
+    """A kernel subclassed outside the package, as a benchmark's variant is."""
+
+
+@pytest.mark.compile
+def test_a_variant_defined_elsewhere_is_cached_under_its_bases_sources(tmp_path, monkeypatch):
+    # Its object code must not outlive an edit of the kernels it inherits from.
+    monkeypatch.setenv(cutlass_bridge.CACHE_DIR_VARIABLE, str(tmp_path))
+    request = request_for(512, 384, 5)
+    modules = cutlass_bridge._defining_modules(_DsreluVariant(sm90_config.choose_config(request), request))
+    assert {__name__, "jax_dsrelu.kernels.sm90.gemm_base"} <= set(modules)
+    before = cutlass_bridge._disk_path(("variant",), modules)
+    sm90_folder = os.path.dirname(os.path.abspath(lowering.__file__))
+    source_digest = cutlass_bridge._source_digest
+    monkeypatch.setattr(cutlass_bridge, "_source_digest",
+                        lambda folder: b"edited" if folder == sm90_folder else source_digest(folder))
+    assert cutlass_bridge._disk_path(("variant",), modules) != before
+
+
 @pytest.mark.compile
 def test_zero_rows_need_no_kernel():
     text = lower_for_cuda(0, 64, 32, 3, False).as_text()

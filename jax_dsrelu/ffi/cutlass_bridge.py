@@ -30,6 +30,7 @@ import hashlib
 import os
 import sys
 import tempfile
+import types
 from typing import Callable, Hashable, Mapping, Sequence
 
 import cuda.bindings.driver as cuda
@@ -171,7 +172,7 @@ def compile_function(
         cached = _cache.get(full_key)
         if cached is not None:
             return cached
-        disk_path = None if keep else _disk_path(full_key, host_function.__module__)
+        disk_path = None if keep else _disk_path(full_key, _defining_modules(host_function))
         if disk_path is not None and os.path.exists(disk_path):
             with open(disk_path, "rb") as file:
                 module = file.read()
@@ -195,13 +196,22 @@ def compile_function(
         return result
 
 
-def _disk_path(full_key: Hashable, module: str) -> str | None:
+def _defining_modules(host_function) -> list[str]:
+    """The modules whose code the host function runs as its own: its module and, for a
+    callable object, those of its class and every base class (a variant defined outside
+    the package still runs its bases' code)."""
+    classes = () if isinstance(host_function, types.FunctionType) else type(host_function).__mro__
+    return [host_function.__module__] + [cls.__module__ for cls in classes]
+
+
+def _disk_path(full_key: Hashable, modules: list[str]) -> str | None:
     """Where the object code for `full_key` is cached on disk, None when no cache is set.
 
     The file name hashes the key's repr (every static fact is a dataclass, tuple or
     string with a deterministic repr), the CuTe DSL version, and the source of the shared
-    kernel modules (`jax_dsrelu/kernels/*.py`), of this FFI layer and of the package that
-    defines the host function (`module`), so editing a kernel never reuses stale code."""
+    kernel modules (`jax_dsrelu/kernels/*.py`), of this FFI layer and of the folders of the
+    modules that define the host function (`_defining_modules`), so editing a kernel never
+    reuses stale code."""
     directory = os.environ.get(CACHE_DIR_VARIABLE)
     if not directory:
         return None
@@ -209,7 +219,9 @@ def _disk_path(full_key: Hashable, module: str) -> str | None:
     digest.update(cutlass.__version__.encode())
     digest.update(_source_digest(_SHARED_KERNEL_DIR))
     digest.update(_source_digest(os.path.dirname(os.path.abspath(__file__))))
-    digest.update(_source_digest(os.path.dirname(os.path.abspath(sys.modules[module].__file__))))
+    files = {getattr(sys.modules.get(module), "__file__", None) for module in modules}
+    for folder in sorted({os.path.dirname(os.path.abspath(file)) for file in files if file}):
+        digest.update(_source_digest(folder))
     os.makedirs(directory, exist_ok=True)
     return os.path.join(directory, digest.hexdigest() + ".o")
 

@@ -1,18 +1,18 @@
 """A kernel's operands, declared once, and the custom call that follows from the declaration.
 
 A kernel declares its operands in the order its host function takes them (the sm90
-family's `GemmSm90.operands`, the sm100 adapter's `Sm100Call.operands`): each one's name, role, dtype, shape as stored (the extents that
-vary from call to call marked `Rows`: with the row count m, or with a count of its own
-such as the tokens T of a source whose rows are read through a row index), and the mode
-order in which the kernel sees it. From that one list come the host function's unpacking by name
-(`by_name`), the custom call's inputs, outputs and aliases (`call_layout`),
-the compile descriptions (`compile_kernel`) and the call (`call`); no other list has to
-agree with it by position.
+family's `GemmSm90.operands`, the sm100 adapter's `Sm100Call.operands`): each one's name,
+role, dtype, shape as stored (the extents that vary from call to call marked `Rows`: with
+the row count m, or with a count of its own such as the tokens T of a source whose rows
+are read through a row index), and the mode order in which the kernel sees it. From that
+one list come the host function's unpacking by name (`by_name`), the custom call's inputs,
+outputs and aliases (`call_layout`), the compile descriptions (`compile_kernel`) and the
+call (`call`); no other list has to agree with it by position.
 
 Roles:
     input       read only
-    accumulate  zero-filled by XLA, updated in place by the kernel's atomics, returned
-                (aliased in and out)
+    accumulate  zero-filled by XLA, added into in place by the kernel (atomics, or
+                partials in single-writer slots), returned (aliased in and out)
     output      written by the kernels, workspaces included: no initialisation needed
 """
 
@@ -42,7 +42,7 @@ OTHER_SOURCE_ROWS = "u"
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    """An extent that varies from call to call, ceil(count / per) times + plus of the
+    """An extent that varies from call to call, ceil(count / per) * times + plus of the
     run-time count `of` (m itself by default): compiled as a run-time extent, so a new
     count never recompiles."""
 

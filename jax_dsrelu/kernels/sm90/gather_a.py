@@ -68,7 +68,6 @@ class GatheredA:
     row_index: str  # the declared name of the gathered operand's row index
     gathered = "a"  # which operand of the GEMM is gathered: "a" or "b"
     operands_written_by_generic_proxy = True  # cp.async: the consumers fence (see the module doc)
-    epilogue_input_fenced = True  # see GemmSm90: unverified kernels take the fence now
 
     def __init__(self, config, request):
         if config.cluster_n != 1:

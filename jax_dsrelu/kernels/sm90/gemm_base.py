@@ -41,6 +41,9 @@ short file of hooks:
                            True where a ring stage is written by cp.async: the
                            consumers fence each stage before wgmma reads it
                            (`mainloop.mma_k_tiles`)
+    epilogue_input_fenced  True where the consumers fence the proxies between reading
+                           an epilogue input buffer and handing it back to warp 1
+                           (`read_epilogue_input`)
     partition_a(...), partition_b(...)
                            A's and B's per-work-item partitions for the copy
     load_k_tiles(...)      the per-work-item k-tile loop (`mainloop.load_k_tiles`)
