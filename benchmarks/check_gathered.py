@@ -59,23 +59,12 @@ class WaitedGatheredDsrelu(GatheredDsreluSm90):
 
     epilogue_input_fenced = False
 
-    @cute.jit
-    def load_k_tiles(self, copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles):
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        for k_tile in range(k_tiles):
-            if warp_idx == self.a_load_warps[0]:
-                ab_pipeline.producer_acquire(state)
-                cute.copy(tma_b, tBgB[None, k_tile], tBsB[None, state.index],
-                          tma_bar_ptr=ab_pipeline.producer_get_barrier(state))
-            else:
-                ab_pipeline.sync_object_empty.wait(state.index, state.phase)
-            self._copy_k_tile(tAgA, tAsA, k_tile, state.index)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.mbarrier_arrive(ab_pipeline.producer_get_barrier(state))
-            state.advance()
-        return state
+    @staticmethod
+    def signal_copies_landed(ab_pipeline, state) -> None:
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.mbarrier_arrive(ab_pipeline.producer_get_barrier(state))
 
 
 class UnfencedGatheredDsrelu(GatheredDsreluSm90):
@@ -134,12 +123,6 @@ def poisoned(request, config, kernel: str, inputs) -> dict:
     counts = {ROWS: inputs["preact"].shape[0], SOURCE_ROWS: inputs["dy"].shape[0]}
     return {o.name: jnp.full(o.shape_for(counts), jnp.nan, o.dtype)
             for o in dsrelu_call.operands(request, config, gathered=gathered) if o.role == "output"}
-
-
-def outside(got: np.ndarray, want: np.ndarray, bound: np.ndarray) -> np.ndarray:
-    """Where got (as float64) is outside the contract's bound of want (NaN counts as outside)."""
-    with np.errstate(invalid="ignore"):
-        return ~(np.abs(got.astype(np.float64) - want) <= bound)
 
 
 def tile_starts(sizes, num_rows: int, tile_m: int) -> list[tuple[int, int, int, int]]:
@@ -207,7 +190,8 @@ def check(deterministic: bool, runs: int) -> dict:
                 verified = verified or got  # the first run of the verified kernel
                 entry["unlike_in_memory"] += any(not np.array_equal(got[name], verified[name], equal_nan=True)
                                                  for name in exact)
-                bad = {name: outside(got[name], getattr(expected, name), getattr(expected, f"{name}_bound"))
+                bad = {name: contract_numpy.outside_bound(got[name], getattr(expected, name),
+                                                          getattr(expected, f"{name}_bound"))
                        for name in OUTPUTS}
                 if not any(b.any() for b in bad.values()):
                     continue

@@ -194,6 +194,16 @@ def grouped_gemm_dsrelu(
 CHECK_BLOCK = 1 << 20  # entries per block of assert_within
 
 
+def outside_bound(got, want: np.ndarray, bound: np.ndarray) -> np.ndarray:
+    """Where got is not within the bound of want: |got - want| > bound where want is
+    finite, not the same NaN or the same infinity where it is not."""
+    g = np.asarray(got).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        ok = np.abs(g - want) <= bound  # False wherever either side is NaN or infinite
+        same_special = ~np.isfinite(want) & ((np.isnan(g) & np.isnan(want)) | (g == want))
+    return ~(ok | same_special)
+
+
 def assert_within(name: str, got, want: np.ndarray, bound: np.ndarray, dtype) -> None:
     """got has `dtype` and want's shape; |got - want| <= bound where want is finite, and
     the same NaN or the same infinity where it is not."""
@@ -208,13 +218,7 @@ def assert_within(name: str, got, want: np.ndarray, bound: np.ndarray, dtype) ->
     wrong_count, first_wrong = 0, None
     for start in range(0, flat_want.size, CHECK_BLOCK):
         block = slice(start, start + CHECK_BLOCK)
-        g, w = flat_got[block].astype(np.float64), flat_want[block]
-        with np.errstate(invalid="ignore"):
-            ok = np.abs(g - w) <= flat_bound[block]  # False wherever either side is NaN or infinite
-            suspects = np.flatnonzero(~ok)
-            g, w = g[suspects], w[suspects]
-            same_special = ~np.isfinite(w) & ((np.isnan(g) & np.isnan(w)) | (g == w))
-        wrong = suspects[~same_special]
+        wrong = np.flatnonzero(outside_bound(flat_got[block], flat_want[block], flat_bound[block]))
         if wrong.size and first_wrong is None:
             first_wrong = start + wrong[0]
         wrong_count += wrong.size

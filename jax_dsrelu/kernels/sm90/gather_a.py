@@ -172,9 +172,15 @@ class GatheredA:
             else:
                 ab_pipeline.sync_object_empty.wait(state.index, state.phase)
             self._copy_k_tile(gathered, gathered_shared, k_tile, state.index)
-            cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipeline.producer_get_barrier(state))
+            self.signal_copies_landed(ab_pipeline, state)
             state.advance()
         return state
+
+    @staticmethod
+    def signal_copies_landed(ab_pipeline, state) -> None:
+        """A gathering thread's arrival on the stage's full barrier, which completes once
+        its copies have landed (cp.async.mbarrier.arrive.noinc): it need not wait for them."""
+        cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipeline.producer_get_barrier(state))
 
     def _gather_thread(self, tiled):
         """This thread's slice of a tiled copy of the gathering threads."""
