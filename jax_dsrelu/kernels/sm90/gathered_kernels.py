@@ -38,10 +38,6 @@ class GatheredDsreluSm90(GatheredRowsA, GroupedGemmDsreluSm90):
     """The fused dsReLU kernel with grad (T, k) read through grad_index (m,)."""
 
     row_index = "grad_index"
-    # The proxy fence the PTX memory model asks for before a preact buffer goes back to its
-    # TMA warp (`GemmSm90.epilogue_input_fenced`): this kernel is not verified yet, so it
-    # takes the fence before the verified fused kernel does.
-    epilogue_input_fenced = True
 
     def kernel_params(self, t) -> dict:
         return dict(super().kernel_params(t), grad_index=t.grad_index)

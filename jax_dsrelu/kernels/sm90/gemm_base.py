@@ -127,12 +127,13 @@ class GemmSm90:
     whole_tile = False
     # The operand ring filled by TMA alone: wgmma reads its stages with no proxy fence.
     operands_written_by_generic_proxy = False
-    # Whether the consumers fence the proxies between reading an epilogue input buffer
-    # (ldmatrix, the generic proxy) and handing it back to warp 1, whose next TMA write (the
-    # async proxy) mbarrier ordering alone does not order after those reads; CUTLASS's
-    # epilogues fence there. The verified kernels do not yet: they stay the code the H200
-    # runs checked until a run checks them fenced (docs/sm90.md, "The preact ring").
-    epilogue_input_fenced = False
+    # The consumers fence the proxies between reading an epilogue input buffer (ldmatrix,
+    # the generic proxy) and handing it back to warp 1, whose next TMA write (the async
+    # proxy) mbarrier ordering alone does not order after those reads; CUTLASS's epilogues
+    # fence there. Without it the gathered fused kernel gave wrong rows in 13 of 20 runs
+    # (docs/sm90.md, "The preact ring"); False only in benchmarks/check_gathered.py's
+    # variant that shows the race.
+    epilogue_input_fenced = True
 
     def __init__(self, config, num_experts: int):
         self.config = config
