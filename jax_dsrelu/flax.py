@@ -69,7 +69,8 @@ class MoE(nnx.Module):
     State (not trained): expert_bias (E,) float32, an `ExpertBias`, when score="sigmoid";
     zeros at first, moved by `update_expert_bias`.
 
-    The routing options (score, num_groups, top_groups, normalize, scale) are `route`'s.
+    The routing options (score, num_groups, top_groups, normalize, scale, round_to) are
+    `route`'s; with round_to the module is no longer dropless (token rounding).
     The experts compute in `dtype` (param_dtype when None): bfloat16 there, with float32
     parameters, is the usual mixed precision for the GPU kernels. Every setting is
     checked here, when the module is built, into `options` (a `LayerOptions`, static),
@@ -89,6 +90,7 @@ class MoE(nnx.Module):
         top_groups: int | None = None,
         normalize: bool = False,
         scale: float = 1.0,
+        round_to: int | None = None,
         shared_d_ff: int | None = None,
         latent_dim: int | None = None,
         use_bias: bool = True,
@@ -112,7 +114,7 @@ class MoE(nnx.Module):
                 _require_size(name, size)
         options = LayerOptions.of(
             num_experts, top_k=top_k, score=score, num_groups=num_groups, top_groups=top_groups,
-            normalize=normalize, scale=scale, deterministic=deterministic, backend=backend,
+            normalize=normalize, scale=scale, deterministic=deterministic, backend=backend, round_to=round_to,
         )
         validation.require_bool("use_bias", use_bias)
         param_dtype = validation.dtype_option("param_dtype", param_dtype, validation.FLOAT_DTYPES)
@@ -143,6 +145,7 @@ class MoE(nnx.Module):
         top_groups: int | None = None,
         normalize: bool = False,
         scale: float = 1.0,
+        round_to: int | None = None,
         deterministic: bool = False,
         backend: str = "auto",
         dtype: Any = None,
@@ -153,7 +156,8 @@ class MoE(nnx.Module):
         tensors: the block's own names (no module prefix) -> arrays, as
         `jax_dsrelu.params_from_hf_nemotron_h` takes them, which checks them against each
         other. The options are the model config's (`num_experts_per_tok` as top_k,
-        `n_group`, `topk_group`, `norm_topk_prob`, `routed_scaling_factor`); the scores
+        `n_group`, `topk_group`, `norm_topk_prob`, `routed_scaling_factor`; round_to, token
+        rounding, is this library's and off by default); the scores
         are sigmoid, the block has no b1 (use_bias=False), and d_model, d_ff, num_experts,
         shared_d_ff and latent_dim come from the tensors' shapes. param_dtype=None keeps
         the experts' dtype of the checkpoint, and dtype=None computes in param_dtype, so
@@ -170,7 +174,7 @@ class MoE(nnx.Module):
         zeros = nnx.initializers.zeros
         module = cls(
             d_model, params["w1"].shape[2], num_experts, top_k=top_k, score="sigmoid", num_groups=num_groups,
-            top_groups=top_groups, normalize=normalize, scale=scale,
+            top_groups=top_groups, normalize=normalize, scale=scale, round_to=round_to,
             shared_d_ff=None if shared is None else shared.shape[1],
             latent_dim=None if latent is None else latent.shape[1], use_bias=False,
             deterministic=deterministic, backend=backend, dtype=dtype, param_dtype=param_dtype,

@@ -21,16 +21,19 @@ def top_experts(x, router, top_k):
     return np.argsort(-logits, axis=1, kind="stable")[:, :top_k]
 
 
-def plain_moe(x, router, w1, w2, b1, top_k, normalize, experts=None):
+def plain_moe(x, router, w1, w2, b1, top_k, normalize, experts=None, keep=None):
     """Each token: the sum over its top_k experts of prob * relu(x @ w1[e] + b1[e])**2 @ w2[e].
 
-    No sort by expert, no group sizes: every token with its own experts' weights.
+    No sort by expert, no group sizes: every token with its own experts' weights. `keep`
+    (T, top_k) bool: the slots that count (token rounding's cut ones do not), else all.
     """
     if experts is None:
         experts = top_experts(x, router, top_k)
     probs = jnp.take_along_axis(jax.nn.softmax(x @ router, axis=-1), jnp.asarray(experts), axis=1)
     if normalize:
         probs = probs / jnp.sum(probs, axis=1, keepdims=True)
+    if keep is not None:
+        probs = jnp.where(jnp.asarray(keep), probs, 0.0)
     h = jnp.einsum("td,tsdf->tsf", x, w1[experts]) + (0.0 if b1 is None else b1[experts])
     y = jnp.einsum("tsf,tsfd->tsd", jnp.maximum(h, 0.0) ** 2, w2[experts])
     return jnp.sum(probs[:, :, None] * y, axis=1)

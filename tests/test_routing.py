@@ -190,7 +190,7 @@ def test_plan_is_a_pytree_through_jit():
     logits, plan = random_plan(rng, 12, 4, 2)
     x = jnp.asarray(rng.standard_normal((12, 3)), jnp.float32)
     leaves, treedef = jax.tree.flatten(plan)
-    assert len(leaves) == 7
+    assert len(leaves) == 8  # order, inverse, group_sizes, chosen_sizes, row_prob, expert_prob, two losses
     rebuilt = jax.tree.unflatten(treedef, leaves)
     assert rebuilt.top_k == 2
     jitted = jax.jit(lambda x, plan: jax_dsrelu.dispatch(x, plan))(x, plan)

@@ -59,6 +59,7 @@ def moe_layer_expert_parallel(
     top_groups: int | None = None,
     normalize: bool = False,
     scale: float = 1.0,
+    round_to: int | None = None,  # refused: see below
     shared_w1: jax.Array | None = None,  # (d, fs), replicated
     shared_w2: jax.Array | None = None,  # (fs, d), replicated
     latent_in: jax.Array | None = None,  # (d, l), replicated
@@ -76,6 +77,10 @@ def moe_layer_expert_parallel(
     MoEAux holds the losses and group sizes of all T tokens, as on one device: its
     group_sizes are the global ones that `update_expert_bias` takes. Call it under
     `jax.jit`; the arguments are resharded as above if they are not already.
+
+    Token rounding (round_to) is refused: each token shard routes its own tokens, so
+    rounding its counts would not round the rows each expert runs over all shards, and
+    rounding the global counts needs every shard's scores before any row is sent.
     """
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(
@@ -90,8 +95,13 @@ def moe_layer_expert_parallel(
     num_experts = weights.num_experts
     options = LayerOptions.of(
         num_experts, top_k=top_k, score=score, num_groups=num_groups, top_groups=top_groups,
-        normalize=normalize, scale=scale, deterministic=deterministic, backend=backend,
+        normalize=normalize, scale=scale, deterministic=deterministic, backend=backend, round_to=round_to,
     )
+    if options.routing.rounds:
+        raise ValueError(
+            f"round_to must be None under expert parallelism (each token shard routes its own tokens, so "
+            f"its counts are not the rows an expert runs), got round_to={round_to}; use moe_layer on one device"
+        )
     validation.require_bool("return_aux", return_aux)
     data_axes = _data_axes(mesh, expert_axis, data_axis)
     token_axes = (*data_axes, expert_axis)

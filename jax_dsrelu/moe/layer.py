@@ -53,7 +53,7 @@ class MoEAux(NamedTuple):
 
     load_balancing_loss: jax.Array  # () float32, E * sum_e f_e * P_e (see `route`)
     router_z_loss: jax.Array  # () float32, mean over tokens of logsumexp(logits)**2
-    group_sizes: jax.Array  # (E,) int32, (token, slot) assignments routed to each expert
+    group_sizes: jax.Array  # (E,) int32, (token, slot) assignments routed to each expert (before round_to)
 
 
 def moe_layer(
@@ -70,6 +70,7 @@ def moe_layer(
     top_groups: int | None = None,
     normalize: bool = False,
     scale: float = 1.0,
+    round_to: int | None = None,
     shared_w1: jax.Array | None = None,  # (d, fs) shared expert, first weights
     shared_w2: jax.Array | None = None,  # (fs, d) shared expert, second weights
     latent_in: jax.Array | None = None,  # (d, l) projection into the experts' width
@@ -81,13 +82,14 @@ def moe_layer(
     """The MoE block:
 
         weight = route(x @ router, top_k, score=..., expert_bias=..., num_groups=...,
-                       top_groups=..., normalize=..., scale=...)        (see `route`)
+                       top_groups=..., normalize=..., scale=..., round_to=...)  (see `route`)
         z      = x @ latent_in                     (x without latent projections)
         routed = sum over token t's top_k experts e of weight[t, e] * relu(z @ w1[e] + b1[e])**2 @ w2[e]
         out    = routed @ latent_out (or routed)  +  relu(x @ shared_w1)**2 @ shared_w2 (if given)
 
     The logits are computed in float32; ties in the selection go to the lower expert
-    index, and no token is dropped. The routed experts run in w1.dtype (z is cast to
+    index, and no token is dropped unless round_to is given (token rounding: each
+    expert's assignments cut to a multiple of round_to, see `route`). The routed experts run in w1.dtype (z is cast to
     it), their top_k outputs are added in float32; the shared expert runs in
     shared_w1.dtype on `moe_mlp` as one expert that owns every token; the latent
     projections multiply in their weights' dtype and accumulate in float32. The sum is
@@ -106,7 +108,7 @@ def moe_layer(
     weights.check(x)
     options = LayerOptions.of(
         weights.num_experts, top_k=top_k, score=score, num_groups=num_groups, top_groups=top_groups,
-        normalize=normalize, scale=scale, deterministic=deterministic, backend=backend,
+        normalize=normalize, scale=scale, deterministic=deterministic, backend=backend, round_to=round_to,
     )
     return apply(x, weights, options, return_aux)
 
@@ -129,7 +131,7 @@ def apply(
     out = block_output(routed, x, weights, options)
     if not return_aux:
         return out
-    return out, MoEAux(plan.load_balancing_loss, plan.router_z_loss, plan.group_sizes)
+    return out, MoEAux(plan.load_balancing_loss, plan.router_z_loss, plan.chosen_sizes)
 
 
 # The block's steps. `moe_layer` runs route_tokens, expert_tokens, the routed experts

@@ -25,7 +25,8 @@ class RoutingOptions:
 
     top_k experts per token; scores by softmax over the experts or by each expert's
     sigmoid; experts in num_groups equal contiguous groups of which top_groups are kept
-    (None: all); the chosen weights divided by their sum when normalize, then times scale.
+    (None: all); the chosen weights divided by their sum when normalize, then times scale;
+    with round_to, each expert's assignments cut to a multiple of round_to (None: none cut).
     """
 
     num_experts: int
@@ -35,6 +36,7 @@ class RoutingOptions:
     top_groups: int | None = None
     normalize: bool = False
     scale: float = 1.0
+    round_to: int | None = None
 
     def __post_init__(self) -> None:
         num_experts, top_k = self.num_experts, self.top_k
@@ -70,6 +72,16 @@ class RoutingOptions:
                     f"E/num_groups={num_experts // num_groups} hold, got top_k={top_k}"
                 )
 
+        if self.round_to is not None:
+            validation.require_int("round_to", self.round_to)
+            if self.round_to < 1:
+                raise ValueError(f"round_to must be None or a positive number of rows, got round_to={self.round_to}")
+
+    @property
+    def rounds(self) -> bool:
+        """Whether some assignments may be cut to round the experts' row counts."""
+        return self.round_to is not None and self.round_to > 1
+
     @property
     def drops_groups(self) -> bool:
         """Whether some groups are left out of each token's choice."""
@@ -102,10 +114,11 @@ class LayerOptions:
         scale: float,
         deterministic: bool,
         backend: str,
+        round_to: int | None = None,
     ) -> LayerOptions:
         """The options from the layers' keywords (see `moe_layer`), checked."""
         routing = RoutingOptions(
             num_experts=num_experts, top_k=top_k, score=score, num_groups=num_groups,
-            top_groups=top_groups, normalize=normalize, scale=scale,
+            top_groups=top_groups, normalize=normalize, scale=scale, round_to=round_to,
         )
         return cls(routing=routing, deterministic=deterministic, backend=backend)

@@ -32,6 +32,7 @@ from jax_dsrelu.primitives.gather_sum import gather_sum
         "order",
         "inverse",
         "group_sizes",
+        "chosen_sizes",
         "row_prob",
         "expert_prob",
         "load_balancing_loss",
@@ -45,12 +46,15 @@ class RoutingPlan:
 
     Assignment a = t * top_k + s is token t's s-th choice (slots in decreasing order of
     the score `route` selects by: the probability, plus expert_bias if given). Rows
-    sorted by expert are numbered 0..T*top_k-1.
+    sorted by expert are numbered 0..T*top_k-1. With round_to, the assignments cut from
+    their experts take the rows after every expert's, which belong to no expert (their
+    outputs are 0): sum(group_sizes) <= T*top_k.
     """
 
     order: jax.Array  # (T*top_k,) int32, the assignment at each expert-sorted row
     inverse: jax.Array  # (T*top_k,) int32, the expert-sorted row of each assignment
-    group_sizes: jax.Array  # (E,) int32, rows of each expert, in row order
+    group_sizes: jax.Array  # (E,) int32, rows each expert runs, in row order
+    chosen_sizes: jax.Array  # (E,) int32, assignments the tokens chose for each expert (before round_to)
     row_prob: jax.Array  # (T*top_k,) float32, routing weight of each sorted row (normalized, scaled)
     expert_prob: jax.Array  # (E,) float32, P_e: mean over tokens of expert e's share of the scores (see `route`)
     load_balancing_loss: jax.Array  # () float32, E * sum_e f_e * P_e
@@ -76,6 +80,7 @@ def route(
     top_groups: int | None = None,
     normalize: bool = False,
     scale: float = 1.0,
+    round_to: int | None = None,
 ) -> RoutingPlan:
     """Scores over the E experts in float32, then each token's top_k experts.
 
@@ -98,7 +103,21 @@ def route(
     scores all underflow to 0 gets weights 0 instead of NaN (softmax's top_k sum is at
     least top_k / E and needs no guard).
 
-    The auxiliary losses, with f_e = group_sizes[e] / (T * top_k) the fraction of
+    Token rounding (round_to, off by default; SonicMoE's tile-aware rounding, rounding
+    down): each expert keeps the largest multiple of round_to of the assignments the
+    tokens chose for it, those with the highest scores s (the bias, the same for all of an
+    expert's tokens, orders them alike), ties to the lower token index; the others are
+    cut: their rows belong to no expert, add nothing to their token's output and get no
+    gradient, and the token's other slots keep their weights (no renormalization). The
+    kernels then run whole tiles of round_to rows (128: the sm90 kernels' tile) without
+    the partly empty last tile of each expert. An expert with fewer than round_to
+    assignments runs none. It is a function of the scores, so it changes the model: it
+    applies wherever it is passed, evaluation included (pass round_to=None to evaluate
+    on every assignment). The auxiliary losses and `chosen_sizes`, which the
+    expert-bias update takes, count the assignments before the cut: the router's choice,
+    not what the cut left. round_to=None or 1 cuts nothing.
+
+    The auxiliary losses, with f_e = chosen_sizes[e] / (T * top_k) the fraction of
     assignments to expert e and P_e the mean over tokens of a_e (the gradient flows
     through P):
 
@@ -117,7 +136,7 @@ def route(
     _check_logits(logits)
     options = RoutingOptions(
         num_experts=logits.shape[1], top_k=top_k, score=score, num_groups=num_groups,
-        top_groups=top_groups, normalize=normalize, scale=scale,
+        top_groups=top_groups, normalize=normalize, scale=scale, round_to=round_to,
     )
     check_expert_bias(expert_bias, options.num_experts)
     return plan_routes(logits, options, expert_bias)
@@ -140,25 +159,55 @@ def plan_routes(
     slot_prob, experts, expert_prob, log_normalizer = _select(
         logits.astype(jnp.float32), expert_bias, options, token_count
     )
+    grouping = permutation.sort_choices(experts, num_experts)
+    chosen_sizes = grouping.sizes
+    if options.rounds:
+        grouping = _round_down(experts, slot_prob, chosen_sizes, options.round_to)
     if options.normalize:
         total = _sum_slots(slot_prob[:, :, None])
         slot_prob = slot_prob / (total if score == "softmax" else total + 1e-20)
     if options.scale != 1.0:
         slot_prob = slot_prob * jnp.float32(options.scale)
 
-    grouping = permutation.sort_choices(experts, num_experts)
     row_prob = permutation.gather_rows(slot_prob.reshape(-1), grouping.order, grouping.inverse)
-    fraction = grouping.sizes.astype(jnp.float32) / (token_count * top_k)
+    fraction = chosen_sizes.astype(jnp.float32) / (token_count * top_k)
     return RoutingPlan(
         order=grouping.order,
         inverse=grouping.inverse,
         group_sizes=grouping.sizes,
+        chosen_sizes=chosen_sizes,
         row_prob=row_prob,
         expert_prob=expert_prob,
         load_balancing_loss=num_experts * jnp.sum(fraction * expert_prob),
         router_z_loss=jnp.sum(log_normalizer**2) / token_count,
         top_k=top_k,
     )
+
+
+def _round_down(
+    experts: jax.Array,  # (T, top_k) int32, each token's distinct experts
+    slot_score: jax.Array,  # (T, top_k) float32, their scores s
+    chosen_sizes: jax.Array,  # (E,) int32, assignments of each expert
+    round_to: int,
+) -> permutation.GroupOrder:
+    """The rows sorted by expert, each expert keeping its round_to * floor(size / round_to)
+    best assignments (highest score, ties to the lower assignment index, which is the lower
+    token: a token chooses an expert once); the cut ones sort after every expert's rows.
+
+    Two sorts with unique keys rank the assignments within their experts (the order is
+    fully determined, so deterministic), and one more sorts the kept rows by expert.
+    """
+    num_experts = chosen_sizes.shape[0]
+    expert = experts.reshape(-1)
+    assignment = lax.iota(jnp.int32, expert.shape[0])
+    # The selection is piecewise constant: no gradient flows through the ranking.
+    score = lax.stop_gradient(slot_score).reshape(-1)
+    _, _, ranked = lax.sort((expert, -score, assignment), num_keys=3)
+    _, place = lax.sort((ranked, assignment), num_keys=1)  # each assignment's place in `ranked`
+    starts = jnp.cumsum(chosen_sizes) - chosen_sizes
+    kept_sizes = chosen_sizes // round_to * round_to
+    kept = place - starts[expert] < kept_sizes[expert]
+    return permutation.sort_by_group(jnp.where(kept, expert, num_experts), num_experts)
 
 
 # The name under which `_select` keeps the chosen experts for its backward.
