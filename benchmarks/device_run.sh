@@ -22,6 +22,8 @@
 #   gemms     benchmarks/bench_gemms.py: the six grouped GEMMs of a layer step (estimated 3-5 min)
 #   layer     benchmarks/bench_layer.py: moe_mlp's step and forward, every variant, the bf16
 #             baselines among them (estimated 5-8 min)
+#   step_ab   benchmarks/step_ab.sh: the step of STEP_AB_OLD (its tree carried in .kernels/old_tree)
+#             beside COMMIT's, STEP_AB_ROUNDS (1) rounds, STEP_AB_SHAPES (default every shape)
 #   determinism_parallel  benchmarks/determinism_parallel.sh: for each of PARALLEL_MODES
 #             (default "warm"; "warm fresh" runs both at once), PARALLEL_PROCESSES_<MODE> (4)
 #             processes of each script side by side, kernels from the carried cache (warm) or
@@ -116,6 +118,8 @@ selected moe_block && PYTHONPATH="$(carried tokamax_deps.tar.zst "import tokamax
   python3 benchmarks/bench_moe_block.py --commit "$commit" --out "$OUT" $MOE_BLOCK_ARGS
 selected gemms && run bench_gemms 540 python3 benchmarks/bench_gemms.py --commit "$commit" --out "$OUT" $GEMMS_ARGS
 selected layer && run bench_layer 560 python3 benchmarks/bench_layer.py --commit "$commit" --out "$OUT" $LAYER_ARGS
+selected step_ab && run step_ab 400 bash benchmarks/step_ab.sh .kernels/old_tree "$STEP_AB_OLD" "$commit" \
+  "${STEP_AB_ROUNDS:-1}"
 
 if selected determinism_parallel; then
   # Each mode in PARALLEL_MODES runs at the same time as the others (a fresh process spends

@@ -31,7 +31,9 @@ FINE_GRAINED_SHAPES = [
 ]
 SHAPES = FEW_EXPERT_SHAPES + FINE_GRAINED_SHAPES
 CPU_SHAPES = [(512, 128, 256, 4)]
-GROUPINGS = ("dirichlet", "equal")
+# "rounded128": the dirichlet sizes as token rounding with round_to=128 leaves them (each
+# cut to a multiple of 128; the cut rows, past the experts' sum, belong to none).
+GROUPINGS = ("dirichlet", "equal", "rounded128")
 BF16 = np.dtype(jnp.bfloat16)
 # XLA fuses a GEMM into a Triton kernel of its own where its autotuner finds one faster,
 # and otherwise calls cuBLAS; with the fusion off every GEMM is cuBLAS's.
@@ -39,13 +41,17 @@ CUBLAS_ONLY = {"xla_gpu_enable_triton_gemm": False}
 
 
 def group_sizes_for(grouping, m, num_experts, seed) -> np.ndarray:
-    """(E,) int32 rows per expert summing to m: from a flat Dirichlet draw, or equal (m % E == 0)."""
-    if grouping == "dirichlet":
+    """(E,) int32 rows per expert: summing to m, from a flat Dirichlet draw, or equal
+    (m % E == 0); or the Dirichlet draw cut to multiples of 128 (summing to less)."""
+    if grouping in ("dirichlet", "rounded128"):
         sizes = np.floor(np.random.default_rng(seed).dirichlet(np.ones(num_experts)) * m).astype(np.int64)
         sizes[np.argmax(sizes)] += m - sizes.sum()
+        if grouping == "rounded128":
+            sizes = sizes // 128 * 128
         return sizes.astype(np.int32)
     if grouping != "equal" or m % num_experts:
-        raise ValueError(f"grouping must be 'dirichlet', or 'equal' with m % E == 0; got {grouping!r}, m={m}, E={num_experts}")
+        raise ValueError(f"grouping must be 'dirichlet', 'rounded128', or 'equal' with m % E == 0; got {grouping!r}, "
+                         f"m={m}, E={num_experts}")
     return np.full(num_experts, m // num_experts, np.int32)
 
 

@@ -88,6 +88,7 @@ class Block(nnx.Module):
             top_groups=args.top_groups,
             normalize=args.normalize,
             scale=args.routed_scale,
+            round_to=args.round_to,
             shared_d_ff=args.shared_d_ff,
             latent_dim=args.latent_dim,
             deterministic=args.deterministic,
@@ -233,6 +234,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--routed-scale", type=float, default=1.0, help="multiply the routing weights by this")
     parser.add_argument("--num-groups", type=int, default=1, help="experts in this many groups for group-limited routing")
     parser.add_argument("--top-groups", type=int, default=None, help="keep each token's best this many groups")
+    parser.add_argument("--round-to", type=int, default=None,
+                        help="token rounding: cut each expert's tokens to a multiple of this (e.g. 128)")
     parser.add_argument("--shared-d-ff", type=int, default=None, help="width of a shared expert on every token")
     parser.add_argument("--latent-dim", type=int, default=None, help="routed experts run in this width")
     parser.add_argument("--bias-rate", type=float, default=1e-3, help="expert bias update speed (--router sigmoid)")
@@ -274,10 +277,10 @@ def main() -> None:
     parameters = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"model: {args.layers} blocks, d_model {args.d_model}, {args.experts} experts of d_ff {args.d_ff}, "
           f"top-{args.top_k}: {parameters:,} parameters")
-    if args.router == "sigmoid" or args.shared_d_ff or args.latent_dim:
+    if args.router == "sigmoid" or args.shared_d_ff or args.latent_dim or args.round_to:
         print(f"routing: {args.router}, groups {args.top_groups or args.num_groups} of {args.num_groups}, "
               f"normalize {args.normalize}, scale {args.routed_scale}; shared expert d_ff {args.shared_d_ff}; "
-              f"latent {args.latent_dim}")
+              f"latent {args.latent_dim}; round_to {args.round_to}")
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(50, args.steps // 10 + 1), args.steps)
     optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=0.01), wrt=nnx.Param)
 
