@@ -73,6 +73,23 @@ def test_only_the_base_defines_the_host_function_and_the_kernel():
     assert {GroupedGemmDsreluSm90, RaggedGemmSm90, RaggedContractSm90} <= set(variants)
 
 
+def undeclared_calls(cls) -> set[str]:
+    """The methods `cls`'s own source calls on self that `cls` itself does not declare."""
+    called = set(re.findall(r"self\.([A-Za-z_]\w*)\(", inspect.getsource(cls)))
+    return {name for name in called if name not in vars(cls)}
+
+
+def test_every_hook_the_base_calls_is_declared_on_it():
+    assert undeclared_calls(GemmSm90) == set()
+
+    class Partial(GemmSm90):
+        def _work_item(self, ctx, tile, *states):
+            return self.a_hook_declared_nowhere(ctx, tile)
+
+    # The check sees a call to an undeclared method.
+    assert undeclared_calls(Partial) == {"a_hook_declared_nowhere"}
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_the_dsrelu_call_plan_is_its_declaration(deterministic):
     request = dsrelu_request(deterministic)

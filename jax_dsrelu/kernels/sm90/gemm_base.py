@@ -59,6 +59,10 @@ short file of hooks:
                                               parameters: a gathered operand reads its
                                               row table there)
     k_tile_count(tile), store_views(outputs, tile)
+    store_zero_tile(...)                      a walk's item of rows no expert owns (walk_rebinds)
+
+  Every hook the base calls is declared on it, with what it returns; the schedule's raise
+  NotImplementedError until a variant's walk (`ragged_m.py`, the contraction) supplies them.
 
   The epilogue, on the consumer warpgroups, given `ctx`: ctid, warp and lane (of the
   consumers), acc and tCcAcc (the accumulator and its (row, column) coordinates),
@@ -234,6 +238,11 @@ class GemmSm90:
     def after_gemm(self, t, stream) -> None:
         pass
 
+    def grid(self, t) -> Int32:
+        """The launch's CTAs (persistent: at most one per multiprocessor, whole clusters,
+        no more than there are work items), from the operands `t`."""
+        raise NotImplementedError(f"{type(self).__name__} has no work schedule (ragged_m, or the contraction's)")
+
     # Host helpers.
 
     def _mma(self, ab_dtype, a_major: LayoutEnum, b_major: LayoutEnum):
@@ -343,6 +352,50 @@ class GemmSm90:
     def num_rows(self, params) -> Int32:
         """The problem's row count m (`Rows` extents are in it), from the kernel's parameters."""
         return params.num_rows
+
+    # The work schedule: a variant's walk of its work items, which every role asks for its
+    # next item in the same order (`schedule.py`), and the item's views of the operands.
+
+    def publish_schedule(self, storage, params, num_rows: Int32, tidx: Int32):
+        """Builds the per-CTA tables every role's walk reads (in `storage`, from the kernel's
+        parameters) and publishes them to every warp; returns them."""
+        raise NotImplementedError(f"{type(self).__name__} has no work schedule")
+
+    def make_schedule(self, tables, num_rows: Int32):
+        """A role's own walk over the work items, from the published tables: an object with
+        valid(), advance() and either tile() or, with `walk_rebinds`, owned() and located()."""
+        raise NotImplementedError(f"{type(self).__name__} has no work schedule")
+
+    def a_tiles(self, mA: cute.Tensor, tile, params) -> cute.Tensor:
+        """(tile_m, tile_k, k-tiles): the work item's k-tiles of A, from the kernel's
+        parameters where its rows come through a row index."""
+        raise NotImplementedError(f"{type(self).__name__} has no view of A")
+
+    def b_tiles(self, mB: cute.Tensor, tile, params) -> cute.Tensor:
+        """(tile_n, tile_k, k-tiles): the work item's k-tiles of B."""
+        raise NotImplementedError(f"{type(self).__name__} has no view of B")
+
+    def c_tiles(self, mC: cute.Tensor, tile) -> cute.Tensor:
+        """(tile_m, epi_n, subtiles of the width): the work item's rows of the epilogue
+        input, where the variant has one; subtile s of N-tile t is column block
+        t * subtiles + s."""
+        raise NotImplementedError(f"{type(self).__name__} has no epilogue input")
+
+    def k_tile_count(self, tile) -> Int32:
+        """The work item's k-tiles: the mainloop's trip count."""
+        raise NotImplementedError(f"{type(self).__name__} has no work schedule")
+
+    def store_views(self, outputs, tile) -> list:
+        """The stored outputs as `_store_subtile` takes them (`_epilogue_outputs`' entries),
+        each with its global tensor replaced by the work item's view of it, clipped where
+        the item's rows or columns end."""
+        raise NotImplementedError(f"{type(self).__name__} has no work schedule")
+
+    def store_zero_tile(self, work_schedule, tiled_r2s, outputs, store_pipeline, store_count: Int32,
+                        ctid: Int32) -> Int32:
+        """With `walk_rebinds`: stores zeros into every output over the current item, a tile
+        of rows no expert owns; returns the store count."""
+        raise NotImplementedError(f"{type(self).__name__}'s walk has no unowned rows")
 
     def descriptors(self, copy_a, tma_b, args) -> list:
         """The TMA descriptors warp 0 prefetches."""
@@ -558,7 +611,7 @@ class GemmSm90:
                     read_state, release_state, store_count, c_state = self._work_item(
                         ctx, tile, read_state, release_state, store_count, c_state)
                 else:
-                    store_count = self._store_zero_tile(work_schedule, ctx.tiled_r2s, ctx.outputs, store_pipeline,
+                    store_count = self.store_zero_tile(work_schedule, ctx.tiled_r2s, ctx.outputs, store_pipeline,
                                                         store_count, ctid)
                 work_schedule.advance()
         else:

@@ -125,7 +125,7 @@ class RaggedMGemmSm90(GemmSm90):
         ]
 
     @cute.jit
-    def _store_zero_tile(self, work_schedule, tiled_r2s, outputs, store_pipeline, store_count: Int32, ctid: Int32):
+    def store_zero_tile(self, work_schedule, tiled_r2s, outputs, store_pipeline, store_count: Int32, ctid: Int32):
         """A tile of the rows owned by no expert: every output stored as zeros. Returns
         the store count."""
         tile, n_tile, first_row, rows = work_schedule.unowned_tile()
