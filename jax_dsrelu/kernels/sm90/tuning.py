@@ -24,7 +24,7 @@ import dataclasses
 from typing import Any
 
 # Relative to the repository root: {"about": ..., "records": {path: record}}.
-RECORDS = "benchmarks/tuning_records.json.gz"
+RECORDS = "benchmarks/results/tuning_records.json.gz"
 
 
 @dataclasses.dataclass(frozen=True)
