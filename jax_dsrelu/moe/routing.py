@@ -261,12 +261,12 @@ def update_expert_bias(
     The auxiliary-loss-free balancing step: overloaded experts lose `rate` of bias,
     underloaded ones gain it, and experts at the mean keep theirs. Call it once per
     training step, outside the gradient, with the step's group sizes (`MoEAux.group_sizes`
-    or `RoutingPlan.group_sizes`).
+    or `RoutingPlan.chosen_sizes`).
 
     The sizes must count every token of the step. `moe_layer` and
     `moe_layer_expert_parallel` return the global sizes in `MoEAux.group_sizes`. Under data
     parallelism written by hand (each device routing its own tokens), add the devices'
-    sizes first, e.g. `jax.lax.psum(plan.group_sizes, data_axes)` inside `shard_map`, so
+    sizes first, e.g. `jax.lax.psum(plan.chosen_sizes, data_axes)` inside `shard_map`, so
     that every device applies the same update and the replicated bias stays replicated.
     """
     _check_expert_bias_update(expert_bias, group_sizes, rate)
