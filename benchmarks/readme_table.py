@@ -349,6 +349,7 @@ TABLES: list[tuple[str, str, tuple[str, ...], Callable[[Runs], str]]] = [
     ("README.md", "summary", ("bench_layer.json",), render_summary),
     ("README.md", "quack", ("bench_gemms_quack.json",), render_quack),
     ("docs/performance.md", "layer", ("bench_layer.json",), render_layer),
+    ("docs/performance.md", "token_rounding", ("bench_layer_token_rounding.json",), render_layer),
     ("docs/performance.md", "gemms", ("bench_gemms.json",), render_gemms),
     ("docs/performance.md", "gemms_fine_grained", ("bench_gemms_fine_grained.json",), render_gemms),
     ("docs/performance.md", "gemms_quack", ("bench_gemms_quack.json",), render_gemms),
