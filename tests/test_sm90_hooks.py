@@ -223,7 +223,7 @@ class PlusC(RaggedGemmSm90):
         return plan[:3] + [c] + plan[3:]
 
     def epilogue_visit(self, ctx, item, tile, subtile):
-        c = ctx.c_registers  # the subtile of c, in float32
+        c = ctx.input_registers  # the subtile of c, in float32
         for v in range(ctx.sub_values):
             ctx.registers[0][v] = ctx.acc[subtile * ctx.sub_values + v] + c[v]
 

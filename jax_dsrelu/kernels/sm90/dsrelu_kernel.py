@@ -42,7 +42,8 @@ Constraints:
     - fewer than 2^30 rows (ragged store coordinates stay in int32)
 """
 
-from types import SimpleNamespace
+import dataclasses
+from typing import Any
 
 import cutlass
 import cutlass.cute as cute
@@ -59,6 +60,22 @@ from jax_dsrelu.kernels.sm90.ragged_m import RaggedMGemmSm90
 _ABS_MASK = 0x7FFFFFFF
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class DsreluTile:
+    """A work item's epilogue state: loaded before its mainloop (`epilogue_prefetch`),
+    then the running per-row partials (`epilogue_begin` on), this thread's two rows each."""
+
+    row0: Any  # the tile's first row
+    rows_valid: Any  # how many of its rows the expert owns
+    alpha: Any  # the expert's scale
+    valid: list  # whether each of this thread's rows is the expert's
+    prob: list  # each row's prob (0 where not valid)
+    row_scale: list = dataclasses.field(default_factory=list)  # 2 alpha prob per row
+    row_sum: list = dataclasses.field(default_factory=list)  # sum over the columns so far of r^2 acc
+    row_max: list = dataclasses.field(default_factory=list)  # largest |dh| bit pattern so far
+    columns: list = dataclasses.field(default_factory=list)  # the subtile's column partials of dh
 
 
 class GroupedGemmDsreluSm90(RaggedMGemmSm90):
@@ -147,7 +164,7 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
         row0, rows_valid = self._tile_rows(tile)
         alpha = ctx.params.alpha[tile.expert]
         valid, prob = self._row_probs(ctx.params.prob, ctx.tile_row, row0, rows_valid)
-        return SimpleNamespace(row0=row0, rows_valid=rows_valid, alpha=alpha, valid=valid, prob=prob)
+        return DsreluTile(row0=row0, rows_valid=rows_valid, alpha=alpha, valid=valid, prob=prob)
 
     def mma_active(self, ctx, item):
         """An expert's last tile with 64 rows or fewer runs on the first warpgroup's
@@ -170,7 +187,7 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
         amax partials; the subtile's column partials of dh for dbias (`item.columns`)."""
         tRS_rD = ctx.registers[0]
         tRS_rAct = ctx.registers[1] if self.with_act else None
-        tRS_rPf = ctx.c_registers
+        tRS_rPf = ctx.input_registers
         columns = []
         for v in range(ctx.sub_values):
             h = (v // 2) % 2

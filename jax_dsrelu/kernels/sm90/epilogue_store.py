@@ -33,7 +33,7 @@ def store_view(tensor: cute.Tensor, offset: Int32, length: Int32, local_tile: In
 @cute.jit
 def store_subtile(
     tiled_r2s: cute.TiledCopy,
-    outputs,  # one or two (registers f32, registers out dtype, smem partition, TMA atom, gmem view, smem)
+    outputs,  # one or two `StoredOutput`s, each with its work item's gmem view
     store_pipeline,
     store_count: Int32,
     column_block: Int32,
@@ -44,17 +44,17 @@ def store_subtile(
     """Rounds the subtile once, stages it in shared memory, and stores it with TMA."""
     buffer = store_count % store_stages
     for i in cutlass.range_constexpr(len(outputs)):
-        rF, rOut, tRS_s, _, _, _ = outputs[i]
-        rOut.store(rF.load().to(rOut.element_type))
-        cute.copy(tiled_r2s, rOut, tRS_s[None, None, None, buffer])
+        output = outputs[i]
+        output.rounded.store(output.registers.load().to(output.rounded.element_type))
+        cute.copy(tiled_r2s, output.rounded, output.partition[None, None, None, buffer])
     # stmatrix writes are generic-proxy; the TMA engine reads through the async proxy.
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=consumer_threads)
     if ctid == 0:
         for i in cutlass.range_constexpr(len(outputs)):
-            _, _, _, tma, gmem, smem = outputs[i]
-            bSG_s, bSG_g = mainloop.tma_partition(tma, smem, gmem)
-            cute.copy(tma, bSG_s[None, buffer], bSG_g[None, column_block])
+            output = outputs[i]
+            bSG_s, bSG_g = mainloop.tma_partition(output.tma, output.smem, output.gmem)
+            cute.copy(output.tma, bSG_s[None, buffer], bSG_g[None, column_block])
         store_pipeline.producer_commit()
         # The next subtile reuses buffer + 1: wait until its store has read it.
         store_pipeline.producer_acquire()

@@ -64,12 +64,13 @@ short file of hooks:
   Every hook the base calls is declared on it, with what it returns; the schedule's raise
   NotImplementedError until a variant's walk (`ragged_m.py`, the contraction) supplies them.
 
-  The epilogue, on the consumer warpgroups, given `ctx`: ctid, warp and lane (of the
-  consumers), acc and tCcAcc (the accumulator and its (row, column) coordinates),
-  tile_row (this thread's two rows of the tile), sub_values (accumulator values per
-  subtile), registers (each stored output's float32 subtile, which the store rounds),
-  outputs, c_registers (the epilogue input's subtile in float32), scratch, params (the
-  kernel_params by name); `item` is what epilogue_prefetch returned:
+  The epilogue, on the consumer warpgroups, given `ctx`, an `EpilogueContext`
+  (`epilogue_context.py`: ctid, warp and lane of the consumers, acc and tCcAcc, the
+  accumulator and its (row, column) coordinates, tile_row, sub_values, registers, each
+  stored output's float32 subtile, which the store rounds, outputs, input_registers, the
+  epilogue input's subtile in float32, scratch, params, the kernel_params by name; a
+  variant with registers of its own declares them on a subclass, `context_type`); `item`
+  is what epilogue_prefetch returned:
     epilogue_setup(ctx)                       extra registers, before the walk
     epilogue_prefetch(ctx, tile)              per work item, before its mainloop: loads
                                               whose latency hides behind it; returns the
@@ -104,6 +105,7 @@ from cutlass.tensor_utils import LayoutEnum
 from jax_dsrelu.kernels.group_tables import build_expert_tables
 from jax_dsrelu.kernels.operands import KernelOperand, by_name
 from jax_dsrelu.kernels.sm90 import epilogue_store, mainloop
+from jax_dsrelu.kernels.sm90.epilogue_context import EpilogueContext, EpilogueInput, StoredOutput
 
 
 class GemmSm90:
@@ -123,6 +125,8 @@ class GemmSm90:
     epilogue_input: str | None = None
     epilogue_input_stages = 0
     epilogue_scratch = None
+    # What the epilogue hooks receive: a variant with registers of its own subclasses it.
+    context_type = EpilogueContext
     # The walk's items include rows no expert owns, and locating an item moves the walk.
     walk_rebinds = False
     # Every subtile of a tile staged at once and stored as one bulk group
@@ -588,7 +592,7 @@ class GemmSm90:
         lane = ctid % 32
         tCrA, tCrB, tCcAcc, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
         tiled_copy_c, tiled_r2s, thr_r2s, sub_shape = self._store_copy(tiled_mma, self.out_dtype, ctid)
-        ctx = SimpleNamespace(
+        ctx = self.context_type(
             ctid=ctid, warp=warp_c, lane=lane, tiled_mma=tiled_mma, tCrA=tCrA, tCrB=tCrB, tCcAcc=tCcAcc, acc=acc,
             ab_pipeline=ab_pipeline, tiled_r2s=tiled_r2s, sub_shape=sub_shape, params=args.params, scratch=scratch,
         )
@@ -635,9 +639,8 @@ class GemmSm90:
         self.epilogue_begin(ctx, item)
         stores = self.store_views(ctx.outputs, tile)
         if self.whole_tile:
-            rF, rOut, tRS_s, tma, gmem, smem = stores[0]
             epilogue_store.store_tile(
-                ctx.tiled_r2s, ctx.tiled_r2s.retile(ctx.acc), rF, rOut, tRS_s, tma, gmem, smem, ctx.store_pipeline,
+                ctx.tiled_r2s, ctx.tiled_r2s.retile(ctx.acc), *stores[0], ctx.store_pipeline,
                 tile.n_tile * self.subtiles, ctx.ctid, self.subtiles, self.consumer_threads,
             )
         else:
@@ -703,24 +706,21 @@ class GemmSm90:
         return tiled_copy_c, tiled_r2s, thr_r2s, sub_shape
 
     def _epilogue_outputs(self, ctx, thr_r2s, stored_smem, stored):
-        """The stored outputs as `_store_subtile` takes them, before their store views:
-        for each, its float32 registers (the subtile the epilogue writes), a copy in the
-        output dtype, this thread's partition of its shared buffers, the TMA atom, the
-        global tensor and the buffers. `ctx.registers` lists the float32 registers."""
+        """The stored outputs (`StoredOutput`) as `_store_subtile` takes them, before their
+        store views; `ctx.registers` lists their float32 registers."""
         ctx.registers = [cute.make_rmem_tensor(ctx.sub_shape, Float32) for _ in stored]
         ctx.sub_values = cute.size(ctx.registers[0])  # 2 rows x epi_n / 4 columns
         return [
-            (rF, cute.make_rmem_tensor(ctx.sub_shape, self.out_dtype), thr_r2s.partition_D(smem), tma, tensor, smem)
+            StoredOutput(rF, cute.make_rmem_tensor(ctx.sub_shape, self.out_dtype), thr_r2s.partition_D(smem), tma,
+                         tensor, smem)
             for rF, smem, (tma, tensor) in zip(ctx.registers, stored_smem, stored)
         ]
 
     def _epilogue_input_copies(self, ctx, c_pipeline, tiled_copy_c, sC, ctid: Int32) -> None:
-        """ctx.c: (ring, ldmatrix copy, this thread's shared partition, registers in the
-        input's dtype, their ldmatrix view, registers in float32) of the epilogue input, in
-        the layout of the accumulator fragment (value v of a subtile is accumulator value
-        s v + v); ctx.c_registers: the float32 registers, which hold the subtile's input
-        when `epilogue_visit` runs. Both None without an epilogue input."""
-        ctx.c = ctx.c_registers = None
+        """ctx.epilogue_input (`EpilogueInput`), in the layout of the accumulator fragment
+        (value v of a subtile is accumulator value s v + v), and ctx.input_registers, its
+        float32 registers, which hold the subtile's input when `epilogue_visit` runs. Both
+        None without an epilogue input."""
         if self.epilogue_input is None:
             return
         tiled_s2r = cute.make_tiled_copy_S(
@@ -730,14 +730,14 @@ class GemmSm90:
         tSR_sC = thr_s2r.partition_S(sC)
         tRS_rC = cute.make_rmem_tensor(ctx.sub_shape, self.c_dtype)
         tSR_rC = thr_s2r.retile(tRS_rC)
-        ctx.c_registers = cute.make_rmem_tensor(ctx.sub_shape, Float32)
-        ctx.c = (c_pipeline, tiled_s2r, tSR_sC, tRS_rC, tSR_rC, ctx.c_registers)
+        ctx.input_registers = cute.make_rmem_tensor(ctx.sub_shape, Float32)
+        ctx.epilogue_input = EpilogueInput(c_pipeline, tiled_s2r, tSR_sC, tRS_rC, tSR_rC, ctx.input_registers)
 
     def read_epilogue_input(self, ctx, c_state):
-        """The next subtile of the epilogue input into `ctx.c_registers` (float32), its
+        """The next subtile of the epilogue input into `ctx.input_registers` (float32), its
         buffer handed back to warp 1; returns the advanced ring state. With
         `epilogue_input_fenced`, a proxy fence between the read and the release."""
-        c_pipeline, tiled_s2r, tSR_sC, tRS_rC, tSR_rC, tRS_rCf = ctx.c
+        c_pipeline, tiled_s2r, tSR_sC, tRS_rC, tSR_rC, tRS_rCf = ctx.epilogue_input
         c_pipeline.consumer_wait(c_state)
         cute.copy(tiled_s2r, tSR_sC[None, None, None, c_state.index], tSR_rC)
         if self.epilogue_input_fenced:

@@ -40,6 +40,9 @@ Constraints:
     - a and b multiples of 8 (16-byte TMA rows); 1 <= E <= 512; fewer than 2^30 rows
 """
 
+import dataclasses
+from typing import Any
+
 import cutlass
 import cutlass.cute as cute
 import numpy as np
@@ -49,9 +52,15 @@ from jax_dsrelu.kernels.operands import M, KernelOperand
 from jax_dsrelu.kernels.request import RaggedContractRequest
 from jax_dsrelu.kernels.sm90 import mainloop, schedule
 from jax_dsrelu.kernels.sm90.config import ContractConfig
+from jax_dsrelu.kernels.sm90.epilogue_context import EpilogueContext
 from jax_dsrelu.kernels.sm90.gemm_base import GemmSm90
 
 _I32 = np.dtype(np.int32)
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class ContractContext(EpilogueContext):
+    acc_r2s: Any = None  # the accumulator retiled for the store copy, read subtile by subtile
 
 
 class RaggedContractSm90(GemmSm90):
@@ -61,6 +70,7 @@ class RaggedContractSm90(GemmSm90):
     operand_a = "lhs"
     operand_b = "rhs"
     tables = GemmSm90.tables + ("expert_order",)
+    context_type = ContractContext
 
     def __init__(self, config: ContractConfig, request: RaggedContractRequest):
         super().__init__(config, request.num_experts)
@@ -140,9 +150,9 @@ class RaggedContractSm90(GemmSm90):
     def store_views(self, outputs, tile: schedule.ContractTile):
         """out[expert]'s a-block as (tile_m, epi_n, b / epi_n); TMA clips at a and b."""
         return [
-            (rF, rOut, tRS_s, tma, cute.local_tile(tensor[None, None, tile.expert], (self.tile_m, self.epi_n),
-                                                    (tile.m_tile, None)), smem)
-            for rF, rOut, tRS_s, tma, tensor, smem in outputs
+            output._replace(gmem=cute.local_tile(output.gmem[None, None, tile.expert], (self.tile_m, self.epi_n),
+                                                 (tile.m_tile, None)))
+            for output in outputs
         ]
 
     def epilogue_setup(self, ctx) -> None:

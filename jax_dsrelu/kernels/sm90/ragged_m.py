@@ -116,12 +116,12 @@ class RaggedMGemmSm90(GemmSm90):
 
     def _stores(self, outputs, offset: Int32, length: Int32, local_tile: Int32):
         """What `epilogue_store.store_subtile` stores for tile `local_tile` of rows
-        [offset, offset + length): each output (registers f32, registers out dtype, smem
-        partition, TMA atom, global tensor, smem) with its global tensor as the tile's
+        [offset, offset + length): each `StoredOutput` with its global tensor as the tile's
         store view, clipped at offset + length."""
         return [
-            (rF, rOut, tRS_s, tma, epilogue_store.store_view(tensor, offset, length, local_tile, self.tile_m, self.epi_n), smem)
-            for rF, rOut, tRS_s, tma, tensor, smem in outputs
+            output._replace(gmem=epilogue_store.store_view(output.gmem, offset, length, local_tile, self.tile_m,
+                                                           self.epi_n))
+            for output in outputs
         ]
 
     @cute.jit
@@ -131,7 +131,7 @@ class RaggedMGemmSm90(GemmSm90):
         tile, n_tile, first_row, rows = work_schedule.unowned_tile()
         stores = self._stores(outputs, first_row, rows, tile)
         for i in cutlass.range_constexpr(len(outputs)):
-            outputs[i][0].fill(0.0)
+            outputs[i].registers.fill(0.0)
         for subtile in cutlass.range_constexpr(self.subtiles):
             store_count = self._store_subtile(tiled_r2s, stores, store_pipeline, store_count, n_tile, subtile, ctid)
         return store_count

@@ -29,7 +29,8 @@ Constraints:
     - n and k multiples of 8 (16-byte TMA rows); 1 <= E <= 512; fewer than 2^30 rows
 """
 
-from types import SimpleNamespace
+import dataclasses
+from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -39,6 +40,7 @@ from cutlass import Float32, Int32
 from jax_dsrelu.kernels.operands import M, KernelOperand
 from jax_dsrelu.kernels.request import RaggedMatmulRequest
 from jax_dsrelu.kernels.sm90.config import GemmConfig
+from jax_dsrelu.kernels.sm90.epilogue_context import EpilogueContext
 from jax_dsrelu.kernels.sm90.ragged_m import RaggedMGemmSm90
 
 _F32 = np.dtype(np.float32)
@@ -48,12 +50,25 @@ _I32 = np.dtype(np.int32)
 _RHS_SHAPE_AND_MODES = {"kn": (("k", "n"), (2, 1, 0)), "nk": (("n", "k"), (1, 2, 0))}
 
 
+@dataclasses.dataclass(eq=False, slots=True)
+class UpProjectionContext(EpilogueContext):
+    rounded_h: Any = None  # a subtile's h as stored (rounded), back in float32: act is made from it
+
+
+class TileScalars(NamedTuple):
+    """A work item's values loaded before its mainloop."""
+
+    prob: list  # this thread's two rows' prob (0 past the expert)
+    bias: list  # the bias of every column of this thread's accumulator ([] without bias)
+
+
 class RaggedGemmSm90(RaggedMGemmSm90):
     """The kernel for one static configuration: the ragged-M GEMM with the plain or the
     squared-ReLU epilogue's hooks."""
 
     operand_a = "lhs"
     operand_b = "rhs"
+    context_type = UpProjectionContext
 
     def __init__(self, config: GemmConfig, request: RaggedMatmulRequest):
         if request.rhs_layout not in ("kn", "nk"):
@@ -98,7 +113,7 @@ class RaggedGemmSm90(RaggedMGemmSm90):
     # ---------------------------------------------------------------- device side
 
     def epilogue_setup(self, ctx) -> None:
-        ctx.rH = cute.make_rmem_tensor(ctx.sub_shape, Float32)  # the rounded h, back in float32
+        ctx.rounded_h = cute.make_rmem_tensor(ctx.sub_shape, Float32)
 
     def epilogue_prefetch(self, ctx, tile):
         """prob and the bias, loaded before the mainloop so that their latency hides
@@ -107,7 +122,7 @@ class RaggedGemmSm90(RaggedMGemmSm90):
         prob = [Float32(0.0), Float32(0.0)]
         if self.srelu:
             _, prob = self._row_probs(ctx.params.prob, ctx.tile_row, row0, rows_valid)
-        return SimpleNamespace(prob=prob, bias=self._column_bias(ctx.params.bias, ctx.tCcAcc, tile))
+        return TileScalars(prob=prob, bias=self._column_bias(ctx.params.bias, ctx.tCcAcc, tile))
 
     # Both warpgroups multiply every tile, an expert's last one too (the default
     # `mma_active`): with the idle warpgroup's wgmma skipped, the up-projection was no
@@ -124,13 +139,13 @@ class RaggedGemmSm90(RaggedMGemmSm90):
             if self.with_bias:
                 for v in range(ctx.sub_values):
                     tRS_rD[v] = tRS_rD[v] + item.bias[self._bias_slot(subtile * ctx.sub_values + v)]
-            tRS_rDout = ctx.outputs[0][1]
+            tRS_rDout = ctx.outputs[0].rounded
             tRS_rDout.store(tRS_rD.load().to(self.out_dtype))
-            ctx.rH.store(tRS_rDout.load().to(Float32))
+            ctx.rounded_h.store(tRS_rDout.load().to(Float32))
             tRS_rAct = ctx.registers[1]
             for v in range(ctx.sub_values):
                 h = (v // 2) % 2
-                pre = ctx.rH[v]
+                pre = ctx.rounded_h[v]
                 # A select keeps NaN (NaN < 0 is false); fmax would drop it.
                 r = Float32(cutlass.select_(pre < Float32(0.0), Float32(0.0), pre))
                 tRS_rAct[v] = (r * r) * item.prob[h]
