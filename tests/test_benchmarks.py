@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -19,10 +20,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_gemms  # noqa: E402
 import bench_layer  # noqa: E402
 import bench_moe_block  # noqa: E402
+import harness  # noqa: E402
 import precision  # noqa: E402
 import readme_table  # noqa: E402
 import run_record  # noqa: E402
 import timing  # noqa: E402
+
+import jax_dsrelu  # noqa: E402
 
 SHAPE = (512, 128, 256, 4)
 
@@ -204,3 +208,15 @@ def test_benchmark_scripts_and_documents_keep_within_their_budgets():
     documents = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     long = {path.name: n for path in documents if (n := len(path.read_text().splitlines())) > 400}
     assert not long, f"documents over 400 lines: {long}"
+
+
+def test_the_rounded_grouping_is_the_dirichlet_one_as_token_rounding_cuts_it():
+    m, num_experts = 49152, 128
+    uncut = harness.group_sizes_for("dirichlet", m, num_experts, 0)
+    cut = harness.group_sizes_for("rounded128", m, num_experts, 0)
+    assert uncut.sum() == m and cut.sum() < m
+    assert not (cut % 128).any() and ((uncut - cut) >= 0).all() and ((uncut - cut) < 128).all()
+    # What route(round_to=128) leaves of an expert's assignments, for the same counts.
+    logits = np.log(np.repeat(np.eye(3), [300, 129, 5], axis=0) + 1e-3)
+    plan = jax_dsrelu.route(jnp.asarray(logits, jnp.float32), 1, round_to=128)
+    np.testing.assert_array_equal(plan.group_sizes, np.array([300, 129, 5]) // 128 * 128)
