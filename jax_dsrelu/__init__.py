@@ -4,7 +4,7 @@ Public API:
     grouped_gemm_dsrelu, DsreluOutputs   the primitive (see its docstring for the contract)
     moe_mlp                              the differentiable expert MLP built on it
     ragged_dot                           a drop-in for jax.lax.ragged_dot on the grouped GEMMs
-    moe_layer, MoEAux                    a dropless top-k MoE layer: route, dispatch, moe_mlp, combine
+    moe_layer, MoEAux                    a top-k MoE layer, dropless unless round_to: route, dispatch, moe_mlp, combine
     moe_layer_expert_parallel            the same layer with experts split over a mesh axis
     route, RoutingPlan, dispatch, combine  the layer's routing steps, for custom layers
     update_expert_bias                   the auxiliary-loss-free balancing step for sigmoid routing

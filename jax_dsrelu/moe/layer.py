@@ -1,4 +1,4 @@
-"""`moe_layer`: a dropless top-k MoE feed-forward block on one device.
+"""`moe_layer`: a top-k MoE feed-forward block on one device, dropless unless round_to.
 
 The values of route -> dispatch -> `moe_mlp` -> combine, with the options of the models
 that train squared-ReLU experts (Nemotron-H, Nemotron 3): sigmoid scores with a selection
