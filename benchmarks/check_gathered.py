@@ -11,7 +11,7 @@ misplaced store.
 
 Four kernels per mode: the verified one on rows gathered in memory, the gathered one (its
 preact buffers released past a proxy fence), and, for this check only, two variants of the
-gathered kernel as it was at 13cf1f7, with no such fence (as the verified kernel still is):
+gathered kernel as it was at 13cf1f7, with no such fence (the verified kernel fences since 0e511a1):
 `UnfencedGatheredDsrelu` unchanged otherwise, and `WaitedGatheredDsrelu` with its gathering
 threads waiting for their copies, fencing and arriving plainly. Which go wrong and which
 stay right says which of the two signals fails.

@@ -138,9 +138,9 @@ class GemmSm90:
     # The consumers fence the proxies between reading an epilogue input buffer (ldmatrix,
     # the generic proxy) and handing it back to warp 1, whose next TMA write (the async
     # proxy) mbarrier ordering alone does not order after those reads; CUTLASS's epilogues
-    # fence there. Without it the gathered fused kernel gave wrong rows in 13 of 20 runs
+    # fence there. Without it the gathered fused kernel gave wrong rows at 13cf1f7
     # (docs/sm90.md, "The preact ring"); False only in benchmarks/check_gathered.py's
-    # variant that shows the race.
+    # unfenced variants, which show whether the race is there.
     epilogue_input_fenced = True
 
     def __init__(self, config, num_experts: int):
@@ -639,8 +639,10 @@ class GemmSm90:
         self.epilogue_begin(ctx, item)
         stores = self.store_views(ctx.outputs, tile)
         if self.whole_tile:
+            stored = stores[0]
             epilogue_store.store_tile(
-                ctx.tiled_r2s, ctx.tiled_r2s.retile(ctx.acc), *stores[0], ctx.store_pipeline,
+                ctx.tiled_r2s, ctx.tiled_r2s.retile(ctx.acc), stored.registers, stored.rounded, stored.partition,
+                stored.tma, stored.gmem, stored.smem, ctx.store_pipeline,
                 tile.n_tile * self.subtiles, ctx.ctid, self.subtiles, self.consumer_threads,
             )
         else:
@@ -737,14 +739,14 @@ class GemmSm90:
         """The next subtile of the epilogue input into `ctx.input_registers` (float32), its
         buffer handed back to warp 1; returns the advanced ring state. With
         `epilogue_input_fenced`, a proxy fence between the read and the release."""
-        c_pipeline, tiled_s2r, tSR_sC, tRS_rC, tSR_rC, tRS_rCf = ctx.epilogue_input
-        c_pipeline.consumer_wait(c_state)
-        cute.copy(tiled_s2r, tSR_sC[None, None, None, c_state.index], tSR_rC)
+        source = ctx.epilogue_input
+        source.pipeline.consumer_wait(c_state)
+        cute.copy(source.copy, source.partition[None, None, None, c_state.index], source.values_view)
         if self.epilogue_input_fenced:
             cute.arch.fence_proxy("async.shared", space="cta")
-        c_pipeline.consumer_release(c_state)
+        source.pipeline.consumer_release(c_state)
         c_state.advance()
-        tRS_rCf.store(tRS_rC.load().to(Float32))
+        source.registers.store(source.values.load().to(Float32))
         return c_state
 
     def _epilogue_input_state(self):
