@@ -17,6 +17,10 @@ import os
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
 ).strip()
+# Under pytest-xdist (the README's `-n auto`) several processes share a GPU where there is
+# one: each takes what it uses instead of JAX's default share of the whole card.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import pytest
