@@ -51,8 +51,10 @@ def test_plan_keeps_each_experts_best_multiple(top_k, round_to):
     total = int(np.sum(plan.group_sizes))
     np.testing.assert_array_equal(order[:total], kept_rows)
     np.testing.assert_array_equal(np.sort(order[total:]), np.flatnonzero(~keep.reshape(-1)))
-    # A cut at a multiple: at least one assignment is cut somewhere in these draws.
-    assert total < num_tokens * top_k or round_to == 1
+    # At least one assignment is cut somewhere in these draws, and the cut rows weigh 0.
+    assert total < num_tokens * top_k
+    np.testing.assert_array_equal(np.asarray(plan.row_prob)[total:], 0.0)
+    assert np.all(np.asarray(plan.row_prob)[:total] > 0)
 
 
 def test_ties_keep_the_lower_token_and_a_wrong_tie_break_is_caught():
@@ -63,8 +65,27 @@ def test_ties_keep_the_lower_token_and_a_wrong_tie_break_is_caught():
     np.testing.assert_array_equal(np.asarray(plan.order)[:6], np.arange(6))
     scores, experts = softmax64(logits), np.zeros((8, 1), int)
     np.testing.assert_array_equal(kept_slots(scores, experts, 3)[:, 0], np.arange(8) < 6)
-    # The higher tokens kept instead would be told apart by the same comparison.
-    assert not np.array_equal(np.asarray(plan.order)[:6], np.arange(2, 8))
+
+
+def test_sigmoid_bias_and_groups_cut_by_the_score_and_vmap_routes_each_batch_alone():
+    rng = np.random.default_rng(12)
+    logits = jnp.asarray(rng.standard_normal((3, 80, 8)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(8), jnp.float32)
+    options = dict(score="sigmoid", expert_bias=bias, num_groups=4, top_groups=2, normalize=True, scale=2.5)
+    plans = jax.vmap(lambda l: jax_dsrelu.route(l, 3, round_to=5, **options))(logits)
+    for batch in range(3):
+        plain = jax_dsrelu.route(logits[batch], 3, **options)  # the selection, tested elsewhere
+        experts = np.zeros((80, 3), int)  # each slot's expert, from the plain plan's rows
+        experts.reshape(-1)[np.asarray(plain.order)] = np.repeat(np.arange(8), np.asarray(plain.group_sizes))
+        scores = 1.0 / (1.0 + np.exp(-np.asarray(logits[batch], np.float64)))
+        keep = kept_slots(scores, experts, 5)
+        sizes = np.asarray(plans.group_sizes[batch])
+        np.testing.assert_array_equal(sizes, np.asarray(plain.group_sizes) // 5 * 5)
+        kept_rows = [a for e in range(8) for a in np.flatnonzero((experts.reshape(-1) == e) & keep.reshape(-1))]
+        np.testing.assert_array_equal(np.asarray(plans.order[batch])[: sizes.sum()], kept_rows)
+        single = jax_dsrelu.route(logits[batch], 3, round_to=5, **options)
+        for got, want in zip(jax.tree.leaves(single), jax.tree.leaves(jax.tree.map(lambda a: a[batch], plans))):
+            np.testing.assert_array_equal(got, want)
 
 
 def test_no_rounding_is_the_plain_plan_bitwise():
@@ -140,6 +161,12 @@ def test_flax_module_takes_round_to():
     want = jax_dsrelu.moe_layer(x, router, w1, w2, b1=b1, round_to=4)
     np.testing.assert_array_equal(module(x), want)
     assert module.options.routing.round_to == 4
+    tensors = {"gate.weight": np.asarray(router).T, "gate.e_score_correction_bias": np.zeros(NUM_EXPERTS, np.float32),
+               "experts.up_proj": np.asarray(w1).transpose(0, 2, 1), "experts.down_proj": np.asarray(w2).transpose(0, 2, 1)}
+    block = MoE.from_hf_nemotron_h(tensors, top_k=2, round_to=4)
+    params = jax_dsrelu.params_from_hf_nemotron_h(tensors)
+    np.testing.assert_array_equal(block(x), jax_dsrelu.moe_layer(x, **params, top_k=2, score="sigmoid", round_to=4))
+    assert not np.array_equal(block(x), jax_dsrelu.moe_layer(x, **params, top_k=2, score="sigmoid"))
 
 
 @pytest.mark.parametrize("round_to, error", [(0, ValueError), (-128, ValueError), (2.5, TypeError), (True, TypeError)])
@@ -153,5 +180,5 @@ def test_expert_parallel_refuses_round_to_by_name():
     rng = np.random.default_rng(9)
     x, router, w1, w2, _ = make_inputs(rng)
     mesh = jax.make_mesh((1,), ("expert",))
-    with pytest.raises(ValueError, match="round_to must be None under expert parallelism.*round_to=128"):
+    with pytest.raises(ValueError, match="round_to must be None or 1 under expert parallelism.*round_to=128"):
         jax_dsrelu.moe_layer_expert_parallel(x, router, w1, w2, mesh=mesh, round_to=128)

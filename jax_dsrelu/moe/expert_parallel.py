@@ -99,7 +99,7 @@ def moe_layer_expert_parallel(
     )
     if options.routing.rounds:
         raise ValueError(
-            f"round_to must be None under expert parallelism (each token shard routes its own tokens, so "
+            f"round_to must be None or 1 under expert parallelism (each token shard routes its own tokens, so "
             f"its counts are not the rows an expert runs), got round_to={round_to}; use moe_layer on one device"
         )
     validation.require_bool("return_aux", return_aux)
@@ -186,7 +186,7 @@ def _expert_parallel_shard(x, weights: LayerWeights, *, expert_axis: str, option
     returned = exchange(permutation.gather_rows(y, local.inverse, local.order))
     y_rows = permutation.gather_rows(returned, slot_of_row, fill_index, None, fill_valid)
     out = layer.block_output(routing.combine(y_rows, plan), x, weights, options)
-    return out, plan.group_sizes[None], plan.expert_prob[None], plan.router_z_loss[None]
+    return out, plan.chosen_sizes[None], plan.expert_prob[None], plan.router_z_loss[None]
 
 
 def _weight_specs(weights: LayerWeights, expert_axis: str) -> LayerWeights:

@@ -74,8 +74,10 @@ class RoutingOptions:
 
         if self.round_to is not None:
             validation.require_int("round_to", self.round_to)
-            if self.round_to < 1:
-                raise ValueError(f"round_to must be None or a positive number of rows, got round_to={self.round_to}")
+            if not 1 <= self.round_to < 2**31:
+                raise ValueError(
+                    f"round_to must be None or a positive number of rows below 2**31, got round_to={self.round_to}"
+                )
 
     @property
     def rounds(self) -> bool:

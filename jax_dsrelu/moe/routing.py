@@ -107,8 +107,10 @@ def route(
     down): each expert keeps the largest multiple of round_to of the assignments the
     tokens chose for it, those with the highest scores s (the bias, the same for all of an
     expert's tokens, orders them alike), ties to the lower token index; the others are
-    cut: their rows belong to no expert, add nothing to their token's output and get no
-    gradient, and the token's other slots keep their weights (no renormalization). The
+    cut: their rows belong to no expert and add nothing to their token's output, and the
+    token's other slots keep their weights (no renormalization after the cut: with
+    normalize=True a cut slot's score stays in the sum its token's weights are divided by,
+    and takes its part of that sum's gradient). The
     kernels then run whole tiles of round_to rows (128: the sm90 kernels' tile) without
     the partly empty last tile of each expert. An expert with fewer than round_to
     assignments runs none. It is a function of the scores, so it changes the model: it
@@ -151,7 +153,8 @@ def plan_routes(
 
     One pass over the (T, E) logits makes the scores, the selection and what the
     auxiliary losses need (`_select`); one sort makes the plan
-    (`permutation.sort_choices`).
+    (`permutation.sort_choices`), and with round_to a few more make it again from the
+    experts' best multiples (`_round_down`).
     """
     num_tokens, num_experts = logits.shape
     top_k, score = options.top_k, options.score
@@ -170,6 +173,11 @@ def plan_routes(
         slot_prob = slot_prob * jnp.float32(options.scale)
 
     row_prob = permutation.gather_rows(slot_prob.reshape(-1), grouping.order, grouping.inverse)
+    if options.rounds:
+        # A cut row belongs to no expert, so its output is 0 whatever its weight; its
+        # weight is 0 too, for a layer of the caller's own that reads row_prob alone.
+        owned = lax.iota(jnp.int32, row_prob.shape[0]) < jnp.sum(grouping.sizes)
+        row_prob = jnp.where(owned, row_prob, 0.0)
     fraction = chosen_sizes.astype(jnp.float32) / (token_count * top_k)
     return RoutingPlan(
         order=grouping.order,
@@ -194,8 +202,8 @@ def _round_down(
     best assignments (highest score, ties to the lower assignment index, which is the lower
     token: a token chooses an expert once); the cut ones sort after every expert's rows.
 
-    Two sorts with unique keys rank the assignments within their experts (the order is
-    fully determined, so deterministic), and one more sorts the kept rows by expert.
+    Sorts with unique keys rank the assignments within their experts and then order the
+    rows (`permutation.sort_by_group`): every order is fully determined, so deterministic.
     """
     num_experts = chosen_sizes.shape[0]
     expert = experts.reshape(-1)
