@@ -1,7 +1,7 @@
 """Times a whole MoE layer step through `moe_mlp` against its alternatives, on one GPU.
 
-At each shape (m, d, f, E) and grouping (--groups: "dirichlet" ragged sizes or "equal",
-m / E rows each), with one set of bf16 inputs (b1 included) shared by every variant, two
+At each shape (m, d, f, E) and grouping (--groups: "dirichlet" ragged sizes, "equal",
+m / E rows each, or "rounded128", the dirichlet sizes cut as token rounding cuts them), with one set of bf16 inputs (b1 included) shared by every variant, two
 computations:
 
     step     jax.value_and_grad of sum(y * cotangent) in x, w1, w2, prob and b1
@@ -196,8 +196,9 @@ def bench_shape(shape, row, operands, variants, modes, reps, clock, save) -> Non
     """Fills `row` with every mode's variants at this shape, saving after each mode."""
     m, d, f, num_experts = shape
     row.update(group_sizes=np.asarray(operands["group_sizes"]).tolist(), modes={})
+    owned = int(np.sum(row["group_sizes"]))  # m, but where token rounding cut rows
     for mode in modes:
-        flops, results, reference = FLOPS_PER_MDF[mode] * m * d * f, {}, None
+        flops, results, reference = FLOPS_PER_MDF[mode] * owned * d * f, {}, None
         for variant in sorted(variants, key=lambda v: v != "xla"):  # xla first: the others are checked against it
             print(f"{shape} {mode} {variant}", flush=True)
             results[variant], outputs = run_variant(variant, mode, operands, reference, reps, clock, flops)
@@ -252,7 +253,7 @@ def main(argv=None):
         options, measure_row, plot, lambda rows: harness.summarize(rows, "modes"),
         benchmark="bench_layer", title="moe_mlp layer, bf16",
         description="moe_mlp layer: value_and_grad step and forward, bf16, with b1",
-        flops="12 m d f per step, 4 m d f per forward", memory=harness.MEMORY,
+        flops="12 m d f per step, 4 m d f per forward, m the rows the experts own", memory=harness.MEMORY,
         precision=precision.stated("bench_layer", options.variants),
     )
 

@@ -118,7 +118,7 @@ selected moe_block && PYTHONPATH="$(carried tokamax_deps.tar.zst "import tokamax
   python3 benchmarks/bench_moe_block.py --commit "$commit" --out "$OUT" $MOE_BLOCK_ARGS
 selected gemms && run bench_gemms 540 python3 benchmarks/bench_gemms.py --commit "$commit" --out "$OUT" $GEMMS_ARGS
 selected layer && run bench_layer 560 python3 benchmarks/bench_layer.py --commit "$commit" --out "$OUT" $LAYER_ARGS
-selected step_ab && run step_ab 400 bash benchmarks/step_ab.sh .kernels/old_tree "$STEP_AB_OLD" "$commit" \
+selected step_ab && run step_ab 400 bash benchmarks/step_ab.sh .kernels/old_tree "${STEP_AB_OLD:?}" "$commit" \
   "${STEP_AB_ROUNDS:-1}"
 
 if selected determinism_parallel; then
