@@ -1,8 +1,8 @@
 """Times a whole MoE layer step through `moe_mlp` against its alternatives, on one GPU.
 
 At each shape (m, d, f, E) and grouping (--groups: "dirichlet" ragged sizes, "equal",
-m / E rows each, or "rounded128", the dirichlet sizes cut as token rounding cuts them), with one set of bf16 inputs (b1 included) shared by every variant, two
-computations:
+m / E rows each, or "rounded128", the dirichlet sizes cut as token rounding cuts them),
+with one set of bf16 inputs (b1 included) shared by every variant, two computations:
 
     step     jax.value_and_grad of sum(y * cotangent) in x, w1, w2, prob and b1
     forward  y alone

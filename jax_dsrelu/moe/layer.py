@@ -89,8 +89,8 @@ def moe_layer(
 
     The logits are computed in float32; ties in the selection go to the lower expert
     index, and no token is dropped unless round_to is given (token rounding: each
-    expert's assignments cut to a multiple of round_to, see `route`). The routed experts run in w1.dtype (z is cast to
-    it), their top_k outputs are added in float32; the shared expert runs in
+    expert's assignments cut to a multiple of round_to, see `route`). The routed experts
+    run in w1.dtype (z is cast to it), their top_k outputs are added in float32; the shared expert runs in
     shared_w1.dtype on `moe_mlp` as one expert that owns every token; the latent
     projections multiply in their weights' dtype and accumulate in float32. The sum is
     cast to x.dtype. With return_aux=True, returns (out, MoEAux).

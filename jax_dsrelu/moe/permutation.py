@@ -54,17 +54,29 @@ def sort_choices(choices: jax.Array, num_groups: int) -> GroupOrder:
     sort, and one sort of that permutation (unique keys: its order is fully determined)
     gives the order. The group sizes are the mask's column sums.
     """
-    num_tokens, top_k = choices.shape
-    groups = lax.iota(jnp.int32, num_groups)
-    chosen = jnp.zeros((num_tokens, num_groups), jnp.int32)
-    for slot in range(top_k):
-        chosen = chosen + (choices[:, slot, None] == groups).astype(jnp.int32)
+    chosen = _choice_mask(choices, num_groups)
     before = jnp.cumsum(chosen, axis=0) - chosen  # (T, G): earlier tokens in each group
     sizes = jnp.sum(chosen, axis=0)
     starts = jnp.cumsum(sizes) - sizes
     inverse = (jnp.take_along_axis(before, choices, axis=1) + starts[choices]).reshape(-1)
     _, order = lax.sort((inverse, lax.iota(jnp.int32, inverse.shape[0])), num_keys=1)
     return GroupOrder(order, inverse, sizes)
+
+
+def choice_counts(choices: jax.Array, num_groups: int) -> jax.Array:
+    """(G,) int32: how many of choices (T, k) name each group 0..G-1; `sort_choices`'s sizes
+    without its sort."""
+    return jnp.sum(_choice_mask(choices, num_groups), axis=0)
+
+
+def _choice_mask(choices: jax.Array, num_groups: int) -> jax.Array:
+    """(T, G) int32: how many of each token's k choices name each group."""
+    num_tokens, top_k = choices.shape
+    groups = lax.iota(jnp.int32, num_groups)
+    chosen = jnp.zeros((num_tokens, num_groups), jnp.int32)
+    for slot in range(top_k):
+        chosen = chosen + (choices[:, slot, None] == groups).astype(jnp.int32)
+    return chosen
 
 
 def gather_rows(

@@ -162,10 +162,12 @@ def plan_routes(
     slot_prob, experts, expert_prob, log_normalizer = _select(
         logits.astype(jnp.float32), expert_bias, options, token_count
     )
-    grouping = permutation.sort_choices(experts, num_experts)
-    chosen_sizes = grouping.sizes
     if options.rounds:
+        chosen_sizes = permutation.choice_counts(experts, num_experts)
         grouping = _round_down(experts, slot_prob, chosen_sizes, options.round_to)
+    else:
+        grouping = permutation.sort_choices(experts, num_experts)
+        chosen_sizes = grouping.sizes
     if options.normalize:
         total = _sum_slots(slot_prob[:, :, None])
         slot_prob = slot_prob / (total if score == "softmax" else total + 1e-20)
