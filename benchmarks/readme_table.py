@@ -152,7 +152,7 @@ def render_layer(runs: Runs) -> str:
                               "cost of determinism", *(f"sm90 / {HEADERS[b]}" for b in baselines)], body)]
     steps = [(row, row["modes"]["step"]["variants"].get("sm90", {})) for row in rows if "step" in row["modes"]]
     lines += ["", "Where the sm90 step's time goes (CUPTI, ms):", ""]
-    lines += [f"- {shape_text(row['shape'])} ({entry['ms']:.3f} ms): {breakdown(entry)}"
+    lines += [f"- {shape_text(row['shape'])}, {grouping(row)} ({entry['ms']:.3f} ms): {breakdown(entry)}"
               for row, entry in steps if "kernel_summary" in entry]
     return "\n".join(lines)
 

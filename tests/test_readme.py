@@ -60,7 +60,7 @@ def test_a_baseline_without_a_stated_precision_is_not_shown():
     text = readme_table.render_layer([("bench_layer.json", new)])
     assert rows(text) == ["| 1024, 256, 512, 4, dirichlet | 2.000 ms (50) | 4.000 ms (25) | — | 0.50x |"]
     assert "Precision: sm90: bf16; dense bf16 MLP: bf16 too." in text
-    assert "- 1024, 256, 512, 4 (2.000 ms): sm90 ragged GEMM 1.500, all else 0.500 ms" in text
+    assert "- 1024, 256, 512, 4, dirichlet (2.000 ms): sm90 ragged GEMM 1.500, all else 0.500 ms" in text
 
 
 def test_the_summary_sets_the_step_beside_bf16_cublas_and_says_where_ours_is_slower():
