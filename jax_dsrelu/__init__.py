@@ -5,6 +5,8 @@ Public API:
     moe_mlp                              the differentiable expert MLP built on it
     ragged_dot                           a drop-in for jax.lax.ragged_dot on the grouped GEMMs
     moe_layer, MoEAux                    a top-k MoE layer, dropless unless round_to: route, dispatch, moe_mlp, combine
+    MoEOptions                           the layer's options as one frozen object (routing, round_to, determinism, backend)
+    MoEWeights                           the layer's weights as one pytree
     moe_layer_expert_parallel            the same layer with experts split over a mesh axis
     route, RoutingPlan, dispatch, combine  the layer's routing steps, for custom layers
     update_expert_bias                   the auxiliary-loss-free balancing step for sigmoid routing
@@ -23,6 +25,8 @@ from jax_dsrelu.moe.expert_parallel import moe_layer_expert_parallel
 from jax_dsrelu.moe.hf_nemotron import params_from_hf_nemotron_h
 from jax_dsrelu.ops.moe_mlp import moe_mlp
 from jax_dsrelu.moe.layer import MoEAux, moe_layer
+from jax_dsrelu.moe.options import MoEOptions
+from jax_dsrelu.moe.weights import MoEWeights
 from jax_dsrelu.mx import dequantize_mx, quantize_mx
 from jax_dsrelu.ops.ragged_dot import ragged_dot
 from jax_dsrelu.moe.routing import RoutingPlan, combine, dispatch, route, update_expert_bias
@@ -31,6 +35,8 @@ __all__ = [
     "BackendStatus",
     "DsreluOutputs",
     "MoEAux",
+    "MoEOptions",
+    "MoEWeights",
     "RoutingPlan",
     "backends",
     "check_group_sizes",

@@ -18,6 +18,11 @@ block's own names, as `jax_dsrelu.params_from_hf_nemotron_h` takes them):
 
     layer = MoE.from_hf_nemotron_h(tensors, top_k=6, normalize=True, scale=2.5)
 
+The options may also be one object, shared with `jax_dsrelu.moe_layer`:
+
+    options = jax_dsrelu.MoEOptions(top_k=6, score="sigmoid", normalize=True, scale=2.5)
+    layer = MoE.from_hf_nemotron_h(tensors, options=options)
+
 It works with `nnx.jit`, `nnx.value_and_grad` and `nnx.Optimizer` over optax.
 """
 
@@ -37,11 +42,12 @@ import jax
 import jax.numpy as jnp
 
 from jax_dsrelu.moe import layer
+from jax_dsrelu.moe.entry_points import UNSET, entry_point
 from jax_dsrelu.moe.hf_nemotron import params_from_hf_nemotron_h
 from jax_dsrelu.moe.layer import MoEAux
-from jax_dsrelu.moe.options import LayerOptions
+from jax_dsrelu.moe.options import MoEOptions
 from jax_dsrelu.moe.routing import update_expert_bias
-from jax_dsrelu.moe.weights import LayerWeights
+from jax_dsrelu.moe.weights import MoEWeights
 from jax_dsrelu.primitives import validation
 
 # Fan-in scaling per expert: the expert axis 0 is a batch of independent matrices.
@@ -69,33 +75,36 @@ class MoE(nnx.Module):
     State (not trained): expert_bias (E,) float32, an `ExpertBias`, when score="sigmoid";
     zeros at first, moved by `update_expert_bias`.
 
-    The routing options (score, num_groups, top_groups, normalize, scale, round_to) are
-    `route`'s; with round_to the module is no longer dropless (token rounding).
-    The experts compute in `dtype` (param_dtype when None): bfloat16 there, with float32
-    parameters, is the usual mixed precision for the GPU kernels. Every setting is
-    checked here, when the module is built, into `options` (a `LayerOptions`, static),
-    which every call uses as it is. `MoE.from_hf_nemotron_h` builds the module from a
-    Hugging Face NemotronHMoE block's weights.
+    The options are `moe_layer`'s: one `jax_dsrelu.MoEOptions` as options=, or its
+    fields as keywords (see `__init__`); with round_to the module is no longer dropless
+    (token rounding). The experts compute in `dtype` (param_dtype when None): bfloat16
+    there, with float32 parameters, is the usual mixed precision for the GPU kernels.
+    Every setting is checked here, when the module is built; the options are kept as
+    `options` (an `MoEOptions`, static), which every call uses as it is.
+    `MoE.from_hf_nemotron_h` builds the module from a Hugging Face NemotronHMoE block's
+    weights.
     """
 
+    @entry_point
     def __init__(
         self,
         d_model: int,
         d_ff: int,
         num_experts: int,
         *,
-        top_k: int = 2,
-        score: str = "softmax",
-        num_groups: int = 1,
-        top_groups: int | None = None,
-        normalize: bool = False,
-        scale: float = 1.0,
-        round_to: int | None = None,
+        options: MoEOptions | None = None,
+        top_k: int = UNSET,
+        score: str = UNSET,
+        num_groups: int = UNSET,
+        top_groups: int | None = UNSET,
+        normalize: bool = UNSET,
+        scale: float = UNSET,
+        round_to: int | None = UNSET,
         shared_d_ff: int | None = None,
         latent_dim: int | None = None,
         use_bias: bool = True,
-        deterministic: bool = False,
-        backend: str = "auto",
+        deterministic: bool = UNSET,
+        backend: str = UNSET,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         router_init=_DENSE_INIT,
@@ -103,6 +112,10 @@ class MoE(nnx.Module):
         dense_init=_DENSE_INIT,
         rngs: nnx.Rngs,
     ):
+        """A module of num_experts experts of width d_model -> d_ff -> d_model, drawn from rngs.
+
+        {MoEOptions}
+        """
         if not isinstance(rngs, nnx.Rngs):
             raise TypeError(
                 f"rngs must be an nnx.Rngs (e.g. nnx.Rngs(0)), got {rngs!r} ({type(rngs).__name__})"
@@ -112,10 +125,7 @@ class MoE(nnx.Module):
         for name, size in (("shared_d_ff", shared_d_ff), ("latent_dim", latent_dim)):
             if size is not None:
                 _require_size(name, size)
-        options = LayerOptions.of(
-            num_experts, top_k=top_k, score=score, num_groups=num_groups, top_groups=top_groups,
-            normalize=normalize, scale=scale, deterministic=deterministic, backend=backend, round_to=round_to,
-        )
+        options.check_experts(num_experts)
         validation.require_bool("use_bias", use_bias)
         param_dtype = validation.dtype_option("param_dtype", param_dtype, validation.FLOAT_DTYPES)
         dtype = param_dtype if dtype is None else validation.dtype_option("dtype", dtype, validation.FLOAT_DTYPES)
@@ -130,24 +140,26 @@ class MoE(nnx.Module):
         self.shared_w2 = None if shared_d_ff is None else dense(shared_d_ff, d_model)
         self.latent_in = None if latent_dim is None else dense(d_model, latent_dim)
         self.latent_out = None if latent_dim is None else dense(latent_dim, d_model)
-        self.expert_bias = ExpertBias(jnp.zeros((num_experts,), jnp.float32)) if score == "sigmoid" else None
+        self.expert_bias = ExpertBias(jnp.zeros((num_experts,), jnp.float32)) if options.score == "sigmoid" else None
         self.d_model = d_model
         self.options = options
         self.dtype = dtype
 
     @classmethod
+    @entry_point(fixed_options={"score": "sigmoid"}, required_options=("top_k",))
     def from_hf_nemotron_h(
         cls,
         tensors: Mapping[str, Any],
         *,
-        top_k: int,
-        num_groups: int = 1,
-        top_groups: int | None = None,
-        normalize: bool = False,
-        scale: float = 1.0,
-        round_to: int | None = None,
-        deterministic: bool = False,
-        backend: str = "auto",
+        options: MoEOptions | None = None,
+        top_k: int = UNSET,
+        num_groups: int = UNSET,
+        top_groups: int | None = UNSET,
+        normalize: bool = UNSET,
+        scale: float = UNSET,
+        round_to: int | None = UNSET,
+        deterministic: bool = UNSET,
+        backend: str = UNSET,
         dtype: Any = None,
         param_dtype: Any = None,
     ) -> MoE:
@@ -157,7 +169,8 @@ class MoE(nnx.Module):
         `jax_dsrelu.params_from_hf_nemotron_h` takes them, which checks them against each
         other. The options are the model config's (`num_experts_per_tok` as top_k,
         `n_group`, `topk_group`, `norm_topk_prob`, `routed_scaling_factor`; round_to, token
-        rounding, is this library's and off by default); the scores
+        rounding, is this library's and off by default): as keywords, or one MoEOptions
+        with score="sigmoid" as options=. The scores
         are sigmoid, the block has no b1 (use_bias=False), and d_model, d_ff, num_experts,
         shared_d_ff and latent_dim come from the tensors' shapes. param_dtype=None keeps
         the experts' dtype of the checkpoint, and dtype=None computes in param_dtype, so
@@ -165,6 +178,8 @@ class MoE(nnx.Module):
         tensors; param_dtype=jnp.float32 with dtype=jnp.bfloat16 gives float32 parameters
         for training with bfloat16 experts. The router and expert_bias are float32, as in
         every MoE module. Nothing is drawn at random: no rngs is needed.
+
+        {MoEOptions}
         """
         params = params_from_hf_nemotron_h(tensors)
         d_model, num_experts = params["router"].shape
@@ -173,11 +188,10 @@ class MoE(nnx.Module):
         # Built with zeros (no random draws), then given the checkpoint's values.
         zeros = nnx.initializers.zeros
         module = cls(
-            d_model, params["w1"].shape[2], num_experts, top_k=top_k, score="sigmoid", num_groups=num_groups,
-            top_groups=top_groups, normalize=normalize, scale=scale, round_to=round_to,
+            d_model, params["w1"].shape[2], num_experts, options=options,
             shared_d_ff=None if shared is None else shared.shape[1],
             latent_dim=None if latent is None else latent.shape[1], use_bias=False,
-            deterministic=deterministic, backend=backend, dtype=dtype, param_dtype=param_dtype,
+            dtype=dtype, param_dtype=param_dtype,
             router_init=zeros, kernel_init=zeros, dense_init=zeros, rngs=nnx.Rngs(0),
         )
         for name, value in params.items():
@@ -193,7 +207,7 @@ class MoE(nnx.Module):
         tokens = x.reshape(-1, x.shape[-1])
         value = lambda param: None if param is None else param[...]  # noqa: E731
         compute = lambda param: None if param is None else param[...].astype(self.dtype)  # noqa: E731
-        weights = LayerWeights(
+        weights = MoEWeights(
             router=self.router[...],
             w1=compute(self.w1),
             w2=compute(self.w2),
@@ -221,7 +235,7 @@ class MoE(nnx.Module):
         if self.expert_bias is None:
             raise ValueError(
                 f"update_expert_bias needs score='sigmoid' "
-                f"(the module has score={self.options.routing.score!r} and no expert_bias)"
+                f"(the module has score={self.options.score!r} and no expert_bias)"
             )
         self.expert_bias[...] = update_expert_bias(self.expert_bias[...], group_sizes, rate)
 

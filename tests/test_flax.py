@@ -199,7 +199,7 @@ def test_loads_a_hugging_face_nemotron_h_block_in_one_call(checkpoint_dtype, par
     options = dict(top_k=3, num_groups=3, top_groups=2, normalize=True, scale=2.5, deterministic=True)
     module = MoE.from_hf_nemotron_h(tensors, **options, param_dtype=param_dtype, dtype=dtype)
     params = jax_dsrelu.params_from_hf_nemotron_h(tensors)
-    assert module.b1 is None and module.options.routing.score == "sigmoid"
+    assert module.b1 is None and module.options.score == "sigmoid"
     assert module.w1[...].dtype == (param_dtype or params["w1"].dtype) and module.router[...].dtype == jnp.float32
     for name, value in params.items():
         np.testing.assert_array_equal(np.asarray(getattr(module, name)[...], np.float32), np.asarray(value, np.float32), err_msg=name)

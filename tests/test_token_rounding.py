@@ -160,7 +160,7 @@ def test_flax_module_takes_round_to():
     module.router[...], module.w1[...], module.w2[...], module.b1[...] = router, w1, w2, b1
     want = jax_dsrelu.moe_layer(x, router, w1, w2, b1=b1, round_to=4)
     np.testing.assert_array_equal(module(x), want)
-    assert module.options.routing.round_to == 4
+    assert module.options.round_to == 4
     tensors = {"gate.weight": np.asarray(router).T, "gate.e_score_correction_bias": np.zeros(NUM_EXPERTS, np.float32),
                "experts.up_proj": np.asarray(w1).transpose(0, 2, 1), "experts.down_proj": np.asarray(w2).transpose(0, 2, 1)}
     block = MoE.from_hf_nemotron_h(tensors, top_k=2, round_to=4)

@@ -37,70 +37,69 @@ from jax.sharding import PartitionSpec as P
 from jax_dsrelu import groups
 from jax_dsrelu.moe import layer, permutation, routing
 from jax_dsrelu.moe.layer import MoEAux
-from jax_dsrelu.moe.options import LayerOptions
-from jax_dsrelu.moe.weights import LayerWeights
+from jax_dsrelu.moe.entry_points import UNSET, entry_point
+from jax_dsrelu.moe.options import MoEOptions
+from jax_dsrelu.moe.weights import MoEWeights
 from jax_dsrelu.primitives import validation
 
 
+@entry_point
 def moe_layer_expert_parallel(
     x: jax.Array,  # (T, d) tokens, split over (*data_axis, expert_axis)
-    router: jax.Array,  # (d, E), replicated
-    w1: jax.Array,  # (E, l, f), split on E over expert_axis; l = d without latent projections
-    w2: jax.Array,  # (E, f, l), split on E over expert_axis
+    router: jax.Array | None = None,  # (d, E), replicated
+    w1: jax.Array | None = None,  # (E, l, f), split on E over expert_axis; l = d without latent projections
+    w2: jax.Array | None = None,  # (E, f, l), split on E over expert_axis
     *,
     mesh: jax.sharding.Mesh,
     expert_axis: str = "expert",
     data_axis: str | tuple[str, ...] | None = None,
+    weights: MoEWeights | None = None,  # all of the block's weights, instead of the arrays
+    options: MoEOptions | None = None,  # all of its options, instead of the option keywords
     b1: jax.Array | None = None,  # (E, f), split on E over expert_axis
-    top_k: int = 2,
-    score: str = "softmax",
+    top_k: int = UNSET,
+    score: str = UNSET,
     expert_bias: jax.Array | None = None,  # (E,), replicated
-    num_groups: int = 1,
-    top_groups: int | None = None,
-    normalize: bool = False,
-    scale: float = 1.0,
-    round_to: int | None = None,  # refused: see below
+    num_groups: int = UNSET,
+    top_groups: int | None = UNSET,
+    normalize: bool = UNSET,
+    scale: float = UNSET,
+    round_to: int | None = UNSET,  # refused: see below
     shared_w1: jax.Array | None = None,  # (d, fs), replicated
     shared_w2: jax.Array | None = None,  # (fs, d), replicated
     latent_in: jax.Array | None = None,  # (d, l), replicated
     latent_out: jax.Array | None = None,  # (l, d), replicated
-    deterministic: bool = False,
-    backend: str = "auto",
+    deterministic: bool = UNSET,
+    backend: str = UNSET,
     return_aux: bool = False,
 ) -> jax.Array | tuple[jax.Array, MoEAux]:  # (T, d) x.dtype, split like x [, MoEAux]
     """The values of `moe_layer(x, router, w1, w2, ...)`, computed with experts split over
     `expert_axis` of `mesh` and tokens over `data_axis` (none, one or several mesh axes)
     and `expert_axis`. Axes of the mesh named in neither repeat the whole computation.
 
-    The routing options, the shared expert and the latent projections are `moe_layer`'s.
-    E must be a multiple of the size of expert_axis, and T of the number of token shards.
-    MoEAux holds the losses and group sizes of all T tokens, as on one device: its
-    group_sizes are the global ones that `update_expert_bias` takes. Call it under
-    `jax.jit`; the arguments are resharded as above if they are not already.
+    The weights (the arrays, or one `MoEWeights` as weights=) and the options are
+    `moe_layer`'s. E must be a multiple of the size of expert_axis, and T of the number
+    of token shards. MoEAux holds the losses and group sizes of all T tokens, as on one
+    device: its group_sizes are the global ones that `update_expert_bias` takes. Call it
+    under `jax.jit`; the arguments are resharded as above if they are not already.
 
     Token rounding (round_to) is refused: each token shard routes its own tokens, so
     rounding its counts would not round the rows each expert runs over all shards, and
     rounding the global counts needs every shard's scores before any row is sent.
+
+    {MoEOptions}
     """
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(
             f"mesh must be a jax.sharding.Mesh (e.g. from jax.make_mesh) with an axis named "
             f"expert_axis={expert_axis!r}, got {mesh!r} ({type(mesh).__name__})"
         )
-    weights = LayerWeights(
-        router=router, w1=w1, w2=w2, b1=b1, expert_bias=expert_bias, shared_w1=shared_w1,
-        shared_w2=shared_w2, latent_in=latent_in, latent_out=latent_out,
-    )
     weights.check(x)
     num_experts = weights.num_experts
-    options = LayerOptions.of(
-        num_experts, top_k=top_k, score=score, num_groups=num_groups, top_groups=top_groups,
-        normalize=normalize, scale=scale, deterministic=deterministic, backend=backend, round_to=round_to,
-    )
-    if options.routing.rounds:
+    options.check_experts(num_experts)
+    if options.rounds:
         raise ValueError(
             f"round_to must be None or 1 under expert parallelism (each token shard routes its own tokens, so "
-            f"its counts are not the rows an expert runs), got round_to={round_to}; use moe_layer on one device"
+            f"its counts are not the rows an expert runs), got round_to={options.round_to}; use moe_layer on one device"
         )
     validation.require_bool("return_aux", return_aux)
     data_axes = _data_axes(mesh, expert_axis, data_axis)
@@ -136,20 +135,20 @@ def moe_layer_expert_parallel(
     group_sizes, expert_prob, z_loss = (_placed(a, mesh, P()) for a in (group_sizes, expert_prob, z_loss))
     total_sizes = jnp.sum(group_sizes, axis=0)
     # Every shard has T / token_shards tokens, so the global means are means of means.
-    fraction = total_sizes.astype(jnp.float32) / max(x.shape[0] * top_k, 1)
+    fraction = total_sizes.astype(jnp.float32) / max(x.shape[0] * options.top_k, 1)
     mean_prob = jnp.sum(expert_prob, axis=0) / token_shards
     load_balancing_loss = num_experts * jnp.sum(fraction * mean_prob)
     return out, MoEAux(load_balancing_loss, jnp.sum(z_loss) / token_shards, total_sizes)
 
 
-def _expert_parallel_shard(x, weights: LayerWeights, *, expert_axis: str, options: LayerOptions):
+def _expert_parallel_shard(x, weights: MoEWeights, *, expert_axis: str, options: MoEOptions):
     """One device's part: its tokens in, their outputs and routing statistics out.
 
     `moe_layer`'s steps, with the rows sent to the devices that hold their experts
     between `expert_rows` and `run_experts`, and back before they are combined. weights
     holds this device's share of the experts (w1, w2 and b1) and every other weight whole.
     """
-    plan = layer.route_tokens(x, weights, options.routing)
+    plan = layer.route_tokens(x, weights, options)
     rows = layer.expert_rows(x, weights, plan)  # (n, l), sorted by global expert
     num_rows = rows.shape[0]
     num_shards = lax.axis_size(expert_axis)
@@ -189,13 +188,13 @@ def _expert_parallel_shard(x, weights: LayerWeights, *, expert_axis: str, option
     return out, plan.chosen_sizes[None], plan.expert_prob[None], plan.router_z_loss[None]
 
 
-def _weight_specs(weights: LayerWeights, expert_axis: str) -> LayerWeights:
+def _weight_specs(weights: MoEWeights, expert_axis: str) -> MoEWeights:
     """The weights' partition specs: the per-expert ones split on E over expert_axis, the
     others replicated; a weight the block lacks stays None, a pytree without leaves."""
-    return LayerWeights(**{
+    return MoEWeights(**{
         field.name: None if getattr(weights, field.name) is None
-        else P(expert_axis) if field.name in LayerWeights.PER_EXPERT else P()
-        for field in dataclasses.fields(LayerWeights)
+        else P(expert_axis) if field.name in MoEWeights.PER_EXPERT else P()
+        for field in dataclasses.fields(MoEWeights)
     })
 
 

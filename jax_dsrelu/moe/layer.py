@@ -18,7 +18,7 @@ products of x with the router and latent_in cast x again in their backward.
 
 The block's steps (`route_tokens`, `expert_tokens`, `block_output`, and for experts on
 other devices `expert_rows` and `run_experts`) are functions of the checked weights
-(`LayerWeights`) and options (`LayerOptions`), so that `moe_layer_expert_parallel` runs
+(`MoEWeights`) and options (`MoEOptions`), so that `moe_layer_expert_parallel` runs
 these same steps with its exchanges between them, and `jax_dsrelu.flax.MoE` calls `apply`
 with the options it checked once, when it was built.
 """
@@ -32,9 +32,10 @@ import jax.numpy as jnp
 
 from jax_dsrelu.kernels import registry
 from jax_dsrelu.moe import routing
-from jax_dsrelu.moe.options import LayerOptions, RoutingOptions
+from jax_dsrelu.moe.entry_points import UNSET, entry_point
+from jax_dsrelu.moe.options import MoEOptions
 from jax_dsrelu.moe.routing import RoutingPlan
-from jax_dsrelu.moe.weights import LayerWeights
+from jax_dsrelu.moe.weights import MoEWeights
 from jax_dsrelu.ops import block_experts
 from jax_dsrelu.ops.moe_mlp import moe_mlp
 from jax_dsrelu.primitives import validation
@@ -56,27 +57,30 @@ class MoEAux(NamedTuple):
     group_sizes: jax.Array  # (E,) int32, (token, slot) assignments routed to each expert (before round_to)
 
 
+@entry_point
 def moe_layer(
     x: jax.Array,  # (T, d) tokens
-    router: jax.Array,  # (d, E) router weights
-    w1: jax.Array,  # (E, l, f) first expert weights; l = d without latent projections
-    w2: jax.Array,  # (E, f, l) second expert weights
+    router: jax.Array | None = None,  # (d, E) router weights
+    w1: jax.Array | None = None,  # (E, l, f) first expert weights; l = d without latent projections
+    w2: jax.Array | None = None,  # (E, f, l) second expert weights
     *,
+    weights: MoEWeights | None = None,  # all of the block's weights, instead of the arrays
+    options: MoEOptions | None = None,  # all of its options, instead of the option keywords
     b1: jax.Array | None = None,  # (E, f) first expert bias
-    top_k: int = 2,
-    score: str = "softmax",
+    top_k: int = UNSET,
+    score: str = UNSET,
     expert_bias: jax.Array | None = None,  # (E,) selection bias, no gradient
-    num_groups: int = 1,
-    top_groups: int | None = None,
-    normalize: bool = False,
-    scale: float = 1.0,
-    round_to: int | None = None,
+    num_groups: int = UNSET,
+    top_groups: int | None = UNSET,
+    normalize: bool = UNSET,
+    scale: float = UNSET,
+    round_to: int | None = UNSET,
     shared_w1: jax.Array | None = None,  # (d, fs) shared expert, first weights
     shared_w2: jax.Array | None = None,  # (fs, d) shared expert, second weights
     latent_in: jax.Array | None = None,  # (d, l) projection into the experts' width
     latent_out: jax.Array | None = None,  # (l, d) projection back
-    deterministic: bool = False,
-    backend: str = "auto",
+    deterministic: bool = UNSET,
+    backend: str = UNSET,
     return_aux: bool = False,
 ) -> jax.Array | tuple[jax.Array, MoEAux]:  # (T, d) x.dtype [, MoEAux]
     """The MoE block:
@@ -95,34 +99,29 @@ def moe_layer(
     projections multiply in their weights' dtype and accumulate in float32. The sum is
     cast to x.dtype. With return_aux=True, returns (out, MoEAux).
 
+    The weights are the arrays above, or one `MoEWeights` as weights= (not both).
     Gradients reach x, router, w1, b1, w2, shared_w1, shared_w2, latent_in and latent_out;
-    expert_bias gets none. deterministic and backend are `moe_mlp`'s: deterministic=True
-    makes every gradient bitwise reproducible; backend is "auto", "xla", "sm90" or "sm100".
-    `jax_dsrelu.params_from_hf_nemotron_h` turns a Hugging Face NemotronHMoE block's
-    tensors into the weight arguments.
+    expert_bias gets none. `jax_dsrelu.params_from_hf_nemotron_h` turns a Hugging Face
+    NemotronHMoE block's tensors into the weight arguments.
+
+    {MoEOptions}
     """
-    weights = LayerWeights(
-        router=router, w1=w1, w2=w2, b1=b1, expert_bias=expert_bias, shared_w1=shared_w1,
-        shared_w2=shared_w2, latent_in=latent_in, latent_out=latent_out,
-    )
     weights.check(x)
-    options = LayerOptions.of(
-        weights.num_experts, top_k=top_k, score=score, num_groups=num_groups, top_groups=top_groups,
-        normalize=normalize, scale=scale, deterministic=deterministic, backend=backend, round_to=round_to,
-    )
+    options.check_experts(weights.num_experts)
     return apply(x, weights, options, return_aux)
 
 
 def apply(
     x: jax.Array,  # (T, d) tokens
-    weights: LayerWeights,
-    options: LayerOptions,
+    weights: MoEWeights,
+    options: MoEOptions,
     return_aux: bool,
 ) -> jax.Array | tuple[jax.Array, MoEAux]:  # (T, d) x.dtype [, MoEAux]
-    """`moe_layer` on weights checked against x and options checked: the block's steps
-    on one device. `jax_dsrelu.flax.MoE` calls it with the options it checked when built."""
+    """`moe_layer` on weights checked against x and options checked against the weights:
+    the block's steps on one device. `jax_dsrelu.flax.MoE` calls it with the options it
+    checked when built."""
     validation.require_bool("return_aux", return_aux)
-    plan = route_tokens(x, weights, options.routing)
+    plan = route_tokens(x, weights, options)
     routed = block_experts.routed_experts(
         expert_tokens(x, weights), weights.w1, weights.w2, weights.b1, plan.row_prob, plan.group_sizes,
         plan.order, plan.inverse, top_k=plan.top_k, deterministic=options.deterministic,
@@ -141,14 +140,14 @@ def apply(
 # experts and run there (`run_experts`), and sent back before they are combined.
 
 
-def route_tokens(x: jax.Array, weights: LayerWeights, options: RoutingOptions) -> RoutingPlan:
+def route_tokens(x: jax.Array, weights: MoEWeights, options: MoEOptions) -> RoutingPlan:
     """(T, d) tokens -> their plan. The logits x @ router are computed in float32 whatever
     the dtypes of x and the router: rounding them to bfloat16 would turn near ties into
     ties and change the experts chosen."""
     return routing.plan_routes(_router_logits(x, weights.router), options, weights.expert_bias)
 
 
-def expert_tokens(x: jax.Array, weights: LayerWeights) -> jax.Array:
+def expert_tokens(x: jax.Array, weights: MoEWeights) -> jax.Array:
     """(T, d) tokens -> (T, l), the routed experts' input before its cast to w1.dtype: x,
     or x @ latent_in rounded to w1.dtype (the experts' backward keeps it, so it is kept
     in their width and dtype rather than in float32)."""
@@ -157,7 +156,7 @@ def expert_tokens(x: jax.Array, weights: LayerWeights) -> jax.Array:
     return _project_tokens(x, weights.latent_in).astype(weights.w1.dtype)
 
 
-def expert_rows(x: jax.Array, weights: LayerWeights, plan: RoutingPlan) -> jax.Array:
+def expert_rows(x: jax.Array, weights: MoEWeights, plan: RoutingPlan) -> jax.Array:
     """(T, d) tokens -> (T * top_k, l) rows in w1.dtype, sorted by expert: each token in the
     experts' width (through latent_in if given), once per chosen expert."""
     return routing.dispatch(expert_tokens(x, weights).astype(weights.w1.dtype), plan)
@@ -167,8 +166,8 @@ def run_experts(
     rows: jax.Array,  # (m, l) sorted by expert
     prob: jax.Array,  # (m,) routing weight of each row
     group_sizes: jax.Array,  # (E,) rows of each of the weights' experts
-    weights: LayerWeights,
-    options: LayerOptions,
+    weights: MoEWeights,
+    options: MoEOptions,
 ) -> jax.Array:  # (m, l) in w1.dtype
     """The routed experts on their rows: `moe_mlp` with w1, w2 and b1."""
     return moe_mlp(
@@ -177,7 +176,7 @@ def run_experts(
     )
 
 
-def block_output(routed: jax.Array, x: jax.Array, weights: LayerWeights, options: LayerOptions) -> jax.Array:
+def block_output(routed: jax.Array, x: jax.Array, weights: MoEWeights, options: MoEOptions) -> jax.Array:
     """(T, l) combined expert outputs (float32) -> (T, d) in x.dtype: projected back
     through latent_out if given, plus the shared expert on x if given.
 

@@ -21,7 +21,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_dsrelu.moe import permutation
-from jax_dsrelu.moe.options import RoutingOptions
+from jax_dsrelu.moe.options import MoEOptions
 from jax_dsrelu.primitives import validation
 from jax_dsrelu.primitives.gather_sum import gather_sum
 
@@ -74,13 +74,14 @@ def route(
     logits: jax.Array,  # (T, E) router logits
     top_k: int,
     *,
-    score: str = "softmax",
+    # The defaults are MoEOptions', declared there once.
+    score: str = MoEOptions.score,
     expert_bias: jax.Array | None = None,  # (E,) float, for selection only
-    num_groups: int = 1,
-    top_groups: int | None = None,
-    normalize: bool = False,
-    scale: float = 1.0,
-    round_to: int | None = None,
+    num_groups: int = MoEOptions.num_groups,
+    top_groups: int | None = MoEOptions.top_groups,
+    normalize: bool = MoEOptions.normalize,
+    scale: float = MoEOptions.scale,
+    round_to: int | None = MoEOptions.round_to,
 ) -> RoutingPlan:
     """Scores over the E experts in float32, then each token's top_k experts.
 
@@ -136,20 +137,22 @@ def route(
     The defaults are plain softmax top-k routing.
     """
     _check_logits(logits)
-    options = RoutingOptions(
-        num_experts=logits.shape[1], top_k=top_k, score=score, num_groups=num_groups,
-        top_groups=top_groups, normalize=normalize, scale=scale, round_to=round_to,
+    options = MoEOptions(
+        top_k=top_k, score=score, num_groups=num_groups, top_groups=top_groups, normalize=normalize, scale=scale,
+        round_to=round_to,
     )
-    check_expert_bias(expert_bias, options.num_experts)
+    options.check_experts(logits.shape[1])
+    check_expert_bias(expert_bias, logits.shape[1])
     return plan_routes(logits, options, expert_bias)
 
 
 def plan_routes(
     logits: jax.Array,  # (T, E) router logits, checked
-    options: RoutingOptions,
+    options: MoEOptions,  # checked against the E experts
     expert_bias: jax.Array | None = None,  # (E,) float, checked
 ) -> RoutingPlan:
-    """`route` on arguments already checked: what the layers call.
+    """`route` on arguments already checked: what the layers call (the options'
+    deterministic and backend are not routing's and are not read).
 
     One pass over the (T, E) logits makes the scores, the selection and what the
     auxiliary losses need (`_select`); one sort makes the plan
@@ -230,7 +233,7 @@ _EXPERTS = "jax_dsrelu.route.experts"
 def _select(
     logits: jax.Array,  # (T, E) float32
     expert_bias: jax.Array | None,  # (E,)
-    options: RoutingOptions,
+    options: MoEOptions,
     token_count: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(the chosen scores (T, top_k), the chosen experts (T, top_k) int32, each expert's

@@ -1,9 +1,10 @@
-"""`LayerWeights`: the arrays of one MoE block, checked against each other and its tokens.
+"""`MoEWeights`: the arrays of one MoE block, checked against each other and its tokens.
 
 One pytree for what `moe_layer`, `moe_layer_expert_parallel` and `jax_dsrelu.flax.MoE`
-multiply by: the steps of the layer take it whole, and expert parallelism places it on a
-mesh field by field. Shapes are named as `moe_layer`'s docstring names them, with l the
-experts' width (l = d without latent projections).
+multiply by: the entry points take it whole (weights=) or build it from their arrays,
+the steps of the layer take it whole, and expert parallelism places it on a mesh field by
+field. Shapes are named as `moe_layer`'s docstring names them, with l the experts' width
+(l = d without latent projections).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 from jax_dsrelu.moe import routing
 from jax_dsrelu.primitives import validation
 
+
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=[
@@ -26,8 +28,16 @@ from jax_dsrelu.primitives import validation
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
-class LayerWeights:
-    """An MoE block's weights; the optional ones are None when the block has none."""
+class MoEWeights:
+    """An MoE block's weights; the optional ones are None when the block has none.
+
+    A pytree of its arrays (a None weight has no leaf), so it passes whole through
+    `jax.jit`, and `jax.grad` of a function of it returns the gradients as an MoEWeights:
+
+        weights = MoEWeights(router, w1, w2, b1=b1)       # or MoEWeights(**params_from_hf_nemotron_h(tensors))
+        out = moe_layer(x, weights=weights, options=MoEOptions(top_k=6))
+        grads = jax.grad(lambda w: loss(moe_layer(x, weights=w)))(weights)
+    """
 
     router: jax.Array  # (d, E)
     w1: jax.Array  # (E, l, f)
