@@ -1,14 +1,11 @@
-"""The documentation: its benchmark tables are rendered from the records in
-benchmarks/results, and every block of Python in README.md and docs/ runs as written."""
+"""The documentation's benchmark tables are rendered from the records in benchmarks/results
+(tests/test_docs_run.py runs its Python blocks)."""
 
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import os
 import pathlib
-import re
 import subprocess
 import sys
 
@@ -154,33 +151,3 @@ def test_a_large_record_is_written_gzipped_and_replaces_the_plain_one(tmp_path):
     assert run_record.load(path) == large
     run_record.write_json(small, str(tmp_path), "bench.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
-
-
-DOCUMENTS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
-
-
-def python_blocks(path: pathlib.Path) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
-
-
-def test_the_front_page_and_the_moe_guide_hold_python_to_run():
-    # So that the test below cannot pass by finding nothing to run.
-    assert python_blocks(ROOT / "README.md") and len(python_blocks(ROOT / "docs" / "moe.md")) >= 4
-
-
-@pytest.mark.parametrize("path", DOCUMENTS, ids=lambda p: p.name)
-def test_every_python_block_runs_as_written(path):
-    """A document's blocks, in order and in one namespace as a reader would run them, in a
-    fresh process with 8 host devices (the expert-parallel example needs them; the text
-    says so)."""
-    blocks = python_blocks(path)
-    if not blocks:
-        return
-    if importlib.util.find_spec("flax") is None and any("from flax import" in b for b in blocks):
-        pytest.skip("a block imports flax, which is not installed")
-    program = "\n".join(
-        f"exec(compile({block!r}, {f'{path.name}, block {i}'!r}, 'exec'), namespace)"
-        for i, block in enumerate(blocks)
-    )
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    subprocess.run([sys.executable, "-c", "namespace = {}\n" + program], check=True, cwd=ROOT, env=env, timeout=600)
