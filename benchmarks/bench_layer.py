@@ -19,7 +19,10 @@ for the variants (precision.py states how each computes; the record holds it)
                  the same shapes, every one on cuBLAS: the practical ceiling of the step
     cublas_batched  the same over E equal batches of m / E rows (batched cuBLAS GEMMs)
 
-Throughput counts 12 m d f FLOPs per step and 4 m d f per forward. Each variant records
+Throughput counts 12 m d f FLOPs per step and 4 m d f per forward (m the rows the experts
+own; the baselines compute every row). The step's sm90 kernels are set against their
+rooflines (roofline.py: FLOPs at cublas_dense's rate, bytes at a copy's rate of the same
+run). Each variant records
 its CUPTI per-kernel breakdown (timing.py) and its peak device memory (harness.memory).
 The sm90 results are checked against the xla backend's before they are timed;
 a variant that fails is recorded as an error and the script goes on.
@@ -42,6 +45,7 @@ import numpy as np
 import cuda_lowering
 import harness
 import precision
+import roofline
 from bench_gemms import activation
 from harness import BF16, group_sizes_for
 
@@ -192,8 +196,9 @@ def run_variant(variant, mode, operands, reference, reps, clock, flops) -> tuple
     return entry, outputs
 
 
-def bench_shape(shape, row, operands, variants, modes, reps, clock, save) -> None:
-    """Fills `row` with every mode's variants at this shape, saving after each mode."""
+def bench_shape(shape, row, operands, variants, modes, reps, clock, save, copy) -> None:
+    """Fills `row` with every mode's variants at this shape, saving after each mode; the
+    step's kernels against their rooflines, from `copy` (roofline.copy_rate)."""
     m, d, f, num_experts = shape
     row.update(group_sizes=np.asarray(operands["group_sizes"]).tolist(), modes={})
     owned = int(np.sum(row["group_sizes"]))  # m, but where token rounding cut rows
@@ -201,10 +206,14 @@ def bench_shape(shape, row, operands, variants, modes, reps, clock, save) -> Non
         flops, results, reference = FLOPS_PER_MDF[mode] * owned * d * f, {}, None
         for variant in sorted(variants, key=lambda v: v != "xla"):  # xla first: the others are checked against it
             print(f"{shape} {mode} {variant}", flush=True)
-            results[variant], outputs = run_variant(variant, mode, operands, reference, reps, clock, flops)
+            # The baselines compute every row, cut or not.
+            done = FLOPS_PER_MDF[mode] * m * d * f if variant in BASELINES else flops
+            results[variant], outputs = run_variant(variant, mode, operands, reference, reps, clock, done)
             reference = outputs if variant == "xla" else reference
         del reference
         row["modes"][mode] = dict(flops=flops, variants=results)
+        if mode == "step":
+            row["modes"][mode]["roofline"] = roofline.roofline(shape, owned, row["modes"][mode], copy)
         save()
 
 
@@ -245,9 +254,13 @@ def main(argv=None):
         prebuild(options.shapes, options.variants, options.modes)
         return
 
+    copy = {}
+
     def measure_row(shape, grouping, row, clock, save):
+        if not copy:  # once per run, beside the kernels it is the ceiling of
+            copy.update(roofline.copy_rate(clock, options.reps, 1 << 20 if options.cpu else roofline.COPY_BYTES))
         operands = make_operands(*shape, options.seed, grouping)
-        bench_shape(shape, row, operands, options.variants, options.modes, options.reps, clock, save)
+        bench_shape(shape, row, operands, options.variants, options.modes, options.reps, clock, save, copy)
 
     harness.run(
         options, measure_row, plot, lambda rows: harness.summarize(rows, "modes"),

@@ -220,3 +220,30 @@ def test_the_rounded_grouping_is_the_dirichlet_one_as_token_rounding_cuts_it():
     logits = np.log(np.repeat(np.eye(3), [300, 129, 5], axis=0) + 1e-3)
     plan = jax_dsrelu.route(jnp.asarray(logits, jnp.float32), 1, round_to=128)
     np.testing.assert_array_equal(plan.group_sizes, np.array([300, 129, 5]) // 128 * 128)
+
+
+def test_the_roofline_sets_each_kernel_against_the_runs_own_rates():
+    import roofline
+
+    m, d, f, num_experts = shape = (1024, 256, 512, 8)
+    names = ["RaggedGemmSm90 up", "GroupedGemmDsreluSm90", "RaggedGemmSm90", "input_reduce_fusion",
+             "RaggedGemmSm90", "RaggedContractSm90", "RaggedContractSm90"]
+    kernels = [[name, 0.5] for name in names]
+    # cuBLAS's six dense GEMMs in 1.2 ms: 2 m d f of them take 0.2 ms at its rate.
+    step = dict(variants=dict(sm90=dict(ms=3.1, kernels=kernels), cublas_dense=dict(ms=1.2)))
+    weights = 2 * num_experts * d * f
+    copy = dict(tb_per_s=weights / 0.2e-3 / 1e12)  # the weights stream in 0.2 ms
+    result = roofline.roofline(shape, m, step, copy)
+    gemms = [k["gemm"] for k in result["kernels"]]
+    assert gemms == ["up", "dsrelu", "down|dx", "down|dx", "dw1|dw2", "dw1|dw2"]
+    down = result["kernels"][2]
+    assert down["bytes"] == 2 * m * f + weights + 2 * m * d
+    assert down["bound"] == "bytes" and np.isclose(down["roofline_ms"], 0.2 * down["bytes"] / weights)
+    # At a copy rate 1000 times as fast every kernel is bound by its FLOPs.
+    slow = roofline.roofline(shape, m, step, dict(tb_per_s=copy["tb_per_s"] * 1000))
+    assert all(k["bound"] == "flops" and np.isclose(k["roofline_ms"], 0.2) for k in slow["kernels"])
+    assert np.isclose(slow["step"]["ratio"], 3.1 / 1.2)
+    # A wrong kernel order or a missing baseline is said, never a ratio of nothing.
+    with pytest.raises(ValueError, match="fourth"):
+        roofline.gemm_of_launches(kernels + [["RaggedGemmSm90", 0.5]])
+    assert "unavailable" in roofline.roofline(shape, m, dict(variants=dict(sm90=step["variants"]["sm90"])), copy)

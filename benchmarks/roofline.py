@@ -1,0 +1,89 @@
+"""Each kernel of a moe_mlp step against its roofline, from rates measured in the same run.
+
+A kernel's roofline is max(its FLOPs at the dense bf16 cuBLAS rate, its bytes at a device
+copy's rate): the first is what the step's six GEMMs reach as dense cuBLAS GEMMs of the same
+shapes (bench_layer's cublas_dense variant), the second what an elementwise kernel that
+reads and writes one large bf16 array reaches (`copy_rate`). Both are timed in the run
+that times the kernels, on the same card.
+
+Bytes are the least each kernel must move: every operand read once and every output
+written once, the experts' weights included (each grouped GEMM reads all E of them), at the
+rows the experts own (m, less the rows token rounding cut); bf16 rows and weights, float32
+prob, b1, dprob and dbias. FLOPs are 2 m d f for each of the six GEMMs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import harness
+
+BF16, F32 = 2, 4
+# A copy this large runs at the device's streaming rate (launch and tail effects < 1%).
+COPY_BYTES = 1 << 30
+
+
+def step_bytes(m: int, d: int, f: int, num_experts: int) -> dict[str, int]:
+    """The least bytes each kernel of the step moves, by GEMM (module docstring)."""
+    weights = BF16 * num_experts * d * f
+    rows_d, rows_f = BF16 * m * d, BF16 * m * f
+    return {
+        "up": rows_d + weights + F32 * m + F32 * num_experts * f + 2 * rows_f,  # x, w1, prob, b1 -> h, act
+        "down|dx": rows_f + weights + rows_d,  # act, w2 -> y (dh, w1 -> dx)
+        "dsrelu": rows_d + weights + rows_f + F32 * m + 2 * rows_f + F32 * m + F32 * num_experts * f,
+        # dy, w2, h, prob -> dh, act, dprob, dbias
+        "dw1|dw2": rows_d + rows_f + weights,  # x, dh -> dw1 (act, dy -> dw2)
+    }
+
+
+def gemm_of_launches(kernels: list[list]) -> list[tuple[str, float]]:
+    """(GEMM, ms) of each of our kernels' launches in a step, in launch order. Every other
+    GEMM reads what the up-projection writes, so it is the first ragged-M launch; the
+    down-projection and dx, like the two contractions, move the same bytes, so which of
+    the two each launch is does not matter here (XLA may order them either way)."""
+    ragged = iter(("up", "down|dx", "down|dx"))
+    launches = []
+    for name, ms in kernels:
+        if "DsreluSm90" in name:
+            launches.append(("dsrelu", ms))
+        elif "ContractSm90" in name:
+            launches.append(("dw1|dw2", ms))
+        elif "RaggedGemmSm90" in name:
+            gemm = next(ragged, None)
+            if gemm is None:
+                raise ValueError(f"a step launches three ragged-M GEMMs, got a fourth: {name}")
+            launches.append((gemm, ms))
+    return launches
+
+
+def copy_rate(clock: str, reps: int, size: int = COPY_BYTES) -> dict:
+    """A device copy's rate: one elementwise kernel reading and writing a bf16 array."""
+    source = jnp.ones((size // BF16,), jnp.bfloat16)
+    entry, _ = harness.measure(jax.jit(lambda a: -a), (source,), reps, clock)
+    if "ms" in entry:
+        entry["bytes"] = 2 * size
+        entry["tb_per_s"] = 2 * size / (entry["ms"] * 1e-3) / 1e12
+    return entry
+
+
+def roofline(shape, owned: int, step: dict, copy: dict) -> dict:
+    """The sm90 step's kernels against their rooflines, or why there are none: step is the
+    row's step mode (its variants' entries), copy a `copy_rate` entry."""
+    m, d, f, num_experts = shape
+    ours, dense = step["variants"].get("sm90", {}), step["variants"].get("cublas_dense", {})
+    if "ms" not in ours or "ms" not in dense or "tb_per_s" not in copy:
+        return {"unavailable": "needs sm90, cublas_dense and the copy rate timed in this run"}
+    gemm_rate = 12.0 * m * d * f / (dense["ms"] * 1e-3)  # cuBLAS computes every row
+    byte_rate = copy["tb_per_s"] * 1e12
+    flops, bytes_of = 2.0 * owned * d * f, step_bytes(owned, d, f, num_experts)
+    kernels = []
+    for gemm, ms in gemm_of_launches(ours["kernels"]):
+        moved = bytes_of.get(gemm, 0)
+        floor_ms = 1e3 * max(flops / gemm_rate, moved / byte_rate)
+        kernels.append(dict(gemm=gemm, ms=ms, flops=flops, bytes=moved, roofline_ms=floor_ms,
+                            bound="bytes" if moved / byte_rate > flops / gemm_rate else "flops",
+                            ratio=ms / floor_ms))
+    floor = sum(k["roofline_ms"] for k in kernels)
+    return dict(dense_tflops=gemm_rate / 1e12, copy_tb_per_s=copy["tb_per_s"], kernels=kernels,
+                step=dict(ms=ours["ms"], roofline_ms=floor, ratio=ours["ms"] / floor))
