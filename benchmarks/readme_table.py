@@ -157,6 +157,28 @@ def render_layer(runs: Runs) -> str:
     return "\n".join(lines)
 
 
+def render_roofline(runs: Runs) -> str:
+    """The sm90 step's kernels against their rooflines (benchmarks/roofline.py)."""
+    (_, run), lines, body = runs[0], [], []
+    for row in run["shapes"]:
+        found = row["modes"].get("step", {}).get("roofline", {})
+        if "kernels" not in found:
+            continue
+        # Records of 6942f08 name the GEMMs a launch may be "down|dx", which a table cell cannot hold.
+        kernels = "; ".join(f"{k['gemm'].replace('|', '/')} {k['ms']:.3f} / {k['roofline_ms']:.3f} = {k['ratio']:.2f}x ({k['bound']})"
+                            for k in found["kernels"])
+        step = found["step"]
+        body.append([f"{shape_text(row['shape'])}, {grouping(row)}", f"{found['dense_tflops']:.0f}",
+                     f"{step['ms']:.3f} ms", f"{step['roofline_ms']:.3f} ms", f"{step['ratio']:.2f}x", kernels])
+        copy = f"{found['copy_tb_per_s']:.2f} TB/s"
+    lines += [provenance(runs, "the sm90 step (default mode), each kernel against max(its FLOPs at the dense "
+                         "bf16 cuBLAS rate, its least bytes at a copy's rate), both rates timed in the same run"),
+              f"The copy's rate in this run: {copy}." if body else "No roofline in this record.", ""]
+    lines += table(["shape (m, d, f, E), groups", "dense bf16 cuBLAS TFLOP/s", "sm90 step", "its kernels' rooflines", "ratio",
+                    "each kernel: ms / roofline ms (bound by)"], body)
+    return "\n".join(lines)
+
+
 def six_gemm_sums(run: dict, variants) -> dict:
     """{(shape, grouping): {variant: {"ms": sum}}} over rows where all six GEMMs were timed."""
     sums = {}
@@ -350,6 +372,7 @@ TABLES: list[tuple[str, str, tuple[str, ...], Callable[[Runs], str]]] = [
     ("README.md", "quack", ("bench_gemms_quack.json",), render_quack),
     ("docs/performance.md", "layer", ("bench_layer.json",), render_layer),
     ("docs/performance.md", "token_rounding", ("bench_layer_token_rounding.json",), render_layer),
+    ("docs/performance.md", "roofline", ("bench_layer_roofline.json",), render_roofline),
     ("docs/performance.md", "gemms", ("bench_gemms.json",), render_gemms),
     ("docs/performance.md", "gemms_fine_grained", ("bench_gemms_fine_grained.json",), render_gemms),
     ("docs/performance.md", "gemms_quack", ("bench_gemms_quack.json",), render_gemms),

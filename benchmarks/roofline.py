@@ -30,10 +30,10 @@ def step_bytes(m: int, d: int, f: int, num_experts: int) -> dict[str, int]:
     rows_d, rows_f = BF16 * m * d, BF16 * m * f
     return {
         "up": rows_d + weights + F32 * m + F32 * num_experts * f + 2 * rows_f,  # x, w1, prob, b1 -> h, act
-        "down|dx": rows_f + weights + rows_d,  # act, w2 -> y (dh, w1 -> dx)
+        "down/dx": rows_f + weights + rows_d,  # act, w2 -> y (dh, w1 -> dx)
         "dsrelu": rows_d + weights + rows_f + F32 * m + 2 * rows_f + F32 * m + F32 * num_experts * f,
         # dy, w2, h, prob -> dh, act, dprob, dbias
-        "dw1|dw2": rows_d + rows_f + weights,  # x, dh -> dw1 (act, dy -> dw2)
+        "dw1/dw2": rows_d + rows_f + weights,  # x, dh -> dw1 (act, dy -> dw2)
     }
 
 
@@ -42,13 +42,13 @@ def gemm_of_launches(kernels: list[list]) -> list[tuple[str, float]]:
     GEMM reads what the up-projection writes, so it is the first ragged-M launch; the
     down-projection and dx, like the two contractions, move the same bytes, so which of
     the two each launch is does not matter here (XLA may order them either way)."""
-    ragged = iter(("up", "down|dx", "down|dx"))
+    ragged = iter(("up", "down/dx", "down/dx"))
     launches = []
     for name, ms in kernels:
         if "DsreluSm90" in name:
             launches.append(("dsrelu", ms))
         elif "ContractSm90" in name:
-            launches.append(("dw1|dw2", ms))
+            launches.append(("dw1/dw2", ms))
         elif "RaggedGemmSm90" in name:
             gemm = next(ragged, None)
             if gemm is None:

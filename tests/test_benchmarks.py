@@ -235,7 +235,7 @@ def test_the_roofline_sets_each_kernel_against_the_runs_own_rates():
     copy = dict(tb_per_s=weights / 0.2e-3 / 1e12)  # the weights stream in 0.2 ms
     result = roofline.roofline(shape, m, step, copy)
     gemms = [k["gemm"] for k in result["kernels"]]
-    assert gemms == ["up", "dsrelu", "down|dx", "down|dx", "dw1|dw2", "dw1|dw2"]
+    assert gemms == ["up", "dsrelu", "down/dx", "down/dx", "dw1/dw2", "dw1/dw2"]
     down = result["kernels"][2]
     assert down["bytes"] == 2 * m * f + weights + 2 * m * d
     assert down["bound"] == "bytes" and np.isclose(down["roofline_ms"], 0.2 * down["bytes"] / weights)
