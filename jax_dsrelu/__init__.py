@@ -27,7 +27,7 @@ from jax_dsrelu.ops.moe_mlp import moe_mlp
 from jax_dsrelu.moe.layer import MoEAux, moe_layer
 from jax_dsrelu.moe.options import MoEOptions
 from jax_dsrelu.moe.weights import MoEWeights
-from jax_dsrelu.mx import dequantize_mx, quantize_mx
+from jax_dsrelu.quantization.mx import dequantize_mx, quantize_mx
 from jax_dsrelu.ops.ragged_dot import ragged_dot
 from jax_dsrelu.moe.routing import RoutingPlan, combine, dispatch, route, update_expert_bias
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_dsrelu import mx
+from jax_dsrelu.quantization import mx
 
 # (exponent bias, mantissa bits, emax, largest normal) of each element format.
 FORMATS = {

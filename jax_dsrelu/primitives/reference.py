@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_dsrelu import groups, jax_internals, mx
+from jax_dsrelu import groups, jax_internals
+from jax_dsrelu.quantization import mx
 
 
 def grouped_gemm_dsrelu_reference(

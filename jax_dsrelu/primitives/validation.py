@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dsrelu import mx
+from jax_dsrelu.quantization import mx
 from jax_dsrelu.kernels.registry import BACKEND_NAMES
 
 # The floating dtypes of every operand, result and option that is not an MXFP8 operand.

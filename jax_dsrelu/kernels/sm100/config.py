@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from jax_dsrelu import mx
+from jax_dsrelu.quantization import mx
 from jax_dsrelu.kernels.request import Request
 
 _MXFP8_DTYPES = tuple(np.dtype(d) for d in mx.ELEMENT_DTYPES)

@@ -1,0 +1,89 @@
+"""Block scaling by amax: float32 scales over blocks of any shape, e4m3 elements.
+
+For each block of `scaling.block` = (rows, columns) elements over a tensor's last two
+axes (a partial last block along either axis has a scale of its own):
+
+    amax  = max |x| over the block's finite values, in float32 (exact in any order)
+    scale = amax * (1 / max_normal rounded to float32; max_normal is 448 for e4m3), one
+            float32 multiplication: a division by a constant is one a compiler may turn
+            into that product anyway, on one platform and not another; 1 where amax is 0
+    value = x / scale rounded once to float32, then to the element format by round to
+            nearest even, clamped to +-max_normal (x / scale can exceed it by an ulp)
+
+so the block's values are value * scale. Special cases:
+- a block of zeros gets the scale 1 and values 0, so it dequantizes to exact zeros;
+- a block holding a NaN or an infinity gets a NaN scale and NaN values: every element of
+  the block dequantizes to NaN (e4m3 has no infinity, and a saturated one would pass an
+  overflow off as a plausible number), as `quantize_mx` does.
+
+Every step is an IEEE operation on float32 (a max, a division, a rounding conversion), so
+the scales and values are bitwise the same on every run and platform; XLA:CPU flushes
+float32 subnormals, which a bf16 or float32 activation of a trained model does not hold.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dsrelu.quantization.schema import BlockScaling
+
+_INPUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+
+
+def _check(x: jax.Array, scaling: BlockScaling) -> None:
+    if scaling.rule != "amax":
+        raise ValueError(f"scaling.rule must be 'amax' here (power-of-two scales are quantize_mx's), got {scaling.rule!r}")
+    if x.ndim < 2:
+        raise ValueError(f"x must have at least two axes (rows, K), got x.shape={x.shape}")
+
+
+def _blocks(x: jax.Array, block: tuple[int, int]) -> jax.Array:
+    """(..., R, C) -> (..., R / r, C / c, r, c), zero-padded to whole blocks (zeros change
+    no block's amax and are sliced off again)."""
+    rows, cols = block
+    pad_r, pad_c = -x.shape[-2] % rows, -x.shape[-1] % cols
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad_r), (0, pad_c)])
+    *lead, big_r, big_c = x.shape
+    x = x.reshape(*lead, big_r // rows, rows, big_c // cols, cols)
+    return jnp.swapaxes(x, -3, -2)
+
+
+def _unblock(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    *lead, nr, nc, rows, cols = blocks.shape
+    whole = jnp.swapaxes(blocks, -3, -2).reshape(*lead, nr * rows, nc * cols)
+    return whole[..., : shape[-2], : shape[-1]]
+
+
+def quantize_blockwise(x: jax.Array, scaling: BlockScaling) -> tuple[jax.Array, jax.Array]:
+    """(values, scales): values x.shape in scaling.element, scales float32 of
+    scaling.scale_shape(x.shape), with x ~= values * scales over each block (module doc).
+    x is bfloat16, float16 or float32."""
+    x = jnp.asarray(x)
+    if np.dtype(x.dtype) not in _INPUT_DTYPES:
+        raise TypeError(f"x.dtype must be bfloat16, float16 or float32, got x.dtype={np.dtype(x.dtype).name}")
+    _check(x, scaling)
+    max_normal = float(jnp.finfo(scaling.element).max)
+    reciprocal = np.float32(1.0 / max_normal)
+    blocks = _blocks(x.astype(jnp.float32), scaling.block)
+    finite = jnp.isfinite(blocks)
+    special = ~jnp.all(finite, axis=(-2, -1))
+    amax = jnp.max(jnp.where(finite, jnp.abs(blocks), 0.0), axis=(-2, -1))
+    scales = jnp.where(amax > 0, amax * reciprocal, 1.0).astype(jnp.float32)
+    scales = jnp.where(special, jnp.nan, scales)
+    scaled = jnp.clip(blocks / scales[..., None, None], -max_normal, max_normal)
+    values = _unblock(scaled.astype(scaling.element), x.shape)
+    return values, scales
+
+
+def dequantize_blockwise(values: jax.Array, scales: jax.Array, scaling: BlockScaling, dtype=jnp.float32) -> jax.Array:
+    """values * scales over each block, in float32, cast to dtype."""
+    _check(values, scaling)
+    if np.dtype(values.dtype) != np.dtype(scaling.element):
+        raise TypeError(f"values.dtype must be {np.dtype(scaling.element).name}, got {np.dtype(values.dtype).name}")
+    expected = scaling.scale_shape(values.shape)
+    if scales.shape != expected:
+        raise ValueError(f"scales.shape must be {expected} for values.shape={values.shape}, got {scales.shape}")
+    blocks = _blocks(values.astype(jnp.float32), scaling.block) * scales[..., None, None]
+    return _unblock(blocks, values.shape).astype(dtype)
