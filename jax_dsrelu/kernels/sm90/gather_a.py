@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from types import SimpleNamespace
+from typing import Any
 
 import cutlass
 import cutlass.cute as cute
@@ -56,6 +56,59 @@ from cutlass.cute.nvgpu import cpasync
 from jax_dsrelu.kernels.operands import M, T, KernelOperand
 
 _COPY_BITS = 128
+
+
+# What a gathering producer carries from one step of its walk to the next: trace-time
+# records of DSL values (tensors, registers, tiled copies), never arguments of a kernel.
+
+
+@dataclasses.dataclass(frozen=True)
+class TileRows:
+    """A ragged-M tile's rows: source[index[row0 + r]] for r < rows_valid."""
+
+    source: Any  # (T, k) cute.Tensor
+    index: Any  # (m,) int32 cute.Tensor
+    row0: Any  # Int32: the tile's first row of the index
+    rows_valid: Any  # Int32: the rows of the tile the expert owns
+
+
+@dataclasses.dataclass(frozen=True)
+class RowCopies:
+    """One thread's part of copying a ragged-M tile: its source row of each pass, its
+    columns of a k-tile, its slice of the tiled copy."""
+
+    k_tiles: Any  # the source in k-tiles
+    sources: Any  # (passes,) Int32 registers: the source row of each pass
+    columns: Any  # its columns' coordinates in a k-tile
+    thr: Any  # its slice of the tiled copy
+    tiled: Any  # the tiled copy
+    passes: int
+    rows_per_pass: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertRows:
+    """A contraction work item's rows: source[:, index[first_row + r]] for r < rows,
+    from column column0 of the width."""
+
+    source: Any  # (width, T) cute.Tensor
+    index: Any  # (m,) int32 cute.Tensor
+    first_row: Any  # Int32: the expert's first row
+    rows: Any  # Int32: the expert's row count
+    column0: Any  # Int32: the block's first column, a multiple of 64
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnCopies:
+    """One thread's part of copying a contraction k-tile: the item, its rows'
+    coordinates in a k-tile, which of its chunks lie within the width, its slice of the
+    tiled copy."""
+
+    item: ExpertRows
+    rows: Any
+    in_width: Any  # (chunks,) Boolean registers
+    thr: Any
+    tiled: Any
 _I32 = np.dtype(np.int32)
 
 
@@ -209,7 +262,7 @@ class GatheredRowsA(GatheredA):
         """The tile's rows: the source, its row index, the tile's first row of the index
         and how many of its rows the expert owns."""
         row0, rows_valid = self._tile_rows(tile)
-        return SimpleNamespace(source=mA, index=getattr(params, self.row_index), row0=row0, rows_valid=rows_valid)
+        return TileRows(source=mA, index=getattr(params, self.row_index), row0=row0, rows_valid=rows_valid)
 
     def _gather_copy(self, atom):
         """The tiled copy of a (tile_m, tile_k) tile: `lanes` threads on a row's
@@ -238,7 +291,7 @@ class GatheredRowsA(GatheredA):
             entry = gA.index[Int32(cutlass.select_(valid, gA.row0 + row, Int32(0)))]
             # A row past the expert reads source row 0: loaded, never stored.
             sources[p] = Int32(cutlass.select_(valid, self._clamped(entry, last_row), Int32(0)))
-        return thr.partition_D(sA), SimpleNamespace(
+        return thr.partition_D(sA), RowCopies(
             k_tiles=cute.logical_divide(gA.source, (None, self.tile_k)), sources=sources, columns=tAcA[None, 0, None],
             thr=thr, tiled=tiled, passes=passes, rows_per_pass=self.tile_m // passes,
         )
@@ -274,8 +327,8 @@ class GatheredRowsK(GatheredA):
         """The work item's rows: the source (width, T), its row index, the expert's first
         row and row count, and the block's first column (a multiple of 64)."""
         block = tile.m_tile if self.gathered == "a" else tile.n_tile
-        return SimpleNamespace(source=source, index=getattr(params, self.row_index), first_row=tile.first_row,
-                               rows=tile.rows, column0=cute.assume(block * self._width, divby=64))
+        return ExpertRows(source=source, index=getattr(params, self.row_index), first_row=tile.first_row,
+                          rows=tile.rows, column0=cute.assume(block * self._width, divby=64))
 
     def _gather_copy(self, atom):
         """The tiled copy of a (width, tile_k) tile, the width contiguous: `lanes` threads
@@ -299,8 +352,8 @@ class GatheredRowsK(GatheredA):
         in_width = cute.make_rmem_tensor(chunks, Boolean)
         for c in range(chunks):  # static: unrolled as Python
             in_width[c] = item.column0 + coords[0, c, 0][0] < width
-        return thr.partition_D(smem), SimpleNamespace(item=item, rows=coords[0, 0, None], in_width=in_width,
-                                                      thr=thr, tiled=tiled)
+        return thr.partition_D(smem), ColumnCopies(item=item, rows=coords[0, 0, None], in_width=in_width,
+                                                    thr=thr, tiled=tiled)
 
     @cute.jit
     def _copy_k_tile(self, gathered, shared, k_tile: Int32, stage: Int32):
