@@ -91,7 +91,9 @@ The rest of an item's work, mainloop and epilogue, is one method for both.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
+from typing import Any
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -106,6 +108,20 @@ from jax_dsrelu.kernels.group_tables import build_expert_tables
 from jax_dsrelu.kernels.operands import KernelOperand, by_name
 from jax_dsrelu.kernels.sm90 import epilogue_store, mainloop
 from jax_dsrelu.kernels.sm90.epilogue_context import EpilogueContext, EpilogueInput, StoredOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelArguments:
+    """What the host passes a kernel besides A and B (`GemmSm90._kernel_arguments`)."""
+
+    c: Any  # (TMA atom, tensor) of the epilogue input, or None
+    stored: tuple  # (TMA atom, tensor) of each stored output, in `stored_outputs` order
+    params: SimpleNamespace  # the variant's `kernel_params`, by name
+    tiled_mma: Any
+    a_layout: Any  # the operand ring's shared layouts
+    b_layout: Any
+    c_layout: Any  # the epilogue input's, or None
+    d_layout: Any  # the stored outputs'
 
 
 class GemmSm90:
@@ -209,7 +225,7 @@ class GemmSm90:
         if self.epilogue_scratch is not None:
             dtype, shape = self.epilogue_scratch
             buffers["epilogue_scratch"] = (dtype, cute.size(shape))
-        args = SimpleNamespace(
+        args = KernelArguments(
             c=c, stored=tuple(stored), params=SimpleNamespace(**self.kernel_params(t)),
             tiled_mma=tiled_mma, a_layout=a_layout, b_layout=b_layout, c_layout=c_layout, d_layout=d_layout,
         )
@@ -321,7 +337,7 @@ class GemmSm90:
 
     @cute.kernel
     def kernel(self, copy_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor, args):
-        """`args` is the host's `_kernel_arguments` namespace."""
+        """`args`: the host's `_kernel_arguments`."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         num_rows = self.num_rows(args.params)
