@@ -52,7 +52,9 @@ from cutlass import Float32, Int32
 
 from jax_dsrelu.kernels.operands import M, KernelOperand, Rows
 from jax_dsrelu.kernels.request import Request
+from jax_dsrelu.kernels import squared_relu
 from jax_dsrelu.kernels.slot_reduction import SlotReduction
+from jax_dsrelu.kernels.sm90 import fragment
 from jax_dsrelu.kernels.sm90.barriers import NamedBarrier
 from jax_dsrelu.kernels.sm90.config import TileConfig
 from jax_dsrelu.kernels.sm90.ragged_m import RaggedMGemmSm90
@@ -190,17 +192,13 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
         tRS_rPf = ctx.input_registers
         columns = []
         for v in range(ctx.sub_values):
-            h = (v // 2) % 2
-            a = ctx.acc[subtile * ctx.sub_values + v]
-            pre = tRS_rPf[v]
-            # A select keeps NaN (NaN < 0 is false); fmax would drop it.
-            r = Float32(cutlass.select_(pre < Float32(0.0), Float32(0.0), pre))
-            r2 = r * r
-            dh = (item.row_scale[h] * a) * r
+            h = fragment.row_half(v)
+            dh, act, dprob_term = squared_relu.backward(
+                ctx.acc[subtile * ctx.sub_values + v], tRS_rPf[v], item.row_scale[h], item.prob[h])
             tRS_rD[v] = dh
             if self.with_act:
-                tRS_rAct[v] = r2 * item.prob[h]
-            item.row_sum[h] = item.row_sum[h] + r2 * a
+                tRS_rAct[v] = act
+            item.row_sum[h] = item.row_sum[h] + dprob_term
             dh_bits = dh.bitcast(Int32) & Int32(_ABS_MASK)
             if self.n % self.tile_n != 0:
                 # Padding columns of a partial N-tile: acc = r = 0 there, and an
@@ -209,11 +207,10 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
                 column = tile.n_tile * self.tile_n + ctx.tCcAcc[subtile * ctx.sub_values + v][1]
                 dh_bits = Int32(cutlass.select_(column < self.n, dh_bits, Int32(0)))
             item.row_max[h] = cutlass.max(item.row_max[h], dh_bits)
-            if h == 0:
+            if h == 0:  # the row-0 value of each column slot comes first
                 columns.append(Float32(cutlass.select_(item.valid[0], dh, Float32(0.0))))
             else:
-                # Column q = (v % 2) + 2 (v // 4): rows h = 0 then h = 1.
-                q = (v % 2) + 2 * (v // 4)
+                q = fragment.column_slot(v)
                 columns[q] = columns[q] + Float32(cutlass.select_(item.valid[1], dh, Float32(0.0)))
         item.columns = columns
 

@@ -37,8 +37,10 @@ import cutlass.cute as cute
 import numpy as np
 from cutlass import Float32, Int32
 
+from jax_dsrelu.kernels import squared_relu
 from jax_dsrelu.kernels.operands import M, KernelOperand
 from jax_dsrelu.kernels.request import RaggedMatmulRequest
+from jax_dsrelu.kernels.sm90 import fragment
 from jax_dsrelu.kernels.sm90.config import GemmConfig
 from jax_dsrelu.kernels.sm90.epilogue_context import EpilogueContext
 from jax_dsrelu.kernels.sm90.ragged_m import RaggedMGemmSm90
@@ -144,18 +146,12 @@ class RaggedGemmSm90(RaggedMGemmSm90):
             ctx.rounded_h.store(tRS_rDout.load().to(Float32))
             tRS_rAct = ctx.registers[1]
             for v in range(ctx.sub_values):
-                h = (v // 2) % 2
-                pre = ctx.rounded_h[v]
-                # A select keeps NaN (NaN < 0 is false); fmax would drop it.
-                r = Float32(cutlass.select_(pre < Float32(0.0), Float32(0.0), pre))
-                tRS_rAct[v] = (r * r) * item.prob[h]
+                tRS_rAct[v] = squared_relu.activation(ctx.rounded_h[v], item.prob[fragment.row_half(v)])
 
     @staticmethod
     def _bias_slot(value: int) -> int:
-        """The index in `_column_bias`'s list of accumulator value `value`'s column: the
-        wgmma fragment holds value v = c + 2 h + 4 j at column 8 j + 2 (lane % 4) + c of
-        row h, so both rows share slot c + 2 j."""
-        return value % 2 + 2 * (value // 4)
+        """The index in `_column_bias`'s list of accumulator value `value`'s column."""
+        return fragment.column_slot(value)
 
     def _column_bias(self, mBias, tCcAcc, tile):
         """The bias of every column this thread's accumulator holds (column 0's past n,

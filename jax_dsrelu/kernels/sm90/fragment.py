@@ -1,0 +1,19 @@
+"""Where a Hopper wgmma accumulator fragment keeps its values, for the epilogues that
+walk it value by value.
+
+Within a subtile a thread holds value v = c + 2 h + 4 j of its warp's 16 x (8 J) block at
+row 8 h + lane / 4 and column 8 j + 2 (lane % 4) + c: two rows (h = 0, 1) and, in each, the
+columns of slots c + 2 j.
+"""
+
+from __future__ import annotations
+
+
+def row_half(value: int) -> int:
+    """Which of the thread's two rows value `value` lies in (h)."""
+    return (value // 2) % 2
+
+
+def column_slot(value: int) -> int:
+    """Which of the thread's columns value `value` lies in (c + 2 j): both rows share it."""
+    return value % 2 + 2 * (value // 4)
