@@ -107,11 +107,14 @@ def problem(deterministic: bool):
 def runner(kernel: str, request, config):
     """A jitted (inputs, NaN-filled outputs) -> outputs of one kernel, with its context."""
     run = dsrelu_call.implementation(request, config, outputs_in_place=True)
-    if kernel == "in_memory":
-        fn = lambda i, filled: run(i["rows"], i["weight"], i["preact"], i["prob"], i["sizes"], i["alpha"], filled)  # noqa: E731
-    else:
-        fn = lambda i, filled: run(i["dy"], i["weight"], i["preact"], i["prob"], i["sizes"], i["alpha"], filled,  # noqa: E731
-                                   grad_index=i["index"])
+    def fn(i, filled):
+        others = dict(weight=i["weight"], preact=i["preact"], prob=i["prob"], group_sizes=i["sizes"], alpha=i["alpha"])
+        if kernel == "in_memory":
+            results = run(grad=i["rows"], filled=filled, **others)
+        else:
+            results = run(grad=i["dy"], grad_index=i["index"], filled=filled, **others)
+        return {name: results[name] for name in OUTPUTS}
+
     context = (lambda: variant_kernel(kernel)) if kernel in VARIANTS else contextlib.nullcontext
     return jax.jit(fn), context
 
@@ -185,7 +188,7 @@ def check(deterministic: bool, runs: int) -> dict:
         entry = dict(runs=runs, outside_contract=0, unlike_in_memory=0, digests=collections.Counter(), failures=[])
         with context():
             for run in range(runs):
-                got = dict(zip(OUTPUTS, map(np.asarray, fn(inputs, poisoned(request, config, kernel, inputs)))))
+                got = {name: np.asarray(out) for name, out in fn(inputs, poisoned(request, config, kernel, inputs)).items()}
                 entry["digests"][digest(got[name] for name in exact)] += 1
                 verified = verified or got  # the first run of the verified kernel
                 entry["unlike_in_memory"] += any(not np.array_equal(got[name], verified[name], equal_nan=True)

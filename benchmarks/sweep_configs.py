@@ -181,7 +181,8 @@ def sweep(kernel, cases, sm_count, reps, clock, rows, save):
         for name, config in candidates(sm_count, request).items():
             row = dict(shape=list(shape), gemm=gemm, config=name, fields=dataclasses.asdict(config))
             try:  # a config that does not build is recorded as such; the next one runs
-                call = (dsrelu_call if gemm == "dsrelu" else ragged_call).implementation(request, config)
+                call = bench_gemms.positional(
+                    (dsrelu_call if gemm == "dsrelu" else ragged_call).implementation(request, config), request)
                 ms = timing.time_call(jax.jit(call), args, reps, clock).ms
             except Exception as error:
                 rows.append(dict(row, **run_record.error_entry(error, "timing")))

@@ -79,20 +79,17 @@ class StandInBackend:
         self.requests.append(request)
         reference, params = reference_of(request)
 
-        def run(*arguments):
-            self.arguments.append(
-                [None if a is None else (tuple(a.shape), np.dtype(a.dtype)) for a in arguments]
-            )
+        def run(**operands):
+            self.arguments.append({name: (tuple(a.shape), np.dtype(a.dtype)) for name, a in operands.items()})
             if self.opaque:
-                results = jax.eval_shape(lambda *a: reference(*a, **params), *arguments)
+                results = jax.eval_shape(lambda o: reference(**o, **params), operands)
             else:
-                results = reference(*arguments, **params)
-            present = [a for a in arguments if a is not None]
-            inputs = present if self.opaque else list(results)
-            return tuple(
-                jax.ffi.ffi_call(STAND_IN_TARGET, jax.ShapeDtypeStruct(r.shape, r.dtype))(*inputs)
-                for r in results
-            )
+                results = reference(**operands, **params)
+            inputs = list(operands.values()) if self.opaque else list(results.values())
+            return {
+                name: jax.ffi.ffi_call(STAND_IN_TARGET, jax.ShapeDtypeStruct(r.shape, r.dtype))(*inputs)
+                for name, r in results.items()
+            }
 
         return run
 
@@ -139,9 +136,9 @@ def test_ragged_dot_requests_and_argument_order(stand_in):
         RaggedContractRequest(num_experts=E, a=K, b=N, operand_dtype=bf16, out_dtype=bf16),
     ]
     assert stand_in.arguments == [
-        [((M, K), bf16), ((E, K, N), bf16), ((E,), i32)],
-        [((M, N), bf16), ((E, K, N), bf16), ((E,), i32)],
-        [((M, K), bf16), ((M, N), bf16), ((E,), i32)],
+        dict(lhs=((M, K), bf16), rhs=((E, K, N), bf16), group_sizes=((E,), i32)),
+        dict(lhs=((M, N), bf16), rhs=((E, K, N), bf16), group_sizes=((E,), i32)),
+        dict(lhs=((M, K), bf16), rhs=((M, N), bf16), group_sizes=((E,), i32)),
     ]
     assert CUSTOM_CALL.findall(text).count(STAND_IN_TARGET) == 3
     if stand_in.opaque:
@@ -187,16 +184,18 @@ def test_moe_mlp_runs_every_gemm_on_the_backend(stand_in, with_bias):
     assert srelu.with_bias == with_bias and (srelu.k, srelu.n) == (D, F)
     assert fused.with_act and fused.with_dbias == with_bias and fused.deterministic
     assert (dx.k, dx.n, dw1.a, dw1.b, dw2.a, dw2.b) == (F, D, D, F, F, D)
-    bias = ((E, F), f32) if with_bias else None
-    assert stand_in.arguments[0] == [((M, D), bf16), ((E, D, F), bf16), ((E,), i32), ((M,), f32), bias]
-    # The fused backward gets (grad, weight, preact, prob, group_sizes, alpha): dy, w2
-    # as stored (E, f, d), h.
-    assert stand_in.arguments[2] == [
-        ((M, D), bf16), ((E, F, D), bf16), ((M, F), bf16), ((M,), f32), ((E,), i32), ((E,), f32)
-    ]
-    assert stand_in.arguments[3] == [((M, F), bf16), ((E, D, F), bf16), ((E,), i32)]
-    assert stand_in.arguments[4] == [((M, D), bf16), ((M, F), bf16), ((E,), i32)]
-    assert stand_in.arguments[5] == [((M, F), bf16), ((M, D), bf16), ((E,), i32)]
+    bias = dict(bias=((E, F), f32)) if with_bias else {}
+    assert stand_in.arguments[0] == dict(
+        lhs=((M, D), bf16), rhs=((E, D, F), bf16), group_sizes=((E,), i32), prob=((M,), f32), **bias
+    )
+    # The fused backward gets grad = dy, weight = w2 as stored (E, f, d), preact = h.
+    assert stand_in.arguments[2] == dict(
+        grad=((M, D), bf16), weight=((E, F, D), bf16), preact=((M, F), bf16), prob=((M,), f32),
+        group_sizes=((E,), i32), alpha=((E,), f32),
+    )
+    assert stand_in.arguments[3] == dict(lhs=((M, F), bf16), rhs=((E, D, F), bf16), group_sizes=((E,), i32))
+    assert stand_in.arguments[4] == dict(lhs=((M, D), bf16), rhs=((M, F), bf16), group_sizes=((E,), i32))
+    assert stand_in.arguments[5] == dict(lhs=((M, F), bf16), rhs=((M, D), bf16), group_sizes=((E,), i32))
     assert CUSTOM_CALL.findall(text).count(STAND_IN_TARGET) == sum(
         (2, 1, 3 + with_bias + 1, 1, 1, 1)
     )

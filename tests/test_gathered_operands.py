@@ -155,8 +155,10 @@ def test_schema_letters_and_kernel_arguments_of_a_gathered_operand():
     params = dict(rhs_layout="kn", out_dtype=np.float32, with_lhs_index=True)
     assert [f.letters(params) for f in s.operand_fields(params)] == [("t", "k"), ("e", "k", "n"), ("e",), ("m",)]
     assert s.result_shapes([(9, 4), (3, 4, 5), (3,), (7,)], params) == [((7, 5), np.dtype(np.float32))]
-    # The index is not among the positional arguments: a kernel takes it by name.
-    assert s.call_arguments(["source", "rhs", "sizes", "index"], params) == ["source", "rhs", "sizes"]
+    # The index is an argument by name beside the source.
+    assert s.call_arguments(["source", "rhs", "sizes", "index"], params) == dict(
+        lhs="source", rhs="rhs", group_sizes="sizes", lhs_index="index"
+    )
     assert [f.name for f in s.index_fields(params)] == ["lhs_index"]
     assert "t" in s.kept_whole
 
@@ -189,30 +191,29 @@ class RecordingBackend:
         return self.reads
 
     def implementation(self, request):
-        def run(*arguments, **indices):
-            shapes = [None if x is None else tuple(x.shape) for x in arguments]
-            self.calls.append((type(request).__name__, shapes, {k: tuple(v.shape) for k, v in indices.items()}))
-            present = [x for x in arguments if x is not None] + list(indices.values())
-            return tuple(
-                jax.ffi.ffi_call("jax_dsrelu_stand_in", jax.ShapeDtypeStruct(shape, dtype))(*present)
-                for shape, dtype in self.result_shapes(request)
-            )
+        def run(**operands):
+            self.calls.append((type(request).__name__, {k: tuple(v.shape) for k, v in operands.items()}))
+            return {
+                name: jax.ffi.ffi_call("jax_dsrelu_stand_in", jax.ShapeDtypeStruct(shape, dtype))(*operands.values())
+                for name, (shape, dtype) in self.result_shapes(request).items()
+            }
 
         return run
 
     def result_shapes(self, request):
         m = self.rows
         if isinstance(request, RaggedMatmulRequest):
-            return [((m, request.n), request.out_dtype)] * (2 if request.epilogue == "srelu" else 1)
+            names = ("h", "act") if request.epilogue == "srelu" else ("out",)
+            return {name: ((m, request.n), request.out_dtype) for name in names}
         if isinstance(request, RaggedContractRequest):
-            return [((request.num_experts, request.a, request.b), request.out_dtype)]
+            return dict(out=((request.num_experts, request.a, request.b), request.out_dtype))
         assert isinstance(request, Request)
-        shapes = [((m, request.n), request.out_dtype), ((m,), np.float32)]
+        shapes = dict(dh=((m, request.n), request.out_dtype), dprob=((m,), np.float32))
         if request.with_dbias:
-            shapes.append(((request.num_experts, request.n), np.float32))
+            shapes["dbias"] = ((request.num_experts, request.n), np.float32)
         if request.with_act:
-            shapes.append(((m, request.n), request.out_dtype))
-        return shapes + [((request.num_experts,), np.float32)]
+            shapes["act"] = ((m, request.n), request.out_dtype)
+        return dict(shapes, amax=((request.num_experts,), np.float32))
 
 
 def lowered_for_cuda(fn, *args) -> str:
@@ -230,9 +231,11 @@ def test_a_backend_gets_the_rows_or_the_source_and_index(monkeypatch, reads):
         a["source"], a["index"], a["rhs"], a["sizes"],
     )
     if reads:
-        assert backend.calls == [("RaggedMatmulRequest", [(TOKENS, K), (E, K, N), (E,)], {"lhs_index": (ROWS,)})]
+        assert backend.calls == [
+            ("RaggedMatmulRequest", dict(lhs=(TOKENS, K), rhs=(E, K, N), group_sizes=(E,), lhs_index=(ROWS,)))
+        ]
     else:
-        assert backend.calls == [("RaggedMatmulRequest", [(ROWS, K), (E, K, N), (E,)], {})]
+        assert backend.calls == [("RaggedMatmulRequest", dict(lhs=(ROWS, K), rhs=(E, K, N), group_sizes=(E,)))]
 
 
 def test_the_block_reads_its_rows_through_the_routing(monkeypatch):
@@ -255,12 +258,14 @@ def test_the_block_reads_its_rows_through_the_routing(monkeypatch):
     lowered_for_cuda(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), x, router, w1, w2)
     m = tokens * top_k
     assert backend.calls == [
-        ("RaggedMatmulRequest", [(tokens, d), (experts, d, f), (experts,), (m,), None], {"lhs_index": (m,)}),
-        ("RaggedMatmulRequest", [(m, f), (experts, f, d), (experts,)], {}),
-        ("Request", [(tokens, d), (experts, f, d), (m, f), (m,), (experts,), (experts,)], {"grad_index": (m,)}),
-        ("RaggedMatmulRequest", [(m, f), (experts, d, f), (experts,)], {}),
-        ("RaggedContractRequest", [(tokens, d), (m, f), (experts,)], {"lhs_index": (m,)}),
-        ("RaggedContractRequest", [(m, f), (tokens, d), (experts,)], {"rhs_index": (m,)}),
+        ("RaggedMatmulRequest",
+         dict(lhs=(tokens, d), rhs=(experts, d, f), group_sizes=(experts,), prob=(m,), lhs_index=(m,))),
+        ("RaggedMatmulRequest", dict(lhs=(m, f), rhs=(experts, f, d), group_sizes=(experts,))),
+        ("Request", dict(grad=(tokens, d), weight=(experts, f, d), preact=(m, f), prob=(m,), group_sizes=(experts,),
+                         alpha=(experts,), grad_index=(m,))),
+        ("RaggedMatmulRequest", dict(lhs=(m, f), rhs=(experts, d, f), group_sizes=(experts,))),
+        ("RaggedContractRequest", dict(lhs=(tokens, d), rhs=(m, f), group_sizes=(experts,), lhs_index=(m,))),
+        ("RaggedContractRequest", dict(lhs=(m, f), rhs=(tokens, d), group_sizes=(experts,), rhs_index=(m,))),
     ]
 
 

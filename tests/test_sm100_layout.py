@@ -53,17 +53,17 @@ def emulate_kernel(ops: layout.KernelOperands, n: int, k: int, out_dtype):
 
     Returns padded (d, act, dprob) and per-expert (dbias, amax), as the custom call does.
     """
-    num_padded = ops.a.shape[0]
-    num_experts = ops.b.shape[0]
+    num_padded = ops.grad.shape[0]
+    num_experts = ops.weight.shape[0]
     offsets = np.asarray(ops.padded_offsets)
     np.testing.assert_array_equal(np.asarray(ops.padded_sizes), np.diff(offsets, prepend=0))
     # The kernel's requirements on padded_offsets: nondecreasing multiples of 256 in range.
     assert np.all(offsets % CONFIG.segment_rows == 0) and np.all(np.diff(offsets) >= 0)
     assert offsets[-1] <= num_padded and num_padded % CONFIG.segment_rows == 0
 
-    a = dequantize(ops.a, detile(ops.sfa, num_padded, k // 32)[0])
-    b = dequantize(ops.b, detile(ops.sfb, n, k // 32, num_experts))
-    c = np.maximum(np.asarray(ops.c, np.float64), 0.0)
+    a = dequantize(ops.grad, detile(ops.grad_scale, num_padded, k // 32)[0])
+    b = dequantize(ops.weight, detile(ops.weight_scale, n, k // 32, num_experts))
+    c = np.maximum(np.asarray(ops.preact, np.float64), 0.0)
     prob = np.asarray(ops.prob, np.float64)
     alpha = np.asarray(ops.alpha, np.float64)
 
@@ -119,7 +119,7 @@ def test_kernel_view_of_the_bridge_computes_the_reference(grouping, element_dtyp
     ops, rows = jax.jit(layout.kernel_operands, static_argnums=8)(
         grad, weight, preact, prob, group_sizes, alpha, grad_scale, weight_scale, CONFIG
     )
-    assert ops.a.shape[0] == CONFIG.padded_rows(num_rows, len(sizes))
+    assert ops.grad.shape[0] == CONFIG.padded_rows(num_rows, len(sizes))
     d, act, dprob, dbias, amax = emulate_kernel(ops, n, k, jnp.bfloat16)
     emulated = dict(
         dh=np.asarray(layout.caller_rows(jnp.asarray(d), rows), np.float64),
@@ -149,7 +149,7 @@ def test_kernel_view_of_the_bridge_computes_the_reference(grouping, element_dtyp
     bound = np.stack([np.abs(ref["dh"])[owned & (expert == e)].sum(axis=0) for e in range(len(sizes))])
     assert np.all(np.abs(emulated["dbias"] - ref["dbias"]) <= 2.0**-8 * bound + 1e-6)
     # Exact zeros where the contract says so.
-    unowned = np.asarray(rows.padded_rows) == ops.a.shape[0]
+    unowned = np.asarray(rows.padded_rows) == ops.grad.shape[0]
     assert not np.any(emulated["dh"][unowned]) and not np.any(emulated["dprob"][unowned])
     empty = np.asarray(groups.clamped_group_sizes(group_sizes, num_rows)) == 0
     assert not np.any(emulated["dbias"][empty]) and not np.any(emulated["amax"][empty])
@@ -192,7 +192,7 @@ def test_bridge_has_no_scatter():
         ops, rows = layout.kernel_operands(
             grad, weight, preact, prob, group_sizes, alpha, grad_scale, weight_scale, CONFIG
         )
-        return ops, layout.caller_rows(ops.c, rows)
+        return ops, layout.caller_rows(ops.preact, rows)
 
     hlo = jax.jit(bridge).lower(*args).as_text()
     assert "gather" in hlo and "scatter" not in hlo

@@ -50,6 +50,8 @@ from jax_dsrelu.kernels.sm90.arch import sm_count  # noqa: E402
 # (m, k, n, E) of the fused kernel's benchmark.
 BENCHMARK_SHAPES = [(16384, 4096, 2048, 8), (32768, 7168, 2048, 8), (65536, 2048, 1024, 32)]
 CUSTOM_CALL = re.compile(r"stablehlo\.custom_call @(\w+)")
+# make_inputs' arrays by the primitive's operand names, as the kernel's call takes them.
+DSRELU_OPERANDS = ("grad", "weight", "preact", "prob", "group_sizes")
 # Floating-point add atomics and reductions in PTX (amax's integer max is allowed).
 FLOAT_ATOMIC = re.compile(r"\b(atom|red)(\.\w+)*\.add(\.\w+)*\.f32\b")
 
@@ -198,7 +200,8 @@ def test_zero_rows_need_no_kernel():
     assert not CUSTOM_CALL.findall(text)
     request = request_for(64, 32, 3, deterministic=True)
     inputs = make_inputs(np.random.default_rng(0), 0, 64, 32, [0, 5, -1], jnp.bfloat16)
-    out = jax_dsrelu.DsreluOutputs(*lowering.implementation(request)(*inputs, jnp.ones(3, jnp.float32)))
+    results = lowering.implementation(request)(**dict(zip(DSRELU_OPERANDS, inputs)), alpha=jnp.ones(3, jnp.float32))
+    out = jax_dsrelu.DsreluOutputs(**{name: results.get(name) for name in jax_dsrelu.DsreluOutputs._fields})
     # Empty dh, dprob and act of the contract's shapes and dtypes; dbias and amax 0.
     assert_matches_contract(out, inputs)
 
@@ -335,11 +338,8 @@ def run_in_place(inputs, alpha, *, deterministic, with_dbias=True, with_act=True
         o.name: jnp.full(o.shape_for(grad.shape[0]), jnp.nan, o.dtype)
         for o in lowering.operands(request, config) if o.role == "output"
     }
-    results = iter(jax.jit(run)(*inputs, alpha, filled))
-    dh, dprob = next(results), next(results)
-    dbias = next(results) if with_dbias else None
-    act = next(results) if with_act else None
-    return jax_dsrelu.DsreluOutputs(dh=dh, dprob=dprob, dbias=dbias, act=act, amax=next(results))
+    results = jax.jit(lambda o: run(**o, alpha=alpha, filled=filled))(dict(zip(DSRELU_OPERANDS, inputs)))
+    return jax_dsrelu.DsreluOutputs(**{name: results.get(name) for name in jax_dsrelu.DsreluOutputs._fields})
 
 
 @pytest.mark.gpu

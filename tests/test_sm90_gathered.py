@@ -413,8 +413,9 @@ def test_new_row_and_token_counts_do_not_recompile():
         x = jnp.asarray(rng.standard_normal((tokens, K)), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal((E, K, N)), jnp.bfloat16)
         index = jnp.asarray(rng.integers(0, tokens, rows), jnp.int32)
-        lowered(lambda x, w, g, i: matmul(x, w, g, lhs_index=i), x, w, jnp.asarray(SIZES, jnp.int32), index)
-        lowered(lambda r, i: summed(r, i), x, index[: rows // 2 * 2].reshape(-1, 2))
+        lowered(lambda x, w, g, i: matmul(lhs=x, rhs=w, group_sizes=g, lhs_index=i), x, w,
+                jnp.asarray(SIZES, jnp.int32), index)
+        lowered(lambda r, i: summed(rows=r, index=i), x, index[: rows // 2 * 2].reshape(-1, 2))
 
     lower_both(24, 40)
     before = cutlass_bridge.compile_count()
@@ -523,13 +524,16 @@ def test_gathered_matmul_is_the_verified_kernel_on_gathered_rows(hopper, name, v
     group_sizes = jnp.asarray(sizes, jnp.int32)
     config = ragged_call.choose_config(request, gathered="lhs")
     run = ragged_call.implementation(request, config)
-    gathered = jax.jit(lambda x, i, *a: run(x, jnp.asarray(rhs), group_sizes, *a, lhs_index=i))(
-        jnp.asarray(x), jnp.asarray(index), *extra)
-    in_memory = jax.jit(lambda r, *a: run(r, jnp.asarray(rhs), group_sizes, *a))(jnp.asarray(rows), *extra)
-    for got, want in zip(gathered, in_memory):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    extra = dict(zip(("prob", "bias"), extra))
+    gathered = jax.jit(lambda x, i, e: run(lhs=x, rhs=jnp.asarray(rhs), group_sizes=group_sizes, lhs_index=i, **e))(
+        jnp.asarray(x), jnp.asarray(index), extra)
+    in_memory = jax.jit(lambda r, e: run(lhs=r, rhs=jnp.asarray(rhs), group_sizes=group_sizes, **e))(
+        jnp.asarray(rows), extra)
+    assert sorted(gathered) == sorted(in_memory)
+    for name in gathered:
+        np.testing.assert_array_equal(np.asarray(gathered[name]), np.asarray(in_memory[name]))
     if variant[1] == "none":
-        check_matmul(gathered[0], rows.astype(np.float64), rhs_kn.astype(np.float64), sizes, BF16)
+        check_matmul(gathered["out"], rows.astype(np.float64), rhs_kn.astype(np.float64), sizes, BF16)
 
 
 @pytest.mark.gpu
@@ -544,15 +548,14 @@ def test_gathered_dsrelu_is_the_verified_kernel_on_gathered_rows(hopper, name, d
     group_sizes = jnp.asarray(sizes, jnp.int32)
     alpha = jnp.asarray(rng.uniform(-2.0, 2.0, num_experts), jnp.float32)
     run = dsrelu_call.implementation(dsrelu_request(num_experts, k, n, deterministic))
-    gathered = jax.jit(lambda dy, i: run(dy, weight, preact, prob, group_sizes, alpha, grad_index=i))(
-        jnp.asarray(dy), jnp.asarray(index))
-    in_memory = jax.jit(lambda r: run(r, weight, preact, prob, group_sizes, alpha))(jnp.asarray(rows))
-    # dh, dprob, dbias, act, amax: with atomics dprob and dbias vary in their last bits.
-    exact = range(5) if deterministic else (0, 3, 4)
-    for i in exact:
-        np.testing.assert_array_equal(np.asarray(gathered[i]), np.asarray(in_memory[i]))
-    out = jax_dsrelu.DsreluOutputs(dh=gathered[0], dprob=gathered[1], dbias=gathered[2], act=gathered[3],
-                                   amax=gathered[4])
+    others = dict(weight=weight, preact=preact, prob=prob, group_sizes=group_sizes, alpha=alpha)
+    gathered = jax.jit(lambda dy, i: run(grad=dy, grad_index=i, **others))(jnp.asarray(dy), jnp.asarray(index))
+    in_memory = jax.jit(lambda r: run(grad=r, **others))(jnp.asarray(rows))
+    # With atomics dprob and dbias vary in their last bits.
+    exact = ("dh", "dprob", "dbias", "act", "amax") if deterministic else ("dh", "act", "amax")
+    for name in exact:
+        np.testing.assert_array_equal(np.asarray(gathered[name]), np.asarray(in_memory[name]))
+    out = jax_dsrelu.DsreluOutputs(**{name: gathered[name] for name in jax_dsrelu.DsreluOutputs._fields})
     assert_matches_contract(out, (jnp.asarray(rows), weight, preact, prob, group_sizes), alpha=alpha, out_dtype=BF16)
 
 
@@ -573,9 +576,9 @@ def test_gathered_contraction_is_the_verified_kernel_on_gathered_rows(hopper, na
     indices = {"lhs": dict(lhs_index=index), "rhs": dict(rhs_index=index),
                "both": dict(lhs_index=index, rhs_index=np.arange(m, dtype=np.int32))}[gathered]
     sources = {"lhs": (x, dense), "rhs": (dense, x), "both": (x, dense)}[gathered]
-    (got,) = jax.jit(lambda l, r, **i: run(l, r, group_sizes, **i))(*map(jnp.asarray, sources), **{
-        name: jnp.asarray(value) for name, value in indices.items()})
-    (in_memory,) = jax.jit(lambda l, r: run(l, r, group_sizes))(jnp.asarray(lhs), jnp.asarray(rhs))
+    got = jax.jit(lambda l, r, **i: run(lhs=l, rhs=r, group_sizes=group_sizes, **i))(*map(jnp.asarray, sources), **{
+        name: jnp.asarray(value) for name, value in indices.items()})["out"]
+    in_memory = jax.jit(lambda l, r: run(lhs=l, rhs=r, group_sizes=group_sizes))(jnp.asarray(lhs), jnp.asarray(rhs))["out"]
     np.testing.assert_array_equal(np.asarray(got), np.asarray(in_memory))
     got = np.asarray(got, np.float64)
     lhs64, rhs64 = lhs.astype(np.float64), rhs.astype(np.float64)
@@ -594,11 +597,11 @@ def test_gather_sum_is_the_sequential_sum(hopper, tokens, n, slots, dtype):
     rows = jnp.asarray(rng.standard_normal((m, n)) * np.exp(rng.uniform(-8, 8, (m, 1))), dtype)
     index = jnp.asarray(rng.integers(-3, m + 3, (tokens, slots)), jnp.int32)
     run = jax.jit(gather_sum_call.implementation(GatherSumRequest(n=n, slots=slots, rows_dtype=dtype)))
-    (out,) = run(rows, index)
+    out = run(rows=rows, index=index)["out"]
     # XLA's reference adds the slots one after another: the same additions in the same order.
     np.testing.assert_array_equal(np.asarray(out), np.asarray(gather_sum(rows, index, backend="xla")))
     for _ in range(3):
-        np.testing.assert_array_equal(np.asarray(run(rows, index)[0]), np.asarray(out))
+        np.testing.assert_array_equal(np.asarray(run(rows=rows, index=index)["out"]), np.asarray(out))
     terms = np.asarray(rows, np.float64)[np.clip(np.asarray(index), 0, m - 1)]
     bound = (slots - 1) * 2.0**-24 * np.abs(terms).sum(axis=1) / (1 - slots * 2.0**-24)
     assert (np.abs(np.asarray(out, np.float64) - terms.sum(axis=1)) <= bound).all()

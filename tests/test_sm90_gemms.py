@@ -466,15 +466,17 @@ def random_operands(rng, m, k, n, num_experts, dtype):
     return np.asarray(jnp.asarray(lhs, dtype)), np.asarray(jnp.asarray(rhs_kn, dtype))
 
 
-def run_poisoned(request, *arrays, config=None):
+def run_poisoned(request, lhs, rhs, group_sizes, prob=None, bias=None, *, config=None):
     """The kernel (of `config`, or the chosen one) with every output buffer NaN-filled
-    first (aliased in and out)."""
+    first (aliased in and out); its results by name."""
     run = sm90_gemm.implementation(request, config, outputs_in_place=True)
     filled = {
-        o.name: jnp.full(o.shape_for(arrays[0].shape[0]), jnp.nan, o.dtype)
+        o.name: jnp.full(o.shape_for(lhs.shape[0]), jnp.nan, o.dtype)
         for o in sm90_gemm.operands(request, config) if o.role == "output"
     }
-    return jax.jit(lambda *a: run(*a, filled=filled))(*arrays)
+    operands = {name: value for name, value in dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes, prob=prob,
+                                                    bias=bias).items() if value is not None}
+    return jax.jit(lambda o: run(**o, filled=filled))(operands)
 
 
 def gpu_cases():
@@ -520,15 +522,16 @@ def check_ragged_matmul(name, dtype, variant, config=None):
     group_sizes = jnp.asarray(sizes, jnp.int32)
     lhs64, rhs64 = lhs.astype(np.float64), rhs_kn.astype(np.float64)
     if request.epilogue == "none":
-        (out,) = run_poisoned(request, jnp.asarray(lhs), jnp.asarray(rhs), group_sizes, config=config)
+        out = run_poisoned(request, jnp.asarray(lhs), jnp.asarray(rhs), group_sizes, config=config)["out"]
         check_matmul(out, lhs64, rhs64, sizes, dtype)
         return
     prob = rng.uniform(0.05, 1.0, m).astype(np.float32)
     bias = rng.standard_normal((num_experts, n)).astype(np.float32) if request.with_bias else None
-    h, act = run_poisoned(
+    results = run_poisoned(
         request, jnp.asarray(lhs), jnp.asarray(rhs), group_sizes, jnp.asarray(prob),
         None if bias is None else jnp.asarray(bias), config=config,
     )
+    h, act = results["h"], results["act"]
     # h against float64: the bias enters the exact sum, one more float32 addition.
     bounds = clamped_bounds(sizes, m)
     ref, abs_dot = reference_matmul(lhs64, rhs64, bounds, m)
@@ -561,7 +564,7 @@ def test_ragged_contraction_matches_float64(hopper, name, dtype, out_dtype):
     lhs = np.asarray(jnp.asarray(rng.standard_normal((m, a)), dtype))
     rhs = np.asarray(jnp.asarray(rng.standard_normal((m, b)), dtype))
     request = contract_request((num_experts, a, b), out_dtype, dtype)
-    (out,) = run_poisoned(request, jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes, jnp.int32))
+    out = run_poisoned(request, jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes, jnp.int32))["out"]
     got = np.asarray(out, np.float64)
     assert got.shape == (num_experts, a, b)
     assert np.isfinite(got).all(), "an output element was not written (NaN poison left)"
@@ -587,7 +590,7 @@ def test_each_contraction_config_matches_float64(hopper, name, config_name):
     request = contract_request((num_experts, a, b), BF16)
     config = CONTRACT_CONFIGS[config_name]
     assert config.smem_bytes(num_experts, BF16.itemsize) <= sm90_config.SMEM_CAPACITY
-    (out,) = run_poisoned(request, jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes, jnp.int32), config=config)
+    out = run_poisoned(request, jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes, jnp.int32), config=config)["out"]
     got = np.asarray(out, np.float64)
     assert np.isfinite(got).all(), "an output element was not written (NaN poison left)"
     lhs64, rhs64 = lhs.astype(np.float64), rhs.astype(np.float64)
@@ -607,6 +610,6 @@ def test_ragged_contraction_is_bitwise_reproducible(hopper, name):
     rhs = jnp.asarray(rng.standard_normal((m, b)), jnp.bfloat16)
     run = jax.jit(sm90_gemm.implementation(contract_request((num_experts, a, b), F32)))
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    first = np.asarray(run(lhs, rhs, group_sizes)[0])
+    first = np.asarray(run(lhs=lhs, rhs=rhs, group_sizes=group_sizes)["out"])
     for _ in range(19):
-        assert np.array_equal(np.asarray(run(lhs, rhs, group_sizes)[0]), first)
+        assert np.array_equal(np.asarray(run(lhs=lhs, rhs=rhs, group_sizes=group_sizes)["out"]), first)

@@ -168,11 +168,16 @@ def call(
     """One custom call of `host_function` on the arrays `given` by name; returns its
     outputs by name, shaped at the run-time `counts` ({count name: value}, or m alone).
     Accumulate buffers not given start at zero; with outputs_in_place, `given` holds
-    every output too, pre-filled, which the kernels update in place."""
+    every output too, pre-filled, which the kernels update in place. Each array given
+    must have its buffer's declared shape and dtype: a buffer bound to the wrong array
+    is refused here, when the call is traced."""
     inputs, outputs, aliases = call_layout(plan, outputs_in_place)
     missing = [o.name for o in inputs if o.name not in given and o.role != "accumulate"]
     if missing:
         raise ValueError(f"the kernel's call needs {missing}; got {sorted(given)}")
+    for o in inputs:
+        if o.name in given:
+            check_bound(o, given[o.name], counts)
     arrays = [
         given[o.name] if o.name in given else jnp.zeros(o.shape_for(counts), o.dtype) for o in inputs
     ]
@@ -181,6 +186,16 @@ def call(
         [(o.operand, jax.ShapeDtypeStruct(o.shape_for(counts), o.dtype)) for o in outputs], aliases, arch=arch,
     )
     return {o.name: result for o, result in zip(outputs, results)}
+
+
+def check_bound(operand: KernelOperand, array, counts: int | Mapping[str, int]) -> None:
+    """Refuses an array (or aval) whose shape or dtype is not the buffer's declaration at
+    the run-time `counts`."""
+    expected = (operand.shape_for(counts), operand.dtype)
+    seen = (tuple(array.shape), np.dtype(array.dtype))
+    if seen != expected:
+        raise ValueError(f"kernel buffer {operand.name!r} is declared {expected[0]} {expected[1].name}, "
+                         f"but is bound to an array of shape {seen[0]} and dtype {seen[1].name}")
 
 
 def source_rows(source, num_rows: int, name: str) -> int:

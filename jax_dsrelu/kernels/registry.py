@@ -13,7 +13,7 @@ or cuDNN; its kernels are imported only when a call is lowered for it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 
@@ -99,7 +99,7 @@ def check_explicit_backend(name: str, request: AnyRequest) -> None:
 
 def cuda_implementation(
     name: str, request: AnyRequest
-) -> tuple[str, Callable[..., tuple[jax.Array, ...]] | None]:
+) -> tuple[str, Callable[..., Mapping[str, jax.Array]] | None]:
     """(resolved backend name, its implementation) for lowering on CUDA.
 
     The implementation is None for "xla": the caller lowers the reference. An explicit

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import jax
 import numpy as np
@@ -44,11 +44,11 @@ class RaggedMatmulRequest:
     Accumulation in float32. Rows owned by no expert come out 0.
 
     epilogue "none":  out (m, n) = acc in out_dtype.
-                      implementation: (lhs, rhs, group_sizes) -> (out,)
+                      implementation: (lhs=, rhs=, group_sizes=) -> {out}
     epilogue "srelu": h = acc (+ bias[e]) rounded to out_dtype, and
                       act = relu(h)**2 * prob computed from the rounded h, in out_dtype.
-                      implementation: (lhs, rhs, group_sizes, prob f32 (m,),
-                      bias f32 (E, n) or None) -> (h, act)
+                      implementation: (lhs=, rhs=, group_sizes=, prob= (m,),
+                      [bias= (E, n)]) -> {h, act}
     """
 
     num_experts: int
@@ -67,7 +67,7 @@ class RaggedContractRequest:
     out[e] (a, b) = sum over expert e's rows i of lhs[i]^T rhs[i]; lhs (m, a), rhs (m, b).
 
     Accumulation in float32; an expert with no rows gets zeros; rows owned by no expert
-    are never read into a sum. implementation: (lhs, rhs, group_sizes) -> (out,)
+    are never read into a sum. implementation: (lhs=, rhs=, group_sizes=) -> {out}
     """
 
     num_experts: int
@@ -83,7 +83,7 @@ class GatherSumRequest:
     out[t] (n,) = rows[index[t, 0]] + ... + rows[index[t, slots - 1]], added in slot order
     in float32; rows (m, n) in rows_dtype, index (T, slots) int32, indices clamped into
     [0, m). The counts m and T are absent, as the rows are from a GEMM's.
-    implementation: (rows, index) -> (out,)
+    implementation: (rows=, index=) -> {out}
     """
 
     n: int
@@ -117,10 +117,12 @@ class KernelBackend(Protocol):
         index themselves; the primitives gather the others first
         (`jax_dsrelu.primitives.base`)."""
 
-    def implementation(self, request: AnyRequest) -> Callable[..., tuple[jax.Array, ...]]:
-        """A function of the primitive's operands returning its outputs, for lowering; it
-        takes the row index of each operand named by `gathers_rows` by keyword
-        (`lhs_index=...`), where a call gives one."""
+    def implementation(self, request: AnyRequest) -> Callable[..., Mapping[str, jax.Array]]:
+        """A function of the primitive's operands by keyword, named as the primitive's
+        schema names them (`jax_dsrelu.primitives.schema`), returning its results by those
+        names, for lowering; it takes the row index of each operand named by
+        `gathers_rows` (`lhs_index=...`), where a call gives one. Other names among its
+        results (workspaces) are ignored."""
 
 
 @functools.cache

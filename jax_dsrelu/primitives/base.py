@@ -14,14 +14,16 @@ function building the backend request from operand shapes. It provides:
   sizes as int32, the backend request, an explicitly named backend refused at trace time),
   and which binds inside a shard_map over Explicit mesh axes.
 
-The reference and the kernel implementations take the schema's positional arguments
-(`Schema.call_arguments`) and return the present results in schema order.
+The reference and the kernel implementations take the present operands as keyword
+arguments named as the schema names them (`Schema.call_arguments`) and return their
+results as a mapping by the schema's result names (`Schema.ordered_results`, which checks
+each one's shape and dtype): no argument or result is matched by position.
 
 Gathered operands (`schema.row_gathered`): a call may give an operand as a source
 (T, ...) and a row index (m,) int32, meaning the operand source[index]. A kernel backend
 names the operands it reads that way itself (its `gathers_rows(request)`, through
 `registry.gathered_reads`); its implementation is then called with the source in the
-operand's place and the index by name (`lhs_index=...`, `grad_index=...`), and builds the
+operand's place and the index beside it (`lhs_index=...`, `grad_index=...`), and builds the
 kernel variant that loads those rows through the index. Every other gathered operand is
 gathered here, before the implementation (or the XLA reference) is called with the rows
 in place, so a backend that gathers nothing runs such a call unchanged. Indices outside
@@ -46,15 +48,16 @@ from jax_dsrelu.kernels import registry
 from jax_dsrelu.primitives import sharding
 from jax_dsrelu.primitives.schema import GROUP_SIZES, Schema
 
-RequestBuilder = Callable[[Sequence[Any], Mapping[str, Any]], Any]
+# (operand avals by the schema's names, absent ones None; static params) -> the request.
+RequestBuilder = Callable[[Mapping[str, Any], Mapping[str, Any]], Any]
 
 
 class GroupedPrimitive:
-    """reference(*call_arguments, **params) computes the results in plain JAX (params
-    without `backend` and the row-index flags); request_of(operand_avals, params) gives
-    the backend request."""
+    """reference(**operands, **params) computes the results by name in plain JAX (params
+    without `backend` and the row-index flags); request_of(operand avals by name, params)
+    gives the backend request."""
 
-    def __init__(self, schema: Schema, reference: Callable[..., Sequence[jax.Array]], request_of: RequestBuilder):
+    def __init__(self, schema: Schema, reference: Callable[..., Mapping[str, jax.Array]], request_of: RequestBuilder):
         self.schema = schema
         self.reference = reference
         self.request_of = request_of
@@ -83,7 +86,8 @@ class GroupedPrimitive:
         if GROUP_SIZES in named:
             named = dict(named, group_sizes=named[GROUP_SIZES].astype(jnp.int32))
         operands = self.schema.bound_operands(named, params)
-        registry.check_explicit_backend(params["backend"], self.request_of(operands, params))
+        request = self.request_of(self.schema.named_operands(operands, params), params)
+        registry.check_explicit_backend(params["backend"], request)
         mesh = sharding.explicit_mesh(operands)
         if mesh is None:
             results = self.primitive.bind(*operands, **params)
@@ -102,15 +106,16 @@ class GroupedPrimitive:
         reference_params = {
             k: v for k, v in params.items() if k != "backend" and not self._is_index_flag(k)
         }
-        return tuple(self.reference(*self.schema.call_arguments(operands, params), **reference_params))
+        results = self.reference(**self.schema.call_arguments(operands, params), **reference_params)
+        return tuple(self.schema.ordered_results(results, [x.shape for x in operands], params, "the XLA reference"))
 
-    def _kernel_call(self, implementation, reads: frozenset, params, *operands):
+    def _kernel_call(self, implementation, backend: str, reads: frozenset, params, *operands):
         """The kernel implementation on the operands, the gathered ones it does not read
         through their index itself gathered first."""
         operands, params = self._gathered(operands, params, reads)
-        named = self.schema.named_operands(operands, params)
-        indices = {f.name: named[f.name] for f in self.schema.index_fields(params)}
-        return tuple(implementation(*self.schema.call_arguments(operands, params), **indices))
+        results = implementation(**self.schema.call_arguments(operands, params))
+        producer = f"backend={backend!r}'s implementation"
+        return tuple(self.schema.ordered_results(results, [x.shape for x in operands], params, producer))
 
     def _gathered(self, operands, params, reads: frozenset):
         """(operands, params) with every gathered operand not in `reads` replaced by its
@@ -142,11 +147,11 @@ class GroupedPrimitive:
             if "cuda" in platforms:
                 # Built again from the local shapes: under a partitioned jit a device may
                 # hold part of n, and its kernel is compiled for its own part.
-                request = self.request_of(operand_avals, params)
+                request = self.request_of(self.schema.named_operands(operand_avals, params), params)
                 name, implementation = registry.cuda_implementation(params["backend"], request)
                 if implementation is not None:
                     reads = registry.gathered_reads(name, request)
-                    return functools.partial(self._kernel_call, implementation, reads, params)
+                    return functools.partial(self._kernel_call, implementation, name, reads, params)
             elif params["backend"] not in ("xla", "auto"):
                 raise NotImplementedError(
                     f"backend={params['backend']!r} runs only on CUDA GPUs, but this computation "

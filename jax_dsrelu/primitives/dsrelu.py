@@ -15,7 +15,7 @@ pass.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -26,15 +26,12 @@ from jax_dsrelu.primitives.reference import grouped_gemm_dsrelu_reference
 from jax_dsrelu.primitives.schema import GROUPED_GEMM_DSRELU
 
 
-def _reference(*operands, with_dbias, with_act, out_dtype, deterministic, block_scaled):
+def _reference(*, with_dbias, with_act, out_dtype, deterministic, block_scaled, **operands):
     del deterministic, block_scaled  # the reference is always deterministic; scales are operands
-    return grouped_gemm_dsrelu_reference(
-        *operands, with_dbias=with_dbias, with_act=with_act, out_dtype=out_dtype
-    )
+    return grouped_gemm_dsrelu_reference(**operands, with_dbias=with_dbias, with_act=with_act, out_dtype=out_dtype)
 
 
-def _request(operand_avals: Sequence[Any], params: Mapping[str, Any]) -> request_facts.Request:
-    named = dict(zip((f.name for f in GROUPED_GEMM_DSRELU.operand_fields(params)), operand_avals))
+def _request(named: Mapping[str, Any], params: Mapping[str, Any]) -> request_facts.Request:
     return request_facts.request_from_avals(
         (named["grad"], named["weight"], named["preact"], named["prob"]),
         block_scaled=params["block_scaled"],

@@ -17,7 +17,7 @@ token reads any of them.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +28,9 @@ from jax_dsrelu.primitives.base import GroupedPrimitive
 from jax_dsrelu.primitives.schema import GATHER_SUM
 
 
-def _request(operand_avals: Sequence[Any], params: Mapping[str, Any]) -> GatherSumRequest:
+def _request(named: Mapping[str, Any], params: Mapping[str, Any]) -> GatherSumRequest:
     del params
-    rows, index = operand_avals
-    return gather_sum_request(rows, index)
+    return gather_sum_request(named["rows"], named["index"])
 
 
 gather_sum_primitive = GroupedPrimitive(GATHER_SUM, reference.gather_sum_reference, _request)

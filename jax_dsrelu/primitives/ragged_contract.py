@@ -15,7 +15,7 @@ rhs_index (dW2 reading dy); see `jax_dsrelu.primitives.base`.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +27,8 @@ from jax_dsrelu.kernels.request import RaggedContractRequest
 from jax_dsrelu.primitives.schema import RAGGED_CONTRACT
 
 
-def _request(operand_avals: Sequence[Any], params: Mapping[str, Any]) -> RaggedContractRequest:
-    lhs, rhs, group_sizes = operand_avals[:3]
+def _request(named: Mapping[str, Any], params: Mapping[str, Any]) -> RaggedContractRequest:
+    lhs, rhs, group_sizes = named["lhs"], named["rhs"], named["group_sizes"]
     return RaggedContractRequest(
         num_experts=group_sizes.shape[0],
         a=lhs.shape[1],

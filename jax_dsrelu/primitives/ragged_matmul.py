@@ -23,7 +23,7 @@ with no (m, k) copy of them where the backend loads rows through the index; see
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +38,8 @@ RHS_LAYOUTS = ("kn", "nk")
 
 
 def _request_of(epilogue: str):
-    def request(operand_avals: Sequence[Any], params: Mapping[str, Any]) -> RaggedMatmulRequest:
-        lhs, rhs = operand_avals[:2]
+    def request(named: Mapping[str, Any], params: Mapping[str, Any]) -> RaggedMatmulRequest:
+        lhs, rhs = named["lhs"], named["rhs"]
         num_experts = rhs.shape[0]
         n = rhs.shape[2] if params["rhs_layout"] == "kn" else rhs.shape[1]
         return RaggedMatmulRequest(

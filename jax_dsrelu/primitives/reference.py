@@ -3,8 +3,8 @@
 It runs wherever XLA does. Every output is computed in one fixed order, so it is bitwise
 reproducible on a GPU as well: the column reduction for dbias is a dot against the
 expert's own rows, never a scatter-add (XLA's GPU scatter-add uses atomics and
-its sums change from run to run). Each reference takes its primitive's positional
-operands (`Schema.call_arguments`) and returns its present results in schema order.
+its sums change from run to run). Each reference takes its primitive's operands by the
+schema's names (`Schema.call_arguments`) and returns its present results by name.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ def grouped_gemm_dsrelu_reference(
     with_dbias: bool,
     with_act: bool,
     out_dtype: jnp.dtype,
-) -> tuple[jax.Array, ...]:
-    """Returns (dh, dprob, [dbias], [act], amax), the optional ones when asked for.
+) -> dict[str, jax.Array]:
+    """Returns {dh, dprob, [dbias], [act], amax}, the optional ones when asked for.
 
     Block-scaled (MXFP8) operands are dequantized to float32 first, so every backend is
     held to the contract on the values the operands represent.
@@ -54,20 +54,20 @@ def grouped_gemm_dsrelu_reference(
 
     dh_f32 = jnp.where(owned_col, 2.0 * g * r * p, 0.0)
     dprob = jnp.where(owned, jnp.sum(r * r * g, axis=1), 0.0)
-    outputs = [dh_f32.astype(out_dtype), dprob]
+    outputs = dict(dh=dh_f32.astype(out_dtype), dprob=dprob)
 
     if with_dbias:
         # Each expert's rows are masked with a select before the sum, so a NaN stays in
         # its own expert's row of dbias.
         ones = jnp.ones((num_rows, 1), jnp.float32)
-        outputs.append(per_expert_outer(dh_f32, ones, sizes)[:, :, 0])
+        outputs["dbias"] = per_expert_outer(dh_f32, ones, sizes)[:, :, 0]
     if with_act:
-        outputs.append(jnp.where(owned_col, r * r * p, 0.0).astype(out_dtype))
+        outputs["act"] = jnp.where(owned_col, r * r * p, 0.0).astype(out_dtype)
     row_amax = _max_with_nan(jnp.abs(dh_f32), axis=1)
     membership = expert[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None]
     membership &= owned[None, :]
-    outputs.append(_max_with_nan(jnp.where(membership, row_amax[None, :], 0.0), axis=1))
-    return tuple(outputs)
+    outputs["amax"] = _max_with_nan(jnp.where(membership, row_amax[None, :], 0.0), axis=1)
+    return outputs
 
 
 def _max_with_nan(x: jax.Array, axis: int) -> jax.Array:
@@ -86,10 +86,10 @@ def _accumulate(lhs, rhs, group_sizes, rhs_layout):
 
 
 def ragged_matmul_reference(lhs, rhs, group_sizes, *, rhs_layout, out_dtype):
-    return (_accumulate(lhs, rhs, group_sizes, rhs_layout).astype(out_dtype),)
+    return dict(out=_accumulate(lhs, rhs, group_sizes, rhs_layout).astype(out_dtype))
 
 
-def ragged_matmul_srelu_reference(lhs, rhs, group_sizes, prob, bias, *, rhs_layout, out_dtype, with_bias):
+def ragged_matmul_srelu_reference(lhs, rhs, group_sizes, prob, bias=None, *, rhs_layout, out_dtype, with_bias):
     del with_bias  # bias is None without it
     acc = _accumulate(lhs, rhs, group_sizes, rhs_layout)
     if bias is not None:
@@ -98,12 +98,12 @@ def ragged_matmul_srelu_reference(lhs, rhs, group_sizes, prob, bias, *, rhs_layo
     h = acc.astype(out_dtype)
     r = jnp.maximum(h.astype(jnp.float32), 0.0)
     act = (r * r * prob.astype(jnp.float32)[:, None]).astype(out_dtype)
-    return h, act
+    return dict(h=h, act=act)
 
 
 def ragged_contract_reference(lhs, rhs, group_sizes, *, out_dtype):
     sizes = groups.clamped_group_sizes(group_sizes, lhs.shape[0])
-    return (per_expert_outer(lhs, rhs, sizes).astype(out_dtype),)
+    return dict(out=per_expert_outer(lhs, rhs, sizes).astype(out_dtype))
 
 
 def _expert_row_masks(sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -158,7 +158,7 @@ def per_expert_outer(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Ar
     return lax.scan(expert_sum, None, (starts, ends))[1]
 
 
-def gather_sum_reference(rows: jax.Array, index: jax.Array) -> tuple[jax.Array]:
+def gather_sum_reference(rows: jax.Array, index: jax.Array) -> dict[str, jax.Array]:
     """out[t] = rows[index[t, 0]] + rows[index[t, 1]] + ... in float32, slot by slot:
     (m, n), (T, k) int32 -> (T, n) float32.
 
@@ -169,8 +169,8 @@ def gather_sum_reference(rows: jax.Array, index: jax.Array) -> tuple[jax.Array]:
     num_tokens, top_k = index.shape
     slot_rows = [jnp.take(rows, index[:, s], axis=0, mode="clip").astype(jnp.float32) for s in range(top_k)]
     if not slot_rows:
-        return (jnp.zeros((num_tokens, rows.shape[1]), jnp.float32),)
+        return dict(out=jnp.zeros((num_tokens, rows.shape[1]), jnp.float32))
     total = slot_rows[0]
     for row in slot_rows[1:]:
         total = total + row
-    return (total,)
+    return dict(out=total)

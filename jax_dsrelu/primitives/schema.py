@@ -2,7 +2,10 @@
 
 One `Schema` per primitive is the single description that abstract evaluation, the XLA
 reference call, the kernel call, sharding and batching all read, so no code outside this
-module knows an operand's position.
+module knows an operand's position. Between a primitive and its implementations (the XLA
+reference, a kernel backend's call) everything goes by name: the operands as keyword
+arguments (`call_arguments`), the results as a mapping (`ordered_results`), so a kernel's
+call plan names its buffers as declared here and no list is matched by position.
 
 Dimensions are letters ("m" rows, "k" the contraction, "e" experts, ...), written
 space-separated per array; a letter stands for one size wherever it appears. `{param}`
@@ -35,8 +38,6 @@ class Field:
     """One operand or result.
 
     present_if: a boolean static parameter; the array exists only when it is True.
-    absent_as_none: an absent operand is passed to kernel implementations as None
-    (otherwise it is left out of their positional arguments).
     dtype (results only): a dtype name, or "out_dtype" for that static parameter.
     reduce (results only): how per-shard partials combine across a split dimension the
     result lacks ("sum" or "max").
@@ -49,7 +50,6 @@ class Field:
     name: str
     dims: str
     present_if: str | None = None
-    absent_as_none: bool = False
     dtype: str | None = None
     reduce: str = "sum"
     gathered_if: str | None = None
@@ -120,21 +120,36 @@ class Schema:
         """The row indices present in a call, each naming (`gathers`) the operand it reads."""
         return tuple(f for f in self.operands if f.gathers is not None and f.present(params))
 
-    def call_arguments(self, operands: Sequence[Any], params: Mapping[str, Any]) -> list[Any]:
-        """The primitive's operands -> a kernel implementation's (or the reference's)
-        positional arguments, which keep a None in place of an absent_as_none operand.
-        Row indices are not among them: a kernel that reads gathered rows itself takes
-        them by name (see `jax_dsrelu.primitives.base`)."""
-        values = iter(operands)
-        arguments = []
-        for field in self.operands:
-            if field.present(params):
-                value = next(values)
-                if field.gathers is None:
-                    arguments.append(value)
-            elif field.absent_as_none:
-                arguments.append(None)
-        return arguments
+    def call_arguments(self, operands: Sequence[Any], params: Mapping[str, Any]) -> dict[str, Any]:
+        """The primitive's operands -> an implementation's (or the reference's) keyword
+        arguments: the present operands by name, row indices included (a call's indices
+        are present only where its implementation reads rows through them; see
+        `jax_dsrelu.primitives.base`). Absent operands are left out."""
+        return {name: value for name, value in self.named_operands(operands, params).items() if value is not None}
+
+    def ordered_results(
+        self,
+        named: Mapping[str, Any],
+        operand_shapes: Sequence[Sequence[int]],
+        params: Mapping[str, Any],
+        producer: str,
+    ) -> list[Any]:
+        """An implementation's results by name -> the primitive's results, in order.
+
+        Each present result is taken by its name and must have the shape and dtype that
+        abstract evaluation gives it; other names (a kernel's workspaces) are ignored."""
+        results = []
+        for field, (shape, dtype) in zip(self.result_fields(params), self.result_shapes(operand_shapes, params)):
+            if field.name not in named:
+                raise ValueError(f"{self.name}: {producer} returned {sorted(named)}, without the result "
+                                 f"{field.name!r} ({shape}, {dtype.name}) that {dict(params)} asks for")
+            value = named[field.name]
+            seen = (tuple(value.shape), np.dtype(value.dtype))
+            if seen != (shape, dtype):
+                raise ValueError(f"{self.name}: {producer} returned {field.name} of shape {seen[0]} and dtype "
+                                 f"{seen[1].name}; expected {shape} and {dtype.name}")
+            results.append(value)
+        return results
 
     def dim_sizes(self, operand_shapes: Sequence[Sequence[int]], params: Mapping[str, Any]) -> dict[str, int]:
         sizes: dict[str, int] = {}
@@ -211,7 +226,7 @@ RAGGED_MATMUL_SRELU = Schema(
     name="ragged_matmul_srelu",
     operands=_RAGGED_MATMUL_OPERANDS + (
         Field("prob", "m"),
-        Field("bias", "e n", present_if="with_bias", absent_as_none=True),
+        Field("bias", "e n", present_if="with_bias"),
         _LHS_INDEX,
     ),
     results=(

@@ -162,32 +162,37 @@ class Sm100Call:
             self.reduction = SlotReduction(num_experts=request.num_experts, tile_m=key.config.cta_tile_m)
 
     def operands(self) -> list[KernelOperand]:
-        """The call's buffers, inputs and accumulators before outputs; the rows extent M
-        is the padded row count (`layout.py`). The accumulators are zero-filled by XLA and
-        updated in place: dprob and dbias partials (deterministic: a slot per N-tile of each
-        row and per CTA M-tile of each column; else the sums, added by atomics) and amax."""
+        """The call's buffers, inputs and accumulators before outputs, named as the
+        primitive and the sm90 kernel name them; the rows extent M is the padded row
+        count (`layout.py`), and grad_scale and weight_scale are MMA-tiled. The
+        accumulators are zero-filled by XLA and updated in place: dprob and dbias partials
+        (deterministic: dprob_slots and dbias_slots, a slot per N-tile of each row and per
+        CTA M-tile of each column; else dprob and dbias themselves, added by atomics, dbias
+        in bfloat16) and amax."""
         r, config = self.request, self.config
         e, n, k = r.num_experts, r.n, r.k
         scale_atoms = 512 * (-(-k // 128))  # MMA-tiled scale bytes per 128 rows (layout.tile_scales)
         plan = [
-            KernelOperand("a", "input", r.operand_dtype, (M, k)),
-            KernelOperand("b", "input", r.operand_dtype, (e, n, k)),
-            KernelOperand("c", "input", r.preact_dtype, (M, n)),
-            KernelOperand("sfa", "input", _SCALE, (Rows(per=128, times=scale_atoms),)),
-            KernelOperand("sfb", "input", _SCALE, (e * (-(-n // 128)) * scale_atoms,)),
+            KernelOperand("grad", "input", r.operand_dtype, (M, k)),
+            KernelOperand("weight", "input", r.operand_dtype, (e, n, k)),
+            KernelOperand("preact", "input", r.preact_dtype, (M, n)),
+            KernelOperand("grad_scale", "input", _SCALE, (Rows(per=128, times=scale_atoms),)),
+            KernelOperand("weight_scale", "input", _SCALE, (e * (-(-n // 128)) * scale_atoms,)),
             KernelOperand("padded_offsets", "input", _I32, (e,)),
         ]
         if self.deterministic:
             plan.append(KernelOperand("padded_sizes", "input", _I32, (e,)))
         plan += [KernelOperand("alpha", "input", _F32, (e,)), KernelOperand("prob", "input", _F32, (M,))]
         if self.deterministic:
-            plan.append(KernelOperand("dprob_acc", "accumulate", _F32, (M, config.dprob_slots(n))))
+            plan.append(KernelOperand("dprob_slots", "accumulate", _F32, (M, config.dprob_slots(n))))
         else:
-            plan.append(KernelOperand("dprob_acc", "accumulate", _F32, (M,)))
+            plan.append(KernelOperand("dprob", "accumulate", _F32, (M,)))
         if self.with_dbias:
-            rows = Rows(per=config.cta_tile_m) if self.deterministic else e
-            plan.append(KernelOperand("dbias_acc", "accumulate", _BF16, (rows, n)))
-        plan += [KernelOperand("amax", "accumulate", _F32, (e,)), KernelOperand("d", "output", r.out_dtype, (M, n))]
+            if self.deterministic:
+                plan.append(KernelOperand("dbias_slots", "accumulate", _BF16, (Rows(per=config.cta_tile_m), n)))
+            else:
+                plan.append(KernelOperand("dbias", "accumulate", _BF16, (e, n)))
+        plan += [KernelOperand("amax", "accumulate", _F32, (e,)), KernelOperand("dh", "output", r.out_dtype, (M, n))]
         if self.with_act:
             plan.append(KernelOperand("act", "output", r.out_dtype, (M, n)))
         if self.deterministic:
@@ -199,22 +204,27 @@ class Sm100Call:
     @cute.jit
     def __call__(self, stream: cuda.CUstream, *tensors: cute.Tensor):
         t = by_name(self.operands(), tensors, type(self).__name__)
-        a, b, c, sfa, sfb, padded_offsets = t.a, t.b, t.c, t.sfa, t.sfb, t.padded_offsets
         padded_sizes = t.padded_sizes if cutlass.const_expr(self.deterministic) else None
-        alpha, prob, dprob_acc, amax, d = t.alpha, t.prob, t.dprob_acc, t.amax, t.d
-        dbias_acc = t.dbias_acc if cutlass.const_expr(self.with_dbias) else None
+        # The buffers cuDNN's kernel adds its dprob and dbias partials into: the slots in
+        # deterministic mode, the results themselves with atomics.
+        dprob_acc = t.dprob_slots if cutlass.const_expr(self.deterministic) else t.dprob
+        dbias_acc = (
+            (t.dbias_slots if cutlass.const_expr(self.deterministic) else t.dbias)
+            if cutlass.const_expr(self.with_dbias) else None
+        )
         act = t.act if cutlass.const_expr(self.with_act) else None
 
         if cutlass.const_expr(self.deterministic):
             dprob_kernel = _with_unit_batch(dprob_acc)
         else:
             dprob_kernel = _column(dprob_acc, 2)
-        d_kernel = _with_unit_batch(d)
+        d_kernel = _with_unit_batch(t.dh)
+        # cuDNN's names (A, B, C, D and their scale factors) appear only in this call.
         self.gemm(
-            a=_with_unit_batch(a),
+            a=_with_unit_batch(t.grad),
             # Dense weights: the kernel sees B as (n, k, E) with k contiguous.
-            b=cute.make_tensor(b.iterator, cute.select(b.layout, [1, 2, 0])),
-            sfb=sfb,
+            b=cute.make_tensor(t.weight.iterator, cute.select(t.weight.layout, [1, 2, 0])),
+            sfb=t.weight_scale,
             # n, k, b_stride_size and b_major_mode describe per-expert weight pointers
             # (cuDNN's discrete mode); dense weights carry them in b's layout.
             n=cutlass.Int32(0),
@@ -223,18 +233,18 @@ class Sm100Call:
             b_major_mode=OperandMajorMode.K,
             # Dense weights with the static scheduler use no workspace.
             workspace_ptr=cute.make_ptr(cutlass.Uint8, 0, cute.AddressSpace.gmem, assumed_align=128),
-            c=_with_unit_batch(c),
+            c=_with_unit_batch(t.preact),
             d=d_kernel,
             # Unquantized D needs only a second TMA descriptor here, never written through.
             d_col=d_kernel,
-            sfa=sfa,
+            sfa=t.grad_scale,
             sfd_row_tensor=None,
             sfd_col_tensor=None,
-            amax_tensor=_column(amax, 1),
+            amax_tensor=_column(t.amax, 1),
             norm_const_tensor=None,
-            padded_offsets=padded_offsets,
-            alpha=alpha,
-            prob=_column(prob, 2),
+            padded_offsets=t.padded_offsets,
+            alpha=t.alpha,
+            prob=_column(t.prob, 2),
             dprob=dprob_kernel,
             dbias_tensor=_with_unit_batch(dbias_acc) if cutlass.const_expr(self.with_dbias) else None,
             d_srelu=_with_unit_batch(act) if cutlass.const_expr(self.with_act) else None,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 
@@ -42,7 +42,7 @@ def gathers_rows(request: AnyRequest) -> frozenset[str]:
     return frozenset()
 
 
-def implementation(request: AnyRequest) -> Callable[..., tuple[jax.Array, ...]]:
+def implementation(request: AnyRequest) -> Callable[..., Mapping[str, jax.Array]]:
     from jax_dsrelu.kernels.sm100 import dsrelu_call
 
     return dsrelu_call.implementation(request)

@@ -1,7 +1,7 @@
 """The sm100 implementation of the primitive: layout bridge in, one custom call, bridge out.
 
-`implementation(request)` returns a function of the primitive's eight operands that the
-primitive lowers for CUDA. Its HLO is gathers and pads (the layout bridge, `layout.py`),
+`implementation(request)` returns a function of the primitive's eight operands, by name,
+that the primitive lowers for CUDA. Its HLO is gathers and pads (the layout bridge, `layout.py`),
 one custom call running cuDNN's kernel and, in deterministic mode, the reduction pass
 (`adapter.py`), then gathers back to the caller's rows. The custom call is compiled once
 per static key (`adapter.KernelKey`): the padded row count, which follows m, is a dynamic
@@ -13,7 +13,7 @@ Compiled for sm_100a and lowered on machines without a Blackwell GPU; not execut
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +39,17 @@ def kernel_key(request: Request) -> adapter.KernelKey:
     )
 
 
-def implementation(request: Request) -> Callable[..., tuple[jax.Array, ...]]:
+def implementation(request: Request) -> Callable[..., Mapping[str, jax.Array]]:
+    """(grad=, weight=, preact=, prob=, group_sizes=, alpha=, grad_scale=, weight_scale=)
+    -> {dh, dprob, [dbias], [act], amax}: the kernel's buffers carry the primitive's names,
+    so the layout bridge's arrays pass to the call by name and its results come back by
+    name, in the caller's rows."""
     key = kernel_key(request)
     host_function = adapter.Sm100Call(key)
     compile_key = ("jax_dsrelu.sm100", key)
     plan = host_function.operands()
 
-    def run(grad, weight, preact, prob, group_sizes, alpha, grad_scale, weight_scale):
+    def run(*, grad, weight, preact, prob, group_sizes, alpha, grad_scale, weight_scale) -> dict[str, jax.Array]:
         if grad.shape[0] == 0:
             return _no_rows(request)
         ops, rows = layout.kernel_operands(
@@ -53,30 +57,29 @@ def implementation(request: Request) -> Callable[..., tuple[jax.Array, ...]]:
         )
         # The rows extent of every row-space buffer is the padded row count, which follows
         # m: a run-time extent of the compiled code. The accumulators start at zero.
-        named = kernel_operands.call(host_function, compile_key, plan, ops._asdict(), ops.a.shape[0], arch=ARCH)
-        if request.deterministic:
-            dprob, dbias = named["dprob"], named.get("dbias")
-        else:
-            dprob = named["dprob_acc"]
-            dbias = named["dbias_acc"].astype(_F32) if request.with_dbias else None
-        outputs = [layout.caller_rows(named["d"], rows), layout.caller_rows(dprob, rows)]
+        named = kernel_operands.call(host_function, compile_key, plan, ops._asdict(), ops.grad.shape[0], arch=ARCH)
+        results = dict(
+            dh=layout.caller_rows(named["dh"], rows),
+            dprob=layout.caller_rows(named["dprob"], rows),
+            amax=named["amax"],
+        )
         if request.with_dbias:
-            outputs.append(dbias)
+            # Added into in bfloat16 by the atomic mode; float32 from the reduction pass.
+            results["dbias"] = named["dbias"].astype(_F32)
         if request.with_act:
-            outputs.append(layout.caller_rows(named["act"], rows))
-        outputs.append(named["amax"])
-        return tuple(outputs)
+            results["act"] = layout.caller_rows(named["act"], rows)
+        return results
 
     return run
 
 
-def _no_rows(request: Request) -> tuple[jax.Array, ...]:
+def _no_rows(request: Request) -> dict[str, jax.Array]:
     """m = 0 is static: nothing to launch. dbias sums and amax maxes over no rows are 0."""
     n, num_experts = request.n, request.num_experts
-    outputs = [jnp.zeros((0, n), request.out_dtype), jnp.zeros((0,), _F32)]
+    results = dict(dh=jnp.zeros((0, n), request.out_dtype), dprob=jnp.zeros((0,), _F32),
+                   amax=jnp.zeros((num_experts,), _F32))
     if request.with_dbias:
-        outputs.append(jnp.zeros((num_experts, n), _F32))
+        results["dbias"] = jnp.zeros((num_experts, n), _F32)
     if request.with_act:
-        outputs.append(jnp.zeros((0, n), request.out_dtype))
-    outputs.append(jnp.zeros((num_experts,), _F32))
-    return tuple(outputs)
+        results["act"] = jnp.zeros((0, n), request.out_dtype)
+    return results

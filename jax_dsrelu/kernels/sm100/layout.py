@@ -46,13 +46,14 @@ class RowMap(NamedTuple):
 
 
 class KernelOperands(NamedTuple):
-    """What cuDNN's kernel reads, in the layouts it reads them."""
+    """What cuDNN's kernel reads, in the layouts it reads them, under the primitive's
+    names (cuDNN's own, a b c sfa sfb, appear only where its kernel is called)."""
 
-    a: jax.Array  # (M_pad, k) float8: grad rows in padded order
-    b: jax.Array  # (E, n, k) float8: weight, unchanged
-    c: jax.Array  # (M_pad, n): preact rows in padded order
-    sfa: jax.Array  # (M_pad / 128 * ceil(k / 128) * 512,) float8_e8m0fnu, MMA-tiled
-    sfb: jax.Array  # (E * ceil(n / 128) * ceil(k / 128) * 512,) float8_e8m0fnu, MMA-tiled
+    grad: jax.Array  # (M_pad, k) float8: grad rows in padded order
+    weight: jax.Array  # (E, n, k) float8: weight, unchanged
+    preact: jax.Array  # (M_pad, n): preact rows in padded order
+    grad_scale: jax.Array  # (M_pad / 128 * ceil(k / 128) * 512,) float8_e8m0fnu, MMA-tiled
+    weight_scale: jax.Array  # (E * ceil(n / 128) * ceil(k / 128) * 512,) float8_e8m0fnu, MMA-tiled
     prob: jax.Array  # (M_pad,) float32
     alpha: jax.Array  # (E,) float32
     padded_offsets: jax.Array  # (E,) int32
@@ -127,11 +128,11 @@ def kernel_operands(
 ) -> tuple[KernelOperands, RowMap]:
     rows = row_map(group_sizes, grad.shape[0], config)
     operands = KernelOperands(
-        a=take_rows(grad, rows.source_rows, 0),
-        b=weight,
-        c=take_rows(preact, rows.source_rows, 0),
-        sfa=tile_scales(take_rows(_bits(grad_scale), rows.source_rows, _UNIT_SCALE_BITS)),
-        sfb=tile_scales(_bits(weight_scale)),
+        grad=take_rows(grad, rows.source_rows, 0),
+        weight=weight,
+        preact=take_rows(preact, rows.source_rows, 0),
+        grad_scale=tile_scales(take_rows(_bits(grad_scale), rows.source_rows, _UNIT_SCALE_BITS)),
+        weight_scale=tile_scales(_bits(weight_scale)),
         prob=take_rows(prob.astype(jnp.float32), rows.source_rows, 0),
         alpha=alpha.astype(jnp.float32),
         padded_offsets=rows.padded_offsets,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import jax
 
@@ -125,7 +125,7 @@ def gathers_rows(request: AnyRequest) -> frozenset[str]:
     return _GATHERED_OPERANDS.get(type(request), frozenset())
 
 
-def implementation(request: AnyRequest) -> Callable[..., tuple[jax.Array, ...]]:
+def implementation(request: AnyRequest) -> Callable[..., Mapping[str, jax.Array]]:
     if isinstance(request, Request):
         from jax_dsrelu.kernels.sm90 import dsrelu_call
 

@@ -1,7 +1,9 @@
 """The sm90 backend's implementation of the primitive: one custom call per use.
 
-`implementation(request)` returns a function of the primitive's operands that the
-primitive's CUDA lowering lowers in its place. It casts prob to float32, passes
+`implementation(request)` returns a function of the primitive's operands by name that the
+primitive's CUDA lowering lowers in its place, returning the results by name: the kernel
+declares its buffers under the primitive's names (`GroupedGemmDsreluSm90.operands`), so
+operands pass straight through to the call and results straight back. It casts prob to float32, passes
 zero-filled buffers for the atomically updated outputs (aliased in and out, so XLA fills
 them on the call's stream), and emits one custom call whose host function launches the
 GEMM kernel and, in deterministic mode, the slot reduction. Compiles are keyed on the
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -87,13 +89,15 @@ def implementation(
     config: sm90_config.TileConfig | None = None,
     *,
     outputs_in_place: bool = False,
-) -> Callable[..., tuple[jax.Array, ...]]:
-    """(grad, weight, preact, prob, group_sizes, alpha) -> (dh, dprob, [dbias], [act], amax).
+) -> Callable[..., Mapping[str, jax.Array]]:
+    """(grad=, weight=, preact=, prob=, group_sizes=, alpha=) -> {dh, dprob, [dbias],
+    [act], amax}, and in deterministic mode the slot workspaces (dprob_slots,
+    [dbias_slots]) beside them.
 
-    With outputs_in_place=True the function takes one more argument, a dict of
-    pre-filled output buffers by name (dh, act, and in deterministic mode dprob, dbias
-    and the slot workspaces), which the kernels update in place and return. Tests fill
-    them with NaN to show that the kernels write every element they own.
+    With outputs_in_place=True the function takes `filled=`, a dict of pre-filled output
+    buffers by name (dh, act, and in deterministic mode dprob, dbias and the slot
+    workspaces), which the kernels update in place and return. Tests fill them with NaN
+    to show that the kernels write every element they own.
 
     With `grad_index=` (m,) int32, grad is a source (T, k) whose rows grad[grad_index]
     the kernel reads itself (`gathered_kernels.GatheredDsreluSm90`, alone rather than in
@@ -107,61 +111,42 @@ def implementation(
         config = sm90_config.choose_config(request, sm_count())
     config.check_fits(request.num_experts, request.with_act, request.with_dbias)
 
-    def run(grad, weight, preact, prob, group_sizes, alpha, filled=None, *, grad_index=None):
-        gathered = None if grad_index is None else "grad"
-        num_rows = preact.shape[0]
+    def run(*, filled=None, **operands) -> dict[str, jax.Array]:
+        gathered = "grad" if operands.get("grad_index") is not None else None
+        num_rows = operands["preact"].shape[0]
         if num_rows > MAX_ROWS:
             raise NotImplementedError(
-                f"backend='sm90' takes at most {MAX_ROWS} rows, got preact.shape={preact.shape}"
+                f"backend='sm90' takes at most {MAX_ROWS} rows, got preact.shape={operands['preact'].shape}"
             )
         if num_rows == 0:
             return _no_rows(request)
         kernel_config = dataclasses.replace(config, cluster_n=1) if gathered else config
         kernel = _kernel(request, kernel_config, gathered)
-        given = dict(
-            grad=grad,
-            weight=weight,
-            preact=preact,
-            prob=prob.astype(jnp.float32),
-            group_sizes=group_sizes,
-            alpha=alpha.astype(jnp.float32),
-        )
+        # The epilogue reads prob and alpha as float32 whatever their dtype.
+        given = dict(operands, prob=operands["prob"].astype(jnp.float32), alpha=operands["alpha"].astype(jnp.float32))
         counts = {ROWS: num_rows}
         if gathered:
-            given["grad_index"] = grad_index.astype(jnp.int32)
-            counts[SOURCE_ROWS] = kernel_operands.source_rows(grad, num_rows, "grad")
+            given["grad_index"] = operands["grad_index"].astype(jnp.int32)
+            counts[SOURCE_ROWS] = kernel_operands.source_rows(operands["grad"], num_rows, "grad")
         if outputs_in_place:
             given.update(filled)
         named = kernel_operands.call(kernel, _compile_key(request, kernel_config, outputs_in_place, gathered),
                                      kernel.operands(), given, counts, arch=ARCH,
                                      outputs_in_place=outputs_in_place)
-        amax = lax.bitcast_convert_type(named["amax"], jnp.float32)
-        return _ordered(
-            request, named["dh"], named["dprob"], named.get("dbias"), named.get("act"), amax
-        )
+        # The kernel takes the per-expert max of |dh| with an integer atomic max on the
+        # float's bits, exact for the nonnegative values it sees.
+        return dict(named, amax=lax.bitcast_convert_type(named["amax"], jnp.float32))
 
     return run
 
 
-def _ordered(request: Request, dh, dprob, dbias, act, amax) -> tuple[jax.Array, ...]:
-    outputs = [dh, dprob]
-    if request.with_dbias:
-        outputs.append(dbias)
-    if request.with_act:
-        outputs.append(act)
-    outputs.append(amax)
-    return tuple(outputs)
-
-
-def _no_rows(request: Request) -> tuple[jax.Array, ...]:
+def _no_rows(request: Request) -> dict[str, jax.Array]:
     """m = 0 is static: no rows, so no expert owns any, and nothing needs a kernel."""
-    n = request.n
-    empty = jnp.zeros((0, n), request.out_dtype)
-    return _ordered(
-        request,
-        empty,
-        jnp.zeros((0,), jnp.float32),
-        jnp.zeros((request.num_experts, n), jnp.float32),
-        empty,
-        jnp.zeros((request.num_experts,), jnp.float32),
-    )
+    n, num_experts = request.n, request.num_experts
+    results = dict(dh=jnp.zeros((0, n), request.out_dtype), dprob=jnp.zeros((0,), jnp.float32),
+                   amax=jnp.zeros((num_experts,), jnp.float32))
+    if request.with_dbias:
+        results["dbias"] = jnp.zeros((num_experts, n), jnp.float32)
+    if request.with_act:
+        results["act"] = jnp.zeros((0, n), request.out_dtype)
+    return results

@@ -1,7 +1,7 @@
 """The sm90 gather-and-sum as a JAX function: one custom call (`gather_sum_kernel.py`).
 
-`implementation(request)` returns (rows, index) -> (out,), the signature documented on
-`GatherSumRequest`. The buffers are the kernel's declared operands; m and T are run-time
+`implementation(request)` returns (rows=, index=) -> {out}, the call documented on
+`GatherSumRequest`, by the names the kernel declares for its buffers. The buffers are the kernel's declared operands; m and T are run-time
 extents, so a new token count or a new row count reuses the compiled kernel, which is
 keyed on the request alone.
 """
@@ -9,7 +9,7 @@ keyed on the request alone.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -44,27 +44,26 @@ def compile_kernel(request: GatherSumRequest, *, keep: bool = False) -> cutlass_
     return kernel_operands.compile_kernel(kernel, _compile_key(request), kernel.operands(), arch=ARCH, keep=keep)
 
 
-def implementation(request: GatherSumRequest) -> Callable[..., tuple[jax.Array, ...]]:
-    """(rows (m, n), index (T, slots) int32) -> (out (T, n) float32,)."""
+def implementation(request: GatherSumRequest) -> Callable[..., Mapping[str, jax.Array]]:
+    """(rows= (m, n), index= (T, slots) int32) -> {out: (T, n) float32}."""
     reason = gather_sum_config.cannot_implement(request)
     if reason is not None:
         raise NotImplementedError(f"backend='sm90' cannot serve this call: {reason}")
     kernel = _kernel(request)
     key = _compile_key(request)
 
-    def run(rows, index):
+    def run(*, rows, index) -> dict[str, jax.Array]:
         num_rows, tokens = rows.shape[0], index.shape[0]
         if tokens == 0:
-            return (jnp.zeros((0, request.n), jnp.float32),)
+            return dict(out=jnp.zeros((0, request.n), jnp.float32))
         if num_rows == 0:
             raise ValueError(
                 f"gather_sum cannot read rows of an empty rows array: rows.shape={rows.shape}, "
                 f"index.shape={index.shape} (every token reads {request.slots} rows)"
             )
-        named = kernel_operands.call(
+        return kernel_operands.call(
             kernel, key, kernel.operands(), dict(rows=rows, index=index.astype(jnp.int32)),
             {ROWS: num_rows, SOURCE_ROWS: tokens}, arch=ARCH,
         )
-        return (named["out"],)
 
     return run

@@ -1,11 +1,12 @@
 """The sm90 grouped-GEMM kernels as JAX functions: one custom call each.
 
 `implementation(request)` returns the function a primitive's CUDA lowering lowers in its
-place, with the call signature documented on the request (`jax_dsrelu.kernels.request`):
+place: the primitive's operands by name in, its results by name out, the names those the
+kernels declare for their buffers (`jax_dsrelu.kernels.request` documents each call):
 
-    RaggedMatmulRequest, epilogue "none":  (lhs, rhs, group_sizes) -> (out,)
-    RaggedMatmulRequest, epilogue "srelu": (lhs, rhs, group_sizes, prob, bias | None) -> (h, act)
-    RaggedContractRequest:                 (lhs, rhs, group_sizes) -> (out,)
+    RaggedMatmulRequest, epilogue "none":  (lhs=, rhs=, group_sizes=) -> {out}
+    RaggedMatmulRequest, epilogue "srelu": (lhs=, rhs=, group_sizes=, prob=, [bias=]) -> {h, act}
+    RaggedContractRequest:                 (lhs=, rhs=, group_sizes=) -> {out}
 
 Both also take `lhs_index=` (m,) int32, and the contraction `rhs_index=`: that operand is
 then a source (T, ...) whose rows source[index] the kernel reads itself
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -100,7 +101,7 @@ def compile_kernel(
 
 def implementation(
     request, config=None, *, outputs_in_place: bool = False
-) -> Callable[..., tuple[jax.Array, ...]]:
+) -> Callable[..., Mapping[str, jax.Array]]:
     """The JAX function computing `request` with the sm90 kernel (signatures above).
 
     With outputs_in_place=True the function takes one more keyword argument, `filled`: a
@@ -117,38 +118,33 @@ def implementation(
         raise NotImplementedError(f"backend='sm90' cannot serve this call: {reason}")
     config = config or choose_config(request)
     config.check_fits(request)
-    srelu = isinstance(request, RaggedMatmulRequest) and request.epilogue == "srelu"
 
-    def run(lhs, rhs, group_sizes, prob=None, bias=None, *, filled=None, lhs_index=None, rhs_index=None):
-        if lhs_index is not None and rhs_index is not None:
+    def run(*, filled=None, **operands) -> dict[str, jax.Array]:
+        given = dict(operands)
+        if given.get("lhs_index") is not None and given.get("rhs_index") is not None:
             # One operand is gathered in the kernel; the other's rows are read in memory.
-            rhs, rhs_index = jnp.take(rhs, rhs_index, axis=0, mode="clip"), None
-        gathered, index = next(((name, index) for name, index in (("lhs", lhs_index), ("rhs", rhs_index))
-                                if index is not None), (None, None))
-        num_rows = index.shape[0] if gathered else lhs.shape[0]
+            given["rhs"] = jnp.take(given.pop("rhs"), given.pop("rhs_index"), axis=0, mode="clip")
+        gathered = next((name for name in ("lhs", "rhs") if given.get(f"{name}_index") is not None), None)
+        num_rows = given[f"{gathered}_index" if gathered else "lhs"].shape[0]
         if num_rows > MAX_ROWS:
             raise NotImplementedError(f"backend='sm90' takes at most {MAX_ROWS} rows, got {num_rows}")
         kernel_config = dataclasses.replace(config, cluster_n=1) if gathered else config
         kernel = _kernel(request, kernel_config, gathered)
-        outputs = [o for o in kernel.operands() if o.role == "output"]
         if num_rows == 0:
             # m = 0 is static: no rows, no expert owns any, nothing needs a kernel.
-            return tuple(jnp.zeros(o.shape_for({ROWS: 0}), o.dtype) for o in outputs)
-        given = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
+            return {o.name: jnp.zeros(o.shape_for({ROWS: 0}), o.dtype) for o in kernel.operands() if o.role == "output"}
         counts = {ROWS: num_rows}
         if gathered:
-            given[f"{gathered}_index"] = index.astype(jnp.int32)
+            given[f"{gathered}_index"] = given[f"{gathered}_index"].astype(jnp.int32)
             counts[SOURCE_ROWS] = kernel_operands.source_rows(given[gathered], num_rows, gathered)
-        if srelu:
-            given["prob"] = prob.astype(jnp.float32)
-            if request.with_bias:
-                given["bias"] = bias.astype(jnp.float32)
+        # The srelu epilogue reads prob and bias as float32 whatever their dtype.
+        for name in ("prob", "bias"):
+            if given.get(name) is not None:
+                given[name] = given[name].astype(jnp.float32)
         if outputs_in_place:
             given.update(filled)
-        named = kernel_operands.call(kernel, _compile_key(request, kernel_config, outputs_in_place, gathered),
-                                     kernel.operands(), given, counts, arch=ARCH,
-                                     outputs_in_place=outputs_in_place)
-        return tuple(named[o.name] for o in outputs)
+        return kernel_operands.call(kernel, _compile_key(request, kernel_config, outputs_in_place, gathered),
+                                    kernel.operands(), given, counts, arch=ARCH, outputs_in_place=outputs_in_place)
 
     return run
 

@@ -104,7 +104,8 @@ class RaggedGemmSm90(RaggedMGemmSm90):
         return plan
 
     def stored_outputs(self) -> tuple[str, ...]:
-        return ("out", "act") if self.srelu else ("out",)
+        # The primitives' result names: ragged_matmul_srelu's h and act, ragged_matmul's out.
+        return ("h", "act") if self.srelu else ("out",)
 
     def kernel_params(self, t) -> dict:
         return dict(
