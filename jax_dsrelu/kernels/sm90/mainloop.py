@@ -159,20 +159,11 @@ def _wgmma_k_tiles(tiled_mma, acc, tCrA, tCrB, ab_pipeline, read_state, release_
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.fence()
     if k_tiles > 0:
-        ab_pipeline.consumer_wait(read_state)
-        _fence_generic_writes(operands_written_by_generic_proxy)
-        for k_block in cutlass.range_constexpr(k_blocks):
-            coord = (None, None, k_block, read_state.index)
-            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-        warpgroup.commit_group()
+        _wgmma_k_tile(tiled_mma, acc, tCrA, tCrB, k_blocks, ab_pipeline, read_state, operands_written_by_generic_proxy)
         read_state.advance()
         for k_tile in range(1, k_tiles):
-            ab_pipeline.consumer_wait(read_state)
-            _fence_generic_writes(operands_written_by_generic_proxy)
-            for k_block in cutlass.range_constexpr(k_blocks):
-                coord = (None, None, k_block, read_state.index)
-                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-            warpgroup.commit_group()
+            _wgmma_k_tile(tiled_mma, acc, tCrA, tCrB, k_blocks, ab_pipeline, read_state,
+                          operands_written_by_generic_proxy)
             warpgroup.wait_group(1)
             ab_pipeline.consumer_release(release_state)
             release_state.advance()
@@ -206,3 +197,15 @@ def tma_partition(tma: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor, rank
     return cpasync.tma_partition(
         tma, rank, cute.make_layout(ctas), cute.group_modes(smem, 0, 2), cute.group_modes(gmem, 0, 2)
     )
+
+
+@cute.jit
+def _wgmma_k_tile(tiled_mma, acc, tCrA, tCrB, k_blocks: cutlass.Constexpr, ab_pipeline, read_state,
+                  operands_written_by_generic_proxy: cutlass.Constexpr):
+    """One k-tile's wgmma batch, once its stage has landed."""
+    ab_pipeline.consumer_wait(read_state)
+    _fence_generic_writes(operands_written_by_generic_proxy)
+    for k_block in cutlass.range_constexpr(k_blocks):
+        coord = (None, None, k_block, read_state.index)
+        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+    warpgroup.commit_group()
