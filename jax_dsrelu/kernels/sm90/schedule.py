@@ -67,23 +67,35 @@ def _seek_expert(tile_start: cute.Tensor, m_tile: Int32, expert: Int32) -> Int32
     return expert
 
 
-class RaggedMSchedule:
+class _PersistentWalk:
+    """What both walks hold: the experts' first rows, the work index and its stride (what
+    a loop carries), and the CTA's place in its cluster."""
+
+    def __init__(self, row_start: cute.Tensor, num_experts: int, work: Int32, stride: Int32, cluster_n: int,
+                 rank: Int32):
+        self.row_start = row_start
+        self.num_experts = num_experts
+        self.work = work
+        self.stride = stride
+        self.cluster_n = cluster_n
+        self.rank = rank  # this CTA's rank in its cluster: its tile of each group
+
+    def advance(self) -> None:
+        self.work = self.work + self.stride
+
+
+class RaggedMSchedule(_PersistentWalk):
     """The persistent walk of the ragged-M kernels (see the module doc)."""
 
     def __init__(self, row_start: cute.Tensor, tile_start: cute.Tensor, num_rows: Int32,
                  num_experts: int, n_tiles: int, tile_m: int, work: Int32, stride: Int32,
                  expert: Int32, cluster_n: int, rank: Int32):
-        self.row_start = row_start
+        super().__init__(row_start, num_experts, work, stride, cluster_n, rank)
         self.tile_start = tile_start
         self.num_rows = num_rows
-        self.num_experts = num_experts
         self.n_tiles = n_tiles
         self.tile_m = tile_m
-        self.work = work
-        self.stride = stride
         self.expert = expert
-        self.cluster_n = cluster_n
-        self.rank = rank  # this CTA's rank in its cluster: its N-tile of each group
         self.n_groups = n_tiles // cluster_n  # work items per M-tile
 
     @staticmethod
@@ -122,9 +134,6 @@ class RaggedMSchedule:
         unowned_tiles = (unowned + (self.tile_m - 1)) // self.tile_m
         return self.work < self._expert_work() + unowned_tiles * self.n_groups
 
-    def advance(self) -> None:
-        self.work = self.work + self.stride
-
     def located(self):
         """(the current expert tile, this walk with its cursor at that tile's expert); for
         an `owned` item. The caller rebinds its walk to the second: a loop or a branch
@@ -152,7 +161,7 @@ class RaggedMSchedule:
         return tile, self._n_tile(rest - tile * self.n_groups), first_row, self.num_rows - first_row
 
 
-class ContractSchedule:
+class ContractSchedule(_PersistentWalk):
     """The persistent work walk of the ragged contraction, asked by every warp role.
 
     A work item is one output tile (expert, a-block, b-block); every expert has the same
@@ -170,18 +179,13 @@ class ContractSchedule:
     def __init__(self, row_start: cute.Tensor, expert_order: cute.Tensor, num_experts: int,
                  a_tiles: int, b_tiles: int, work: Int32, stride: Int32, cluster_n: int, rank,
                  a_fastest: bool = False):
-        self.row_start = row_start
+        super().__init__(row_start, num_experts, work, stride, cluster_n, Int32(rank))
         self.expert_order = expert_order
-        self.num_experts = num_experts
         self.a_tiles = a_tiles
         self.b_tiles = b_tiles
-        self.cluster_n = cluster_n
-        self.rank = Int32(rank)  # this CTA's rank in its cluster: its b-block of each group
         self.b_groups = b_tiles // cluster_n
         self.per_expert = a_tiles * self.b_groups
         self.total = num_experts * self.per_expert
-        self.work = work
-        self.stride = stride
         self.a_fastest = a_fastest
 
     def __extract_mlir_values__(self):
@@ -196,9 +200,6 @@ class ContractSchedule:
 
     def valid(self):
         return self.work < self.total
-
-    def advance(self) -> None:
-        self.work = self.work + self.stride
 
     def tile(self) -> ContractTile:
         """The current work item."""
