@@ -78,20 +78,11 @@ def backward(
 ) -> Gradients:
     dtype = w1.dtype
     num_experts = w1.shape[0]
+    # No MXFP8 scales: the layer's operands are bf16 or fp16.
     fused = dsrelu.bind(
-        grad=dy,
-        grad_index=dy_index,
-        weight=w2,
-        preact=h,
-        prob=prob,
-        group_sizes=group_sizes,
-        alpha=jnp.ones((num_experts,), jnp.float32),
-        grad_scale=None,
-        weight_scale=None,
-        with_dbias=b1 is not None,
-        with_act=True,
-        out_dtype=dtype,
-        deterministic=deterministic,
+        grad=dy, grad_index=dy_index, weight=w2, preact=h, prob=prob, group_sizes=group_sizes,
+        alpha=jnp.ones((num_experts,), jnp.float32), grad_scale=None, weight_scale=None,
+        with_dbias=b1 is not None, with_act=True, out_dtype=dtype, deterministic=deterministic,
         backend=backends.dsrelu,
     )
     dh, act = fused["dh"], fused["act"]

@@ -106,22 +106,17 @@ def gemm_kernel(key: KernelKey) -> BlockScaledMoEGroupedGemmQuantBwdKernel:
     """
     config, request = key.config, key.request
     return BlockScaledMoEGroupedGemmQuantBwdKernel(
-        sf_vec_size=config.sf_vec_size,
-        acc_dtype=cutlass.Float32,
-        use_2cta_instrs=config.use_2cta_instrs,
-        mma_tiler_mn=config.mma_tiler_mn,
-        cluster_shape_mn=config.cluster_shape_mn,
-        vectorized_f32=False,
-        generate_sfd=False,
-        discrete_col_sfd=False,
-        expert_cnt=request.num_experts,
-        weight_mode=MoEWeightMode.DENSE,
-        use_dynamic_sched=False,
-        epilogue_type=EpilogueType.DSRELU.value,
-        generate_dbias=request.with_dbias,
-        generate_d_srelu=request.with_act,
-        use_dsrelu_reuse=False,
+        # The tile configuration (config.py).
+        sf_vec_size=config.sf_vec_size, use_2cta_instrs=config.use_2cta_instrs,
+        mma_tiler_mn=config.mma_tiler_mn, cluster_shape_mn=config.cluster_shape_mn,
+        # The call's static facts.
+        expert_cnt=request.num_experts, generate_dbias=request.with_dbias, generate_d_srelu=request.with_act,
         deterministic=request.deterministic,
+        # Fixed: float32 accumulation, dense weights, the static scheduler, the dsReLU
+        # epilogue, D unquantized and without scale factors.
+        acc_dtype=cutlass.Float32, weight_mode=MoEWeightMode.DENSE, use_dynamic_sched=False,
+        epilogue_type=EpilogueType.DSRELU.value, vectorized_f32=False, generate_sfd=False,
+        discrete_col_sfd=False, use_dsrelu_reuse=False,
     )
 
 
