@@ -100,6 +100,7 @@ class MoE(nnx.Module):
         normalize: bool = UNSET,
         scale: float = UNSET,
         round_to: int | None = UNSET,
+        capacity_factor: float | None = UNSET,
         shared_d_ff: int | None = None,
         latent_dim: int | None = None,
         use_bias: bool = True,
@@ -126,6 +127,7 @@ class MoE(nnx.Module):
             if size is not None:
                 _require_size(name, size)
         options.check_experts(num_experts)
+        layer.check_one_device(options)
         validation.require_bool("use_bias", use_bias)
         param_dtype = validation.dtype_option("param_dtype", param_dtype, validation.FLOAT_DTYPES)
         dtype = param_dtype if dtype is None else validation.dtype_option("dtype", dtype, validation.FLOAT_DTYPES)
@@ -158,6 +160,7 @@ class MoE(nnx.Module):
         normalize: bool = UNSET,
         scale: float = UNSET,
         round_to: int | None = UNSET,
+        capacity_factor: float | None = UNSET,
         deterministic: bool = UNSET,
         backend: str = UNSET,
         dtype: Any = None,

@@ -195,3 +195,29 @@ def test_mesh_must_be_a_mesh():
     x, router, w1, w2, _, _ = make_inputs(11)
     with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh \(e.g. from jax.make_mesh\) with an axis named expert_axis='expert', got None"):
         jax_dsrelu.moe_layer_expert_parallel(x, router, w1, w2, mesh=None)
+
+
+def test_the_combine_adds_each_tokens_rows_in_slot_order():
+    # With bfloat16 experts the sharded output is the one-device output bit for bit: the
+    # same rows through the same experts, rounded to bfloat16, added in float32. Scaling the
+    # experts' outputs by powers of 2 of both signs makes a token's three rows cancel, so
+    # that any other order of its sum gives other bits (checked below): a combine that
+    # reads a token's rows in another order, or another token's, fails here.
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    x, router, w1, w2, _, _ = make_inputs(12, jnp.bfloat16)
+    signs = jnp.asarray([2.0**10, -(2.0**10), 2.0**-10, 1.0, 2.0**10, -(2.0**10), 2.0**-10, -1.0], jnp.bfloat16)
+    w2 = w2 * signs[:, None, None]
+    top_k = 3
+    single = jax.jit(lambda *a: jax_dsrelu.moe_layer(*a, top_k=top_k))(x, router, w1, w2)
+    sharded = jax.jit(
+        lambda *a: jax_dsrelu.moe_layer_expert_parallel(*a, mesh=mesh, data_axis="data", top_k=top_k)
+    )(x, router, w1, w2)
+    np.testing.assert_array_equal(np.asarray(sharded), np.asarray(single))
+
+    plan = jax_dsrelu.route(x @ router, top_k)
+    y = jax_dsrelu.moe_mlp(jax_dsrelu.dispatch(x.astype(w1.dtype), plan), w1, w2, plan.row_prob, plan.group_sizes)
+    slots = np.asarray(y, np.float32)[np.asarray(plan.inverse).reshape(-1, top_k)]  # (T, top_k, d)
+    in_order = (slots[:, 0] + slots[:, 1]) + slots[:, 2]
+    np.testing.assert_array_equal(in_order, np.asarray(single))
+    reversed_order = (slots[:, 2] + slots[:, 1]) + slots[:, 0]
+    assert not np.array_equal(reversed_order, in_order), "the inputs must make the order of the sum show"

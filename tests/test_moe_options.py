@@ -50,6 +50,9 @@ BAD_OPTIONS = [
     (dict(normalize=1), TypeError, "normalize must be a Python bool, got 1 (int)"),
     (dict(scale=float("inf")), ValueError, "scale must be finite, got scale=inf"),
     (dict(scale="2.5"), TypeError, "scale must be a Python float, got '2.5' (str)"),
+    (dict(capacity_factor=0.0), ValueError, "capacity_factor must be None or a finite number > 0, got capacity_factor=0.0"),
+    (dict(capacity_factor=float("nan")), ValueError, "capacity_factor must be None or a finite number > 0, got capacity_factor=nan"),
+    (dict(capacity_factor="1.25"), TypeError, "capacity_factor must be None or a Python float, got '1.25' (str)"),
     (dict(deterministic="yes"), TypeError, "deterministic must be a Python bool, got 'yes' (str)"),
     (dict(backend="cuda"), ValueError, "backend must be one of 'auto', 'xla', 'sm90', 'sm100', got 'cuda'"),
 ]
@@ -60,7 +63,7 @@ CASES = [
     (entry_point, *bad)
     for entry_point in ("route", "moe_layer", "moe_layer_expert_parallel", "flax.MoE")
     for bad in BAD_OPTIONS
-    if not (entry_point == "route" and set(bad[0]) & {"deterministic", "backend"})
+    if not (entry_point == "route" and set(bad[0]) & {"capacity_factor", "deterministic", "backend"})
 ]
 
 
@@ -84,6 +87,17 @@ def test_options_are_frozen_hashable_and_checked_when_built():
     # What needs the number of experts is checked when the options meet the weights.
     with pytest.raises(ValueError, match=re.escape("top_k must be between 1 and the number of experts E=8, got top_k=9")):
         dataclasses.replace(options, top_k=9).check_experts(8)
+
+
+@pytest.mark.parametrize("entry_point", ["moe_layer", "flax.MoE"])
+def test_a_capacity_factor_is_refused_on_one_device(entry_point):
+    # It bounds the rows one device sends another; on one device every routed row runs,
+    # so a value there would be silently ignored.
+    with pytest.raises(ValueError, match=re.escape(
+        "capacity_factor must be None on one device (it bounds the rows each device sends to another under "
+        "moe_layer_expert_parallel; here every routed row runs), got capacity_factor=1.25"
+    )):
+        entry_points()[entry_point](capacity_factor=1.25)
 
 
 def test_options_pass_through_jit_as_a_pytree_without_leaves():
@@ -286,7 +300,8 @@ def planted(default_of_top_k):
     """A copy of moe_layer's way of taking options, with top_k's default changed."""
 
     def layer(x, *, options=None, top_k=default_of_top_k, score=UNSET, num_groups=UNSET, top_groups=UNSET,
-              normalize=UNSET, scale=UNSET, round_to=UNSET, deterministic=UNSET, backend=UNSET):
+              normalize=UNSET, scale=UNSET, round_to=UNSET, capacity_factor=UNSET,
+              deterministic=UNSET, backend=UNSET):
         """A layer.
 
         {MoEOptions}

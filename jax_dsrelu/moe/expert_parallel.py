@@ -3,24 +3,29 @@
 Each device holds E / D of the experts (D devices along `expert_axis`) and a shard of the
 tokens (tokens are split over the data axes and the expert axis together). Inside
 `jax.shard_map` every device runs `moe_layer`'s own steps (`jax_dsrelu.moe.layer`) on its
-tokens: it routes them, sends each (token, slot) row to the device that owns its expert
-with `all_to_all`, sorts what it receives by local expert, runs its experts, sends the
-results back the same way and combines them. Only the two exchanges are written here.
+tokens, with its routed experts replaced by those of the devices that hold them
+(`jax_dsrelu.ops.exchanged_experts`): each (token, slot) row is sent with `all_to_all` to
+its expert's device, read there through the indices of a sort by local expert, and sent
+back to be added in slot order, as on one device. Only the exchanges are new: the send
+buffer's layout is `jax_dsrelu.moe.exchange`'s.
 
-The send buffer of each device holds D * (T_local * top_k) rows: every destination has
-room for all of the device's rows, so no token is ever dropped, at the price of padding
-rows (memory and all-to-all bandwidth) that belong to no expert and come out 0.
+The send buffer of each device holds D blocks of C rows, one per destination. Dropless
+(capacity_factor=None), C = T_local * top_k: any one device may own every expert the
+tokens chose, so each block has room for all of them, and the exchange moves D times the
+rows routed, the rest padding. With capacity_factor, C = ceil(capacity_factor * T_local
+* top_k / D) and the rows past a destination's C are dropped (`jax_dsrelu.moe.exchange`
+says which); MoEAux.dropped counts them.
 
 The shared expert, the latent projections and the selection bias are replicated: every
 device runs the shared expert and the projections on its own tokens, and routes them
 with the same bias.
 
-Every row movement is a gather whose gradient is a gather (`jax_dsrelu.moe.permutation`),
-and all_to_all's transpose is an all_to_all, so, as on one device, nothing adds two
-values into one place in an order the hardware chooses. The auxiliary losses are made
-from per-shard statistics gathered to every device and added in shard order. The
-gradients of the replicated router and of the weights repeated over the data axes are
-summed across devices by JAX's own transposes of shard_map (all-reduces).
+Every row movement is a gather whose gradient is a gather (`jax_dsrelu.moe.permutation`)
+or an ordered gather-and-sum, and all_to_all's transpose is an all_to_all, so, as on one
+device, nothing adds two values into one place in an order the hardware chooses. The
+auxiliary losses are made from per-shard statistics gathered to every device and added
+in shard order. The gradients of the replicated router and of the weights repeated over
+the data axes are summed across devices by JAX's own transposes of shard_map (all-reduces).
 """
 
 from __future__ import annotations
@@ -34,12 +39,13 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_dsrelu import groups
-from jax_dsrelu.moe import layer, permutation, routing
+from jax_dsrelu.kernels import registry
+from jax_dsrelu.moe import exchange, layer, permutation
 from jax_dsrelu.moe.layer import MoEAux
 from jax_dsrelu.moe.entry_points import UNSET, entry_point
 from jax_dsrelu.moe.options import MoEOptions
 from jax_dsrelu.moe.weights import MoEWeights
+from jax_dsrelu.ops import exchanged_experts
 from jax_dsrelu.primitives import validation
 
 
@@ -64,6 +70,7 @@ def moe_layer_expert_parallel(
     normalize: bool = UNSET,
     scale: float = UNSET,
     round_to: int | None = UNSET,  # refused: see below
+    capacity_factor: float | None = UNSET,
     shared_w1: jax.Array | None = None,  # (d, fs), replicated
     shared_w2: jax.Array | None = None,  # (fs, d), replicated
     latent_in: jax.Array | None = None,  # (d, l), replicated
@@ -79,8 +86,15 @@ def moe_layer_expert_parallel(
     The weights (the arrays, or one `MoEWeights` as weights=) and the options are
     `moe_layer`'s. E must be a multiple of the size of expert_axis, and T of the number
     of token shards. MoEAux holds the losses and group sizes of all T tokens, as on one
-    device: its group_sizes are the global ones that `update_expert_bias` takes. Call it
-    under `jax.jit`; the arguments are resharded as above if they are not already.
+    device: its group_sizes are the global ones that `update_expert_bias` takes (the
+    router's choice, before any drop), and its dropped the rows capacity_factor dropped.
+    Call it under `jax.jit`; the arguments are resharded as above if they are not already.
+
+    capacity_factor (None: dropless) bounds the rows each device sends each other device
+    to C = ceil(capacity_factor * T_local * top_k / D), T_local = T / token shards: a
+    destination offered more takes the C rows of largest routing weight, ties to the lower
+    token, then the earlier slot. A dropped row adds nothing to its token's output, and
+    neither its weight nor its token gets a gradient through it.
 
     Token rounding (round_to) is refused: each token shard routes its own tokens, so
     rounding its counts would not round the rows each expert runs over all shards, and
@@ -121,71 +135,58 @@ def moe_layer_expert_parallel(
 
     tokens, weight_specs = P(token_axes), _weight_specs(weights, expert_axis)
     shard = functools.partial(_expert_parallel_shard, expert_axis=expert_axis, options=options)
-    out, group_sizes, expert_prob, z_loss = jax.shard_map(
+    out, group_sizes, expert_prob, z_loss, dropped = jax.shard_map(
         shard,
         mesh=mesh,
         in_specs=(tokens, weight_specs),
-        out_specs=(tokens, tokens, tokens, tokens),
+        out_specs=(tokens,) * 5,
     )(_placed(x, mesh, tokens), jax.tree.map(lambda a, spec: _placed(a, mesh, spec), weights, weight_specs))
     if not return_aux:
         return out
 
     # One row of statistics per token shard, gathered to every device and added there
     # in shard order (not by an all-reduce, whose order is the collective library's).
-    group_sizes, expert_prob, z_loss = (_placed(a, mesh, P()) for a in (group_sizes, expert_prob, z_loss))
+    group_sizes, expert_prob, z_loss, dropped = (
+        _placed(a, mesh, P()) for a in (group_sizes, expert_prob, z_loss, dropped)
+    )
     total_sizes = jnp.sum(group_sizes, axis=0)
     # Every shard has T / token_shards tokens, so the global means are means of means.
     fraction = total_sizes.astype(jnp.float32) / max(x.shape[0] * options.top_k, 1)
     mean_prob = jnp.sum(expert_prob, axis=0) / token_shards
     load_balancing_loss = num_experts * jnp.sum(fraction * mean_prob)
-    return out, MoEAux(load_balancing_loss, jnp.sum(z_loss) / token_shards, total_sizes)
+    return out, MoEAux(load_balancing_loss, jnp.sum(z_loss) / token_shards, total_sizes, jnp.sum(dropped))
 
 
 def _expert_parallel_shard(x, weights: MoEWeights, *, expert_axis: str, options: MoEOptions):
     """One device's part: its tokens in, their outputs and routing statistics out.
 
-    `moe_layer`'s steps, with the rows sent to the devices that hold their experts
-    between `expert_rows` and `run_experts`, and back before they are combined. weights
-    holds this device's share of the experts (w1, w2 and b1) and every other weight whole.
+    `moe_layer`'s steps, with the routed experts of the devices that hold them
+    (`exchanged_experts`) in place of `block_experts.routed_experts`. weights holds this
+    device's share of the experts (w1, w2 and b1) and every other weight whole.
     """
     plan = layer.route_tokens(x, weights, options)
-    rows = layer.expert_rows(x, weights, plan)  # (n, l), sorted by global expert
-    num_rows = rows.shape[0]
-    num_shards = lax.axis_size(expert_axis)
+    num_peers = lax.axis_size(expert_axis)
     local_experts = weights.num_experts
+    capacity = options.per_peer_capacity(plan.order.shape[0], num_peers)
+    sends = exchange.plan_exchange(plan, num_peers, capacity)
 
-    # Rows sorted by expert are sorted by destination device too. Destination j's rows
-    # fill slots [j * n, j * n + count_j) of the send buffer; its other slots are padding.
-    send_counts = jnp.sum(plan.group_sizes.reshape(num_shards, local_experts), axis=1)
-    send_ends = jnp.cumsum(send_counts)
-    send_starts = send_ends - send_counts
-    slot = jnp.arange(num_rows, dtype=jnp.int32)
-    fill_index = (send_starts[:, None] + slot[None, :]).reshape(-1)  # (D * n,)
-    fill_valid = (slot[None, :] < send_counts[:, None]).reshape(-1)
-    destination = jnp.searchsorted(send_ends, slot, side="right").astype(jnp.int32)
-    slot_of_row = destination * num_rows + slot - send_starts[destination]  # (n,)
-
-    row_expert, _ = groups.row_experts(plan.group_sizes, num_rows)
-    send_expert = jnp.where(fill_valid, jnp.take(row_expert, fill_index, mode="clip") % local_experts, local_experts)
-    send_rows = permutation.gather_rows(rows, fill_index, slot_of_row, fill_valid)
-    send_prob = permutation.gather_rows(plan.row_prob, fill_index, slot_of_row, fill_valid)
-    exchange = functools.partial(lax.all_to_all, axis_name=expert_axis, split_axis=0, concat_axis=0, tiled=True)
-    got_rows, got_prob, got_expert = (exchange(a) for a in (send_rows, send_prob, send_expert))
-
-    # What arrived is grouped by source device; group it by local expert for the experts.
-    # Padding has expert index local_experts: it sorts last and belongs to no expert.
+    # What arrives is grouped by source device; the experts read it by local expert.
+    # Empty slots carry expert index local_experts: they sort last and belong to no expert.
+    got_expert = lax.all_to_all(sends.slot_expert, expert_axis, 0, 0, tiled=True)
     local = permutation.sort_by_group(got_expert, local_experts)
-    y = layer.run_experts(
-        permutation.gather_rows(got_rows, local.order, local.inverse),
-        permutation.gather_rows(got_prob, local.order, local.inverse),
-        local.sizes,
-        weights,
-        options,
+    # The routing weights travel with their rows, by gathers and all_to_all, whose transposes are
+    # gathers and all_to_all: the router's gradient comes back the same way.
+    sent_prob = permutation.gather_rows(plan.row_prob, sends.slot_row, sends.row_slot, sends.slot_full, sends.row_sent)
+    got_prob = lax.all_to_all(sent_prob, expert_axis, 0, 0, tiled=True)
+    routed = exchanged_experts.exchanged_experts(
+        layer.expert_tokens(x, weights), weights.w1, weights.w2, weights.b1,
+        permutation.gather_rows(got_prob, local.order, local.inverse), local.sizes, local.order, local.inverse,
+        sends.slot_token, sends.slot_full, sends.token_slots,
+        axis_name=expert_axis, drops=capacity < plan.order.shape[0], deterministic=options.deterministic,
+        backends=registry.layer_backends(options.backend),
     )
-    returned = exchange(permutation.gather_rows(y, local.inverse, local.order))
-    y_rows = permutation.gather_rows(returned, slot_of_row, fill_index, None, fill_valid)
-    out = layer.block_output(routing.combine(y_rows, plan), x, weights, options)
-    return out, plan.chosen_sizes[None], plan.expert_prob[None], plan.router_z_loss[None]
+    out = layer.block_output(routed, x, weights, options)
+    return out, plan.chosen_sizes[None], plan.expert_prob[None], plan.router_z_loss[None], sends.dropped[None]
 
 
 def _weight_specs(weights: MoEWeights, expert_axis: str) -> MoEWeights:

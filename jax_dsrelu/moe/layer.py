@@ -16,11 +16,11 @@ run as one custom VJP that reads their rows through the routing's indices
 (`jax_dsrelu.ops.block_experts`), the shared expert keeps its weights as given, and the
 products of x with the router and latent_in cast x again in their backward.
 
-The block's steps (`route_tokens`, `expert_tokens`, `block_output`, and for experts on
-other devices `expert_rows` and `run_experts`) are functions of the checked weights
-(`MoEWeights`) and options (`MoEOptions`), so that `moe_layer_expert_parallel` runs
-these same steps with its exchanges between them, and `jax_dsrelu.flax.MoE` calls `apply`
-with the options it checked once, when it was built.
+The block's steps (`route_tokens`, `expert_tokens`, `block_output`) are functions of the
+checked weights (`MoEWeights`) and options (`MoEOptions`), so that
+`moe_layer_expert_parallel` runs these same steps around its exchanged experts
+(`jax_dsrelu.ops.exchanged_experts`), and `jax_dsrelu.flax.MoE` calls `apply` with the
+options it checked once, when it was built.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from jax_dsrelu.moe.options import MoEOptions
 from jax_dsrelu.moe.routing import RoutingPlan
 from jax_dsrelu.moe.weights import MoEWeights
 from jax_dsrelu.ops import block_experts
-from jax_dsrelu.ops.moe_mlp import moe_mlp
 from jax_dsrelu.primitives import validation
 
 
@@ -49,12 +48,14 @@ class MoEAux(NamedTuple):
     score="sigmoid", load_balancing_loss is DeepSeek-V3's complementary balance loss
     over the call's tokens (see `route`; DeepSeek-V3 weighs it by 1e-4), and the expert
     load is group_sizes, or group_sizes / (T * top_k) as fractions; group_sizes is what
-    `update_expert_bias` takes.
+    `update_expert_bias` takes. dropped is 0 but under `moe_layer_expert_parallel` with
+    a capacity_factor: the (token, slot) rows its send buffers had no room for.
     """
 
     load_balancing_loss: jax.Array  # () float32, E * sum_e f_e * P_e (see `route`)
     router_z_loss: jax.Array  # () float32, mean over tokens of logsumexp(logits)**2
     group_sizes: jax.Array  # (E,) int32, (token, slot) assignments routed to each expert (before round_to)
+    dropped: jax.Array  # () int32, assignments the capacity_factor of expert parallelism dropped (0 when dropless)
 
 
 @entry_point
@@ -75,6 +76,7 @@ def moe_layer(
     normalize: bool = UNSET,
     scale: float = UNSET,
     round_to: int | None = UNSET,
+    capacity_factor: float | None = UNSET,  # None only: see check_one_device
     shared_w1: jax.Array | None = None,  # (d, fs) shared expert, first weights
     shared_w2: jax.Array | None = None,  # (fs, d) shared expert, second weights
     latent_in: jax.Array | None = None,  # (d, l) projection into the experts' width
@@ -108,7 +110,20 @@ def moe_layer(
     """
     weights.check(x)
     options.check_experts(weights.num_experts)
+    check_one_device(options)
     return apply(x, weights, options, return_aux)
+
+
+def check_one_device(options: MoEOptions) -> None:
+    """Raises unless the options have a meaning on one device: capacity_factor bounds the
+    rows a device sends to each other device under expert parallelism, and one device
+    sends none (its experts run every row it routes)."""
+    if options.capacity_factor is not None:
+        raise ValueError(
+            f"capacity_factor must be None on one device (it bounds the rows each device sends to another "
+            f"under moe_layer_expert_parallel; here every routed row runs), got "
+            f"capacity_factor={options.capacity_factor!r}"
+        )
 
 
 def apply(
@@ -130,14 +145,14 @@ def apply(
     out = block_output(routed, x, weights, options)
     if not return_aux:
         return out
-    return out, MoEAux(plan.load_balancing_loss, plan.router_z_loss, plan.chosen_sizes)
+    return out, MoEAux(plan.load_balancing_loss, plan.router_z_loss, plan.chosen_sizes, jnp.zeros((), jnp.int32))
 
 
 # The block's steps. `moe_layer` runs route_tokens, expert_tokens, the routed experts
 # (`block_experts.routed_experts`: dispatch, experts and combine in one custom VJP that
 # reads the rows through the routing) and block_output. `moe_layer_expert_parallel` runs
-# the same steps with the rows made (`expert_rows`), sent to the devices that hold their
-# experts and run there (`run_experts`), and sent back before they are combined.
+# the same steps with `exchanged_experts` in place of the routed experts: the same custom
+# VJP's steps, with an all-to-all on each side of the experts.
 
 
 def route_tokens(x: jax.Array, weights: MoEWeights, options: MoEOptions) -> RoutingPlan:
@@ -154,26 +169,6 @@ def expert_tokens(x: jax.Array, weights: MoEWeights) -> jax.Array:
     if weights.latent_in is None:
         return x
     return _project_tokens(x, weights.latent_in).astype(weights.w1.dtype)
-
-
-def expert_rows(x: jax.Array, weights: MoEWeights, plan: RoutingPlan) -> jax.Array:
-    """(T, d) tokens -> (T * top_k, l) rows in w1.dtype, sorted by expert: each token in the
-    experts' width (through latent_in if given), once per chosen expert."""
-    return routing.dispatch(expert_tokens(x, weights).astype(weights.w1.dtype), plan)
-
-
-def run_experts(
-    rows: jax.Array,  # (m, l) sorted by expert
-    prob: jax.Array,  # (m,) routing weight of each row
-    group_sizes: jax.Array,  # (E,) rows of each of the weights' experts
-    weights: MoEWeights,
-    options: MoEOptions,
-) -> jax.Array:  # (m, l) in w1.dtype
-    """The routed experts on their rows: `moe_mlp` with w1, w2 and b1."""
-    return moe_mlp(
-        rows, weights.w1, weights.w2, prob, group_sizes, b1=weights.b1,
-        deterministic=options.deterministic, backend=options.backend,
-    )
 
 
 def block_output(routed: jax.Array, x: jax.Array, weights: MoEWeights, options: MoEOptions) -> jax.Array:

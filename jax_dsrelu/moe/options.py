@@ -12,6 +12,7 @@ static argument of `jax.jit`, or be passed to a jitted function as a pytree with
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -47,6 +48,11 @@ class MoEOptions:
     round_to: int | None = _option(
         None, "token rounding: each expert's assignments cut to a multiple of round_to (None: none cut)"
     )
+    capacity_factor: float | None = _option(
+        None,
+        "expert parallelism: each device sends each other at most ceil(capacity_factor * T_local * top_k / D) "
+        "rows, the lowest-weighted dropped (None: dropless; moe_layer on one device takes None only)",
+    )
     deterministic: bool = _option(False, "every gradient bitwise reproducible from run to run")
     backend: str = _option("auto", "'auto', 'xla', 'sm90' or 'sm100': the backend of the experts' GEMMs")
 
@@ -79,6 +85,19 @@ class MoEOptions:
                 raise ValueError(
                     f"round_to must be None or a positive number of rows below 2**31, got round_to={self.round_to}"
                 )
+        capacity_factor = self.capacity_factor
+        if capacity_factor is not None:
+            if isinstance(capacity_factor, (bool, np.bool_)) or not isinstance(
+                capacity_factor, (int, float, np.integer, np.floating)
+            ):
+                raise TypeError(
+                    f"capacity_factor must be None or a Python float, got {capacity_factor!r} "
+                    f"({type(capacity_factor).__name__})"
+                )
+            if not (np.isfinite(capacity_factor) and capacity_factor > 0):
+                raise ValueError(
+                    f"capacity_factor must be None or a finite number > 0, got capacity_factor={capacity_factor!r}"
+                )
         validation.require_bool("deterministic", self.deterministic)
         validation.backend_name(self.backend)
 
@@ -105,6 +124,15 @@ class MoEOptions:
     def rounds(self) -> bool:
         """Whether some assignments may be cut to round the experts' row counts."""
         return self.round_to is not None and self.round_to > 1
+
+    def per_peer_capacity(self, num_rows: int, num_peers: int) -> int:
+        """The rows a device sends each of num_peers devices, out of its num_rows (T_local *
+        top_k): all of them when dropless (any one peer may own every chosen expert), else
+        ceil(capacity_factor * num_rows / num_peers), at most num_rows; at least 1, so that
+        the send buffer of a device without tokens still splits into num_peers blocks."""
+        if self.capacity_factor is None:
+            return max(num_rows, 1)
+        return max(min(num_rows, math.ceil(self.capacity_factor * num_rows / num_peers)), 1)
 
     @property
     def drops_groups(self) -> bool:
