@@ -261,7 +261,8 @@ def render_summary(runs: Runs) -> str:
         "doing only the step's six GEMMs (bf16 operands and outputs, float32 accumulation): dense GEMMs of the "
         "same FLOPs, the practical ceiling, and batched GEMMs over E equal experts, timed in the same run. "
         f"Generated from `benchmarks/results/{step_name}`. "
-        "[docs/performance.md](docs/performance.md) has every table and how each was measured.",
+        "[docs/performance.md](docs/performance.md) has every layer and block table and how each was measured, "
+        "[docs/gemm-performance.md](docs/gemm-performance.md) each GEMM's.",
         "", *table(["shape (m, d, f, E)", "sm90 step", "deterministic", "six bf16 cuBLAS GEMMs, dense",
                     "the same batched over experts", "step / dense", "step / batched"], body),
         "", f"Our step is slower than {' and than '.join(said)}." if said else ""]).rstrip()
@@ -353,9 +354,9 @@ TABLES: list[tuple[str, str, tuple[str, ...], Callable[[Runs], str]]] = [
     ("docs/performance.md", "layer", ("bench_layer.json",), render_layer),
     ("docs/performance.md", "token_rounding", ("bench_layer_token_rounding.json",), render_layer),
     ("docs/performance.md", "roofline", ("bench_layer_roofline.json",), render_roofline),
-    ("docs/performance.md", "gemms", ("bench_gemms.json",), render_gemms),
-    ("docs/performance.md", "gemms_fine_grained", ("bench_gemms_fine_grained.json",), render_gemms),
-    ("docs/performance.md", "gemms_quack", ("bench_gemms_quack.json",), render_gemms),
+    ("docs/gemm-performance.md", "gemms", ("bench_gemms.json",), render_gemms),
+    ("docs/gemm-performance.md", "gemms_fine_grained", ("bench_gemms_fine_grained.json",), render_gemms),
+    ("docs/gemm-performance.md", "gemms_quack", ("bench_gemms_quack.json",), render_gemms),
     ("docs/performance.md", "moe_block", ("bench_moe_block.json",), render_moe_block),
     ("docs/sm90.md", "tuning", (), render_tuning),
     ("docs/determinism.md", "determinism", ("determinism_parallel_warm.json", "determinism_parallel_fresh.json"),
