@@ -1,23 +1,12 @@
 """Times the six grouped GEMMs of an MoE layer step against their alternatives, on one GPU.
 
-At each layer shape (m, d, f, E) and grouping (--groups: "dirichlet" ragged sizes or
-"equal", m / E rows each), with one set of bf16 inputs shared by every variant:
-
-    up      h, act = srelu(x (m, d) @ W1[e] (E, d, f) + b1[e])   forward, epilogue fused
-    down    y = act (m, f) @ W2[e] (E, f, d)                       forward
-    dsrelu  grouped_gemm_dsrelu(dy, W2, h, prob): dh, dprob, db1, act   backward, fused
-    dx      dx = dh (m, f) @ W1[e]^T, W1 read in place as (E, n=d, k=f)
-    dw1     dW1[e] = x_e^T dh_e -> (E, d, f);   dw2  dW2[e] = act_e^T dy_e -> (E, f, d)
-
-each 2 m d f FLOPs, every variant in bf16 (precision.py states each; the record holds it):
-
-    sm90            our kernel through the backend protocol (and sm90_det for dsrelu)
-    cublas_dense    one dense bf16 GEMM of the same FLOPs, as a user writes it (same layouts)
-    cublas_batched  the same as E batches of m / E rows: the ceiling of equal groups
-    quack           QuACK's ragged GEMMs (quack_gemms.py); only when --variants names it
-
-Each output is checked against XLA's float32 result before it is timed (`compare`: bounds
-from the arithmetic); a variant that fails is recorded as an error and the script goes on.
+At each layer shape (m, d, f, E) and grouping (--groups), on one set of bf16 inputs, each GEMM
+(2 m d f FLOPs): up (h, act = srelu(x W1[e] + b1[e]), fused), down (act W2[e]), dsrelu
+(grouped_gemm_dsrelu(dy, W2, h, prob): dh, dprob, db1, act), dx (dh W1[e]^T, W1 read in
+place), dw1 (x_e^T dh_e) and dw2 (act_e^T dy_e); by sm90 (ours; sm90_det for dsrelu),
+cublas_dense (one dense bf16 GEMM of the same FLOPs), cublas_batched (E batches of m / E
+rows) and, when --variants names it, quack (quack_gemms.py); precision.py states each. Ours
+are checked against XLA's float32 result before they are timed (`compare`).
 
     python benchmarks/bench_gemms.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_gemms.py --prebuild
@@ -30,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import types
 from typing import Callable
 
@@ -38,13 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import cuda_lowering
 import harness
 import precision
 import quack_gemms
 import run_record
 import timing
-from harness import BF16, group_sizes_for
+from harness import BF16, group_sizes_for, operand_shapes
 import jax_dsrelu
 from jax_dsrelu import groups
 from jax_dsrelu.kernels import registry as backend_choice
@@ -57,27 +46,12 @@ OPTIONAL_VARIANTS = ("quack",)
 # Unit roundoff (half an ulp at 1) of each output dtype, and of the float32 accumulator.
 UNIT_ROUNDOFF = {np.dtype(jnp.bfloat16): 2.0**-8, np.dtype(jnp.float16): 2.0**-11, np.dtype(jnp.float32): 2.0**-24}
 F32_ROUNDOFF = 2.0**-24
-# dsrelu is checked normwise against the XLA backend: outputs
-# rounded to bf16 on both sides differ by at most two roundings plus the effect of the
-# float32 summation order, so 4 units of bf16 roundoff; float32 sums differ only by their
-# summation order, about sqrt(n) 2^-24 relative, far below 2^-10.
+# dsrelu is checked normwise against the XLA backend: outputs rounded to bf16 on both sides
+# differ by at most two roundings plus the effect of the float32 summation order, so 4 units
+# of bf16 roundoff; float32 sums differ only by their order, about sqrt(n) 2^-24 relative.
 DSRELU_TOLERANCE = {"dh": 2.0**-6, "act": 2.0**-6, "dprob": 2.0**-10, "dbias": 2.0**-10, "amax": 2.0**-6}
 RAGGED_ROWS_CONTRACTED = lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((0,), (0,)), ((), ())),
-    lhs_ragged_dimensions=[0],
-    rhs_group_dimensions=[],
-)
-
-
-def operand_shapes(m, d, f, num_experts) -> dict[str, jax.ShapeDtypeStruct]:
-    s = jax.ShapeDtypeStruct
-    return dict(
-        x=s((m, d), BF16), dy=s((m, d), BF16), h=s((m, f), BF16), act=s((m, f), BF16),
-        dh=s((m, f), BF16), w1=s((num_experts, d, f), BF16), w2=s((num_experts, f, d), BF16),
-        w1_dense=s((d, f), BF16), w2_dense=s((f, d), BF16),
-        b1=s((num_experts, f), jnp.float32), prob=s((m,), jnp.float32),
-        group_sizes=s((num_experts,), jnp.int32),
-    )
+    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
 
 def make_operands(m, d, f, num_experts, seed, grouping="dirichlet") -> dict[str, jax.Array]:
@@ -86,16 +60,12 @@ def make_operands(m, d, f, num_experts, seed, grouping="dirichlet") -> dict[str,
     h = normal((m, f))
     prob = jax.random.uniform(next(keys), (m,), jnp.float32, 0.05, 1.0)
     operands = dict(
-        x=normal((m, d)), dy=normal((m, d)), h=h, dh=normal((m, f)),
-        act=(jnp.maximum(h.astype(jnp.float32), 0.0) ** 2 * prob[:, None]).astype(BF16),
+        x=normal((m, d)), dy=normal((m, d)), h=h, dh=normal((m, f)), act=activation(h, prob),
         w1=normal((num_experts, d, f), 1 / np.sqrt(d)), w2=normal((num_experts, f, d), 1 / np.sqrt(f)),
         b1=0.1 * jax.random.normal(next(keys), (num_experts, f), jnp.float32), prob=prob,
-        group_sizes=jnp.asarray(group_sizes_for(grouping, m, num_experts, seed)),
-    )
+        group_sizes=jnp.asarray(group_sizes_for(grouping, m, num_experts, seed)))
     # The dense GEMM's weight is its own array, so no slice copy is timed with it.
-    operands["w1_dense"] = jnp.array(operands["w1"][0])
-    operands["w2_dense"] = jnp.array(operands["w2"][0])
-    return operands
+    return dict(operands, w1_dense=jnp.array(operands["w1"][0]), w2_dense=jnp.array(operands["w2"][0]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,40 +79,33 @@ class RaggedMatmul:
     epilogue: str = "none"  # "srelu": h = acc + b1[e] and act = relu(h)^2 prob
 
     def operand_names(self):
-        extra = ("prob", "b1") if self.epilogue == "srelu" else ()
-        return (self.lhs, self.rhs, "group_sizes") + extra
+        return (self.lhs, self.rhs, "group_sizes") + (("prob", "b1") if self.epilogue == "srelu" else ())
 
     def request(self, shapes, contract_out_dtype):
         del contract_out_dtype  # the ragged-M outputs are in the operand dtype, as moe_mlp's are
         lhs, rhs = shapes[self.lhs], shapes[self.rhs]
-        return RaggedMatmulRequest(
-            num_experts=rhs.shape[0], k=lhs.shape[1], n=rhs.shape[2 if self.rhs_layout == "kn" else 1],
-            rhs_layout=self.rhs_layout, operand_dtype=np.dtype(lhs.dtype), out_dtype=BF16, epilogue=self.epilogue,
-            with_bias=self.epilogue == "srelu")
+        return RaggedMatmulRequest(num_experts=rhs.shape[0], k=lhs.shape[1], n=rhs.shape[2 if self.rhs_layout == "kn" else 1],
+                                   rhs_layout=self.rhs_layout, operand_dtype=np.dtype(lhs.dtype), out_dtype=BF16,
+                                   epilogue=self.epilogue, with_bias=self.epilogue == "srelu")
 
     def xla_accumulator(self, lhs, rhs, group_sizes):
         rhs = rhs if self.rhs_layout == "kn" else jnp.swapaxes(rhs, 1, 2)
         return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
 
     def dense(self, lhs, weight):
-        contract = 0 if self.rhs_layout == "kn" else 1
-        return lax.dot_general(lhs, weight, (((1,), (contract,)), ((), ())))
+        return lax.dot_general(lhs, weight, (((1,), (0 if self.rhs_layout == "kn" else 1,)), ((), ())))
 
     def batched(self, lhs, rhs):
         """E batches of m / E rows of lhs, each times its rhs[e] as stored."""
-        batches = rhs.shape[0]
         contract = 1 if self.rhs_layout == "kn" else 2
-        out = lax.dot_general(lhs.reshape(batches, -1, lhs.shape[1]), rhs, (((2,), (contract,)), ((0,), (0,))))
+        out = lax.dot_general(lhs.reshape(rhs.shape[0], -1, lhs.shape[1]), rhs, (((2,), (contract,)), ((0,), (0,))))
         return out.reshape(lhs.shape[0], -1)
 
     def reference(self, operands) -> dict:
-        """XLA's float32 result and |lhs| @ |rhs|, the scale of its summation error."""
-        lhs, rhs, sizes = (operands[n] for n in (self.lhs, self.rhs, "group_sizes"))
-        accumulate = jax.jit(self.xla_accumulator)
-        reference = dict(acc=accumulate(lhs, rhs, sizes), bound=accumulate(jnp.abs(lhs), jnp.abs(rhs), sizes),
-                         terms=lhs.shape[1])
+        reference = accumulated(self, operands, terms=operands[self.lhs].shape[1])
         if self.epilogue == "srelu":
-            reference["bias"] = jax.jit(bias_rows, static_argnums=2)(operands["b1"], sizes, lhs.shape[0])
+            reference["bias"] = jax.jit(bias_rows, static_argnums=2)(
+                operands["b1"], operands["group_sizes"], operands[self.lhs].shape[0])
         return reference
 
     def check(self, outputs, reference, operands):
@@ -150,11 +113,9 @@ class RaggedMatmul:
         if self.epilogue == "none":
             return dict(out=compare(outputs[0], acc, jnp.abs(acc), bound, terms))
         bias = reference["bias"]
-        # Rounding scale |acc| + |b1|: covers one rounding of acc + b1 and the two
-        # roundings of a GEMM that rounds acc before adding b1.
+        # Rounding scale |acc| + |b1|: one rounding of acc + b1, or two where acc is rounded first.
         checks = dict(h=compare(outputs[0], acc + bias, jnp.abs(acc) + jnp.abs(bias), bound, terms))
-        # act is made from the h the kernel stored, so it is checked against that h: the
-        # float32 value relu(h)^2 prob, which the kernel rounds once.
+        # act is made from the h the kernel stored: relu(h)^2 prob in float32, rounded once.
         expected = jax.jit(activation_f32)(outputs[0], operands["prob"])
         checks["act"] = compare(outputs[1], expected, jnp.abs(expected), jnp.zeros_like(expected), 0)
         return checks
@@ -190,15 +151,18 @@ class RaggedContract:
         return lax.dot_general(lhs, rhs, (((1,), (1,)), ((0,), (0,))))
 
     def reference(self, operands) -> dict:
-        lhs, rhs, sizes = (operands[n] for n in (self.lhs, self.rhs, "group_sizes"))
-        accumulate = jax.jit(self.xla_accumulator)
         # The longest float32 sum is over the largest expert's rows.
-        return dict(acc=accumulate(lhs, rhs, sizes), bound=accumulate(jnp.abs(lhs), jnp.abs(rhs), sizes),
-                    terms=int(np.max(np.asarray(sizes))))
+        return accumulated(self, operands, terms=int(np.max(np.asarray(operands["group_sizes"]))))
 
     def check(self, outputs, reference, operands):
-        acc = reference["acc"]
-        return dict(out=compare(outputs[0], acc, jnp.abs(acc), reference["bound"], reference["terms"]))
+        return dict(out=compare(outputs[0], reference["acc"], jnp.abs(reference["acc"]), reference["bound"], reference["terms"]))
+
+
+def accumulated(spec, operands, terms) -> dict:
+    """spec's float32 result by XLA and |lhs| @ |rhs|, the scale of its summation error."""
+    lhs, rhs, sizes = (operands[n] for n in (spec.lhs, spec.rhs, "group_sizes"))
+    accumulate = jax.jit(spec.xla_accumulator)
+    return dict(acc=accumulate(lhs, rhs, sizes), bound=accumulate(jnp.abs(lhs), jnp.abs(rhs), sizes), terms=terms)
 
 
 def bias_rows(b1, group_sizes, num_rows):
@@ -236,13 +200,10 @@ def _compare(ours, reference, scale, accumulation_bound, terms, out_dtype):
 
 
 def compare(ours, reference, scale, accumulation_bound, terms) -> dict:
-    """Elementwise check of a result rounded once from a float32 sum of `terms` products.
-
-    |ours - reference| <= 2 u |scale| + 2 terms 2^-24 (|lhs| @ |rhs|): u, the output
-    dtype's unit roundoff, for the rounding of the result (twice, for a path that rounds
-    twice); the second term bounds how far two float32 sums of the same products in
-    different orders can drift apart. `worst` is the largest error over its bound: <= 1 passes.
-    """
+    """Elementwise check of a result rounded once from a float32 sum of `terms` products:
+    |ours - reference| <= 2 u |scale| + 2 terms 2^-24 (|lhs| @ |rhs|), u the output dtype's unit
+    roundoff (a path may round twice), the second term how far two float32 sums of the same
+    products in different orders drift apart. `worst` is the largest error over its bound."""
     if ours.shape != reference.shape:
         raise ValueError(f"result shape {ours.shape} differs from the reference's {reference.shape}")
     max_error, worst, relative = _compare(ours, reference, scale, accumulation_bound, float(terms),
@@ -259,7 +220,7 @@ def check_passes(checks: dict) -> bool:
 def check_dsrelu(outputs, reference, tolerances=DSRELU_TOLERANCE) -> dict:
     checks = {}
     for field, tolerance in tolerances.items():
-        ours, ref = np.asarray(getattr(outputs, field), np.float64), np.asarray(getattr(reference, field), np.float64)
+        ours, ref = (np.asarray(getattr(o, field), np.float64) for o in (outputs, reference))
         relative = float(np.linalg.norm(ours - ref) / max(np.linalg.norm(ref), 1e-30))
         checks[field] = dict(relative_frobenius_error=relative, max_abs_error=float(np.max(np.abs(ours - ref))),
                              tolerance=tolerance, passes=relative <= tolerance)
@@ -267,14 +228,12 @@ def check_dsrelu(outputs, reference, tolerances=DSRELU_TOLERANCE) -> dict:
 
 
 def check_squared_relu(outputs, reference) -> dict:
-    """The up-projection as QuACK computes it: h, and act = relu(h)^2 (no prob) squared
-    from its float32 h rather than from h as stored."""
+    """The up-projection as QuACK computes it: h, and act = relu(h)^2 (no prob) of its float32 h."""
     acc, bound, terms, bias = (reference[key] for key in ("acc", "bound", "terms", "bias"))
     h = acc + bias
     checks = dict(h=compare(outputs[0], h, jnp.abs(acc) + jnp.abs(bias), bound, terms))
-    # act's error: its rounding (u) after squaring h, rounded (2u) or not, under compare's
-    # 2u |scale| with scale 2 |act|. A float32 sum of another order moves h by at most
-    # dh = 2 terms 2^-24 bound, and act by at most 2 (|h| + dh) dh.
+    # act's rounding (u) after squaring h, rounded (2u) or not: compare's 2u |scale|, scale 2 |act|.
+    # A float32 sum of another order moves h by dh = 2 terms 2^-24 bound, act by 2 (|h| + dh) dh.
     drift = 2.0 * terms * F32_ROUNDOFF * bound
     expected = jnp.maximum(h, 0.0) ** 2
     checks["act"] = compare(outputs[1], expected, 2.0 * expected, 2.0 * (jnp.abs(h) + drift) * bound, terms)
@@ -326,53 +285,44 @@ def positional(implementation, request):
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One way to compute a GEMM: a function of the named operands, and its output check."""
+    """One way to compute a GEMM: a function of the named operands; ours are checked."""
 
     name: str
     build: Callable[[], Callable]  # may raise: then the variant is an error entry
     operands: tuple[str, ...]
-    check: str | None  # "matmul" or "dsrelu"; None: not comparable
 
 
 def gemm_variants(gemm: str, shapes, out_dtype) -> list[Variant]:
     """Every variant of one GEMM, in the order they run."""
     if gemm == "dsrelu":
-        return [
-            Variant("sm90", lambda: fused("sm90", False), DSRELU_OPERANDS, "dsrelu"),
-            Variant("sm90_det", lambda: fused("sm90", True), DSRELU_OPERANDS, "dsrelu"),
-            Variant("cublas_dense", lambda: jax.jit(RaggedMatmul("dy", "w2", "nk", "w2_dense").dense),
-                    ("dy", "w2_dense"), None),
-            Variant("cublas_batched", lambda: jax.jit(RaggedMatmul("dy", "w2", "nk", "w2_dense").batched),
-                    ("dy", "w2"), None),
-        ]
-    spec = MATMULS[gemm]
-    names = spec.operand_names()
-    contraction = isinstance(spec, RaggedContract)
-    request = spec.request(shapes, out_dtype)
-    ours = lambda: jax.jit(sm90_implementation(request))  # noqa: E731
-    num_experts = shapes["group_sizes"].shape[0]
-    batched = functools.partial(spec.batched, batches=num_experts) if contraction else spec.batched
-    return [
-        Variant("sm90", ours, names, "matmul"),
-        Variant("cublas_dense", lambda: jax.jit(spec.dense), (spec.lhs, getattr(spec, "dense_weight", spec.rhs)), None),
-        Variant("cublas_batched", lambda: jax.jit(batched), (spec.lhs, spec.rhs), None),
-    ]
+        spec = RaggedMatmul("dy", "w2", "nk", "w2_dense")  # its GEMM: dy W2[e]^T
+        ours = [Variant(name, lambda det=det: fused("sm90", det), DSRELU_OPERANDS)
+                for name, det in (("sm90", False), ("sm90_det", True))]
+        batched = spec.batched
+    else:
+        spec = MATMULS[gemm]
+        request = spec.request(shapes, out_dtype)
+        ours = [Variant("sm90", lambda: jax.jit(sm90_implementation(request)), spec.operand_names())]
+        batched = (functools.partial(spec.batched, batches=shapes["group_sizes"].shape[0])
+                   if isinstance(spec, RaggedContract) else spec.batched)
+    return ours + [Variant("cublas_dense", lambda: jax.jit(spec.dense), (spec.lhs, getattr(spec, "dense_weight", spec.rhs))),
+                   Variant("cublas_batched", lambda: jax.jit(batched), (spec.lhs, spec.rhs))]
 
 
 def run_variant(variant, gemm, operands, reference, reps, clock) -> dict:
-    """Builds, checks and times one variant; any failure becomes the entry's error."""
+    """Builds, checks (ours) and times one variant; any failure becomes the entry's error."""
     try:
         fn = variant.build()
     except Exception as error:  # not built: recorded, the next variant runs
         return run_record.error_entry(error, "build")
 
     def check(outputs):
-        checks = (check_dsrelu(outputs, reference) if variant.check == "dsrelu"
+        checks = (check_dsrelu(outputs, reference) if gemm == "dsrelu"
                   else MATMULS[gemm].check(outputs, reference, operands))
         return checks, check_passes(checks)
 
     args = tuple(operands[name] for name in variant.operands)
-    return harness.measure(fn, args, reps, clock, check=check if variant.check else None)[0]
+    return harness.measure(fn, args, reps, clock, check=check if variant.name.startswith("sm90") else None)[0]
 
 
 def bench_gemm(gemm, shape, operands, reps, clock, out_dtype, selected) -> dict:
@@ -381,57 +331,42 @@ def bench_gemm(gemm, shape, operands, reps, clock, out_dtype, selected) -> dict:
     reference = (fused("xla")(*(operands[n] for n in DSRELU_OPERANDS)) if gemm == "dsrelu"
                  else MATMULS[gemm].reference(operands))
     results: dict[str, dict] = {}
-    for variant in gemm_variants(gemm, operand_shapes(*shape), out_dtype):
-        if variant.name in selected:
-            print(f"{shape} {gemm} {variant.name}", flush=True)
-            results[variant.name] = run_variant(variant, gemm, operands, reference, reps, clock)
+    for variant in (v for v in gemm_variants(gemm, operand_shapes(*shape), out_dtype) if v.name in selected):
+        print(f"{shape} {gemm} {variant.name}", flush=True)
+        results[variant.name] = run_variant(variant, gemm, operands, reference, reps, clock)
     if "quack" in selected:
         print(f"{shape} {gemm} quack", flush=True)
         results["quack"] = quack_gemms.bench_entry(
             gemm, operands, quack_check(gemm, operands, reference), check_passes, reps, clock, out_dtype)
-    for entry in results.values():
-        if "ms" in entry:
-            entry["tflops"] = timing.tflops(flops, entry["ms"])
+    for entry in (entry for entry in results.values() if "ms" in entry):
+        entry["tflops"] = timing.tflops(flops, entry["ms"])
     return dict(flops=flops, variants=results)
 
 
 def prebuild(shapes, gemms, variants, out_dtype) -> None:
     """Lowers the selected sm90 variants at these shapes for cuda, which builds and caches their kernels."""
-    cuda_lowering.prepare()
-    for shape in shapes:
+    harness.prepare_prebuild()
+    for shape, gemm in itertools.product(shapes, gemms):
         described = operand_shapes(*shape)
-        for gemm in gemms:
-            for variant in gemm_variants(gemm, described, out_dtype):
-                if variant.name in variants and variant.name in ("sm90", "sm90_det"):
-                    name = f"bench_gemms {gemm} {variant.name} {shape}"
-                    try:
-                        fn = variant.build()
-                    except NotImplementedError as error:
-                        print(f"prebuild {name}: not built ({str(error)[:200]})", flush=True)
-                        continue
-                    cuda_lowering.lower_for_cuda(name, fn, *(described[n] for n in variant.operands))
+        for variant in gemm_variants(gemm, described, out_dtype):
+            if variant.name in variants and variant.name.startswith("sm90"):  # built while traced: "not built" is said
+                harness.lower_for_cuda(f"bench_gemms {gemm} {variant.name} {shape}", lambda *a, build=variant.build: build()(*a),
+                                       *(described[n] for n in variant.operands))
 
 
 def plot(rows, path, title):
     shown = ("sm90", "cublas_dense", "cublas_batched", "quack")
-    panels = []
-    for row in rows:
-        s, gemms = row["shape"], list(row["gemms"])
-        series = {v: [row["gemms"][g]["variants"].get(v, {}).get("tflops", 0.0) for g in gemms] for v in shown}
-        panels.append((f"m={s['m']} d={s['d']} f={s['f']} E={s['E']}, {row['grouping']} groups", gemms, series))
-    harness.plot_bars(panels, path, title, "TFLOP/s")
-
-
-def arguments(argv=None):
-    parser = harness.parser(__doc__.split("\n\n")[0], reps=20, variants=VARIANTS, optional_variants=OPTIONAL_VARIANTS)
-    parser.add_argument("--gemms", default=",".join(GEMMS), help=f"comma-separated subset of {','.join(GEMMS)}")
-    parser.add_argument("--contract-out-dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                        help="dtype of dW1 and dW2 (the ragged contraction's output)")
-    return harness.parse(parser, argv, dict(gemms=GEMMS, variants=VARIANTS + OPTIONAL_VARIANTS))
+    harness.plot_bars([(f"{harness.row_title(row)}, {row['grouping']} groups", list(row["gemms"]),
+                        {v: [g["variants"].get(v, {}).get("tflops", 0.0) for g in row["gemms"].values()] for v in shown})
+                       for row in rows], path, title, "TFLOP/s")
 
 
 def main(argv=None):
-    options = arguments(argv)
+    parser = harness.parser(__doc__.split("\n\n")[0], reps=20, variants=VARIANTS, optional_variants=OPTIONAL_VARIANTS,
+                            subsets=dict(gemms=GEMMS))
+    parser.add_argument("--contract-out-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="dtype of dW1 and dW2 (the ragged contraction's output)")
+    options = harness.parse(parser, argv)
     out_dtype = np.dtype(options.contract_out_dtype)
     if options.prebuild:
         prebuild(options.shapes, options.gemms, options.variants, out_dtype)
@@ -448,10 +383,9 @@ def main(argv=None):
                 row["gemms"][gemm] = dict(run_record.error_entry(error, "reference"), variants={})
             save()
 
-    harness.run(options, measure_row, plot, lambda rows: harness.summarize(rows, "gemms"), benchmark="bench_gemms",
-                title="grouped GEMMs, bf16", description="the six grouped GEMMs of an MoE layer step, bf16",
-                contract_out_dtype=out_dtype.name, flops="2 m d f per GEMM",
-                precision=precision.stated("bench_gemms", options.variants))
+    harness.run(options, measure_row, plot, "gemms", benchmark="bench_gemms", title="grouped GEMMs, bf16",
+                description="the six grouped GEMMs of an MoE layer step, bf16", contract_out_dtype=out_dtype.name,
+                flops="2 m d f per GEMM", precision=precision.stated("bench_gemms", options.variants))
 
 
 if __name__ == "__main__":

@@ -1,31 +1,13 @@
 """Times a whole MoE layer step through `moe_mlp` against its alternatives, on one GPU.
 
-At each shape (m, d, f, E) and grouping (--groups: "dirichlet" ragged sizes, "equal",
-m / E rows each, or "rounded128", the dirichlet sizes cut as token rounding cuts them),
-with one set of bf16 inputs (b1 included) shared by every variant, two computations:
-
-    step     jax.value_and_grad of sum(y * cotangent) in x, w1, w2, prob and b1
-    forward  y alone
-
-for the variants (precision.py states how each computes; the record holds it)
-
-    xla          moe_mlp(backend="xla")
-    sm90         moe_mlp(backend="sm90", deterministic=False)
-    sm90_det     moe_mlp(backend="sm90", deterministic=True)
-    dense_mlp    the dense bf16 MLP of the same FLOPs as a user writes it (one (d, f) and
-                 one (f, d) weight for every row; jnp.dot on bf16 to bf16, autodiff)
-    batched_mlp  the same over E equal batches of m / E rows, each with its expert's weights
-    cublas_dense    the step's six GEMMs (the forward's two) alone, as dense bf16 GEMMs of
-                 the same shapes, every one on cuBLAS: the practical ceiling of the step
-    cublas_batched  the same over E equal batches of m / E rows (batched cuBLAS GEMMs)
-
-Throughput counts 12 m d f FLOPs per step and 4 m d f per forward (m the rows the experts
-own; the baselines compute every row). The step's sm90 kernels are set against their
-rooflines (roofline.py: FLOPs at cublas_dense's rate, bytes at a copy's rate of the same
-run). Each variant records
-its CUPTI per-kernel breakdown (timing.py) and its peak device memory (harness.memory).
-The sm90 results are checked against the xla backend's before they are timed;
-a variant that fails is recorded as an error and the script goes on.
+At each shape (m, d, f, E) and grouping (--groups), on one set of bf16 inputs (b1 included):
+the step (jax.value_and_grad of sum(y * cotangent) in x, w1, w2, prob and b1, 12 m d f FLOPs,
+m the rows the experts own) and the forward (4 m d f), by moe_mlp on backend xla and sm90
+(sm90_det: deterministic), and the bf16 baselines a user would write: dense_mlp (one expert's
+weights for every row, autodiff), batched_mlp (E equal batches), and the step's six GEMMs
+alone on cuBLAS, cublas_dense (the practical ceiling) and cublas_batched; precision.py states
+each. The sm90 results are checked against xla's before they are timed, and the step's
+kernels set against their rooflines (roofline.py).
 
     python benchmarks/bench_layer.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_layer.py --prebuild
@@ -37,17 +19,17 @@ writes bench_layer.json (gzipped where large: run_record.write_json) and bench_l
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import cuda_lowering
 import harness
 import precision
 import roofline
 from bench_gemms import activation
-from harness import BF16, group_sizes_for
+from harness import BF16, group_sizes_for, operand_shapes
 
 import jax_dsrelu
 
@@ -57,38 +39,22 @@ BASELINES = ("dense_mlp", "batched_mlp", "cublas_dense", "cublas_batched")
 MODES = ("step", "forward")
 FLOPS_PER_MDF = {"step": 12.0, "forward": 4.0}
 GRADIENTS = ("x", "w1", "w2", "prob", "b1")  # moe_mlp's differentiable operands, in order
-# Normwise, against the xla backend. Both round h, act and dh to bf16 before the bf16
-# GEMMs that follow; where their float32 sums differ in the last bits those roundings
-# differ by an ulp, so results agree to a few bf16 ulps (2^-8 each) relative to their norm.
+# Normwise, against the xla backend: both round h, act and dh to bf16, an ulp apart where
+# their float32 sums differ in the last bits, so results agree to a few bf16 ulps (2^-8).
 TOLERANCE = 2e-2
-
-
-def operand_shapes(m, d, f, num_experts) -> dict[str, jax.ShapeDtypeStruct]:
-    s = jax.ShapeDtypeStruct
-    return dict(
-        x=s((m, d), BF16), w1=s((num_experts, d, f), BF16), w2=s((num_experts, f, d), BF16),
-        prob=s((m,), jnp.float32), b1=s((num_experts, f), jnp.float32),
-        group_sizes=s((num_experts,), jnp.int32), cotangent=s((m, d), BF16),
-        w1_dense=s((d, f), BF16), w2_dense=s((f, d), BF16), b1_dense=s((f,), jnp.float32),
-        act=s((m, f), BF16), dh=s((m, f), BF16),
-    )
 
 
 def make_operands(m, d, f, num_experts, seed, grouping="dirichlet") -> dict[str, jax.Array]:
     keys = iter(jax.random.split(jax.random.key(seed), 8))
     normal = lambda shape, scale=1.0: (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(BF16)  # noqa: E731
     operands = dict(
-        x=normal((m, d)), w1=normal((num_experts, d, f), 1 / np.sqrt(d)),
-        w2=normal((num_experts, f, d), 1 / np.sqrt(f)),
+        x=normal((m, d)), w1=normal((num_experts, d, f), 1 / np.sqrt(d)), w2=normal((num_experts, f, d), 1 / np.sqrt(f)),
         prob=jax.random.uniform(next(keys), (m,), jnp.float32, 0.05, 1.0),
         b1=0.1 * jax.random.normal(next(keys), (num_experts, f), jnp.float32),
         group_sizes=jnp.asarray(group_sizes_for(grouping, m, num_experts, seed)),
-        cotangent=normal((m, d)), act=normal((m, f)), dh=normal((m, f)),
-    )
+        cotangent=normal((m, d)), act=normal((m, f)), dh=normal((m, f)))
     # The dense MLP's own weights, so no slice copy is timed with it.
-    operands.update(w1_dense=jnp.array(operands["w1"][0]), w2_dense=jnp.array(operands["w2"][0]),
-                    b1_dense=jnp.array(operands["b1"][0]))
-    return operands
+    return dict(operands, **{f"{name}_dense": jnp.array(operands[name][0]) for name in ("w1", "w2", "b1")})
 
 
 def moe_mlp_with(backend, deterministic):
@@ -113,13 +79,11 @@ def batched_mlp(x, w1, w2, prob, b1):
 
 
 def cublas_gemms(mode, batched):
-    """The step's GEMMs alone (the forward's: h and y), on operands of their shapes: the
-    forward's x W1 and act W2, the backward's dy W2^T, dh W1^T, x^T dh and act^T dy."""
+    """The step's GEMMs alone: x W1, act W2 (the forward's), dy W2^T, dh W1^T, x^T dh and act^T dy."""
     def gemms(x, w1, w2, act, dh, dy):
         if batched:  # E equal batches of rows, each with its expert's weights
             x, act, dh, dy = (a.reshape(w1.shape[0], -1, a.shape[1]) for a in (x, act, dh, dy))
-        rows = "er" if batched else "r"
-        weight = "e" if batched else ""
+        rows, weight = ("er", "e") if batched else ("r", "")
 
         def gemm(spec, a, b):
             return jnp.einsum(spec.format(r=rows, e=weight), a, b, preferred_element_type=BF16)
@@ -136,8 +100,7 @@ def cublas_gemms(mode, batched):
 def loss_of(layer):
     def loss(*operands):
         *layer_operands, cotangent = operands
-        y = layer(*layer_operands)
-        return jnp.sum(y.astype(jnp.float32) * cotangent.astype(jnp.float32))
+        return jnp.sum(layer(*layer_operands).astype(jnp.float32) * cotangent.astype(jnp.float32))
 
     return loss
 
@@ -163,18 +126,17 @@ def flatten(outputs, mode):
     """The named results: the loss and every gradient (step), or y (forward)."""
     if mode == "forward":
         return {"y": outputs}
-    value, grads = outputs
-    return {"loss": value, **{f"d{name}": grad for name, grad in zip(GRADIENTS, grads)}}
+    return {"loss": outputs[0], **{f"d{name}": grad for name, grad in zip(GRADIENTS, outputs[1])}}
 
 
-def compare(outputs, reference) -> dict:
-    """Normwise errors against the xla backend. The loss is recorded but not judged: it is
-    a sum of terms of both signs, so its relative error says nothing about the layer."""
+def compare(outputs, reference) -> tuple[dict, bool]:
+    """Normwise errors against the xla backend, and whether all pass. The loss is recorded but
+    not judged: a sum of terms of both signs, its relative error says nothing about the layer."""
     checks = {name: dict(relative_error=float(harness.relative_error(outputs[name], ref)))
               for name, ref in reference.items()}
     for name in checks.keys() - {"loss"}:
         checks[name]["passes"] = checks[name]["relative_error"] <= TOLERANCE
-    return checks
+    return checks, all(c.get("passes", True) for c in checks.values())
 
 
 def run_variant(variant, mode, operands, reference, reps, clock, flops) -> tuple[dict, dict | None]:
@@ -182,10 +144,7 @@ def run_variant(variant, mode, operands, reference, reps, clock, flops) -> tuple
     fn, names = computation(variant, mode)
     if variant not in BASELINES:
         fn = functools.partial(lambda fn, *args: flatten(fn(*args), mode), fn)
-
-    def check(outputs):
-        checks = compare(outputs, reference)
-        return checks, all(c.get("passes", True) for c in checks.values())
+    check = lambda outputs: compare(outputs, reference)  # noqa: E731
 
     ours = variant not in ("xla", *BASELINES)
     entry, outputs = harness.measure(
@@ -197,17 +156,15 @@ def run_variant(variant, mode, operands, reference, reps, clock, flops) -> tuple
 
 
 def bench_shape(shape, row, operands, variants, modes, reps, clock, save, copy) -> None:
-    """Fills `row` with every mode's variants at this shape, saving after each mode; the
-    step's kernels against their rooflines, from `copy` (roofline.copy_rate)."""
-    m, d, f, num_experts = shape
+    """Fills `row` with every mode's variants, saving after each, and the step's rooflines (from `copy`)."""
+    m, d, f, _ = shape
     row.update(group_sizes=np.asarray(operands["group_sizes"]).tolist(), modes={})
     owned = int(np.sum(row["group_sizes"]))  # m, but where token rounding cut rows
     for mode in modes:
         flops, results, reference = FLOPS_PER_MDF[mode] * owned * d * f, {}, None
-        for variant in sorted(variants, key=lambda v: v != "xla"):  # xla first: the others are checked against it
+        for variant in harness.reference_first(variants):
             print(f"{shape} {mode} {variant}", flush=True)
-            # The baselines compute every row, cut or not.
-            done = FLOPS_PER_MDF[mode] * m * d * f if variant in BASELINES else flops
+            done = FLOPS_PER_MDF[mode] * m * d * f if variant in BASELINES else flops  # they compute every row
             results[variant], outputs = run_variant(variant, mode, operands, reference, reps, clock, done)
             reference = outputs if variant == "xla" else reference
         del reference
@@ -217,21 +174,16 @@ def bench_shape(shape, row, operands, variants, modes, reps, clock, save, copy) 
         save()
 
 
-# Variants that run through moe_mlp, whose kernels a prebuild compiles (xla: none, but
-# lowering it tests the path without compiling anything).
+# The variants through moe_mlp, which a prebuild lowers (xla compiles no kernel, but tests the path).
 LAYER_VARIANTS = ("xla", "sm90", "sm90_det")
 
 
 def prebuild(shapes, variants, modes) -> None:
-    """Lowers the selected moe_mlp variants' steps and forwards for cuda, which builds and
-    caches the kernels they run."""
-    cuda_lowering.prepare()
-    for shape in shapes:
-        described = operand_shapes(*shape)
-        for variant in (v for v in variants if v in LAYER_VARIANTS):
-            for mode in modes:
-                fn, names = computation(variant, mode)
-                cuda_lowering.lower_for_cuda(f"bench_layer {variant} {mode} {shape}", fn, *(described[n] for n in names))
+    """Lowers the selected moe_mlp variants' steps and forwards for cuda, building their kernels."""
+    harness.prepare_prebuild()
+    for shape, variant, mode in itertools.product(shapes, [v for v in variants if v in LAYER_VARIANTS], modes):
+        fn, names = computation(variant, mode)
+        harness.lower_for_cuda(f"bench_layer {variant} {mode} {shape}", fn, *(operand_shapes(*shape)[n] for n in names))
 
 
 def plot(rows, path, title):
@@ -242,14 +194,9 @@ def plot(rows, path, title):
     harness.plot_bars(panels, path, title, "TFLOP/s")
 
 
-def arguments(argv=None):
-    parser = harness.parser(__doc__.split("\n\n")[0], reps=10, variants=VARIANTS)
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    return harness.parse(parser, argv, dict(variants=VARIANTS, modes=MODES))
-
-
 def main(argv=None):
-    options = arguments(argv)
+    options = harness.parse(harness.parser(__doc__.split("\n\n")[0], reps=10, variants=VARIANTS,
+                                           subsets=dict(modes=MODES)), argv)
     if options.prebuild:
         prebuild(options.shapes, options.variants, options.modes)
         return
@@ -262,13 +209,10 @@ def main(argv=None):
         operands = make_operands(*shape, options.seed, grouping)
         bench_shape(shape, row, operands, options.variants, options.modes, options.reps, clock, save, copy)
 
-    harness.run(
-        options, measure_row, plot, lambda rows: harness.summarize(rows, "modes"),
-        benchmark="bench_layer", title="moe_mlp layer, bf16",
-        description="moe_mlp layer: value_and_grad step and forward, bf16, with b1",
-        flops="12 m d f per step, 4 m d f per forward, m the rows the experts own", memory=harness.MEMORY,
-        precision=precision.stated("bench_layer", options.variants),
-    )
+    harness.run(options, measure_row, plot, "modes", benchmark="bench_layer",
+                title="moe_mlp layer, bf16", description="moe_mlp layer: value_and_grad step and forward, bf16, with b1",
+                flops="12 m d f per step, 4 m d f per forward, m the rows the experts own", memory=harness.MEMORY,
+                precision=precision.stated("bench_layer", options.variants))
 
 
 if __name__ == "__main__":

@@ -1,25 +1,12 @@
 """Times one training step of MoE blocks built with `moe_layer`, beside their GEMMs alone, on one GPU.
 
-The blocks (BLOCKS; --blocks picks), bf16 with a float32 router: Nemotron-3-Nano's at T = 8192
-and 32768, a DeepSeek-V3 expert shard (its 256 experts over 8 devices; T = 4096, so
-bench_layer.py's 32768 rows) and a block of few large experts. A step is jax.value_and_grad
-of sum(out * cotangent) in x, the router and every expert weight, as (--variants picks;
-precision.py states how each computes)
-
-    auto, auto_det   moe_layer(backend="auto"), deterministic False and True: the kernels
-    xla, xla_det     moe_layer(backend="xla"), both modes
-    tokamax          the block in plain JAX, its expert GEMMs on tokamax.ragged_dot (its Pallas
-                     Mosaic GPU kernels; its XLA ones on the CPU); where tokamax is not
-                     installed the record says so and nothing runs
-    gemms_cublas     the step's GEMMs alone, bf16 as a user writes them, each on cuBLAS
-    gathered, gathered_det  auto with the sm90 kernels not yet verified switched on (the
-                     GEMMs reading rows through the routing index, the ordered
-                     gather-and-sum; kernels/sm90/backend.py), both modes
-
-Each entry holds the step's time, its CUPTI kernel breakdown with the time outside the GEMM
-kernels (timing.outside_gemms), and its peak device memory by XLA's analysis of the compiled
-step (the device's own peak counter cannot be reset between variants); every variant but xla
-and the GEMMs alone is checked against xla's gradients before it is timed.
+The blocks (BLOCKS; --blocks picks), bf16 with a float32 router; a step is jax.value_and_grad
+of sum(out * cotangent) in x, the router and every expert weight, by the variants (--variants
+picks; precision.py states each): auto and auto_det (moe_layer on the kernels, both modes),
+xla and xla_det, tokamax (the block around tokamax.ragged_dot; skipped where not installed),
+gemms_cublas (the step's GEMMs alone on cuBLAS), gathered and gathered_det (auto with the sm90
+kernels not yet verified switched on). Each entry holds the step's CUPTI kernel breakdown and
+peak memory; all but xla and the GEMMs alone are checked against xla's gradients first.
 
     python benchmarks/bench_moe_block.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_moe_block.py --prebuild
@@ -33,14 +20,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import importlib.util
-import os
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import cuda_lowering
 import harness
 import precision
 from bench_layer import TOLERANCE, cublas_gemms
@@ -50,6 +36,7 @@ import jax_dsrelu
 from jax_dsrelu.kernels.sm90 import backend as sm90_backend
 
 VARIANTS = ("auto", "auto_det", "xla", "xla_det", "tokamax", "gemms_cublas", "gathered", "gathered_det")
+KERNEL_VARIANTS = tuple(v for v in VARIANTS if v.startswith(("auto", "gathered")))  # those a prebuild lowers
 F32 = jnp.float32
 WEIGHTS = ("router", "w1", "w2", "shared_w1", "shared_w2")
 
@@ -73,7 +60,7 @@ class Block:
 
     @property
     def flops(self) -> float:
-        """Three GEMMs (forward, two backward) per weight: over the routed rows, the shared expert's, the router's."""
+        """Three GEMMs (forward, two backward) per weight: the routed rows', the shared expert's, the router's."""
         return 6.0 * self.tokens * self.d * (2 * self.top_k * self.f + 2 * self.shared + self.experts)
 
     def tiny(self) -> Block:
@@ -98,8 +85,7 @@ BLOCKS = {
 
 
 def operand_shapes(block: Block) -> dict[str, jax.ShapeDtypeStruct]:
-    """Every variant's operands; the GEMMs alone take operands of the shapes the step's GEMMs
-    see: T top_k routed rows, and the activations and gradients between the GEMMs."""
+    """Every variant's operands; the GEMMs alone take those of the step's GEMMs' shapes (T top_k rows)."""
     s, t, d, e, f, fs = jax.ShapeDtypeStruct, block.tokens, block.d, block.experts, block.f, block.shared
     rows = t * block.top_k
     shapes = dict(x=s((t, d), BF16), router=s((d, e), F32), w1=s((e, d, f), BF16), w2=s((e, f, d), BF16),
@@ -112,16 +98,12 @@ def operand_shapes(block: Block) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def make_operands(block: Block, seed: int) -> dict[str, jax.Array]:
-    """Standard normal operands; the weights scaled by 1 / sqrt(fan-in), so that every
-    activation is O(1), and the selection bias small."""
+    """Standard normal; the weights scaled by 1 / sqrt(fan-in) (activations O(1)); a small selection bias."""
     shapes = operand_shapes(block)
     keys = dict(zip(shapes, jax.random.split(jax.random.key(seed), len(shapes))))
-
-    def make(name, s):
-        scale = 1e-3 if name == "expert_bias" else 1 / np.sqrt(s.shape[-2]) if name in WEIGHTS else 1.0
-        return (scale * jax.random.normal(keys[name], s.shape, F32)).astype(s.dtype)
-
-    return {name: make(name, s) for name, s in shapes.items()}
+    scale = {name: 1e-3 if name == "expert_bias" else 1 / np.sqrt(s.shape[-2]) if name in WEIGHTS else 1.0
+             for name, s in shapes.items()}
+    return {name: (scale[name] * jax.random.normal(keys[name], s.shape, F32)).astype(s.dtype) for name, s in shapes.items()}
 
 
 def library_layer(block: Block, backend: str, deterministic: bool):
@@ -129,8 +111,7 @@ def library_layer(block: Block, backend: str, deterministic: bool):
         return jax_dsrelu.moe_layer(
             x, router, w1, w2, top_k=block.top_k, score=block.score, expert_bias=expert_bias if block.bias else None,
             normalize=block.normalize, scale=block.scale, shared_w1=shared_w1, shared_w2=shared_w2,
-            deterministic=deterministic, backend=backend,
-        )
+            deterministic=deterministic, backend=backend)
 
     return layer
 
@@ -140,10 +121,9 @@ def squared_relu(h, weight=1.0):
 
 
 def tokamax_layer(block: Block, implementation: str):
-    """The block as a user writes it in JAX around tokamax.ragged_dot, computing what
-    moe_layer computes: float32 scores, the top_k of the biased ones, weights from the
-    unbiased ones; rows sorted by expert, each weight applied to its activation (as
-    moe_mlp does), each token's top_k rows added in float32."""
+    """The block as a user writes it around tokamax.ragged_dot, computing what moe_layer does:
+    float32 scores, the top_k of the biased ones, weights from the unbiased ones applied to
+    the activations of rows sorted by expert, each token's rows added in float32."""
 
     def layer(x, router, w1, w2, expert_bias, shared_w1=None, shared_w2=None):
         import tokamax  # here, so that a failing import is the variant's error
@@ -172,18 +152,16 @@ def step_of(block: Block, layer):
     names = block.gradients + ("expert_bias", "cotangent")
 
     def loss(*operands):
-        named = dict(zip(names, operands))
-        cotangent = named.pop("cotangent")
-        return jnp.sum(layer(**named).astype(F32) * cotangent.astype(F32))
+        *named, cotangent = operands
+        return jnp.sum(layer(**dict(zip(names, named))).astype(F32) * cotangent.astype(F32))
 
     return jax.value_and_grad(loss, argnums=tuple(range(len(block.gradients)))), names
 
 
 def gemms_step(block: Block):
-    """The ceiling: the step's GEMMs alone (bench_layer.cublas_gemms, on operands of their
-    shapes), with nothing between them: the routed experts' six batched over E equal
-    experts, the shared expert's six, and the router's three in float32 (its logits, and
-    the logits' gradient, stood in for by the logits, times the router and times x)."""
+    """The ceiling: the step's GEMMs alone (bench_layer.cublas_gemms): the routed experts' six
+    batched over E equal experts, the shared expert's six, the router's three in float32
+    (the logits, and the logits again for their gradient, times the router and times x)."""
     routed, shared = cublas_gemms("step", batched=True), cublas_gemms("step", batched=False)
 
     def gemms(x, x_f32, router, w1, w2, rows, rows_act, rows_dh, rows_dy, cotangent, *shared_operands):
@@ -234,13 +212,11 @@ def run_variant(block, variant, operands, reference, reps, clock) -> tuple[dict,
 
 def prebuild(blocks, variants) -> None:
     """Lowers the kernel variants' steps for cuda, which builds and caches their kernels."""
-    cuda_lowering.prepare()
-    for block in blocks:
-        shapes = operand_shapes(block)
-        for variant in (v for v in variants if v.startswith(("auto", "gathered"))):
-            fn, names = computation(block, variant)
-            with sm90_backend.unverified_enabled(on=variant.startswith("gathered")):
-                cuda_lowering.lower_for_cuda(f"bench_moe_block {variant} {block}", fn, *(shapes[n] for n in names))
+    harness.prepare_prebuild()
+    for block, variant in itertools.product(blocks, [v for v in variants if v in KERNEL_VARIANTS]):
+        fn, names = computation(block, variant)
+        with sm90_backend.unverified_enabled(on=variant.startswith("gathered")):
+            harness.lower_for_cuda(f"bench_moe_block {variant} {block}", fn, *(operand_shapes(block)[n] for n in names))
 
 
 def plot(blocks: dict, path: str, title: str) -> None:
@@ -248,14 +224,9 @@ def plot(blocks: dict, path: str, title: str) -> None:
     harness.plot_bars([("step", list(blocks), series)], path, title, "TFLOP/s")
 
 
-def arguments(argv=None):
-    parser = harness.parser(__doc__.split("\n\n")[0], reps=10, variants=VARIANTS, shaped=False)
-    parser.add_argument("--blocks", default=",".join(BLOCKS), help=f"comma-separated subset of {','.join(BLOCKS)}")
-    return harness.parse(parser, argv, dict(variants=VARIANTS, blocks=tuple(BLOCKS)))
-
-
 def main(argv=None):
-    options = arguments(argv)
+    options = harness.parse(harness.parser(__doc__.split("\n\n")[0], reps=10, variants=VARIANTS, shaped=False,
+                                           subsets=dict(blocks=tuple(BLOCKS))), argv)
     blocks = {name: BLOCKS[name].tiny() if options.cpu else BLOCKS[name] for name in options.blocks}
     if options.prebuild:
         prebuild(blocks.values(), options.variants)
@@ -268,14 +239,13 @@ def main(argv=None):
         print(f"{name}: {block.describe()}", flush=True)
         entries, operands, reference = {}, make_operands(block, options.seed), None
         result["blocks"][name] = dict(block=dataclasses.asdict(block), description=block.describe(), variants=entries)
-        for variant in sorted(options.variants, key=lambda v: v != "xla"):  # xla first: the others are checked against it
+        for variant in harness.reference_first(options.variants):
             entry, gradients = run_variant(block, variant, operands, reference, options.reps, clock)
             entries[variant], reference = entry, gradients if variant == "xla" else reference
             print(f"  {variant:<12} " + (f"{entry['ms']:9.3f} ms ({entry['tflops']:.0f} TFLOP/s)" if "ms" in entry
                                          else entry.get("skipped") or f"failed at {entry['stage']}"), flush=True)
             save()
-    plot(result["blocks"], os.path.join(options.out, harness.record_name("bench_moe_block", options.label)[:-5] + ".png"),
-         f"MoE block steps, {result['device']} ({clock})")
+    plot(result["blocks"], harness.png_path(options, "bench_moe_block"), f"MoE block steps, {result['device']} ({clock})")
     print(save())
 
 

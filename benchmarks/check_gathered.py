@@ -1,20 +1,12 @@
 """The gathered fused dsReLU kernel run again and again beside the verified kernel on the same
 rows, at the GPU tier's case where it once gave wrong rows (tests/test_sm90_gathered.py,
-"nano_widths"): what goes wrong, and where.
+"nano_widths"): what goes wrong, and where (docs/sm90.md, "The preact ring").
 
-Every output is NaN-filled before each run and each run held to the float64 contract
-(tests/contract_numpy.py). Where one is outside it, the record names the blocks (expert,
-tile, N-tile, subtile), the entries never written (NaN), and whose values they hold: act =
-relu(preact)^2 prob does not depend on the GEMM, so a wrong act block names the preact block
-the epilogue read instead, and a wrong dh block equal to the verified dh elsewhere names a
-misplaced store.
-
-Four kernels per mode: the verified one on rows gathered in memory, the gathered one (its
-preact buffers released past a proxy fence), and, for this check only, two variants of the
-gathered kernel as it was at 13cf1f7, with no such fence (the verified kernel fences since 0e511a1):
-`UnfencedGatheredDsrelu` unchanged otherwise, and `WaitedGatheredDsrelu` with its gathering
-threads waiting for their copies, fencing and arriving plainly. Which go wrong and which
-stay right says which of the two signals fails.
+Every output is NaN-filled before each run and held to the float64 contract; a failure names
+its blocks (expert, tile, N-tile, subtile), the entries never written, and whose values they
+hold. Four kernels per mode: the verified one on rows gathered in memory, the gathered one,
+and the gathered one as at 13cf1f7, without the preact fence (`UnfencedGatheredDsrelu`) and
+also with its copies waited for (`WaitedGatheredDsrelu`): which go wrong says which signal fails.
 
     python benchmarks/check_gathered.py --runs 20 --commit C --out DIR
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/check_gathered.py --prebuild
@@ -26,15 +18,15 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import hashlib
 import os
 import sys
+from unittest import mock
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import test_sm90_gathered as cases  # noqa: E402, I001  (first: it sets CUTE_DSL_ARCH before CuTe DSL loads)
 import contract_numpy  # noqa: E402
-import cuda_lowering  # noqa: E402
+import harness  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -53,9 +45,8 @@ SAMPLED = 20_000  # wrong entries placed in blocks, at most (the counts are of t
 
 
 class WaitedGatheredDsrelu(GatheredDsreluSm90):
-    """Each gathering thread waits for its copies of a k-tile, fences them and arrives
-    plainly: no cp.async.mbarrier.arrive.noinc; the preact buffers released unfenced, as
-    at 13cf1f7, so that this variant changes the operand ring's signal alone."""
+    """Each gathering thread waits for its copies, fences them and arrives plainly (no
+    cp.async.mbarrier.arrive.noinc); preact released unfenced as at 13cf1f7: one signal changed."""
 
     epilogue_input_fenced = False
 
@@ -76,17 +67,11 @@ class UnfencedGatheredDsrelu(GatheredDsreluSm90):
 VARIANTS = {"gathered_unfenced": UnfencedGatheredDsrelu, "gathered_waited": WaitedGatheredDsrelu}
 
 
-@contextlib.contextmanager
 def variant_kernel(name: str):
-    """dsrelu_call builds (and keys) variant `name` for its gathered calls."""
+    """A context in which dsrelu_call builds (and keys) variant `name` for its gathered calls."""
     kernel, key = dsrelu_call._kernel, dsrelu_call._compile_key
-    dsrelu_call._kernel = lambda request, config, gathered=None: (
-        VARIANTS[name](config, request) if gathered else kernel(request, config))
-    dsrelu_call._compile_key = lambda *a: key(*a) + (name,)
-    try:
-        yield
-    finally:
-        dsrelu_call._kernel, dsrelu_call._compile_key = kernel, key
+    return mock.patch.multiple(dsrelu_call, _compile_key=lambda *a: key(*a) + (name,), _kernel=lambda request, config,
+                               gathered=None: VARIANTS[name](config, request) if gathered else kernel(request, config))
 
 
 def problem(deterministic: bool):
@@ -147,11 +132,10 @@ def blocks_of(bad: np.ndarray, tiles, config) -> list[dict]:
 
 
 def sources(block: dict, got: dict, inputs, verified_dh: np.ndarray, tiles, config) -> dict:
-    """Whose values a wrong block holds: the preact blocks whose relu^2 prob match its act,
-    and the places where the verified dh equals its dh, best first."""
+    """Whose values a wrong block holds: where relu(preact)^2 prob matches its act, and where the verified
+    dh equals its dh, best first."""
     rows = slice(block["first_row"], block["first_row"] + next(t[3] for t in tiles if t[2] == block["first_row"]))
-    column0 = block["n_tile"] * config.tile_n + block["subtile"] * config.epi_n
-    n = verified_dh.shape[1]
+    column0, n = block["n_tile"] * config.tile_n + block["subtile"] * config.epi_n, verified_dh.shape[1]
     columns = slice(column0, min(column0 + config.epi_n, n))
     height, width = rows.stop - rows.start, columns.stop - columns.start
     prob = np.asarray(inputs["prob"], np.float64)
@@ -171,10 +155,6 @@ def sources(block: dict, got: dict, inputs, verified_dh: np.ndarray, tiles, conf
                 dh_equals_verified_at=best(dh_matches))
 
 
-def digest(outputs) -> str:
-    return hashlib.sha256(b"".join(np.ascontiguousarray(o).tobytes() for o in outputs)).hexdigest()[:16]
-
-
 def check(deterministic: bool, runs: int) -> dict:
     inputs, request, config = problem(deterministic)
     expected = contract_numpy.grouped_gemm_dsrelu(inputs["rows"], inputs["weight"], inputs["preact"], inputs["prob"],
@@ -189,7 +169,7 @@ def check(deterministic: bool, runs: int) -> dict:
         with context():
             for run in range(runs):
                 got = {name: np.asarray(out) for name, out in fn(inputs, poisoned(request, config, kernel, inputs)).items()}
-                entry["digests"][digest(got[name] for name in exact)] += 1
+                entry["digests"][harness.digest([got[name] for name in exact])] += 1
                 verified = verified or got  # the first run of the verified kernel
                 entry["unlike_in_memory"] += any(not np.array_equal(got[name], verified[name], equal_nan=True)
                                                  for name in exact)
@@ -215,17 +195,14 @@ def check(deterministic: bool, runs: int) -> dict:
 
 
 def prebuild() -> None:
-    cuda_lowering.prepare()
+    harness.prepare_prebuild()
     for deterministic in (False, True):
         inputs, request, config = problem(deterministic)
-        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
         for kernel in KERNELS:
             fn, context = runner(kernel, request, config)
-            filled = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                  poisoned(request, config, kernel, inputs))
             with context():
-                cuda_lowering.lower_for_cuda(f"check_gathered {kernel} deterministic={deterministic}", fn, shapes,
-                                             filled)
+                harness.lower_for_cuda(f"check_gathered {kernel} deterministic={deterministic}", fn,
+                                       harness.shapes_of(inputs), harness.shapes_of(poisoned(request, config, kernel, inputs)))
 
 
 def main() -> None:
@@ -237,8 +214,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.prebuild:
         return prebuild()
-    result = dict(run_record.header(args.commit, "none: a correctness check"), case=CASE)
-    result["modes"] = {mode: check(mode == "deterministic", args.runs) for mode in ("deterministic", "default")}
+    result = dict(run_record.header(args.commit, "none: a correctness check"), case=CASE,
+                  modes={mode: check(mode == "deterministic", args.runs) for mode in ("deterministic", "default")})
     print(run_record.write_json(result, args.out, "check_gathered.json"))
 
 

@@ -1,16 +1,13 @@
 #!/bin/bash
-# Bitwise reproducibility across processes, with the processes run side by side on one GPU
-# (faster than one after another; a process's result does not depend on its neighbours).
+# Bitwise reproducibility across processes, run side by side on one GPU (a process's result
+# does not depend on its neighbours):
 #
 #   bash benchmarks/determinism_parallel.sh PROCESSES COMMIT MODE NAME
 #
-# Starts PROCESSES fresh processes of benchmarks/process_digests.py (every output of
-# moe_mlp's deterministic step on the sm90 kernels, 20 calls each) and as many of
-# examples/train_moe.py --dtype bfloat16 --deterministic, with the caller's XLA_FLAGS
-# (none: XLA's defaults). MODE says where their kernels come from:
-#   warm   the carried disk cache (JAX_DSRELU_KERNEL_CACHE): no process compiles a kernel
-#   fresh  a new empty cache per process: every process compiles every kernel it runs
-# Writes their output under $OUT/NAME/ and the summary to $OUT/NAME.json.
+# Starts PROCESSES fresh processes of benchmarks/process_digests.py and as many of
+# examples/train_moe.py --dtype bfloat16 --deterministic, with the caller's XLA_FLAGS. MODE:
+# warm, kernels from the carried disk cache (JAX_DSRELU_KERNEL_CACHE); fresh, a new empty
+# cache per process. Writes their output under $OUT/NAME/ and the summary to $OUT/NAME.json.
 processes="$1"
 commit="$2"
 mode="$3"

@@ -4,41 +4,32 @@
 #   bash benchmarks/device_run.sh STAGES COMMIT
 #
 # STAGES is a comma-separated list of:
-#   tests     the whole GPU tier but the gathered kernels': python -m pytest -m gpu tests/ (TEST_FILES
-#             picks files instead, to split the tier over calls; TESTS_LIMIT, default 480 s)
-#   gathered_tests  the GPU tier of the kernels not yet verified (tests/test_sm90_gathered.py),
-#             under a limit of its own, so that a kernel that hangs costs little
-#   check_gathered  benchmarks/check_gathered.py: the gathered fused kernel run CHECK_RUNS (20)
-#             times beside the verified one and two variants, every run held to float64
-#   examples  EXAMPLES (examples/train_moe.py and expert_parallel.py) in bfloat16 on the GPU,
-#             each run EXAMPLE_RUNS (2) times with --deterministic (the digests must agree)
-#   lm        examples/train_lm.py with its docstring's GPU command (LM_STEPS steps, 2000),
-#             --deterministic, run LM_RUNS (2) times (the digests must agree); Flax and
-#             optax from the machine's image, or, where it lacks them, from a carried
+#   tests     the GPU tier but the gathered kernels' (pytest -m gpu; TEST_FILES picks files,
+#             to split the tier over calls; TESTS_LIMIT, default 480 s)
+#   gathered_tests  tests/test_sm90_gathered.py (the kernels not yet verified), under its own limit
+#   check_gathered  benchmarks/check_gathered.py, CHECK_RUNS (20) runs
+#   examples  EXAMPLES (train_moe, expert_parallel) in bfloat16 with --deterministic, each
+#             EXAMPLE_RUNS (2) times (the digests must agree)
+#   lm        examples/train_lm.py with its docstring's GPU command (LM_STEPS, 2000 steps),
+#             --deterministic, LM_RUNS (2) times; Flax and optax from the image or a carried
 #             lm_deps.tar.zst of pure-Python packages
-#   moe_block benchmarks/bench_moe_block.py: every block's step, every variant, both modes
-#             (estimated 6-9 min; MOE_BLOCK_ARGS="--blocks ..." splits it); its tokamax
-#             variant runs from a carried tokamax_deps.tar.zst (docs/performance.md)
-#   gemms     benchmarks/bench_gemms.py: the six grouped GEMMs of a layer step (estimated 3-5 min)
-#   layer     benchmarks/bench_layer.py: moe_mlp's step and forward, every variant, the bf16
-#             baselines among them (estimated 5-8 min)
+#   moe_block benchmarks/bench_moe_block.py (6-9 min; MOE_BLOCK_ARGS="--blocks ..." splits it);
+#             its tokamax variant from a carried tokamax_deps.tar.zst (docs/performance.md)
+#   gemms     benchmarks/bench_gemms.py (3-5 min)
+#   layer     benchmarks/bench_layer.py (5-8 min)
 #   step_ab   benchmarks/step_ab.sh: the step of STEP_AB_OLD (its tree carried in .kernels/old_tree)
 #             beside COMMIT's, STEP_AB_ROUNDS (1) rounds, STEP_AB_SHAPES (default every shape)
-#   determinism_parallel  benchmarks/determinism_parallel.sh: for each of PARALLEL_MODES
-#             (default "warm"; "warm fresh" runs both at once), PARALLEL_PROCESSES_<MODE> (4)
-#             processes of each script side by side, kernels from the carried cache (warm) or
-#             compiled in each process (fresh), with the caller's XLA_FLAGS; JSON named
-#             PARALLEL_NAME_<mode>
+#   determinism_parallel  benchmarks/determinism_parallel.sh for each of PARALLEL_MODES (default
+#             "warm"; "warm fresh" runs both at once), PARALLEL_PROCESSES_<MODE> (4) processes,
+#             with the caller's XLA_FLAGS; JSON named PARALLEL_NAME_<mode>
 #   sweep_gemm, sweep_contract  benchmarks/sweep_configs.py --kernel gemm or contract
 #             (SWEEP_GEMM_ARGS, SWEEP_CONTRACT_ARGS for --gemms or --shapes)
-#   sanitize  every kernel's boundary cases in the GPU tests under compute-sanitizer's
-#             memcheck and racecheck (SANITIZE_FILES, a regular expression, picks the test
-#             files; default all)
+#   sanitize  every kernel's boundary cases under compute-sanitizer's memcheck and racecheck
+#             (SANITIZE_FILES, a regular expression, picks the test files; default all)
 #
 # Kernels come precompiled (benchmarks/prebuild_kernels.py, .kernels/ carried along). Logs
-# and records go to $OUT, each record named as benchmarks/results/ names it (copied there,
-# it replaces the current one); tracebacks to $OUT/<script>.err. Extra arguments: GEMMS_ARGS,
-# LAYER_ARGS, MOE_BLOCK_ARGS (e.g. GEMMS_ARGS="--label fine_grained ..."). A device call
+# and records go to $OUT, each record named as benchmarks/results/ names it; tracebacks to
+# $OUT/<script>.err. Extra arguments: GEMMS_ARGS, LAYER_ARGS, MOE_BLOCK_ARGS. A device call
 # runs at most 10 minutes (give layer, moe_block and determinism_parallel a call each) and
 # brings back at most 8 files, so it ends by packing $OUT into one archive:
 #
@@ -80,9 +71,8 @@ carried() {
   echo "$PYTHONPATH:/tmp/$1.d"
 }
 
-# GPU_TEST_WORKERS: pytest-xdist (the image's) processes side by side on the GPU (the
-# tier's time goes mostly to its float64 references on the CPUs); each allocates only what
-# it uses, which the benchmarks after them need not share.
+# GPU_TEST_WORKERS: pytest-xdist processes side by side on the GPU (the tier's time goes mostly
+# to its float64 references on the CPUs), each allocating only what it uses.
 gpu_tests="python3 -m pytest -q -p no:cacheprovider -rs -m gpu"
 if [[ -n $GPU_TEST_WORKERS ]]; then
   gpu_tests="env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n $GPU_TEST_WORKERS"
@@ -143,11 +133,8 @@ for kernel in gemm contract; do
 done
 
 if selected sanitize; then
-  # Boundary cases of every kernel, first under memcheck, then racecheck: the fused kernel
-  # in both modes with negative sizes and one row, alone and in cluster pairs (with rows
-  # owned by no expert); the grouped-GEMM family, alone and in pairs, with negative sizes,
-  # sums past m, one-row experts and an expert of exactly one tile; the contraction at
-  # many experts of widths no tile multiple, 512 experts, and its configs of either walk.
+  # Boundary cases of every kernel, under memcheck and racecheck: negative sizes, one row,
+  # sums past m, an expert of exactly one tile, alone and in cluster pairs; many experts.
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   for check in \
       "memcheck|tests/test_sm90_gemms.py|(contraction_matches and bfloat16 and (many_experts or experts_512)) or (each_contraction_config and a_fastest)" \

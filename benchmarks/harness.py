@@ -1,19 +1,19 @@
-"""What every benchmark shares: its options, its shapes and groupings, the loop that measures
-row after row into one record and a plot, and the pieces of a measurement (memory, errors).
-
-A benchmark supplies its variants and how to measure one row (a shape under one grouping);
-the harness does the rest: the options, the run's header (run_record.py), the clock
-(timing.py), and the record rewritten after every piece of a row, so that a run cut short
-keeps what it measured: `<benchmark>.json` in --out (`<benchmark>_<label>.json` with
---label), the current record of that benchmark, which its next run overwrites.
+"""What every benchmark shares: its options, shapes and groupings, the loop that measures row
+after row into one record (`<benchmark>.json` in --out, or `<benchmark>_<label>.json`) and a
+plot, the pieces of a measurement (memory, errors), and the prebuild of its kernels on a
+machine without a GPU (`lower_for_cuda`). The record is rewritten after every piece of a
+row, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import itertools
 import os
 import time
 from typing import Callable
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -21,14 +21,13 @@ import numpy as np
 
 import run_record
 import timing
+from jax_dsrelu.kernels import registry as backend_choice
 
 # (m, d, f, E): few large experts, then fine-grained MoE (Nemotron-3 Nano's 128 experts of
 # width 1856 over d = 2688 first, then 128 and 256 experts of a few hundred rows each).
 FEW_EXPERT_SHAPES = [(16384, 4096, 2048, 8), (32768, 7168, 2048, 8), (65536, 2048, 1024, 32)]
-FINE_GRAINED_SHAPES = [
-    (49152, 2688, 1856, 128), (65536, 2048, 768, 128), (65536, 2048, 512, 128),
-    (32768, 7168, 2048, 32), (65536, 2048, 768, 256),
-]
+FINE_GRAINED_SHAPES = [(49152, 2688, 1856, 128), (65536, 2048, 768, 128), (65536, 2048, 512, 128),
+                       (32768, 7168, 2048, 32), (65536, 2048, 768, 256)]
 SHAPES = FEW_EXPERT_SHAPES + FINE_GRAINED_SHAPES
 CPU_SHAPES = [(512, 128, 256, 4)]
 # "rounded128": the dirichlet sizes as token rounding with round_to=128 leaves them (each
@@ -41,8 +40,7 @@ CUBLAS_ONLY = {"xla_gpu_enable_triton_gemm": False}
 
 
 def group_sizes_for(grouping, m, num_experts, seed) -> np.ndarray:
-    """(E,) int32 rows per expert: summing to m, from a flat Dirichlet draw, or equal
-    (m % E == 0); or the Dirichlet draw cut to multiples of 128 (summing to less)."""
+    """(E,) int32 rows per expert: a flat Dirichlet draw summing to m (rounded128: cut to 128s), or equal."""
     if grouping in ("dirichlet", "rounded128"):
         sizes = np.floor(np.random.default_rng(seed).dirichlet(np.ones(num_experts)) * m).astype(np.int64)
         sizes[np.argmax(sizes)] += m - sizes.sum()
@@ -55,16 +53,28 @@ def group_sizes_for(grouping, m, num_experts, seed) -> np.ndarray:
     return np.full(num_experts, m // num_experts, np.int32)
 
 
+def operand_shapes(m, d, f, num_experts) -> dict[str, jax.ShapeDtypeStruct]:
+    """Every operand a layer benchmark takes at (m, d, f, E), the dense baselines' (one expert's) included."""
+    s = jax.ShapeDtypeStruct
+    rows_d, rows_f, f32 = s((m, d), BF16), s((m, f), BF16), jnp.float32
+    return dict(x=rows_d, dy=rows_d, cotangent=rows_d, h=rows_f, act=rows_f, dh=rows_f,
+                w1=s((num_experts, d, f), BF16), w2=s((num_experts, f, d), BF16), w1_dense=s((d, f), BF16),
+                w2_dense=s((f, d), BF16), b1=s((num_experts, f), f32), b1_dense=s((f,), f32), prob=s((m,), f32),
+                group_sizes=s((num_experts,), jnp.int32))
+
+
 def parse_shapes(text):
     return [tuple(int(v) for v in s.split(",")) for s in text.split(";")]
 
 
-def parser(description: str, *, reps: int, variants: tuple[str, ...] = (),
-           optional_variants: tuple[str, ...] = (), shaped: bool = True) -> argparse.ArgumentParser:
-    """The options every benchmark takes; a benchmark adds its own. --variants runs
-    `variants` unless it names a subset, which may include `optional_variants`; a
-    benchmark of one fixed problem (not `shaped`) takes no --shapes and --groups."""
+def parser(description: str, *, reps: int, variants: tuple[str, ...] = (), optional_variants: tuple[str, ...] = (),
+           shaped: bool = True, subsets: dict[str, tuple[str, ...]] | None = None) -> argparse.ArgumentParser:
+    """The options every benchmark takes. --variants picks among `variants` (its default) and
+    `optional_variants`, each of `subsets` (--gemms, say) likewise; one not `shaped` takes no --shapes."""
     parser = argparse.ArgumentParser(description=description)
+    parser.subsets = dict(subsets or {}, **({"variants": variants + optional_variants} if variants else {}))
+    for option, allowed in (subsets or {}).items():
+        parser.add_argument(f"--{option}", default=",".join(allowed), help=f"comma-separated subset of {','.join(allowed)}")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--label", default="", help="the record is <benchmark>_<label>.json (default <benchmark>.json)")
     parser.add_argument("--reps", type=int, default=reps)
@@ -73,6 +83,7 @@ def parser(description: str, *, reps: int, variants: tuple[str, ...] = (),
     if shaped:
         parser.add_argument("--shapes", type=parse_shapes, default=None, help="m,d,f,E;... (default: the benchmark's)")
         parser.add_argument("--groups", default="dirichlet", help=f"comma-separated subset of {','.join(GROUPINGS)}")
+        parser.subsets["groups"] = GROUPINGS
     if variants:
         parser.add_argument("--variants", default=",".join(variants),
                             help=f"comma-separated subset of {','.join(variants + optional_variants)}")
@@ -83,16 +94,12 @@ def parser(description: str, *, reps: int, variants: tuple[str, ...] = (),
     return parser
 
 
-def parse(parser: argparse.ArgumentParser, argv, subsets: dict[str, tuple[str, ...]], shapes=SHAPES):
-    """Parses argv; each option named in `subsets` becomes a list checked against its
-    allowed values (--groups always is, where there is one)."""
+def parse(parser: argparse.ArgumentParser, argv, shapes=SHAPES):
+    """Parses argv; each subset option (--variants, --groups, `subsets`) becomes a list, checked against its values."""
     options = parser.parse_args(argv)
-    if hasattr(options, "groups"):
-        subsets = dict(subsets, groups=GROUPINGS)
-    for option, allowed in subsets.items():
+    for option, allowed in parser.subsets.items():
         chosen = getattr(options, option).split(",")
-        unknown = sorted(set(chosen) - set(allowed))
-        if unknown:
+        if unknown := sorted(set(chosen) - set(allowed)):
             parser.error(f"--{option}: unknown {unknown}; expected a subset of {list(allowed)}")
         setattr(options, option, chosen)
     if getattr(options, "shapes", ()) is None:
@@ -100,8 +107,17 @@ def parse(parser: argparse.ArgumentParser, argv, subsets: dict[str, tuple[str, .
     return options
 
 
+def reference_first(variants) -> list[str]:
+    """xla first: the others are checked against its results."""
+    return sorted(variants, key=lambda v: v != "xla")
+
+
 def record_name(benchmark: str, label: str) -> str:
     return f"{benchmark}_{label}.json" if label else f"{benchmark}.json"
+
+
+def png_path(options, benchmark: str) -> str:
+    return os.path.join(options.out, record_name(benchmark, options.label).removesuffix(".json") + ".png")
 
 
 def start_record(options, **fields) -> tuple[dict, str, Callable[[], str]]:
@@ -118,31 +134,27 @@ def start_record(options, **fields) -> tuple[dict, str, Callable[[], str]]:
     return result, clock, save
 
 
-def run(options, measure_row: Callable, plot: Callable, summarize: Callable, **fields) -> None:
-    """Measures every (shape, grouping) row into the benchmark's record and its PNG.
-
-    measure_row(shape, grouping, row, clock, save) fills `row` (its group sizes and its
-    results) and calls save() after each piece, which rewrites the record.
-    """
+def run(options, measure_row: Callable, plot: Callable, part: str, **fields) -> None:
+    """Measures every (shape, grouping) row into the benchmark's record and its PNG, and prints
+    them by `part`: measure_row(shape, grouping, row, clock, save) fills `row`, saving after each piece."""
     result, clock, save = start_record(options, **fields)
     rows = result.setdefault("shapes", [])
-    for shape in options.shapes:
-        for grouping in options.groups:
-            m, d, f, num_experts = shape
-            row = dict(shape=dict(m=m, d=d, f=f, E=num_experts), grouping=grouping)
-            rows.append(row)
-            measure_row(shape, grouping, row, clock, save)
-            path = save()
-            plot(rows, os.path.join(options.out, record_name(fields["benchmark"], options.label)[:-5] + ".png"),
-                 f"{fields['title']}, {result['device']} ({clock})")
-    summarize(rows)
+    for shape, grouping in itertools.product(options.shapes, options.groups):
+        rows.append(row := dict(shape=dict(zip("mdfE", shape)), grouping=grouping))
+        measure_row(shape, grouping, row, clock, save)
+        save()
+        plot(rows, png_path(options, fields["benchmark"]), f"{fields['title']}, {result['device']} ({clock})")
+    summarize(rows, part)
+
+
+def row_title(row: dict) -> str:
+    return " ".join(f"{key}={value}" for key, value in row["shape"].items())
 
 
 def summarize(rows: list[dict], part: str) -> None:
     """Prints each row's times: per GEMM or mode (`part`), every variant's ms (TFLOP/s)."""
     for row in rows:
-        s = row["shape"]
-        print(f"m={s['m']} d={s['d']} f={s['f']} E={s['E']} {row['grouping']}   ms (TFLOP/s)")
+        print(f"{row_title(row)} {row['grouping']}   ms (TFLOP/s)")
         for name, entry in row[part].items():
             cells = [f"{variant}={result['ms']:.3f} ({result.get('tflops', 0.0):.0f})" if "ms" in result
                      else f"{variant}=error" for variant, result in entry.get("variants", {}).items()]
@@ -166,8 +178,7 @@ def plot_bars(panels: list[tuple[str, list[str], dict[str, list[float]]]], path:
                 if not value:
                     ax.text(xi, 0, "x", ha="center", va="bottom", fontsize=7)
         ax.set_title(name, fontsize=9)
-        ax.set_xticks(np.arange(len(labels)))
-        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_xticks(np.arange(len(labels)), labels, fontsize=7)
         ax.set_ylabel(ylabel)
     axes[0, 0].legend(fontsize=8, ncol=4)
     fig.suptitle(title + "  (x: failed or not run)", fontsize=10)
@@ -183,18 +194,15 @@ def memory(compiled) -> dict:
         return {"unavailable": "this backend gives no memory analysis"}
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
     entry = {field: int(getattr(stats, field)) for field in fields}
-    entry["peak_bytes"] = (entry["argument_size_in_bytes"] + entry["output_size_in_bytes"]
-                           + entry["temp_size_in_bytes"] - entry["alias_size_in_bytes"])
-    return entry
+    return dict(entry, peak_bytes=sum(entry[field] for field in fields[:3]) - entry["alias_size_in_bytes"])
 
 
 MEMORY = "XLA memory analysis of the compiled computation: arguments + outputs + temporaries - aliased"
 
 
 def measure(fn, args, reps, clock, *, check=None, compiler_options=None, flops=None) -> tuple[dict, object]:
-    """(entry, outputs) of one variant: fn compiled, run, checked, timed; or (the entry of
-    the stage that failed, None). check(outputs) -> (record, passes); a check that does not
-    pass stops the variant before it is timed."""
+    """(entry, outputs) of one variant: fn compiled, run, checked (check(outputs) -> (record,
+    passes); one that fails is not timed), timed; or (the entry of the stage that failed, None)."""
     stage, entry = "compile", {}
     try:
         compiled = jax.jit(fn, compiler_options=compiler_options).lower(*args).compile()
@@ -216,9 +224,53 @@ def measure(fn, args, reps, clock, *, check=None, compiler_options=None, flops=N
         return dict(entry, **run_record.error_entry(error, stage)), None
 
 
+def digest(tree) -> str:
+    """The first 16 hex digits of the SHA-256 of a tree's leaves' bytes: equal for equal bits."""
+    return hashlib.sha256(b"".join(np.ascontiguousarray(leaf).tobytes()
+                                   for leaf in jax.tree.leaves(jax.device_get(tree)))).hexdigest()[:16]
+
+
 @jax.jit
 def relative_error(ours, reference):
     """Normwise relative error of `ours` against `reference`, in float32."""
     difference = ours.astype(jnp.float32) - reference.astype(jnp.float32)
     scale = jnp.maximum(jnp.linalg.norm(reference.astype(jnp.float32)), np.finfo(np.float32).tiny)
     return jnp.linalg.norm(difference) / scale
+
+
+# Prebuilding on a machine without a GPU: lowering for cuda compiles every CuTe DSL kernel a
+# function calls into the JAX_DSRELU_KERNEL_CACHE directory. Compile keys hold static facts
+# only (never m or group sizes), so lowering at a script's shapes builds exactly its kernels.
+HOPPER = (9, 0)  # the H200's compute capability, at which backend="auto" is resolved
+CACHE_VARIABLE = "JAX_DSRELU_KERNEL_CACHE"
+
+
+def shapes_of(tree):
+    """The ShapeDtypeStructs of a tree of arrays: what a lowering takes."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def prepare_prebuild() -> str:
+    """Checks that compiled kernels will be kept; targets sm_90a (read when CuTe DSL is first imported)."""
+    directory = os.environ.get(CACHE_VARIABLE)
+    if not directory:
+        raise SystemExit(f"--prebuild needs {CACHE_VARIABLE} set to the kernel cache directory")
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    return directory
+
+
+def lower_for_cuda(name: str, fn: Callable, *shapes) -> bool:
+    """Lowers fn at these shapes for cuda; prints and returns whether it lowered. A kernel its
+    backend does not serve yet is reported and skipped, so the others are still built."""
+    # A function jitted already keeps its own jit options (compiler options may only sit
+    # on the outermost jit), so it is lowered as it is.
+    jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
+    try:
+        # backend="auto" resolves as on a Hopper GPU: with none visible it would lower the XLA reference.
+        with mock.patch.object(backend_choice, "cuda_compute_capability", lambda: HOPPER):
+            jitted.trace(*shapes).lower(lowering_platforms=("cuda",))
+    except NotImplementedError as error:
+        print(f"prebuild {name}: not built ({str(error)[:200]})", flush=True)
+        return False
+    print(f"prebuild {name}: lowered", flush=True)
+    return True

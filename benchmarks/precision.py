@@ -1,10 +1,7 @@
-"""How each benchmark variant computes, stated beside its times.
+"""How each benchmark variant computes, stated in its record ("precision") and beside its times.
 
-Every benchmark writes its variants' entries into its record's "precision"; the tables
-print them beside the times and show no variant whose precision is not known. Records
-written before that field get `SAME_SINCE_WRITTEN`: the variants that computed alike in
-every version of their script. The layer's and the block's GEMM baselines once had
-float32 outputs (so their backward GEMMs ran on float32 operands), and are not among them.
+A record older than that field gets `SAME_SINCE_WRITTEN`: the variants that computed alike in
+every version of their script (not the layer's and block's GEMM baselines, once float32 out).
 """
 
 from __future__ import annotations
@@ -12,18 +9,15 @@ from __future__ import annotations
 BF16_GEMM = "bf16 operands and outputs, float32 accumulation"
 BY_BENCHMARK = {
     "bench_gemms": {
-        "sm90": f"{BF16_GEMM} (dW in the record's contract_out_dtype)",
-        "sm90_det": "as sm90",
+        "sm90": f"{BF16_GEMM} (dW in the record's contract_out_dtype)", "sm90_det": "as sm90",
         "xla": "bf16 operands, float32 accumulation (preferred_element_type), rounded to bf16",
         "pallas": f"{BF16_GEMM}; up and dsrelu add their epilogue in XLA in float32",
         "cublas_dense": f"{BF16_GEMM}: XLA's dot on bf16 with no preferred type, one GEMM of the same FLOPs",
-        "cublas_batched": "as cublas_dense, batched over E equal batches",
-        "quack": BF16_GEMM,
+        "cublas_batched": "as cublas_dense, batched over E equal batches", "quack": BF16_GEMM,
     },
     "bench_layer": {
         "xla": f"{BF16_GEMM} and epilogue (the library's XLA backend)",
-        "sm90": f"{BF16_GEMM} and epilogue",
-        "sm90_det": "as sm90",
+        "sm90": f"{BF16_GEMM} and epilogue", "sm90_det": "as sm90",
         "pallas": f"GEMMs {BF16_GEMM} (Pallas); epilogue, dprob and db1 in XLA in float32",
         "dense_mlp": f"{BF16_GEMM} in both directions: jnp.dot on bf16 with preferred_element_type=bf16, "
                      "gradients by autodiff",
@@ -41,11 +35,8 @@ BY_BENCHMARK = {
                     "gather-and-sums on the sm90 kernel", "gathered_det": "as gathered",
     },
 }
-SAME_SINCE_WRITTEN = {
-    "bench_gemms": tuple(BY_BENCHMARK["bench_gemms"]),
-    "bench_layer": ("xla", "sm90", "sm90_det", "pallas"),
-    "bench_moe_block": ("auto", "auto_det", "xla"),
-}
+SAME_SINCE_WRITTEN = {"bench_gemms": tuple(BY_BENCHMARK["bench_gemms"]), "bench_layer": ("xla", "sm90", "sm90_det", "pallas"),
+                      "bench_moe_block": ("auto", "auto_det", "xla")}
 
 
 def stated(benchmark: str, variants) -> dict[str, str]:
@@ -54,6 +45,5 @@ def stated(benchmark: str, variants) -> dict[str, str]:
 
 
 def of(benchmark: str, record: dict) -> dict[str, str]:
-    """Each variant's precision as `record` (of `benchmark`) states it, or as it has been
-    since the script was written for a record older than the field."""
+    """Each variant's precision as `record` states it, or, for a record older than the field, SAME_SINCE_WRITTEN's."""
     return record.get("precision") or stated(benchmark, SAME_SINCE_WRITTEN[benchmark])

@@ -1,16 +1,9 @@
 """Digests of results computed from fixed inputs, to compare bit for bit across processes.
 
-From fixed inputs, one process computes, --runs times each: grouped_gemm_dsrelu's outputs
-and moe_mlp's gradients with deterministic=True on each backend, the gradients of
-examples/train_moe.py's layer (bfloat16, backend "auto") jitted with XLA's defaults and
-with train_moe.REPRODUCIBLE_COMPILATION (autotuning off), a float32 GEMM of XLA's own, and
-the gradients of tests/test_moe_block_gpu.py's block (x, the router, every projection) in
-both modes, on the verified kernels and with the unverified ones switched on, and with
-deterministic=True compiled with autotuning off; it prints one JSON line: each one's
-digest, and how many distinct results its calls gave
-(1: bitwise identical within the process). Comparing the lines of several processes
-(benchmarks/determinism_parallel.sh) shows whether anything chosen at compile time
-changes the bits.
+One process computes each of `computations` --runs times (the library's primitive and step,
+the examples' layer, the block of tests/test_moe_block_gpu.py, in both modes and compiles)
+and prints one JSON line: each one's digest and how many distinct results its calls gave;
+benchmarks/determinism_parallel.sh compares the lines of several processes.
 
     python benchmarks/process_digests.py --label run1
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/process_digests.py --prebuild
@@ -19,7 +12,7 @@ changes the bits.
 from __future__ import annotations
 
 import argparse
-import hashlib
+import itertools
 import json
 import os
 import sys
@@ -31,7 +24,7 @@ import numpy as np
 for folder in ("examples", "tests"):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", folder))
 
-import cuda_lowering  # noqa: E402
+import harness  # noqa: E402
 import test_moe_block_gpu  # noqa: E402
 import train_moe  # noqa: E402
 
@@ -42,16 +35,8 @@ SIZES = [1500, 700, 0, 1024, 1200, 900, 1024, 1844]
 GRADIENTS = ("x", "w1", "w2", "prob", "b1")
 
 
-def digest(tree) -> str:
-    h = hashlib.sha256()
-    for leaf in jax.tree.leaves(jax.device_get(tree)):
-        h.update(np.ascontiguousarray(leaf).tobytes())
-    return h.hexdigest()[:16]
-
-
 def computations(backends):
-    """(name, jitted function, operands, names of its outputs, whether it is traced with the
-    unverified sm90 kernels switched on) for everything digested."""
+    """(name, jitted function, operands, its outputs' names, whether the unverified kernels are on) of each."""
     rng = np.random.default_rng(0)
     m, k, n = sum(SIZES), 512, 2048
     grad = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -60,11 +45,8 @@ def computations(backends):
     prob = jnp.asarray(rng.uniform(0.05, 1.0, m), jnp.float32)
     sizes = jnp.asarray(SIZES, jnp.int32)
     for backend in backends:
-        run = jax.jit(
-            lambda *a, backend=backend: jax_dsrelu.grouped_gemm_dsrelu(
-                *a, with_dbias=True, with_act=True, deterministic=True, backend=backend
-            )
-        )
+        run = jax.jit(lambda *a, backend=backend: jax_dsrelu.grouped_gemm_dsrelu(
+            *a, with_dbias=True, with_act=True, deterministic=True, backend=backend))
         yield f"primitive_{backend}", run, (grad, weight, preact, prob, sizes), jax_dsrelu.DsreluOutputs._fields, False
 
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -72,15 +54,9 @@ def computations(backends):
     w2 = jnp.asarray(rng.standard_normal((len(SIZES), 1024, k)) / 32, jnp.bfloat16)
     b1 = jnp.zeros((len(SIZES), 1024), jnp.float32)
     for backend in backends:
-        grads = jax.jit(
-            jax.grad(
-                lambda x, w1, w2, prob, b1, sizes, backend=backend: jnp.sum(
-                    jax_dsrelu.moe_mlp(x, w1, w2, prob, sizes, b1=b1, deterministic=True, backend=backend)
-                    .astype(jnp.float32) ** 2
-                ),
-                argnums=(0, 1, 2, 3, 4),
-            )
-        )
+        grads = jax.jit(jax.grad(lambda x, w1, w2, prob, b1, sizes, backend=backend: jnp.sum(
+            jax_dsrelu.moe_mlp(x, w1, w2, prob, sizes, b1=b1, deterministic=True, backend=backend).astype(jnp.float32)
+            ** 2), argnums=(0, 1, 2, 3, 4)))
         yield f"moe_mlp_grads_{backend}", grads, (x, w1, w2, prob, b1, sizes), GRADIENTS, False
 
     params = train_moe.init_moe(jax.random.key(1), 64, 128, 8, jnp.bfloat16)
@@ -94,11 +70,10 @@ def computations(backends):
 
     block = test_moe_block_gpu.block_inputs(3)
     names = ("x",) + tuple(sorted(block[1]))  # the gradients' leaves: x's, then the parameters' by name
-    for deterministic in (False, True):
-        for kernels in ("verified", "unverified"):
-            mode = "deterministic" if deterministic else "default"
-            yield (f"block_grads_{mode}_{kernels}_kernels", test_moe_block_gpu.block_grads(deterministic), block,
-                   names, kernels == "unverified")
+    for (mode, deterministic), kernels in itertools.product((("default", False), ("deterministic", True)),
+                                                            ("verified", "unverified")):
+        yield (f"block_grads_{mode}_{kernels}_kernels", test_moe_block_gpu.block_grads(deterministic), block,
+               names, kernels == "unverified")
     # XLA times candidate algorithms for its own GEMMs (the router's, the latent projections')
     # once per process: with autotuning off, their choice, and so their bits, is fixed.
     reproducible = jax.jit(test_moe_block_gpu.block_grads(True), compiler_options=train_moe.REPRODUCIBLE_COMPILATION)
@@ -111,22 +86,19 @@ def digests_of(fn, operands, output_names, unverified, runs) -> dict:
     with sm90_backend.unverified_enabled(on=unverified):  # where the first call traces
         for _ in range(runs):
             outputs = fn(*operands)
-            whole.add(digest(outputs))
-    leaves = jax.tree.leaves(outputs)
-    if isinstance(outputs, dict):  # a parameter tree: its leaves in sorted key order
-        leaves = [outputs[name] for name in output_names]
-    named = {name: digest(leaf) for name, leaf in zip(output_names, leaves)}
+            whole.add(harness.digest(outputs))
+    # A parameter tree's leaves go by name, in sorted key order.
+    leaves = [outputs[name] for name in output_names] if isinstance(outputs, dict) else jax.tree.leaves(outputs)
+    named = {name: harness.digest(leaf) for name, leaf in zip(output_names, leaves)}
     return dict(digest=sorted(whole)[0], outputs=named, runs=runs, distinct_in_process=len(whole))
 
 
 def prebuild(backends) -> None:
-    """Lowers every computation for cuda (builds and caches the kernels they call); the
-    operands are small, so they are made here and passed as shapes."""
-    cuda_lowering.prepare()
+    """Lowers every computation for cuda, building the kernels they call (small operands, made here)."""
+    harness.prepare_prebuild()
     for name, fn, operands, _, unverified in computations(backends):
-        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), operands)
         with sm90_backend.unverified_enabled(on=unverified):
-            cuda_lowering.lower_for_cuda(f"process_digests {name}", fn, *shapes)
+            harness.lower_for_cuda(f"process_digests {name}", fn, *harness.shapes_of(operands))
 
 
 def kernel_compiles() -> int | None:
@@ -153,14 +125,9 @@ def main() -> None:
             results[name] = digests_of(fn, operands, output_names, unverified, args.runs)
         except Exception as error:  # recorded; the other computations still run
             results[name] = dict(error=f"{type(error).__name__}: {str(error)[:400]}")
-    line = dict(
-        label=args.label,
-        device=jax.devices()[0].device_kind,
-        xla_flags=os.environ.get("XLA_FLAGS", ""),
-        kernel_cache=os.environ.get(cuda_lowering.CACHE_VARIABLE, ""),
-        kernels_compiled_in_process=kernel_compiles(),
-        results=results,
-    )
+    line = dict(label=args.label, device=jax.devices()[0].device_kind, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                kernel_cache=os.environ.get(harness.CACHE_VARIABLE, ""), kernels_compiled_in_process=kernel_compiles(),
+                results=results)
     print(json.dumps(line), flush=True)
 
 

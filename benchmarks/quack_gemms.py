@@ -1,18 +1,9 @@
-"""QuACK's SM90 GEMMs as the `quack` variant of bench_gemms.py: the six GEMMs of a layer
-step done by another CuTe DSL library (quack-kernels, PyTorch; one CTA writes each output
-tile, so its results are deterministic too), on the same operands:
-
-    up      gemm_act(x, W1, bias=b1, "relu_sq", cu_seqlens_m): h and relu(h)^2 (no row scale)
-    down    gemm(act, W2, cu_seqlens_m);   dx  gemm(dh, W1^T, cu_seqlens_m)
-    dsrelu  gemm_dact(dy, W2^T, h, "relu_sq", colvec_scale=prob, colvec_reduce=True,
-            cu_seqlens_m): dh, act and dprob, as ours (no db1)
-    dw1     gemm(x^T, dh, cu_seqlens_k), its varlen-K weight gradient;   dw2  gemm(act^T, dy, ...)
-
-The operands pass both ways through DLPack without a copy; the outputs are allocated once.
-Each of CONFIGS is compiled on its first call, checked as bench_gemms.py checks ours, and
-timed in the CUPTI session of JAX's profiler (timing.time_launches); the variant's time is
-the fastest config that passes. Needs torch and quack-kernels (with apache-tvm-ffi,
-torch-c-dlpack-ext, einops) beside CuTe DSL; without them the variant is an error entry.
+"""QuACK's SM90 GEMMs as the `quack` variant of bench_gemms.py: the six GEMMs of a layer step
+by another CuTe DSL library (deterministic too: one CTA writes each output tile), on the same
+operands through DLPack (`gemm_call`). Each of CONFIGS is compiled on its first call, checked
+as ours are, and timed by CUPTI; the variant's time is the fastest config that passes. Needs
+torch and quack-kernels (with apache-tvm-ffi, torch-c-dlpack-ext, einops); without them the
+variant is an error entry.
 """
 
 from __future__ import annotations
@@ -23,34 +14,24 @@ import numpy as np
 import run_record
 import timing
 
-# (tile_m, tile_n, pingpong, cluster_m, cluster_n) from QuACK's SM90 space: its default
-# (128x192, ping-pong consumers, clusters along M), then the two cooperative shapes nearest
-# ours (128x256, whose two warpgroups share a tile, and 256x128).
-CONFIGS = [
-    (128, 192, True, 2, 1),
-    (128, 256, False, 2, 1),
-    (256, 128, False, 1, 2),
-]
+# (tile_m, tile_n, pingpong, cluster_m, cluster_n) from QuACK's SM90 space: its default (ping-pong,
+# clusters along M), then the two cooperative shapes nearest ours.
+CONFIGS = [(128, 192, True, 2, 1), (128, 256, False, 2, 1), (256, 128, False, 1, 2)]
 
 
 def quack_config(tile_m, tile_n, pingpong, cluster_m, cluster_n):
     from quack.gemm_config import GemmConfig
 
     # As QuACK's own SM90 list builds them (gemm_config._get_sm90_configs).
-    return GemmConfig(
-        tile_m=tile_m, tile_n=tile_n, pingpong=pingpong, cluster_m=cluster_m, cluster_n=cluster_n,
-        swap_ab=False, device_capacity=9, is_dynamic_persistent=False, use_tma_gather=False,
-    )
+    return GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=pingpong, cluster_m=cluster_m, cluster_n=cluster_n,
+                      swap_ab=False, device_capacity=9, is_dynamic_persistent=False, use_tma_gather=False)
 
 
 def key_cute_dsl_references() -> None:
-    """QuACK 0.6.5 keys each epilogue function by everything it references, and refuses
-    what it cannot key. Beside CuTe DSL 4.8.1 it refuses a contextvars.ContextVar (a
-    stack of source-location transforms) and code.co_positions, which the DSL's op
-    decorators reference and which are no part of the math, so none of QuACK's epilogue
-    GEMMs (gemm_act, gemm_dact) builds beside our pinned CuTe DSL. Whatever it refuses is
-    keyed here by its type and name: two different refused objects of one type and name
-    would share a compiled kernel, which the check before each timing would catch."""
+    """QuACK 0.6.5 keys each epilogue function by all it references and refuses what it cannot key:
+    beside CuTe DSL 4.8.1, a ContextVar and code.co_positions of the DSL's op decorators (no part
+    of the math), so none of its epilogue GEMMs would build. Those are keyed here by type and name;
+    two refused objects alike in both would share a kernel, which the check before timing catches."""
     from quack.gemm_runtime import identity
 
     if getattr(identity, "keys_cute_dsl_references", False):
@@ -81,9 +62,8 @@ def gemm_call(gemm: str, t: dict, offsets, out_dtype):
     plain = q.gemm_tuned.fn  # the GEMM without the autotuner, taking a config
     if gemm == "up":
         outputs = (empty(m, f), empty(m, f))
-        return lambda config: q.gemm_act(
-            t["x"], t["w1"], bias=t["b1"], activation="relu_sq", preact_out=outputs[0],
-            postact_out=outputs[1], cu_seqlens_m=offsets, config=config), outputs
+        return lambda config: q.gemm_act(t["x"], t["w1"], bias=t["b1"], activation="relu_sq", preact_out=outputs[0],
+                                         postact_out=outputs[1], cu_seqlens_m=offsets, config=config), outputs
     if gemm == "dsrelu":
         outputs = [empty(m, f), empty(m, f)]
 
@@ -107,22 +87,20 @@ def gemm_call(gemm: str, t: dict, offsets, out_dtype):
 
 
 def bench_entry(gemm, operands, check, passes, reps, clock, out_dtype) -> dict:
-    """Every config of CONFIGS built, checked (check(outputs as JAX arrays) -> checks,
-    passes(checks) -> bool) and timed: the fastest passing one's entry, with each config's
-    time or error under "configs"."""
+    """Every config of CONFIGS built, checked (check(JAX outputs) -> checks; passes(checks)) and
+    timed: the fastest passing one's entry, each config's time or error under "configs"."""
     try:
         import torch
         from quack import gemm_interface  # noqa: F401
 
         key_cute_dsl_references()
-
         if clock != timing.CUPTI:
             raise RuntimeError(f"QuACK runs on a GPU only (clock {clock!r})")
     except Exception as error:
         return run_record.error_entry(error, "build")
     t = {name: torch.from_dlpack(operands[name]) for name in ("x", "dy", "h", "act", "dh", "w1", "w2", "b1", "prob")}
-    sizes = np.asarray(operands["group_sizes"], np.int64)
-    offsets = torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int32, device=t["x"].device)
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(np.asarray(operands["group_sizes"], np.int64))]),
+                           dtype=torch.int32, device=t["x"].device)
     tried = []
     for described in CONFIGS:
         print(f"  quack {gemm} {described}", flush=True)

@@ -1,15 +1,11 @@
 """Each kernel of a moe_mlp step against its roofline, from rates measured in the same run.
 
 A kernel's roofline is max(its FLOPs at the dense bf16 cuBLAS rate, its bytes at a device
-copy's rate): the first is what the step's six GEMMs reach as dense cuBLAS GEMMs of the same
-shapes (bench_layer's cublas_dense variant), the second what an elementwise kernel that
-reads and writes one large bf16 array reaches (`copy_rate`). Both are timed in the run
-that times the kernels, on the same card.
-
-Bytes are the least each kernel must move: every operand read once and every output
-written once, the experts' weights included (each grouped GEMM reads all E of them), at the
-rows the experts own (m, less the rows token rounding cut); bf16 rows and weights, float32
-prob, b1, dprob and dbias. FLOPs are 2 m d f for each of the six GEMMs.
+copy's rate): what bench_layer's cublas_dense variant reaches on the step's six GEMMs, and
+what an elementwise kernel reading and writing one large bf16 array reaches (`copy_rate`),
+both timed in the run that times the kernels. Bytes are the least each kernel must move:
+every operand read once and every output written once, all E experts' weights included, at
+the rows the experts own (m, less the rows token rounding cut). FLOPs: 2 m d f per GEMM.
 """
 
 from __future__ import annotations
@@ -38,10 +34,9 @@ def step_bytes(m: int, d: int, f: int, num_experts: int) -> dict[str, int]:
 
 
 def gemm_of_launches(kernels: list[list]) -> list[tuple[str, float]]:
-    """(GEMM, ms) of each of our kernels' launches in a step, in launch order. Every other
-    GEMM reads what the up-projection writes, so it is the first ragged-M launch; the
-    down-projection and dx, like the two contractions, move the same bytes, so which of
-    the two each launch is does not matter here (XLA may order them either way)."""
+    """(GEMM, ms) of each of our kernels' launches in a step, in launch order. Every other GEMM
+    reads what up writes, so it is the first ragged-M launch; down and dx, like the two
+    contractions, move the same bytes, so which is which does not matter (XLA orders them freely)."""
     ragged = iter(("up", "down/dx", "down/dx"))
     launches = []
     for name, ms in kernels:
@@ -62,14 +57,12 @@ def copy_rate(clock: str, reps: int, size: int = COPY_BYTES) -> dict:
     source = jnp.ones((size // BF16,), jnp.bfloat16)
     entry, _ = harness.measure(jax.jit(lambda a: -a), (source,), reps, clock)
     if "ms" in entry:
-        entry["bytes"] = 2 * size
-        entry["tb_per_s"] = 2 * size / (entry["ms"] * 1e-3) / 1e12
+        entry.update(bytes=2 * size, tb_per_s=2 * size / (entry["ms"] * 1e-3) / 1e12)
     return entry
 
 
 def roofline(shape, owned: int, step: dict, copy: dict) -> dict:
-    """The sm90 step's kernels against their rooflines, or why there are none: step is the
-    row's step mode (its variants' entries), copy a `copy_rate` entry."""
+    """The sm90 step's kernels (`step`: the row's step mode) against their rooflines, or why none."""
     m, d, f, num_experts = shape
     ours, dense = step["variants"].get("sm90", {}), step["variants"].get("cublas_dense", {})
     if "ms" not in ours or "ms" not in dense or "tb_per_s" not in copy:
@@ -82,8 +75,7 @@ def roofline(shape, owned: int, step: dict, copy: dict) -> dict:
         moved = bytes_of.get(gemm, 0)
         floor_ms = 1e3 * max(flops / gemm_rate, moved / byte_rate)
         kernels.append(dict(gemm=gemm, ms=ms, flops=flops, bytes=moved, roofline_ms=floor_ms,
-                            bound="bytes" if moved / byte_rate > flops / gemm_rate else "flops",
-                            ratio=ms / floor_ms))
+                            bound="bytes" if moved / byte_rate > flops / gemm_rate else "flops", ratio=ms / floor_ms))
     floor = sum(k["roofline_ms"] for k in kernels)
     return dict(dense_tflops=gemm_rate / 1e12, copy_tb_per_s=copy["tb_per_s"], kernels=kernels,
                 step=dict(ms=ours["ms"], roofline_ms=floor, ratio=ours["ms"] / floor))

@@ -1,10 +1,6 @@
-"""What every benchmark record says about its run, how one failing variant is recorded,
-and where the record goes.
-
-A variant that fails (a kernel not built yet, a block configuration that does not fit,
-a result that disagrees with the reference) becomes an entry {"error": ...} in the JSON
-and the script goes on with the next one. A benchmark's record is the current one: the
-next run of the same benchmark (and --label) overwrites it; its history is git's.
+"""What every benchmark record says about its run, how one failing variant is recorded
+({"error": ..., "stage": ...}, and the script goes on), and where the record goes: the
+current one, which the next run of the same benchmark (and --label) overwrites.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ def git_commit() -> str:
 
 
 def header(commit: str | None, timing: str) -> dict:
-    """Device, versions, commit and command of this run."""
     first = jax.devices()[0]
     return dict(device=getattr(first, "device_kind", str(first)), platform=jax.default_backend(),
                 commit=commit or git_commit(), command=" ".join([os.path.basename(sys.executable)] + sys.argv),
@@ -48,32 +43,27 @@ def error_entry(error: BaseException, stage: str) -> dict:
 
 
 def best_of(tried: list[dict]) -> dict:
-    """The entry of a variant tried in several configurations (each entry with its
-    "config"): the fastest timed one, or the first failure if none was timed, with every
-    configuration's time or error under "configs"."""
+    """A variant tried in several "config"s: the fastest timed entry, or the first failure; each one's under "configs"."""
     timed = [entry for entry in tried if "ms" in entry]
     best = min(timed, key=lambda entry: entry["ms"]) if timed else tried[0]
-    return dict(best, configs=[
-        {"config": e["config"], **({"ms": e["ms"]} if "ms" in e else {"error": e["error"]})} for e in tried
-    ])
+    return dict(best, configs=[{"config": e["config"], **({"ms": e["ms"]} if "ms" in e else {"error": e["error"]})}
+                               for e in tried])
 
 
-# A record above this size is written gzipped (.json.gz): a step on XLA's own path launches
-# hundreds of kernels at the fine-grained shapes, and every launch is recorded.
+# A record above this size is written gzipped (.json.gz): XLA's own path records hundreds of launches.
 GZIP_BYTES = 256 * 1024
 
 
 def write_json(result: dict, directory: str, name: str) -> str:
-    """Writes `result` as directory/name without whitespace (the records are committed:
-    an indented record is 60% larger), gzipped as name + ".gz" where it is large; the
-    other form of the same record, left by an earlier run, is removed."""
+    """Writes `result` as directory/name without whitespace (committed records: indented is 60%
+    larger), gzipped as name + ".gz" where large; the record's other form is removed."""
     os.makedirs(directory, exist_ok=True)
     data = json.dumps(result, separators=(",", ":")).encode()
-    path = os.path.join(directory, name)
+    path = stale = os.path.join(directory, name)
     if len(data) > GZIP_BYTES:
-        path, stale, data = path + ".gz", path, gzip.compress(data, mtime=0)
+        path, data = path + ".gz", gzip.compress(data, mtime=0)
     else:
-        stale = path + ".gz"
+        stale += ".gz"
     with open(path, "wb") as file:
         file.write(data)
     if os.path.exists(stale):

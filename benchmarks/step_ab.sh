@@ -1,19 +1,14 @@
 #!/bin/bash
-# Two commits' moe_mlp steps on one GPU, in one device call, rounds alternating the commits,
-# so that the spread between machines (a few percent between H200s) cannot pass for a
-# change. Run from the repository root on the GPU machine:
+# Two commits' moe_mlp steps on one GPU, rounds alternating the commits, so that the spread
+# between machines (a few percent between H200s) cannot pass for a change:
 #
 #   bash benchmarks/step_ab.sh OLD_TREE OLD_COMMIT NEW_COMMIT [ROUNDS]
 #
-# STEP_AB_SHAPES (bench_layer.py's --shapes) narrows the run; by default every step shape.
-#
-# OLD_TREE holds the older commit's jax_dsrelu, benchmarks and tests (here:
-#   git archive OLD_COMMIT jax_dsrelu benchmarks tests pyproject.toml | tar -x -C OLD_TREE
-# carried in the kernel archive); the working tree is NEW_COMMIT. Both commits' kernels come
-# from the carried cache (benchmarks/prebuild_kernels.py --only bench_layer, run in each
-# tree: the cache keys hold a digest of each tree's kernel sources, so they sit side by
-# side). Round r of a commit writes $OUT/<commit>-<r>/bench_layer.json: the rounds' step
-# and kernel times side by side are the comparison (a tuning decision cites them).
+# STEP_AB_SHAPES (bench_layer.py's --shapes) narrows the run. OLD_TREE holds the older
+# commit's jax_dsrelu, benchmarks and tests (git archive OLD_COMMIT ... | tar -x -C OLD_TREE);
+# the working tree is NEW_COMMIT; both commits' kernels come from the carried cache
+# (prebuild_kernels.py --only bench_layer in each tree: the keys digest each tree's sources).
+# Round r of a commit writes $OUT/<commit>-<r>/bench_layer.json, which a tuning decision cites.
 set -o pipefail
 old_tree="$1"
 old_commit="$2"

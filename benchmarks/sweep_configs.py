@@ -1,20 +1,10 @@
 """Times the sm90 kernels under alternative tile configurations, side by side in one process:
 the measurements behind config.py's rules, which kernels/sm90/tuning.py cites.
 
---kernel gemm: the ragged-M kernels of a layer step (up: h, act = srelu(x W1[e] + b1);
-down: act W2[e]; dx: dh W1[e]^T read in place; dsrelu: the fused backward) at GEMM_SHAPES:
-the chosen config and the same with every other N tile (as many operand stages as fit),
-each also in the other cluster size where its N-tiles pair up; alone, each also with
-32-deep k-tiles, and the kernels that store two outputs with one store buffer per output
-where that frees an operand stage; the fused kernel also with 2 preact stages where that
-frees one, and with 64-column subtiles. --gemms picks the kernels. Writes sweep_gemm.json.
-
---kernel contract: the ragged contraction (dW1 = x^T dh, dW2 = act^T dy, bf16 out) at
-CONTRACT_SHAPES: the chosen config, CONTRACT_ALTERNATIVES walked as it is, and the chosen
-tiles walked the other way and in the other cluster size. Writes sweep_contract.json.
-
-Both: Dirichlet group sizes, bench_gemms.py's operands, CUPTI time of the kernel's custom
-call, median of --reps calls (timing.py); --label names the record sweep_<kernel>_<label>.json.
+--kernel gemm: the ragged-M kernels (up, down, dx, dsrelu; --gemms picks) at GEMM_SHAPES, the
+chosen config and `gemm_candidates`; writes sweep_gemm.json. --kernel contract: dW1 and dW2
+at CONTRACT_SHAPES, the chosen config and `contract_candidates`; writes sweep_contract.json.
+Dirichlet group sizes, bench_gemms.py's operands, CUPTI time of the kernel's call.
 
     python benchmarks/sweep_configs.py --kernel gemm --commit $(git rev-parse --short HEAD)
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/sweep_configs.py --kernel contract --prebuild
@@ -45,43 +35,26 @@ GEMM_SHAPES = [(49152, 2688, 1856, 128), (65536, 2048, 768, 128), (65536, 2048, 
                (65536, 2048, 512, 128), (16384, 4096, 2048, 8), (32768, 7168, 2048, 8), (65536, 2048, 1024, 32)]
 CONTRACT_SHAPES = [(49152, 2688, 1856, 128), (65536, 2048, 768, 128), (32768, 7168, 2048, 32), (16384, 4096, 2048, 8)]
 # The contraction's alternative tile configurations, by the names the records give them.
-CONTRACT_ALTERNATIVES = {
-    "128x192 k32 ab8 whole": dict(tile_n=192, tile_k=32, ab_stages=8, store_stages=6),
-    "128x192 k64 ab4 whole": dict(tile_n=192, tile_k=64, ab_stages=4, store_stages=6),
-    "128x256 k32 ab6 whole": dict(tile_n=256, tile_k=32, ab_stages=6, store_stages=8),
-    "128x256 k32 ab7 ring3": dict(tile_n=256, tile_k=32, ab_stages=7, store_stages=3),
-    "128x256 k32 ab8 ring2": dict(tile_n=256, tile_k=32, ab_stages=8, store_stages=2),
-    "128x128 k32 ab8 whole": dict(tile_n=128, tile_k=32, ab_stages=8, store_stages=4),
-}
-
-
-def fused_request(k, n, num_experts):
-    return request_facts.Request(
-        num_experts=num_experts, n=n, k=k, operand_dtype=BF16, preact_dtype=BF16,
-        prob_dtype=np.dtype(np.float32), out_dtype=BF16, with_dbias=True, with_act=True, deterministic=False)
+CONTRACT_ALTERNATIVES = {name: dict(zip(("tile_n", "tile_k", "ab_stages", "store_stages"), values)) for name, values in {
+    "128x192 k32 ab8 whole": (192, 32, 8, 6), "128x192 k64 ab4 whole": (192, 64, 4, 6),
+    "128x256 k32 ab6 whole": (256, 32, 6, 8), "128x256 k32 ab7 ring3": (256, 32, 7, 3),
+    "128x256 k32 ab8 ring2": (256, 32, 8, 2), "128x128 k32 ab8 whole": (128, 32, 8, 4)}.items()}
 
 
 def gemm_cases(shapes=GEMM_SHAPES, gemms=GEMM_KERNELS):
-    """(shape, gemm, request) of every timed ragged-M kernel of `gemms`: (k, n) = (d, f)
-    for up and dsrelu, (f, d) for down and dx."""
-    for m, d, f, num_experts in shapes:
-        common = dict(num_experts=num_experts, operand_dtype=BF16, out_dtype=BF16)
-        requests = dict(
-            up=request_facts.RaggedMatmulRequest(k=d, n=f, rhs_layout="kn", epilogue="srelu", with_bias=True, **common),
-            down=request_facts.RaggedMatmulRequest(k=f, n=d, rhs_layout="kn", **common),
-            dx=request_facts.RaggedMatmulRequest(k=f, n=d, rhs_layout="nk", **common),
-            dsrelu=fused_request(d, f, num_experts),
-        )
+    """(shape, gemm, request) of every ragged-M kernel of `gemms`, as bench_gemms.py requests it."""
+    for shape in shapes:
+        m, d, f, num_experts = shape
         for gemm in gemms:
-            yield (m, d, f, num_experts), gemm, requests[gemm]
+            yield shape, gemm, (request_facts.Request(
+                num_experts=num_experts, n=f, k=d, operand_dtype=BF16, preact_dtype=BF16, prob_dtype=np.dtype(np.float32),
+                out_dtype=BF16, with_dbias=True, with_act=True, deterministic=False) if gemm == "dsrelu"
+                else bench_gemms.MATMULS[gemm].request(harness.operand_shapes(*shape), BF16))
 
 
 def contract_cases(shapes=CONTRACT_SHAPES):
-    """(shape, gemm, request) of every timed contraction: (a, b) = (d, f) for dW1, (f, d) for dW2."""
-    for m, d, f, num_experts in shapes:
-        for gemm, (a, b) in (("dw1", (d, f)), ("dw2", (f, d))):
-            yield (m, d, f, num_experts), gemm, request_facts.RaggedContractRequest(
-                num_experts=num_experts, a=a, b=b, operand_dtype=BF16, out_dtype=BF16)
+    """(shape, gemm, request) of every contraction (dW1, dW2 in bf16), as bench_gemms.py requests it."""
+    return gemm_cases(shapes, ("dw1", "dw2"))
 
 
 def _fits(config, request):
@@ -132,8 +105,7 @@ def gemm_candidates(sm_count, request):
 
 
 def contract_candidates(sm_count, request):
-    """The chosen config for a contraction request and its alternatives, by name, each
-    walked as the chosen one is; a config under two names is kept under the first."""
+    """The chosen contraction config and its alternatives by name, walked as it is; duplicates dropped."""
     chosen = sm90_config.choose_contract_config(request, sm_count)
     common = dict(epi_n=32, max_ctas=sm_count, a_fastest=chosen.a_fastest)
     configs = {"chosen": chosen} | {
@@ -166,17 +138,16 @@ def operands_for(gemm, request, operands):
     if gemm == "dsrelu":
         alpha = jax.numpy.ones((request.num_experts,), jax.numpy.float32)
         return tuple(operands[n] for n in bench_gemms.DSRELU_OPERANDS) + (alpha,)
-    spec = bench_gemms.MATMULS[gemm]
-    return tuple(operands[name] for name in spec.operand_names())
+    return tuple(operands[name] for name in bench_gemms.MATMULS[gemm].operand_names())
 
 
 def sweep(kernel, cases, sm_count, reps, clock, rows, save):
     candidates = contract_candidates if kernel == "contract" else gemm_candidates
     operands, operands_shape = None, None
     for shape, gemm, request in cases:
-        m, d, f, num_experts = shape
+        m, d, f, _ = shape
         if shape != operands_shape:
-            operands, operands_shape = bench_gemms.make_operands(m, d, f, num_experts, 0, "dirichlet"), shape
+            operands, operands_shape = bench_gemms.make_operands(*shape, 0, "dirichlet"), shape
         args = operands_for(gemm, request, operands)
         for name, config in candidates(sm_count, request).items():
             row = dict(shape=list(shape), gemm=gemm, config=name, fields=dataclasses.asdict(config))
@@ -193,11 +164,9 @@ def sweep(kernel, cases, sm_count, reps, clock, rows, save):
 
 
 def main(argv=None):
-    parser = harness.parser(__doc__.split("\n\n")[0], reps=20)
+    parser = harness.parser(__doc__.split("\n\n")[0], reps=20, subsets=dict(gemms=GEMM_KERNELS))  # --kernel gemm's
     parser.add_argument("--kernel", choices=["gemm", "contract"], required=True)
-    parser.add_argument("--gemms", default=",".join(GEMM_KERNELS), help="--kernel gemm: comma-separated subset of "
-                                                                        f"{','.join(GEMM_KERNELS)}")
-    options = harness.parse(parser, argv, dict(gemms=GEMM_KERNELS), shapes=None)
+    options = harness.parse(parser, argv, shapes=None)
     if options.cpu:
         parser.error("--cpu: the sweeps time sm90 kernels, which run on a Hopper GPU only")
     options.shapes = options.shapes or (GEMM_SHAPES if options.kernel == "gemm" else CONTRACT_SHAPES)

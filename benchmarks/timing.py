@@ -1,15 +1,14 @@
 """The one clock of every benchmark: CUPTI kernel time per call, or no measurement at all.
 
-`time_call` runs a jitted function --reps times under CUPTI (jax.experimental.mosaic.gpu.
-profiler.measure) after a warm-up: a call's time is the sum of its kernels' durations (host
-gaps not counted), and the breakdown gives each launch position's median over the calls;
-`time_launches` does the same for work launched outside JAX (a PyTorch library's call).
-Where CUPTI cannot time, the run fails and says why: nothing falls back to a wall clock,
-but for a --cpu plumbing test, whose record says WALL CLOCK in its header and entries.
+A call's time is the sum of its kernels' durations (host gaps not counted), median over
+--reps calls after a warm-up; its breakdown, each launch position's median. Where CUPTI
+cannot time (jax.experimental.mosaic.gpu.profiler), the run fails and says why: only a --cpu
+plumbing test is timed by a wall clock, and its record says WALL CLOCK in its header and entries.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 import statistics
@@ -24,13 +23,11 @@ DESCRIPTIONS = {
     CUPTI: "CUPTI kernel time per call (the sum of the kernels it launches), median of reps after warm-up",
     WALL_CLOCK: "WALL CLOCK on the CPU: a test of the script's plumbing, not a measurement",
 }
-# Mangled CuTe DSL kernel names run to hundreds of characters; the head identifies them.
-KERNEL_NAME_CHARS = 120
+KERNEL_NAME_CHARS = 120  # of a mangled CuTe DSL kernel name (hundreds): the head identifies it
 # A GEMM kernel, by its name: cuBLAS's (nvjet_sm90_*, sm90_xmma_gemm_*), XLA's Triton GEMM
-# fusions (gemm_fusion_dot*), CUTLASS's and QuACK's (GemmDefaultSm90), ours (RaggedGemmSm90,
-# GroupedGemmDsreluSm90, RaggedContractSm90, their Gathered* twins) and tokamax's Pallas ones (ragged_dot_sm90,
-# ragged_contracting_dim_dot_sm90). Everything else (routing, sorts, gathers, casts,
-# reductions, copies) is outside the GEMMs.
+# fusions, CUTLASS's and QuACK's (GemmDefaultSm90), ours (RaggedGemmSm90, GroupedGemmDsreluSm90,
+# RaggedContractSm90, their Gathered* twins) and tokamax's (ragged_dot_sm90,
+# ragged_contracting_dim_dot_sm90). Everything else (routing, gathers, casts) is outside the GEMMs.
 GEMM_KERNEL = re.compile(r"gemm|nvjet|contract|ragged_dot|DsreluSm90", re.IGNORECASE)
 
 
@@ -58,7 +55,7 @@ def clock_for(cpu: bool) -> str:
 
 
 def time_call(fn: Callable, args: tuple, reps: int, clock: str) -> Timing:
-    """Times fn(*args); the first call compiles and warms up."""
+    """Times fn(*args) (profiler.measure under CUPTI); the first call compiles and warms up."""
     if reps < 1:
         raise ValueError(f"reps must be at least 1, got {reps}")
     jax.block_until_ready(fn(*args))
@@ -78,15 +75,12 @@ def time_call(fn: Callable, args: tuple, reps: int, clock: str) -> Timing:
                            "no other clock is used") from error
     if launches is None:
         raise RuntimeError("CUPTI recorded no kernel launch for this call")
-    if reps == 1:  # measure returns one call's launches unwrapped
-        launches = [launches]
-    return _timing(launches)
+    return _timing([launches] if reps == 1 else launches)  # measure returns one call's launches unwrapped
 
 
 def time_launches(fn: Callable[[], object], synchronize: Callable[[], None], reps: int) -> Timing:
-    """Times fn(), which launches its GPU work itself rather than through JAX (a PyTorch
-    library's call), in the CUPTI session that profiler.measure opens: measure jits what
-    it times, so it cannot take such a call. The first call compiles and warms up."""
+    """Times fn(), which launches its GPU work itself (a PyTorch library's call; measure jits what it
+    times, so cannot take it), in the CUPTI session that profiler.measure opens; after a warm-up."""
     from jax._src.lib import mosaic_gpu
 
     if reps < 1:
@@ -116,18 +110,16 @@ def time_launches(fn: Callable[[], object], synchronize: Callable[[], None], rep
 def _timing(launches: list[list[tuple[str, float]]]) -> Timing:
     """The Timing of calls given as each call's (kernel name, ms) launches."""
     calls = [sum(ms for _, ms in call) for call in launches]
-    kernels = [
-        (name[:KERNEL_NAME_CHARS], statistics.median(call[position][1] for call in launches))
-        for position, (name, _) in enumerate(launches[0])
-    ]
+    kernels = [(name[:KERNEL_NAME_CHARS], statistics.median(call[position][1] for call in launches))
+               for position, (name, _) in enumerate(launches[0])]
     return Timing(statistics.median(calls), calls, kernels, CUPTI)
 
 
 def kernel_summary(kernels: list[tuple[str, float]], top: int = 8) -> list[list]:
     """Time per kernel name (launches of one name added), largest first; the rest as one row."""
-    by_name: dict[str, float] = {}
+    by_name = collections.Counter()
     for name, ms in kernels:
-        by_name[name] = by_name.get(name, 0.0) + ms
+        by_name[name] += ms
     ranked = sorted(by_name.items(), key=lambda item: -item[1])
     rows = [[name, ms] for name, ms in ranked[:top]]
     if len(ranked) > top:

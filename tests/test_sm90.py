@@ -522,3 +522,25 @@ def test_moe_mlp_uses_the_kernel_and_matches_xla_gradients(hopper, deterministic
         # the roundings differ where float32 sums differ in their last bits, so the
         # gradients agree to a few bf16 ulps relative to their norm.
         assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b), name
+
+
+def prebuild_requests():
+    """The distinct (request, config, outputs_in_place) of every kernel the GPU tier above
+    calls directly, for the kernel cache (benchmarks/prebuild_kernels.py)."""
+    both = (False, True)
+    calls = [(request_for(k, n, len(sizes), dtype=np.dtype(dtype), deterministic=det), True)
+             for name in GROUPINGS for _, k, n, sizes in [grouping(name)]
+             for dtype in (jnp.bfloat16, jnp.float16) for det in both]
+    for det in both:
+        calls += [(request_for(256, 512, 5, deterministic=det, with_dbias=dbias, with_act=act), False)
+                  for dbias in both for act in both]
+        calls.append((request_for(512, 2048, len(DETERMINISM_SIZES), deterministic=det), False))
+    calls.append((request_for(128, 256, 2), False))  # NaN/Inf propagation
+    chosen = [(request, sm90_config.choose_config(request, sm90_config.DEFAULT_SM_COUNT), in_place)
+              for request, in_place in calls]
+    clusters = [(request, in_clusters(request, cluster_n), True) for _, k, n, sizes in CLUSTER_CASES.values()
+                for request in (request_for(k, n, len(sizes), deterministic=det) for det in both) for cluster_n in (1, 2)]
+    distinct = {}
+    for request, config, in_place in chosen + clusters:
+        distinct.setdefault((lowering.kernel_request(request), config, in_place), (request, config, in_place))
+    return list(distinct.values())
