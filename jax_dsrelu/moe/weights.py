@@ -68,16 +68,8 @@ class MoEWeights:
         latent, latent_name = d, "x.shape[1] (d)"
         _require_pair("latent_in", self.latent_in, "latent_out", self.latent_out)
         if self.latent_in is not None:
-            latent_in, latent_out = self.latent_in, self.latent_out
-            for name, array, layout in (("latent_in", latent_in, "(d, l)"), ("latent_out", latent_out, "(l, d)")):
-                validation.require_array(name, array, layout)
-                validation.require_rank(name, array, 2, layout)
-            validation.require_dim("latent_in", latent_in, 0, d, "x.shape[1] (d)")
-            latent, latent_name = latent_in.shape[1], "latent_in.shape[1] (l)"
-            validation.require_dim("latent_out", latent_out, 0, latent, latent_name)
-            validation.require_dim("latent_out", latent_out, 1, d, "x.shape[1] (d)")
-            validation.require_dtype("latent_in", latent_in, validation.FLOAT_DTYPES)
-            validation.require_dtype("latent_out", latent_out, validation.FLOAT_DTYPES)
+            _check_projections(d, "latent_in", self.latent_in, "latent_out", self.latent_out, "l", same_dtype=False)
+            latent, latent_name = self.latent_in.shape[1], "latent_in.shape[1] (l)"
         width = "l" if self.latent_in is not None else "d"
         for name, array, layout in (("w1", w1, f"(E, {width}, f)"), ("w2", w2, f"(E, f, {width})")):
             validation.require_array(name, array, layout)
@@ -102,15 +94,25 @@ class MoEWeights:
         routing.check_expert_bias(self.expert_bias, num_experts)
         _require_pair("shared_w1", self.shared_w1, "shared_w2", self.shared_w2)
         if self.shared_w1 is not None:
-            shared_w1, shared_w2 = self.shared_w1, self.shared_w2
-            for name, array, layout in (("shared_w1", shared_w1, "(d, fs)"), ("shared_w2", shared_w2, "(fs, d)")):
-                validation.require_array(name, array, layout)
-                validation.require_rank(name, array, 2, layout)
-            validation.require_dim("shared_w1", shared_w1, 0, d, "x.shape[1] (d)")
-            validation.require_dim("shared_w2", shared_w2, 0, shared_w1.shape[1], "shared_w1.shape[1] (fs)")
-            validation.require_dim("shared_w2", shared_w2, 1, d, "x.shape[1] (d)")
-            validation.require_dtype("shared_w1", shared_w1, validation.FLOAT_DTYPES)
-            _require_same_dtype("shared_w2", shared_w2, "shared_w1", shared_w1)
+            _check_projections(d, "shared_w1", self.shared_w1, "shared_w2", self.shared_w2, "fs", same_dtype=True)
+
+
+def _check_projections(d: int, first: str, first_array, second: str, second_array, inner: str,
+                       same_dtype: bool) -> None:
+    """A pair of projections out of the tokens' width d and back, (d, inner) then
+    (inner, d): the latent projections, or the shared expert's two weights (which must
+    share a dtype, as one `moe_mlp` runs them)."""
+    for name, array, layout in ((first, first_array, f"(d, {inner})"), (second, second_array, f"({inner}, d)")):
+        validation.require_array(name, array, layout)
+        validation.require_rank(name, array, 2, layout)
+    validation.require_dim(first, first_array, 0, d, "x.shape[1] (d)")
+    validation.require_dim(second, second_array, 0, first_array.shape[1], f"{first}.shape[1] ({inner})")
+    validation.require_dim(second, second_array, 1, d, "x.shape[1] (d)")
+    validation.require_dtype(first, first_array, validation.FLOAT_DTYPES)
+    if same_dtype:
+        _require_same_dtype(second, second_array, first, first_array)
+    else:
+        validation.require_dtype(second, second_array, validation.FLOAT_DTYPES)
 
 
 def _require_pair(first: str, first_value, second: str, second_value) -> None:
