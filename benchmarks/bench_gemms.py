@@ -266,21 +266,12 @@ def sm90_implementation(request):
 
 
 def positional(implementation, request):
-    """An implementation (operands and results by the primitive's names) as a function of
-    the operands in the primitive's order, returning its results in that order, as the
-    harness times and checks every variant."""
-    if isinstance(request, RaggedMatmulRequest) and request.epilogue == "srelu":
-        operands, results = ("lhs", "rhs", "group_sizes", "prob", "bias"), ("h", "act")
-    elif isinstance(request, (RaggedMatmulRequest, RaggedContractRequest)):
-        operands, results = ("lhs", "rhs", "group_sizes"), ("out",)
-    else:
-        operands, results = ("grad", "weight", "preact", "prob", "group_sizes", "alpha"), jax_dsrelu.DsreluOutputs._fields
-
-    def run(*arrays):
-        named = implementation(**dict(zip(operands, arrays)))
-        return tuple(named[name] for name in results if name in named)
-
-    return run
+    """The implementation (operands and results by the primitive's names) called with a
+    spec's `operand_names` in order, its results in order, as the harness runs every variant."""
+    srelu = isinstance(request, RaggedMatmulRequest) and request.epilogue == "srelu"
+    operands = ("lhs", "rhs", "group_sizes") + (("prob", "bias") if srelu else ())
+    results = ("h", "act") if srelu else ("out",)
+    return lambda *arrays: tuple(implementation(**dict(zip(operands, arrays)))[name] for name in results)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,11 +93,9 @@ def runner(kernel: str, request, config):
     """A jitted (inputs, NaN-filled outputs) -> outputs of one kernel, with its context."""
     run = dsrelu_call.implementation(request, config, outputs_in_place=True)
     def fn(i, filled):
-        others = dict(weight=i["weight"], preact=i["preact"], prob=i["prob"], group_sizes=i["sizes"], alpha=i["alpha"])
-        if kernel == "in_memory":
-            results = run(grad=i["rows"], filled=filled, **others)
-        else:
-            results = run(grad=i["dy"], grad_index=i["index"], filled=filled, **others)
+        rows = dict(grad=i["rows"]) if kernel == "in_memory" else dict(grad=i["dy"], grad_index=i["index"])
+        results = run(**rows, weight=i["weight"], preact=i["preact"], prob=i["prob"], group_sizes=i["sizes"],
+                      alpha=i["alpha"], filled=filled)
         return {name: results[name] for name in OUTPUTS}
 
     context = (lambda: variant_kernel(kernel)) if kernel in VARIANTS else contextlib.nullcontext

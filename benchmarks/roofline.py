@@ -27,8 +27,7 @@ def step_bytes(m: int, d: int, f: int, num_experts: int) -> dict[str, int]:
     return {
         "up": rows_d + weights + F32 * m + F32 * num_experts * f + 2 * rows_f,  # x, w1, prob, b1 -> h, act
         "down/dx": rows_f + weights + rows_d,  # act, w2 -> y (dh, w1 -> dx)
-        "dsrelu": rows_d + weights + rows_f + F32 * m + 2 * rows_f + F32 * m + F32 * num_experts * f,
-        # dy, w2, h, prob -> dh, act, dprob, dbias
+        "dsrelu": rows_d + weights + rows_f + 2 * F32 * m + 2 * rows_f + F32 * num_experts * f,  # dy, w2, h, prob -> dh, act, dprob, dbias
         "dw1/dw2": rows_d + rows_f + weights,  # x, dh -> dw1 (act, dy -> dw2)
     }
 
@@ -40,15 +39,10 @@ def gemm_of_launches(kernels: list[list]) -> list[tuple[str, float]]:
     ragged = iter(("up", "down/dx", "down/dx"))
     launches = []
     for name, ms in kernels:
-        if "DsreluSm90" in name:
-            launches.append(("dsrelu", ms))
-        elif "ContractSm90" in name:
-            launches.append(("dw1/dw2", ms))
-        elif "RaggedGemmSm90" in name:
-            gemm = next(ragged, None)
-            if gemm is None:
-                raise ValueError(f"a step launches three ragged-M GEMMs, got a fourth: {name}")
-            launches.append((gemm, ms))
+        if "RaggedGemmSm90" in name and (gemm := next(ragged, None)) is None:
+            raise ValueError(f"a step launches three ragged-M GEMMs, got a fourth: {name}")
+        if "RaggedGemmSm90" in name or "DsreluSm90" in name or "ContractSm90" in name:
+            launches.append((gemm if "RaggedGemmSm90" in name else "dsrelu" if "Dsrelu" in name else "dw1/dw2", ms))
     return launches
 
 

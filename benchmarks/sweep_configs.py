@@ -134,11 +134,12 @@ def compile_candidate(request, config) -> None:
 
 
 def operands_for(gemm, request, operands):
-    """The kernel's operands, from bench_gemms.py's for the layer shape."""
+    """The kernel's operands by the primitive's names, from bench_gemms.py's for the layer shape."""
     if gemm == "dsrelu":
-        alpha = jax.numpy.ones((request.num_experts,), jax.numpy.float32)
-        return tuple(operands[n] for n in bench_gemms.DSRELU_OPERANDS) + (alpha,)
-    return tuple(operands[name] for name in bench_gemms.MATMULS[gemm].operand_names())
+        named = zip(("grad", "weight", "preact", "prob", "group_sizes"), bench_gemms.DSRELU_OPERANDS)
+        return {name: operands[ours] for name, ours in named} | dict(alpha=jax.numpy.ones((request.num_experts,)))
+    named = zip(("lhs", "rhs", "group_sizes", "prob", "bias"), bench_gemms.MATMULS[gemm].operand_names())
+    return {name: operands[ours] for name, ours in named}
 
 
 def sweep(kernel, cases, sm_count, reps, clock, rows, save):
@@ -152,9 +153,8 @@ def sweep(kernel, cases, sm_count, reps, clock, rows, save):
         for name, config in candidates(sm_count, request).items():
             row = dict(shape=list(shape), gemm=gemm, config=name, fields=dataclasses.asdict(config))
             try:  # a config that does not build is recorded as such; the next one runs
-                call = bench_gemms.positional(
-                    (dsrelu_call if gemm == "dsrelu" else ragged_call).implementation(request, config), request)
-                ms = timing.time_call(jax.jit(call), args, reps, clock).ms
+                run = (dsrelu_call if gemm == "dsrelu" else ragged_call).implementation(request, config)
+                ms = timing.time_call(jax.jit(lambda named, run=run: run(**named)), (args,), reps, clock).ms
             except Exception as error:
                 rows.append(dict(row, **run_record.error_entry(error, "timing")))
                 continue
