@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_dsrelu.primitives import reference
