@@ -133,7 +133,7 @@ def test_the_gemm_call_plans_are_their_declarations():
     assert plan(matmul_request("nk", "srelu", True)) == [
         ("lhs", "input", (10, 512), None), ("rhs", "input", (8, 384, 512), (1, 2, 0)),
         ("group_sizes", "input", (8,), None), ("prob", "input", (10,), None), ("bias", "input", (8, 384), None),
-        ("out", "output", (10, 384), None), ("act", "output", (10, 384), None),
+        ("h", "output", (10, 384), None), ("act", "output", (10, 384), None),
     ]
     assert plan(CONTRACT) == [
         ("lhs", "input", (10, 512), (1, 0)), ("rhs", "input", (10, 384), (1, 0)),
