@@ -3,6 +3,7 @@ a plain Python walk over the rows, dropless and with a capacity."""
 
 from __future__ import annotations
 
+import fractions
 import math
 
 import jax
@@ -43,7 +44,7 @@ def test_every_row_goes_to_its_slot_and_each_token_reads_its_slots_in_slot_order
     plan = routed(0)
     n = T * TOP_K
     capacity = jax_dsrelu.MoEOptions(capacity_factor=capacity_factor).per_peer_capacity(n, PEERS)
-    assert capacity == (n if capacity_factor is None else math.ceil(capacity_factor * n / PEERS))
+    assert capacity == (n if capacity_factor is None else math.ceil(fractions.Fraction(repr(float(capacity_factor))) * n / PEERS))
     sends = jax.jit(exchange.plan_exchange, static_argnums=(1, 2))(plan, PEERS, capacity)
     want = expected_slots(plan, capacity)
     buffer_size = PEERS * capacity
@@ -74,3 +75,11 @@ def test_dropless_is_the_expert_sorted_rows_block_by_block():
         block = np.asarray(sends.slot_row)[device * n: device * n + sizes[device]]
         np.testing.assert_array_equal(block, starts[device] + np.arange(sizes[device]))
     assert int(sends.dropped) == 0
+
+
+def test_the_capacity_is_exact_for_the_factor_as_written():
+    # 1.1 * 200 / 4 is 55 exactly; in floating point a hair above it, which ceil would make 56.
+    assert 1.1 * 200 / 4 > 55
+    assert jax_dsrelu.MoEOptions(capacity_factor=1.1).per_peer_capacity(200, 4) == 55
+    assert jax_dsrelu.MoEOptions(capacity_factor=0.3).per_peer_capacity(10, 3) == 1
+    assert jax_dsrelu.MoEOptions(capacity_factor=1.25).per_peer_capacity(100, 8) == 16

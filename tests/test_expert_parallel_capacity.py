@@ -4,6 +4,7 @@ add nothing and get no gradient; checked against a dense reference that masks th
 
 from __future__ import annotations
 
+import fractions
 import math
 
 import jax
@@ -84,7 +85,7 @@ def value_and_grads(layer, inputs):
 @pytest.mark.parametrize("capacity_factor", [1.0, 0.75])
 def test_drops_the_lightest_rows_and_they_get_no_gradient(capacity_factor):
     inputs = make_inputs(1)
-    capacity = math.ceil(capacity_factor * T_LOCAL * TOP_K / PEERS)
+    capacity = math.ceil(fractions.Fraction(repr(float(capacity_factor))) * T_LOCAL * TOP_K / PEERS)
     kept = kept_mask(inputs["x"], inputs["router"], capacity)
     (_, (out, aux)), grads = value_and_grads(sharded(capacity_factor), inputs)
     assert int(aux.dropped) == int((~kept).sum()) > 0

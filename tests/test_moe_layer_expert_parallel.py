@@ -115,7 +115,7 @@ def test_gradient_lowers_to_no_scatter():
 
 
 def test_explicit_mesh_axes():
-    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Explicit,) * 2)
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
     x, router, w1, w2, b1, _ = make_inputs(8)
     sharded = jax.jit(
         lambda *a: jax_dsrelu.moe_layer_expert_parallel(*a, b1=b1, mesh=mesh, data_axis="data")
@@ -221,3 +221,22 @@ def test_the_combine_adds_each_tokens_rows_in_slot_order():
     np.testing.assert_array_equal(in_order, np.asarray(single))
     reversed_order = (slots[:, 2] + slots[:, 1]) + slots[:, 0]
     assert not np.array_equal(reversed_order, in_order), "the inputs must make the order of the sum show"
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_no_tokens_give_an_empty_output_and_zero_weight_gradients(capacity_factor):
+    # A device without tokens still sends its (empty) blocks and takes part in every exchange.
+    _, router, w1, w2, b1, _ = make_inputs(0)
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+
+    def loss(x, router, w1, w2, b1):
+        out = jax_dsrelu.moe_layer_expert_parallel(
+            x, router, w1, w2, b1=b1, mesh=mesh, expert_axis="expert", data_axis="data",
+            capacity_factor=capacity_factor, deterministic=True)
+        return jnp.sum(out), out
+
+    x = jnp.zeros((0, D_MODEL), jnp.float32)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, router, w1, w2, b1)
+    assert out.shape == (0, D_MODEL) and grads[0].shape == (0, D_MODEL)
+    for grad, weight in zip(grads[1:], (router, w1, w2, b1)):
+        assert grad.shape == weight.shape and not np.asarray(grad).any()

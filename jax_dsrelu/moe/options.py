@@ -12,6 +12,7 @@ static argument of `jax.jit`, or be passed to a jitted function as a pytree with
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 
 import jax
@@ -129,10 +130,13 @@ class MoEOptions:
         """The rows a device sends each of num_peers devices, out of its num_rows (T_local *
         top_k): all of them when dropless (any one peer may own every chosen expert), else
         ceil(capacity_factor * num_rows / num_peers), at most num_rows; at least 1, so that
-        the send buffer of a device without tokens still splits into num_peers blocks."""
+        the send buffer of a device without tokens still splits into num_peers blocks. The
+        product is exact, of the factor as written (1.1 is 11/10): in floating point
+        1.1 * 200 / 4 is a hair above 55 and would round up to 56."""
         if self.capacity_factor is None:
             return max(num_rows, 1)
-        return max(min(num_rows, math.ceil(self.capacity_factor * num_rows / num_peers)), 1)
+        exact = fractions.Fraction(repr(float(self.capacity_factor))) * num_rows / num_peers
+        return max(min(num_rows, math.ceil(exact)), 1)
 
     @property
     def drops_groups(self) -> bool:
