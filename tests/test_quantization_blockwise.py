@@ -38,7 +38,8 @@ def oracle_quantize(x: np.ndarray, block: tuple[int, int]):
             scale, value = np.float32(np.nan), np.full(part.shape, np.nan)
         else:
             amax = np.float32(np.abs(part).max())
-            scale = amax * np.float32(1 / MAX_NORMAL) if amax > 0 else np.float32(1.0)
+            smallest_normal = np.finfo(np.float32).tiny
+            scale = max(amax * np.float32(1 / MAX_NORMAL), smallest_normal) if amax > 0 else np.float32(1.0)
             value = round_to_element((part / scale).astype(np.float32).astype(np.float64), "float8_e4m3fn")
         scales[index] = scale
         values[(*lead, slice(i * rows, (i + 1) * rows), slice(j * cols, (j + 1) * cols))] = value
@@ -80,6 +81,19 @@ def test_zero_saturated_and_special_blocks():
     back = np.asarray(blockwise.dequantize_blockwise(jnp.asarray(values, jnp.float8_e4m3fn), jnp.asarray(scales),
                                                      RECIPE.activations))
     assert not back[0].any() and np.isnan(back[2]).all()
+
+
+def test_a_block_of_tiny_values_keeps_a_normal_scale():
+    # amax / 448 would be a float32 subnormal here, which XLA:CPU flushes to 0: the scale
+    # is held at the smallest normal number, and zeros stay zeros (not 0 / 0).
+    x = np.zeros((1, 128), np.float32)
+    x[0, 0], x[0, 1] = 1e-37, -3e-38
+    values, scales = blockwise.quantize_blockwise(jnp.asarray(x), RECIPE.activations)
+    assert np.asarray(scales)[0, 0] == np.finfo(np.float32).tiny
+    back = np.asarray(blockwise.dequantize_blockwise(values, scales, RECIPE.activations))
+    assert np.isfinite(back).all() and not back[0, 2:].any()
+    expected_values, expected_scales = oracle_quantize(x, RECIPE.activations.block)
+    np.testing.assert_array_equal(np.asarray(values, np.float64), expected_values)
 
 
 def test_scales_do_not_depend_on_the_order_of_a_blocks_elements():
@@ -140,6 +154,14 @@ def test_bad_arguments_name_what_was_seen():
         blockwise.quantize_blockwise(jnp.ones((128,)), RECIPE.activations)
     with pytest.raises(ValueError, match="scales.shape must be"):
         blockwise.dequantize_blockwise(jnp.ones((2, 256), jnp.float8_e4m3fn), jnp.ones((2, 1)), RECIPE.activations)
+    a, a_s = blockwise.quantize_blockwise(jnp.ones((4, 256)), RECIPE.activations)
+    w, w_s = blockwise.quantize_blockwise(jnp.ones((256, 256)), RECIPE.weights)
+    with pytest.raises(ValueError, match=r"a_scales.shape must be \(4, 2\) .* got \(4, 1\)"):
+        emulation.blockwise_matmul(a, a_s[:, :1], w, w_s, RECIPE)
+    with pytest.raises(ValueError, match=r"w_scales.shape must be \(2, 2\) .* got \(1, 2\)"):
+        emulation.blockwise_matmul(a, a_s, w, w_s[:1], RECIPE)
+    with pytest.raises(TypeError, match="a.dtype must be float8_e4m3fn, got float32"):
+        emulation.blockwise_matmul(a.astype(jnp.float32), a_s, w, w_s, RECIPE)
     with pytest.raises(ValueError, match="block must be two positive ints"):
         schema.BlockScaling((0, 128))
     with pytest.raises(ValueError, match="needs 1 x 32 activation blocks and 32 x 32 weight blocks"):

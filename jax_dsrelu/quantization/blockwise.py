@@ -6,7 +6,9 @@ axes (a partial last block along either axis has a scale of its own):
     amax  = max |x| over the block's finite values, in float32 (exact in any order)
     scale = amax * (1 / max_normal rounded to float32; max_normal is 448 for e4m3), one
             float32 multiplication: a division by a constant is one a compiler may turn
-            into that product anyway, on one platform and not another; 1 where amax is 0
+            into that product anyway, on one platform and not another; at least 2^-126,
+            float32's smallest normal number, which a platform that flushes subnormals
+            (XLA:CPU, a kernel's fast math) would otherwise turn into 0; 1 where amax is 0
     value = x / scale rounded once to float32, then to the element format by round to
             nearest even, clamped to +-max_normal (x / scale can exceed it by an ulp)
 
@@ -70,7 +72,8 @@ def quantize_blockwise(x: jax.Array, scaling: BlockScaling) -> tuple[jax.Array, 
     finite = jnp.isfinite(blocks)
     special = ~jnp.all(finite, axis=(-2, -1))
     amax = jnp.max(jnp.where(finite, jnp.abs(blocks), 0.0), axis=(-2, -1))
-    scales = jnp.where(amax > 0, amax * reciprocal, 1.0).astype(jnp.float32)
+    smallest_normal = np.float32(np.finfo(np.float32).tiny)
+    scales = jnp.where(amax > 0, jnp.maximum(amax * reciprocal, smallest_normal), 1.0).astype(jnp.float32)
     scales = jnp.where(special, jnp.nan, scales)
     scaled = jnp.clip(blocks / scales[..., None, None], -max_normal, max_normal)
     values = _unblock(scaled.astype(scaling.element), x.shape)

@@ -1,11 +1,12 @@
 """The blockwise FP8 GEMM as arithmetic any backend runs: the oracle of the FP8 kernels.
 
-    out[m, n] = sum over K blocks b of  a_scale[m, b] * w_scale[b, n // P]
-                                        * (sum over k in b of a[m, k] * w[k, n])
+    out[m, n] = sum over K blocks b of  (sum over k in b of a[m, k] * w[k, n])
+                                        * (a_scale[m, b] * w_scale[b, n // P])
 
 with P = the recipe's promotion interval (its K block): each block's partial sum of e4m3
 products is formed in float32 (the products are exact there: two 4-bit significands), then
-scaled and added to the float32 total, block after block. Hopper's FP8 tensor cores keep
+multiplied by the product of its two scales, as a kernel promotes it, and added to the
+float32 total, block after block. Hopper's FP8 tensor cores keep
 about 14 bits while summing within a block; the float64 test's bound covers both.
 """
 
@@ -34,14 +35,20 @@ def blockwise_matmul(
     (m, k), n = a.shape, w.shape[1]
     if w.shape[0] != k:
         raise ValueError(f"w.shape[0] must be a.shape[1]={k}, got w.shape={w.shape}")
+    for name, array in (("a", a), ("w", w)):
+        if array.dtype != recipe.activations.element:
+            raise TypeError(f"{name}.dtype must be {recipe.activations.element}, got {array.dtype}")
     blocks = -(-k // interval)
+    for name, scales, expected in (("a_scales", a_scales, (m, blocks)), ("w_scales", w_scales, (blocks, -(-n // interval)))):
+        if scales.shape != expected:
+            raise ValueError(f"{name}.shape must be {expected} for a {a.shape} and w {w.shape}, got {scales.shape}")
     pad = blocks * interval - k
     a_blocks = jnp.pad(a.astype(jnp.float32), ((0, 0), (0, pad))).reshape(m, blocks, interval)
     w_blocks = jnp.pad(w.astype(jnp.float32), ((0, pad), (0, 0))).reshape(blocks, interval, n)
     partials = jnp.einsum("mbk,bkn->bmn", a_blocks, w_blocks, precision=jax.lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32)
     w_columns = jnp.repeat(w_scales, interval, axis=1)[:, :n]  # (blocks, N)
-    scaled = partials * a_scales.T[:, :, None] * w_columns[:, None, :]
+    scaled = partials * (a_scales.T[:, :, None] * w_columns[:, None, :])
     total = jnp.zeros((m, n), jnp.float32)
     for block in range(blocks):  # block after block, as the kernels promote
         total = total + scaled[block]
