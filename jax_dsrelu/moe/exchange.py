@@ -73,13 +73,9 @@ def plan_exchange(plan: RoutingPlan, num_peers: int, capacity: int) -> ExchangeP
     block, within = jnp.divmod(lax.iota(jnp.int32, buffer_size), capacity)
     slot_full = within < sent_sizes[block]
     slot_row = jnp.searchsorted(sent_through, sent_starts[block] + within + 1, side="left").astype(jnp.int32)
-    if num_rows == 0:  # no rows to gather from: every slot is empty
-        slot_token = jnp.zeros((buffer_size,), jnp.int32)
-        slot_expert = jnp.full((buffer_size,), local_experts, jnp.int32)
-    else:
-        slot_row = jnp.minimum(slot_row, num_rows - 1)
-        slot_token = plan.order[slot_row] // plan.top_k
-        slot_expert = jnp.where(slot_full, row_expert[slot_row] % local_experts, local_experts)
+    slot_row = jnp.minimum(slot_row, max(num_rows - 1, 0))
+    slot_token = plan.order[slot_row] // plan.top_k
+    slot_expert = jnp.where(slot_full, row_expert[slot_row] % local_experts, local_experts)
     token_slots = row_slot[plan.inverse].reshape(-1, plan.top_k)
     dropped = num_rows - jnp.sum(sent_sizes)
     return ExchangePlan(slot_row, slot_token, slot_expert, slot_full, row_slot, sent, token_slots, dropped)

@@ -39,6 +39,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_dsrelu import jax_internals
 from jax_dsrelu.kernels import registry
 from jax_dsrelu.moe import exchange, layer, permutation
 from jax_dsrelu.moe.layer import MoEAux
@@ -165,6 +166,18 @@ def _expert_parallel_shard(x, weights: MoEWeights, *, expert_axis: str, options:
     device's share of the experts (w1, w2 and b1) and every other weight whole.
     """
     plan = layer.route_tokens(x, weights, options)
+    routed, dropped = _routed(x, weights, plan, expert_axis, options)
+    out = layer.block_output(routed, x, weights, options)
+    return out, plan.chosen_sizes[None], plan.expert_prob[None], plan.router_z_loss[None], dropped[None]
+
+
+def _routed(x, weights: MoEWeights, plan, expert_axis: str, options: MoEOptions):
+    """(T, l) float32 outputs of the routed experts, each token's rows run on the devices
+    that hold their experts and summed; and how many rows the capacity dropped."""
+    if x.shape[0] == 0:  # every shard is as long, so no device has a row to send or to run
+        routed, dropped, _ = jax_internals.vary_alike(
+            [jnp.zeros((0, weights.w1.shape[1]), jnp.float32), jnp.zeros((), jnp.int32), x])
+        return routed, dropped
     num_peers = lax.axis_size(expert_axis)
     local_experts = weights.num_experts
     capacity = options.per_peer_capacity(plan.order.shape[0], num_peers)
@@ -185,8 +198,7 @@ def _expert_parallel_shard(x, weights: MoEWeights, *, expert_axis: str, options:
         axis_name=expert_axis, drops=capacity < plan.order.shape[0], deterministic=options.deterministic,
         backends=registry.layer_backends(options.backend),
     )
-    out = layer.block_output(routed, x, weights, options)
-    return out, plan.chosen_sizes[None], plan.expert_prob[None], plan.router_z_loss[None], sends.dropped[None]
+    return routed, sends.dropped
 
 
 def _weight_specs(weights: MoEWeights, expert_axis: str) -> MoEWeights:

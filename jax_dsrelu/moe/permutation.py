@@ -15,8 +15,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_dsrelu import jax_internals
-
 
 class GroupOrder(NamedTuple):
     """Rows sorted by group. Rows whose group is outside 0..G-1 (padding) sort after every
@@ -99,8 +97,6 @@ def gather_rows(
 
 
 def _take(x, index, valid):
-    if x.shape[0] == 0:  # nothing to read (no tokens): every output row is empty
-        return jax_internals.vary_alike([jnp.zeros(index.shape + x.shape[1:], x.dtype), x])[0]
     out = jnp.take(x, index, axis=0, mode="clip")
     if valid is None:
         return out

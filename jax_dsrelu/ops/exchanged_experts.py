@@ -71,8 +71,6 @@ def _exchange(a, axis_name):
 
 def _send(rows, slot_token, slot_full, axis_name):
     """(T, l) -> (D*C, l): each send slot's token row, 0 in empty slots, exchanged."""
-    if rows.shape[0] == 0:  # a device without tokens sends only empty slots
-        return _exchange(jnp.zeros((slot_token.shape[0], rows.shape[1]), rows.dtype), axis_name)
     sent = jnp.where(slot_full[:, None], jnp.take(rows, slot_token, axis=0), jnp.zeros((), rows.dtype))
     return _exchange(sent, axis_name)
 
