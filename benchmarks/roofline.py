@@ -39,10 +39,12 @@ def gemm_of_launches(kernels: list[list]) -> list[tuple[str, float]]:
     ragged = iter(("up", "down/dx", "down/dx"))
     launches = []
     for name, ms in kernels:
-        if "RaggedGemmSm90" in name and (gemm := next(ragged, None)) is None:
-            raise ValueError(f"a step launches three ragged-M GEMMs, got a fourth: {name}")
-        if "RaggedGemmSm90" in name or "DsreluSm90" in name or "ContractSm90" in name:
-            launches.append((gemm if "RaggedGemmSm90" in name else "dsrelu" if "Dsrelu" in name else "dw1/dw2", ms))
+        if "RaggedGemmSm90" in name:
+            if (gemm := next(ragged, None)) is None:
+                raise ValueError(f"a step launches three ragged-M GEMMs, got a fourth: {name}")
+            launches.append((gemm, ms))
+        elif "DsreluSm90" in name or "ContractSm90" in name:
+            launches.append(("dsrelu" if "DsreluSm90" in name else "dw1/dw2", ms))
     return launches
 
 
