@@ -8,12 +8,10 @@
 # commit's jax_dsrelu, benchmarks and tests (git archive OLD_COMMIT ... | tar -x -C OLD_TREE);
 # the working tree is NEW_COMMIT; both commits' kernels come from the carried cache
 # (prebuild_kernels.py --only bench_layer in each tree: the keys digest each tree's sources).
-# Round r of a commit writes $OUT/<commit>-<r>/bench_layer.json, which a tuning decision cites.
+# Round r of a commit writes $OUT/<commit>-<r>/bench_layer.json and its copy as the record
+# benchmarks/results/ names it, bench_layer_step_ab_{old,new}_r<r>.json (the next A/B replaces it).
 set -o pipefail
-old_tree="$1"
-old_commit="$2"
-new_commit="$3"
-rounds="${4:-2}"
+old_tree="$1" old_commit="$2" new_commit="$3" rounds="${4:-2}"
 shapes="${STEP_AB_SHAPES:-16384,4096,2048,8;32768,7168,2048,8;65536,2048,1024,32;49152,2688,1856,128;65536,2048,768,128;65536,2048,512,128;32768,7168,2048,32;65536,2048,768,256}"
 source .gpu/activate.sh
 export JAX_DSRELU_KERNEL_CACHE="$PWD/.kernels/cache"
@@ -21,12 +19,13 @@ export PYTHONUNBUFFERED=1
 base="$PYTHONPATH"
 for round in $(seq 1 "$rounds"); do
   for commit in "$old_commit" "$new_commit"; do
-    if [[ $commit == "$old_commit" ]]; then tree="$(cd "$old_tree" && pwd)"; else tree="$PWD"; fi
+    if [[ $commit == "$old_commit" ]]; then tree="$(cd "$old_tree" && pwd)" side=old; else tree="$PWD" side=new; fi
     mkdir -p "$OUT/$commit-$round"
     (cd "$tree" && PYTHONPATH="$tree:$tree/tests:$tree/benchmarks${base:+:$base}" \
       timeout 100 python3 benchmarks/bench_layer.py --commit "$commit" --out "$OUT/$commit-$round" \
         --modes step --variants sm90,sm90_det --reps 5 --shapes "$shapes" \
         > "$OUT/$commit-$round/layer.log" 2> "$OUT/$commit-$round/layer.err")
     echo "$commit round $round exit $?"
+    for f in "$OUT/$commit-$round"/bench_layer.json*; do cp "$f" "$OUT/bench_layer_step_ab_${side}_r$round${f##*/bench_layer}"; done
   done
 done
