@@ -5,9 +5,11 @@ Public API:
     moe_mlp                              the differentiable expert MLP built on it
     ragged_dot                           a drop-in for jax.lax.ragged_dot on the grouped GEMMs
     moe_layer, MoEAux                    a top-k MoE layer, dropless unless round_to: route, dispatch, moe_mlp, combine
-    MoEOptions                           the layer's options as one frozen object (routing, round_to, determinism, backend)
+    MoEOptions                           the layer's options as one frozen object (routing, round_to, capacity_factor,
+                                         determinism, backend)
     MoEWeights                           the layer's weights as one pytree
-    moe_layer_expert_parallel            the same layer with experts split over a mesh axis
+    moe_layer_expert_parallel            the same layer with experts split over a mesh axis (capacity_factor bounds
+                                         what each device sends)
     route, RoutingPlan, dispatch, combine  the layer's routing steps, for custom layers
     update_expert_bias                   the auxiliary-loss-free balancing step for sigmoid routing
     params_from_hf_nemotron_h            a Hugging Face NemotronHMoE block's tensors as moe_layer arguments
