@@ -123,6 +123,18 @@ def _gemm_requests():
     return test_sm90_gemms.prebuild_requests()
 
 
+def _fp8_tests():
+    import test_sm90_fp8
+    from jax_dsrelu.kernels.sm90 import backend
+
+    def compile_enabled(request, config, in_place):
+        with backend.unverified_enabled("fp8"):
+            importlib.import_module("jax_dsrelu.kernels.sm90.ragged_call").compile_kernel(
+                request, config, outputs_in_place=in_place)
+
+    return [functools.partial(compile_enabled, *built) for built in test_sm90_fp8.prebuild_requests()]
+
+
 def _layer_tests():
     import test_moe_mlp_sm90
 
@@ -145,6 +157,8 @@ NUMBERED = {
     "dsrelu test": lambda: _compiles(lowering, test_sm90.prebuild_requests()),
     "gemm test": lambda: _compiles(importlib.import_module("jax_dsrelu.kernels.sm90.ragged_call"), _gemm_requests()),
     "layer test": _layer_tests,
+    "fp8 test": _fp8_tests,
+    "bench_fp8_gemms": lambda: [functools.partial(importlib.import_module("bench_fp8_gemms").main, ["--prebuild"])],
     "bench_gemms": lambda: [functools.partial(bench_gemms.prebuild, [shape], bench_gemms.GEMMS, OURS, np.dtype(jnp.bfloat16))
                             for shape in harness.SHAPES],
     "bench_layer": lambda: [functools.partial(bench_layer.prebuild, [shape], OURS, bench_layer.MODES)

@@ -152,7 +152,7 @@ def test_gathered_grad_is_refused_with_mxfp8_operands():
 
 def test_schema_letters_and_kernel_arguments_of_a_gathered_operand():
     s = schema.RAGGED_MATMUL
-    params = dict(rhs_layout="kn", out_dtype=np.float32, with_lhs_index=True)
+    params = dict(rhs_layout="kn", out_dtype=np.float32, with_lhs_index=True, block_scaled=False)
     assert [f.letters(params) for f in s.operand_fields(params)] == [("t", "k"), ("e", "k", "n"), ("e",), ("m",)]
     assert s.result_shapes([(9, 4), (3, 4, 5), (3,), (7,)], params) == [((7, 5), np.dtype(np.float32))]
     # The index is an argument by name beside the source.

@@ -131,13 +131,13 @@ def cases():
             (lambda x, w, g: ragged_matmul(x, w, g, rhs_layout="nk", out_dtype=BF16, backend="sm90"),
              (a["x"], a["w_nk"], a["sizes"])),
             ragged_call.operands(matmul_request()), {ROWS: M}, schema.RAGGED_MATMUL,
-            dict(rhs_layout="nk", out_dtype=BF16),
+            dict(rhs_layout="nk", out_dtype=BF16, block_scaled=False),
         ),
         "ragged_matmul_srelu": (
             (lambda x, w, g, p, b: ragged_matmul_srelu(x, w, g, p, b, rhs_layout="nk", out_dtype=BF16, backend="sm90"),
              (a["x"], a["w_nk"], a["sizes"], a["prob"], a["bias"])),
             ragged_call.operands(matmul_request("srelu", True)), {ROWS: M}, schema.RAGGED_MATMUL_SRELU,
-            dict(rhs_layout="nk", out_dtype=BF16, with_bias=True),
+            dict(rhs_layout="nk", out_dtype=BF16, with_bias=True, block_scaled=False),
         ),
         "ragged_contract": (
             (lambda x, h, g: ragged_contract(x, h, g, out_dtype=F32, backend="sm90"), (a["x"], a["h"], a["sizes"])),

@@ -34,13 +34,13 @@ def test_optional_results_and_operands_follow_their_flags():
 def test_layout_parameter_orders_the_rhs_dimensions():
     s = schema.RAGGED_MATMUL
     for layout, rhs_shape in (("kn", (4, 8, 5)), ("nk", (4, 5, 8))):
-        params = dict(rhs_layout=layout, out_dtype=np.float32)
+        params = dict(rhs_layout=layout, out_dtype=np.float32, block_scaled=False)
         assert s.result_shapes([(7, 8), rhs_shape, (4,)], params) == [((7, 5), np.dtype(np.float32))]
 
 
 def test_an_absent_bias_is_no_argument():
     s = schema.RAGGED_MATMUL_SRELU
-    params = dict(rhs_layout="kn", out_dtype=np.float32, with_bias=False)
+    params = dict(rhs_layout="kn", out_dtype=np.float32, with_bias=False, block_scaled=False)
     assert s.call_arguments(["x", "w", "g", "p"], params) == dict(lhs="x", rhs="w", group_sizes="g", prob="p")
     with pytest.raises(ValueError, match=r"operands \['prob'\] are required"):
         s.bound_operands(dict(lhs=1, rhs=2, group_sizes=3, bias=None), params)

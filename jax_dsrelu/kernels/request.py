@@ -49,6 +49,12 @@ class RaggedMatmulRequest:
                       act = relu(h)**2 * prob computed from the rounded h, in out_dtype.
                       implementation: (lhs=, rhs=, group_sizes=, prob= (m,),
                       [bias= (E, n)]) -> {h, act}
+    block_scaled:     lhs and rhs e4m3 under the FP8_BLOCKWISE recipe
+                      (`jax_dsrelu.quantization`), their float32 scales two more
+                      operands: lhs_scale= (m, ceil(k / 128)), one per row and K block,
+                      and rhs_scale= (E, ceil(n / 128), ceil(k / 128)), one per 128 x 128
+                      block of rhs stored (E, n, k) ("nk"); each K block's partial sum
+                      is multiplied by its two scales in float32 and added to the total.
     """
 
     num_experts: int
@@ -59,6 +65,7 @@ class RaggedMatmulRequest:
     out_dtype: np.dtype
     epilogue: str = "none"  # "none" | "srelu"
     with_bias: bool = False
+    block_scaled: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,12 @@ float32; rows owned by no expert come out 0, and bad group sizes are clamped
 (`jax_dsrelu.groups`). One writer per output element and a fixed summation order make
 every backend bitwise reproducible, so there is no deterministic flag.
 
+lhs and rhs may be FP8_BLOCKWISE-quantized (`jax_dsrelu.quantization`): e4m3 values with
+lhs_scale (m, ceil(k / 128)) and rhs_scale (E, ceil(n / 128), ceil(k / 128)) float32,
+rhs stored "nk" (Hopper's FP8 wgmma reads both operands K-major). The product is that of
+the values the operands represent, each K block's partial sum promoted to float32 and
+scaled (`quantization.emulation`); the XLA reference dequantizes first.
+
 lhs may be gathered: with lhs_index (m,) int32, lhs is a source (T, k) and row i of the
 GEMM reads lhs[lhs_index[i]] (the up-projection reading its tokens through the routing,
 with no (m, k) copy of them where the backend loads rows through the index; see
@@ -51,6 +57,7 @@ def _request_of(epilogue: str):
             out_dtype=np.dtype(params["out_dtype"]),
             epilogue=epilogue,
             with_bias=bool(params.get("with_bias", False)),
+            block_scaled=bool(params["block_scaled"]),
         )
 
     return request
@@ -67,6 +74,22 @@ def _check_layout(rhs_layout: str) -> None:
         raise ValueError(f"rhs_layout must be one of {RHS_LAYOUTS}, got {rhs_layout!r}")
 
 
+def _block_scaled(lhs_scale, rhs_scale, rhs_layout: str, lhs_index) -> bool:
+    """Whether the call's operands are block-scaled: both scales given, or neither."""
+    if (lhs_scale is None) != (rhs_scale is None):
+        raise ValueError(
+            f"lhs_scale and rhs_scale come together (block-scaled operands) or not at all, got "
+            f"lhs_scale {'None' if lhs_scale is None else 'given'} and rhs_scale {'None' if rhs_scale is None else 'given'}"
+        )
+    if lhs_scale is None:
+        return False
+    if rhs_layout != "nk":
+        raise ValueError(f"block-scaled operands need rhs stored (E, n, k), rhs_layout 'nk', got {rhs_layout!r}")
+    if lhs_index is not None:
+        raise ValueError("block-scaled operands are read in row order: lhs_index must be None with lhs_scale")
+    return True
+
+
 def ragged_matmul(
     lhs: jax.Array,  # (m, k), or (T, k) with lhs_index
     rhs: jax.Array,  # (E, k, n) for "kn", (E, n, k) for "nk"
@@ -76,11 +99,16 @@ def ragged_matmul(
     out_dtype: Any,
     backend: str,
     lhs_index: jax.Array | None = None,  # (m,) int32: row i of the GEMM is lhs[lhs_index[i]]
+    lhs_scale: jax.Array | None = None,  # (m, ceil(k / 128)) float32, FP8_BLOCKWISE operands
+    rhs_scale: jax.Array | None = None,  # (E, ceil(n / 128), ceil(k / 128)) float32
 ) -> jax.Array:  # (m, n) out_dtype
     """The plain ragged matmul; shapes and dtypes are the caller's to have checked."""
     _check_layout(rhs_layout)
-    params = dict(rhs_layout=rhs_layout, out_dtype=np.dtype(out_dtype), with_lhs_index=lhs_index is not None)
-    named = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes, lhs_index=lhs_index)
+    block_scaled = _block_scaled(lhs_scale, rhs_scale, rhs_layout, lhs_index)
+    params = dict(rhs_layout=rhs_layout, out_dtype=np.dtype(out_dtype), with_lhs_index=lhs_index is not None,
+                  block_scaled=block_scaled)
+    named = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes, lhs_index=lhs_index, lhs_scale=lhs_scale,
+                 rhs_scale=rhs_scale)
     return ragged_matmul_primitive.bind(named, backend=backend, **params)["out"]
 
 
@@ -95,12 +123,15 @@ def ragged_matmul_srelu(
     out_dtype: Any,
     backend: str,
     lhs_index: jax.Array | None = None,  # (m,) int32: row i of the GEMM is lhs[lhs_index[i]]
+    lhs_scale: jax.Array | None = None,  # (m, ceil(k / 128)) float32, FP8_BLOCKWISE operands
+    rhs_scale: jax.Array | None = None,  # (E, ceil(n / 128), ceil(k / 128)) float32
 ) -> tuple[jax.Array, jax.Array]:  # h, act: (m, n) out_dtype
     """The ragged matmul with the squared-ReLU forward epilogue."""
     _check_layout(rhs_layout)
+    block_scaled = _block_scaled(lhs_scale, rhs_scale, rhs_layout, lhs_index)
     params = dict(
         rhs_layout=rhs_layout, out_dtype=np.dtype(out_dtype), with_bias=bias is not None,
-        with_lhs_index=lhs_index is not None,
+        with_lhs_index=lhs_index is not None, block_scaled=block_scaled,
     )
     named = dict(
         lhs=lhs,
@@ -110,6 +141,8 @@ def ragged_matmul_srelu(
         # The kernel's epilogue reads prob and bias as float32 whatever their dtype.
         prob=prob.astype(jnp.float32),
         bias=None if bias is None else bias.astype(jnp.float32),
+        lhs_scale=lhs_scale,
+        rhs_scale=rhs_scale,
     )
     results = ragged_matmul_srelu_primitive.bind(named, backend=backend, **params)
     return results["h"], results["act"]

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_dsrelu import groups, jax_internals
-from jax_dsrelu.quantization import mx
+from jax_dsrelu.quantization import blockwise, mx
+from jax_dsrelu.quantization.schema import FP8_BLOCKWISE
 
 
 def grouped_gemm_dsrelu_reference(
@@ -80,18 +81,26 @@ def _max_with_nan(x: jax.Array, axis: int) -> jax.Array:
     return jnp.where(jnp.isnan(x).any(axis=axis), jnp.nan, jnp.max(x, axis=axis, initial=0.0))
 
 
-def _accumulate(lhs, rhs, group_sizes, rhs_layout):
+def _accumulate(lhs, rhs, group_sizes, rhs_layout, lhs_scale, rhs_scale):
+    """The float32 product of every expert's rows; block-scaled (FP8_BLOCKWISE) operands
+    are dequantized to float32 first, so the product is of the values they represent."""
+    if lhs_scale is not None:
+        lhs = blockwise.dequantize_blockwise(lhs, lhs_scale, FP8_BLOCKWISE.activations)
+        rhs = blockwise.dequantize_blockwise(rhs, rhs_scale, FP8_BLOCKWISE.weights)
     rhs_kn = rhs if rhs_layout == "kn" else jnp.swapaxes(rhs, 1, 2)
     return expert_rows_matmul(lhs, rhs_kn, groups.clamped_group_sizes(group_sizes, lhs.shape[0]))
 
 
-def ragged_matmul_reference(lhs, rhs, group_sizes, *, rhs_layout, out_dtype):
-    return dict(out=_accumulate(lhs, rhs, group_sizes, rhs_layout).astype(out_dtype))
+def ragged_matmul_reference(lhs, rhs, group_sizes, lhs_scale=None, rhs_scale=None, *, rhs_layout, out_dtype,
+                            block_scaled):
+    del block_scaled  # the scales are None without it
+    return dict(out=_accumulate(lhs, rhs, group_sizes, rhs_layout, lhs_scale, rhs_scale).astype(out_dtype))
 
 
-def ragged_matmul_srelu_reference(lhs, rhs, group_sizes, prob, bias=None, *, rhs_layout, out_dtype, with_bias):
-    del with_bias  # bias is None without it
-    acc = _accumulate(lhs, rhs, group_sizes, rhs_layout)
+def ragged_matmul_srelu_reference(lhs, rhs, group_sizes, prob, bias=None, lhs_scale=None, rhs_scale=None, *,
+                                  rhs_layout, out_dtype, with_bias, block_scaled):
+    del with_bias, block_scaled  # bias and the scales are None without them
+    acc = _accumulate(lhs, rhs, group_sizes, rhs_layout, lhs_scale, rhs_scale)
     if bias is not None:
         expert, owned = groups.row_experts(group_sizes, lhs.shape[0])
         acc = acc + jnp.where(owned[:, None], bias.astype(jnp.float32)[expert], 0.0)

@@ -214,12 +214,18 @@ GROUPED_GEMM_DSRELU = Schema(
 # lhs (m, k) times expert e's rhs, stored (e, k, n) or (e, n, k).
 _LHS, _LHS_INDEX = row_gathered("lhs", "m k", SOURCE_ROWS)
 _RAGGED_MATMUL_OPERANDS = (_LHS, Field("rhs", "e {rhs_layout}"), Field(GROUP_SIZES, "e"))
+# FP8_BLOCKWISE operands: a float32 scale per row and 128 of k ("q" the k blocks), and per
+# 128 x 128 block of rhs stored (e, n, k) ("p" the n blocks).
+_BLOCK_SCALES = (
+    Field("lhs_scale", "m q", present_if="block_scaled"),
+    Field("rhs_scale", "e p q", present_if="block_scaled"),
+)
 
 RAGGED_MATMUL = Schema(
     name="ragged_matmul",
-    operands=_RAGGED_MATMUL_OPERANDS + (_LHS_INDEX,),
+    operands=_RAGGED_MATMUL_OPERANDS + _BLOCK_SCALES + (_LHS_INDEX,),
     results=(Field("out", "m n", dtype="out_dtype"),),
-    kept_whole=("k", "e", SOURCE_ROWS),
+    kept_whole=("k", "e", "p", "q", SOURCE_ROWS),
 )
 
 RAGGED_MATMUL_SRELU = Schema(
@@ -227,14 +233,13 @@ RAGGED_MATMUL_SRELU = Schema(
     operands=_RAGGED_MATMUL_OPERANDS + (
         Field("prob", "m"),
         Field("bias", "e n", present_if="with_bias"),
-        _LHS_INDEX,
-    ),
+    ) + _BLOCK_SCALES + (_LHS_INDEX,),
     results=(
         Field("h", "m n", dtype="out_dtype"),
         Field("act", "m n", dtype="out_dtype"),
     ),
     # k: the epilogue is nonlinear in the sum over k.
-    kept_whole=("k", "e", SOURCE_ROWS),
+    kept_whole=("k", "e", "p", "q", SOURCE_ROWS),
 )
 
 # Each side its own source: the weight gradients read x rows (dW1 = x^T dh) or dy rows

@@ -42,7 +42,9 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 #                 bit for bit XLA's sequential sum, no memcheck error or racecheck hazard,
 #                 and, in the block records, faster than XLA's fused gather-and-sum at
 #                 one block of three and slower at two.
-UNVERIFIED_KINDS = ("gathered", "gather_sum")
+#   "fp8"         the ragged-M GEMM on FP8_BLOCKWISE operands (`blockwise_matmul_kernel.py`):
+#                 compiled and lowered, not yet run on a Hopper card.
+UNVERIFIED_KINDS = ("gathered", "gather_sum", "fp8")
 # The operands of each request kind that the "gathered" kernels read through an index.
 _GATHERED_OPERANDS = {
     Request: frozenset({"grad"}),
@@ -108,6 +110,8 @@ def cannot_implement(request: AnyRequest) -> str | None:
                     f"gather_sum to use it)")
         return gather_sum_config.cannot_implement(request)
     if isinstance(request, RaggedMatmulRequest):
+        if request.block_scaled and not enabled("fp8"):
+            return f"the sm90 FP8 ragged GEMM is not verified on a Hopper card (set {UNVERIFIED_VARIABLE}=fp8 to use it)"
         return config.cannot_implement_gemm(request)
     if isinstance(request, RaggedContractRequest):
         return config.cannot_implement_contract(request)

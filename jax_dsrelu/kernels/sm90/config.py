@@ -17,6 +17,7 @@ import numpy as np
 
 from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest, Request
 from jax_dsrelu.kernels.sm90 import tuning
+from jax_dsrelu.quantization.schema import E4M3, FP8_BLOCKWISE
 
 # Largest expert count: the per-CTA expert tables (two int32 prefix sums of E + 1 entries)
 # live in shared memory next to the pipelines, and one warp builds them in E / 32 steps.
@@ -28,6 +29,10 @@ TILE_M = 128
 # Every shared buffer starts 1024-byte aligned (the swizzled layouts' requirement).
 _SMEM_ALIGN = 1024
 _SIXTEEN_BIT = (np.dtype("bfloat16"), np.dtype("float16"))
+FP8 = E4M3
+# The FP8 recipe's scale block along K and N: a k-tile is one block, so each k-tile's
+# partial sum is promoted with one pair of scales.
+BLOCK = FP8_BLOCKWISE.promotion
 # H100 and H200 SXM have 132 multiprocessors; used when no GPU is visible at lowering.
 DEFAULT_SM_COUNT = 132
 # Columns per epilogue subtile, the same in every kernel of the family.
@@ -42,8 +47,13 @@ def _check_tile(config, positive: tuple[str, ...]) -> None:
         raise ValueError(f"tile_m must be {TILE_M} (two 64-row consumer warpgroups), got {config.tile_m}")
     if config.tile_n not in (64, 128, 192, 256):
         raise ValueError(f"tile_n must be 64, 128, 192 or 256 (a wgmma N), got {config.tile_n}")
-    if config.tile_k not in (32, 64):
-        raise ValueError(f"tile_k must be 32 or 64 (a 64- or 128-byte swizzle row), got {config.tile_k}")
+    if config.operand_bytes not in (1, 2):
+        raise ValueError(f"operand_bytes must be 1 (e4m3) or 2 (bf16, fp16), got {config.operand_bytes}")
+    if config.tile_k * config.operand_bytes not in (64, 128):
+        raise ValueError(
+            f"tile_k must make a 64- or 128-byte swizzle row of {config.operand_bytes}-byte operands "
+            f"(32 or 64 of 16 bits, 64 or 128 of 8), got {config.tile_k}"
+        )
     if config.cluster_n not in (1, 2):
         raise ValueError(f"cluster_n must be 1 or 2 (CTAs sharing an A tile by multicast), got {config.cluster_n}")
     if config.max_ctas % config.cluster_n:
@@ -83,6 +93,7 @@ class KernelTiles:
     max_ctas: int  # persistent grid size: one CTA per multiprocessor
     tile_m: int = TILE_M
     cluster_n: int = 1  # CTAs per cluster along N, sharing each A tile by multicast
+    operand_bytes: int = 2  # bytes per A and B element: 2 (bf16, fp16) or 1 (e4m3)
 
     # Fields that count something and must be positive, beyond the tile's own.
     counts: ClassVar[tuple[str, ...]] = ("store_stages", "max_ctas")
@@ -99,11 +110,11 @@ class KernelTiles:
         """The shared-memory struct `gemm_base.GemmSm90._shared_storage` lays out: two
         8-byte barriers per stage of the operand ring and of the variant's other rings,
         `tables` int32 expert tables of E + 1 entries, padded to the first buffer's
-        alignment; then the operand ring's A and B buffers (16-bit operands) and the
+        alignment; then the operand ring's A and B buffers (operand_bytes each) and the
         variant's `buffers` (bytes each), each aligned. The compile tier checks it against
         the struct the DSL builds (test_shared_memory_estimate_is_the_kernels_struct)."""
         header = 16 * (self.ab_stages + other_ring_stages) + 4 * tables * (num_experts + 1)
-        operands = [self.ab_stages * rows * self.tile_k * 2 for rows in (self.tile_m, self.tile_n)]
+        operands = [self.ab_stages * rows * self.tile_k * self.operand_bytes for rows in (self.tile_m, self.tile_n)]
         return sum(-(-size // _SMEM_ALIGN) * _SMEM_ALIGN for size in [header, *operands, *buffers])
 
     def _store_bytes(self, out_bytes: int = 2) -> int:
@@ -345,8 +356,28 @@ def cannot_implement_gemm(request: RaggedMatmulRequest) -> str | None:
         return f"rhs_layout must be 'kn' or 'nk', got {request.rhs_layout!r}"
     if request.epilogue not in ("none", "srelu"):
         return f"the sm90 ragged GEMM has epilogues 'none' and 'srelu', got {request.epilogue!r}"
+    if request.block_scaled:
+        return _blockwise_reason(request)
     return _reason("ragged GEMM", request.num_experts, request.operand_dtype, request.out_dtype, _SIXTEEN_BIT,
                    n=request.n, k=request.k)
+
+
+def _blockwise_reason(request: RaggedMatmulRequest) -> str | None:
+    """Why the blockwise-scaled FP8 ragged-M GEMM (`blockwise_matmul_kernel.py`) cannot
+    serve `request`, or None."""
+    if np.dtype(request.operand_dtype) != FP8:
+        return f"block-scaled operands on sm90 are float8_e4m3fn, got {np.dtype(request.operand_dtype).name}"
+    if request.rhs_layout != "nk":
+        # Hopper's FP8 wgmma reads both operands K-major from shared memory.
+        return f"block-scaled FP8 needs rhs stored K-major, rhs_layout 'nk', got {request.rhs_layout!r}"
+    if request.num_experts < 1 or request.num_experts > MAX_EXPERTS:
+        return f"the sm90 kernels take 1 to {MAX_EXPERTS} experts, got E={request.num_experts}"
+    for name, extent in (("n", request.n), ("k", request.k)):
+        if extent < 16 or extent % 16:
+            return f"the FP8 ragged GEMM needs {name} to be a positive multiple of 16 (16-byte TMA rows), got {name}={extent}"
+    if np.dtype(request.out_dtype) not in _SIXTEEN_BIT:
+        return f"the FP8 ragged GEMM writes bfloat16 or float16, got out_dtype={np.dtype(request.out_dtype).name}"
+    return None
 
 
 def cannot_implement_contract(request: RaggedContractRequest) -> str | None:
@@ -368,6 +399,8 @@ def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_
     if reason is not None:
         raise ValueError(reason)
     outputs = stored_outputs(request)
+    if request.block_scaled:
+        return _blockwise_gemm_config(request, outputs, sm_count)
 
     def with_most_stages(tile_n, cluster_n=1):
         base = dict(tile_n=tile_n, tile_k=_RAGGED_M_TILE_K, epi_n=_EPI_N,
@@ -380,6 +413,16 @@ def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_
     tile_n = choose_tile_n(request.n, lambda tile: with_most_stages(tile).ab_stages >= enough)
     pairs = request.epilogue == "none" and request.k >= tuning.value("gemm_pairs") and pairs_up(request.n, tile_n)
     return with_most_stages(tile_n, 2 if pairs else 1)
+
+
+def _blockwise_gemm_config(request: RaggedMatmulRequest, outputs: int, sm_count: int) -> GemmConfig:
+    """The FP8 ragged-M GEMM's configuration: k-tiles of one scale block (128 of K, a
+    128-byte row), N tiles of at most one scale block (128 columns, 64 below n = 128),
+    so that a tile's k-tile has one weight scale; alone; as many stages as fit."""
+    base = dict(tile_n=64 if request.n < BLOCK else BLOCK, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1,
+                store_stages=tuning.value("gemm_store_stages"), cluster_n=1, max_ctas=sm_count)
+    fits = lambda stages: GemmConfig(ab_stages=stages, **base).smem_bytes(request.num_experts, outputs) <= SMEM_CAPACITY  # noqa: E731
+    return GemmConfig(ab_stages=most_stages(fits, 2), **base)
 
 
 # The contraction's operand ring: no config of more stages was measured.

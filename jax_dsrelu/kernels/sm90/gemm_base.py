@@ -75,6 +75,8 @@ short file of hooks:
     epilogue_prefetch(ctx, tile)              per work item, before its mainloop: loads
                                               whose latency hides behind it; returns the
                                               item's state
+    mainloop(ctx, item, tile, read, release)  the accumulator over the item's k-tiles
+                                              (`mainloop.mma_k_tiles` by default)
     mma_active(ctx, item)                     `mainloop.mma_k_tiles`' warpgroup switch
     epilogue_begin(ctx, item)                 after the mainloop
     epilogue_visit(ctx, item, tile, subtile)  the subtile's outputs, in float32 registers
@@ -648,10 +650,7 @@ class GemmSm90:
         subtile (epilogue input in, visit, store, reduce), the epilogue's end. Returns the
         states it advances."""
         item = self.epilogue_prefetch(ctx, tile)
-        read_state, release_state = mainloop.mma_k_tiles(
-            ctx.tiled_mma, ctx.acc, ctx.tCrA, ctx.tCrB, ctx.ab_pipeline, read_state, release_state,
-            self.k_tile_count(tile), self.mma_active(ctx, item), self.operands_written_by_generic_proxy,
-        )
+        read_state, release_state = self.mainloop(ctx, item, tile, read_state, release_state)
         self.epilogue_begin(ctx, item)
         stores = self.store_views(ctx.outputs, tile)
         if self.whole_tile:
@@ -671,6 +670,16 @@ class GemmSm90:
                 self.epilogue_reduce(ctx, item, tile, subtile)
         self.epilogue_end(ctx, item, tile)
         return read_state, release_state, store_count, c_state
+
+    def mainloop(self, ctx, item, tile, read_state, release_state):
+        """The work item's accumulator, ctx.acc = A B^T over its k-tiles
+        (`mainloop.mma_k_tiles`); returns the advanced (read, release) states. A variant
+        whose operands are block-scaled promotes partial sums here instead
+        (`promoted_mainloop.py`)."""
+        return mainloop.mma_k_tiles(
+            ctx.tiled_mma, ctx.acc, ctx.tCrA, ctx.tCrB, ctx.ab_pipeline, read_state, release_state,
+            self.k_tile_count(tile), self.mma_active(ctx, item), self.operands_written_by_generic_proxy,
+        )
 
     # Epilogue hooks: the defaults are a variant's with nothing to add.
 

@@ -6,6 +6,7 @@ kernels declare for their buffers (`jax_dsrelu.kernels.request` documents each c
 
     RaggedMatmulRequest, epilogue "none":  (lhs=, rhs=, group_sizes=) -> {out}
     RaggedMatmulRequest, epilogue "srelu": (lhs=, rhs=, group_sizes=, prob=, [bias=]) -> {h, act}
+    RaggedMatmulRequest, block_scaled:     the same, with lhs_scale= and rhs_scale= (FP8)
     RaggedContractRequest:                 (lhs=, rhs=, group_sizes=) -> {out}
 
 Both also take `lhs_index=` (m,) int32, and the contraction `rhs_index=`: that operand is
@@ -58,6 +59,10 @@ def _kernel(request, config, gathered: str | None = None):
         from jax_dsrelu.kernels.sm90.ragged_contract_kernel import RaggedContractSm90
 
         return RaggedContractSm90(config, request)
+    if request.block_scaled:
+        from jax_dsrelu.kernels.sm90.blockwise_matmul_kernel import BlockScaledRaggedGemmSm90
+
+        return BlockScaledRaggedGemmSm90(config, request)
     from jax_dsrelu.kernels.sm90.ragged_matmul_kernel import RaggedGemmSm90
 
     return RaggedGemmSm90(config, request)

@@ -1,0 +1,185 @@
+"""Times the FP8 ragged-M GEMMs against our bf16 ones and dense cuBLAS GEMMs of the same FLOPs.
+
+At each layer shape (m, d, f, E), on one set of inputs: up (h, act = srelu(x W1[e] + b1[e]),
+K = d, N = f) and down (act W2[e], K = f, N = d; dx = dh W1[e]^T has its dimensions), each by
+
+    sm90          ours, bf16 operands (the step's GEMM as moe_mlp runs it)
+    sm90_fp8      ours on FP8_BLOCKWISE operands quantized beforehand (e4m3, float32 scales
+                  per row and 128 of K, per 128 x 128 block of the weight, stored (E, N, K))
+    quantize      quantize_blockwise of the GEMM's rows (m, K): what the step pays for them
+                  where no epilogue writes them quantized
+    cublas_bf16   one dense bf16 GEMM (m, K) x (K, N) by XLA (cuBLAS)
+    cublas_fp8    one dense e4m3 GEMM of the same FLOPs by XLA: scaled e4m3 operands upcast and
+                  multiplied, the pattern XLA's GEMM rewriter hands cuBLASLt as an FP8 GEMM with
+                  per-tensor scales; `hlo_fp8_call` says whether the compiled HLO holds that call
+    torch_fp8     torch._scaled_mm, e4m3 operands, per-tensor float32 scales, bf16 out (cuBLASLt)
+
+sm90_fp8 is checked against XLA's product of the dequantized operands (normwise 2^-7: the FP8
+accumulation and one bf16 rounding, tests/test_sm90_fp8.py derives the elementwise bound).
+
+    python benchmarks/bench_fp8_gemms.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
+    JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_fp8_gemms.py --prebuild
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import harness
+import run_record
+import timing
+from harness import BF16, group_sizes_for
+from jax_dsrelu import groups
+from jax_dsrelu.kernels.sm90 import backend as sm90_backend
+from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
+from jax_dsrelu.quantization.blockwise import dequantize_blockwise, quantize_blockwise
+from jax_dsrelu.quantization.schema import E4M3, FP8_BLOCKWISE
+
+VARIANTS = ("sm90", "sm90_fp8", "quantize", "cublas_bf16", "cublas_fp8", "torch_fp8")
+GEMMS = ("up", "down")
+SHAPES = [(16384, 4096, 2048, 8), (49152, 2688, 1856, 128), (65536, 2048, 768, 256)]
+TOLERANCE = 2.0**-7
+ACT, WEIGHT = FP8_BLOCKWISE.activations, FP8_BLOCKWISE.weights
+
+
+def operands(m, k, n, num_experts, seed, grouping):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    rows = jax.random.normal(keys[0], (m, k), jnp.float32).astype(BF16)
+    weight_nk = (jax.random.normal(keys[1], (num_experts, n, k), jnp.float32) / np.sqrt(k)).astype(BF16)
+    lhs, lhs_scale = jax.jit(quantize_blockwise, static_argnums=1)(rows, ACT)
+    rhs, rhs_scale = jax.jit(quantize_blockwise, static_argnums=1)(weight_nk, WEIGHT)
+    return dict(rows=rows, weight_kn=jnp.swapaxes(weight_nk, 1, 2), lhs=lhs, lhs_scale=lhs_scale, rhs=rhs,
+                rhs_scale=rhs_scale, prob=jax.random.uniform(keys[2], (m,), jnp.float32, 0.05, 1.0),
+                bias=0.1 * jax.random.normal(keys[3], (num_experts, n), jnp.float32),
+                group_sizes=jnp.asarray(group_sizes_for(grouping, m, num_experts, seed)),
+                dense_bf16=weight_nk[0].T, dense_fp8=rhs[0], dense_scale=jnp.max(rhs_scale[0]))
+
+
+def dequantized_product(lhs, lhs_scale, rhs, rhs_scale, sizes, with_bias, bias):
+    """XLA's float32 product of the values the quantized operands represent (+ b1[e] for up)."""
+    weight_kn = jnp.swapaxes(dequantize_blockwise(rhs, rhs_scale, WEIGHT), 1, 2)
+    out = lax.ragged_dot(dequantize_blockwise(lhs, lhs_scale, ACT), weight_kn, sizes, preferred_element_type=jnp.float32)
+    if not with_bias:
+        return out
+    expert, owned = groups.row_experts(sizes, lhs.shape[0])
+    return out + jnp.where(owned[:, None], bias[expert], 0.0)
+
+
+def checked_against(reference):
+    def check(outputs):
+        error = float(harness.relative_error(outputs, reference))
+        return dict(relative_error=error), error <= TOLERANCE
+    return check
+
+
+def gemm_functions(gemm):
+    """{variant: (fn, argument names)} for `gemm`."""
+    srelu = gemm == "up"
+
+    def ours(lhs, rhs, sizes, prob, bias, lhs_scale=None, rhs_scale=None, layout="kn"):
+        if srelu:
+            return ragged_matmul_srelu(lhs, rhs, sizes, prob, bias, rhs_layout=layout, out_dtype=BF16, backend="sm90",
+                                       lhs_scale=lhs_scale, rhs_scale=rhs_scale)[0]
+        return ragged_matmul(lhs, rhs, sizes, rhs_layout=layout, out_dtype=BF16, backend="sm90", lhs_scale=lhs_scale,
+                             rhs_scale=rhs_scale)
+
+    def cublas_fp8(a, b, a_scale, b_scale):
+        up = lambda x, s: x.astype(BF16) * s.astype(BF16)  # noqa: E731
+        return lax.dot_general(up(a, a_scale), up(b, b_scale), (((1,), (1,)), ((), ())), preferred_element_type=BF16)
+
+    return {
+        "sm90": (ours, ("rows", "weight_kn", "group_sizes", "prob", "bias")),
+        "sm90_fp8": (lambda *a: ours(*a, layout="nk"), ("lhs", "rhs", "group_sizes", "prob", "bias", "lhs_scale", "rhs_scale")),
+        "quantize": (lambda rows: quantize_blockwise(rows, ACT), ("rows",)),
+        "cublas_bf16": (lambda a, b: a @ b, ("rows", "dense_bf16")),
+        "cublas_fp8": (cublas_fp8, ("lhs", "dense_fp8", "lhs_scale_max", "dense_scale")),
+    }
+
+
+def torch_fp8(t, reps):
+    """torch._scaled_mm's entry: the dense FP8 GEMM of the same FLOPs, per-tensor scales."""
+    try:
+        import torch
+
+        a = torch.from_dlpack(t["lhs"].view(jnp.uint8)).view(torch.float8_e4m3fn)
+        b = torch.from_dlpack(t["dense_fp8"].view(jnp.uint8)).view(torch.float8_e4m3fn).t()  # (K, N) column-major
+        one = torch.ones((), dtype=torch.float32, device=a.device)
+        entry = timing.time_launches(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16),
+                                     torch.cuda.synchronize, reps).record()
+        return dict(entry, scaling="per-tensor float32 scales (cuBLASLt)", torch=torch.__version__)
+    except Exception as error:  # recorded; the other variants stand
+        return run_record.error_entry(error, "torch")
+
+
+def measure_row(options):
+    def measure(shape, grouping, row, clock, save):
+        m, d, f, num_experts = shape
+        row["gemms"] = {}
+        for gemm in options.gemms:
+            k, n = (d, f) if gemm == "up" else (f, d)
+            t = operands(m, k, n, num_experts, options.seed, grouping)
+            t["lhs_scale_max"] = jnp.max(t["lhs_scale"])
+            flops = 2.0 * m * k * n
+            entry = row["gemms"][gemm] = dict(flops=flops, variants={})
+            reference = jax.jit(dequantized_product, static_argnums=5)(
+                t["lhs"], t["lhs_scale"], t["rhs"], t["rhs_scale"], t["group_sizes"], gemm == "up", t["bias"])
+            for variant, (fn, names) in gemm_functions(gemm).items():
+                if variant not in options.variants:
+                    continue
+                check = checked_against(reference) if variant == "sm90_fp8" else None
+                with sm90_backend.unverified_enabled("fp8", on=variant == "sm90_fp8"):
+                    result, _ = harness.measure(fn, tuple(t[name] for name in names), options.reps, clock, check=check,
+                                                compiler_options=harness.CUBLAS_ONLY, flops=flops)
+                if variant == "cublas_fp8" and "error" not in result:
+                    hlo = jax.jit(fn, compiler_options=harness.CUBLAS_ONLY).lower(
+                        *(t[name] for name in names)).compile().as_text()
+                    result["hlo_fp8_call"] = "f8e4m3" in hlo and "cublas" in hlo
+                entry["variants"][variant] = result
+                save()
+            if "torch_fp8" in options.variants and clock == timing.CUPTI:
+                entry["variants"]["torch_fp8"] = dict(torch_fp8(t, options.reps), tflops=None)
+            times = {v: r["ms"] for v, r in entry["variants"].items() if "ms" in r}
+            entry["ratios"] = {f"{a}/{b}": times[a] / times[b] for a, b in (
+                ("sm90_fp8", "sm90"), ("sm90_fp8", "cublas_fp8"), ("sm90_fp8", "torch_fp8"), ("cublas_fp8", "cublas_bf16"),
+                ("quantize", "sm90_fp8")) if a in times and b in times}
+            save()
+    return measure
+
+
+def plot(rows, path, title):
+    labels = [f"{harness.row_title(r)}" for r in rows]
+    panels = [(f"{gemm}: ms", labels, {v: [r["gemms"].get(gemm, {}).get("variants", {}).get(v, {}).get("ms", 0.0)
+                                            for r in rows] for v in VARIANTS}) for gemm in GEMMS]
+    harness.plot_bars(panels, path, title, "ms")
+
+
+def main(argv=None):
+    options = harness.parse(harness.parser(__doc__.splitlines()[0], reps=20, variants=VARIANTS,
+                                           subsets={"gemms": GEMMS}), argv, SHAPES)
+    if options.prebuild:
+        harness.prepare_prebuild()
+        for m, d, f, num_experts in options.shapes:
+            for gemm in options.gemms:
+                k, n = (d, f) if gemm == "up" else (f, d)
+                s = jax.ShapeDtypeStruct
+                shapes = dict(lhs=s((m, k), E4M3), rhs=s((num_experts, n, k), E4M3), group_sizes=s((num_experts,), jnp.int32),
+                              prob=s((m,), jnp.float32), bias=s((num_experts, n), jnp.float32),
+                              lhs_scale=s((m, -(-k // 128)), jnp.float32),
+                              rhs_scale=s((num_experts, -(-n // 128), -(-k // 128)), jnp.float32),
+                              rows=s((m, k), BF16), weight_kn=s((num_experts, k, n), BF16))
+                for variant in ("sm90", "sm90_fp8"):
+                    fn, names = gemm_functions(gemm)[variant]
+                    with sm90_backend.unverified_enabled("fp8", on=variant == "sm90_fp8"):
+                        harness.lower_for_cuda(f"{gemm} {variant} {(m, d, f, num_experts)}", fn, *(shapes[x] for x in names))
+        return
+    harness.run(options, measure_row(options), plot, "gemms", benchmark="bench_fp8_gemms",
+                title="FP8 ragged-M GEMMs", tolerance=TOLERANCE, shapes_asked=[list(s) for s in options.shapes])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The consumers' mainloop for block-scaled FP8 operands: each K block's partial sum
+promoted to float32 and scaled before it joins the total.
+
+Hopper's FP8 wgmma sums e4m3 products in an accumulator that keeps about 14 bits, so a
+long K loop in it loses the low bits of every partial sum. With FP8_BLOCKWISE operands
+(`jax_dsrelu.quantization`), a k-tile is one K block of 128: its wgmma batch starts a
+fresh accumulator (`acc_block`), and once the batch has landed each thread adds it to the
+float32 total, value by value, times the block's two scales:
+
+    acc[r, c] += acc_block[r, c] * (lhs_scale[row r, block] * rhs_scale[expert, n block, block])
+
+the order `quantization.emulation.blockwise_matmul` writes, the kernels' oracle. The
+batch is waited for before the promotion reads it, so one batch of a warpgroup is in
+flight at a time; the other consumer warpgroup's batch keeps the tensor cores busy
+meanwhile. A stage is released as soon as its batch has landed. The scales of a k-tile
+are loaded before its stage is waited for, so their latency hides behind the wait.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
+
+from jax_dsrelu.kernels.sm90 import fragment
+
+
+@cute.jit
+def mma_k_tiles_promoted(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,  # the float32 total
+    acc_block: cute.Tensor,  # one K block's partial sum, written by wgmma only
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    ab_pipeline: pipeline.PipelineTmaAsync,
+    read_state: pipeline.PipelineState,
+    release_state: pipeline.PipelineState,
+    k_tiles: Int32,
+    lhs_scale: cute.Tensor,  # (m, K blocks) float32
+    rows: list,  # this thread's two rows of lhs (in bounds)
+    rhs_scale: cute.Tensor,  # (E, N blocks, K blocks) float32
+    expert: Int32,
+    n_block: Int32,
+):
+    """acc = sum over the tile's k-tiles of (A B^T over the k-tile) times its scales
+    (acc = 0 for none). Returns (read_state, release_state), each advanced k_tiles times."""
+    k_blocks = cute.size(tCrA, mode=[2])
+    acc.fill(0.0)
+    for k_tile in range(k_tiles):
+        row_scales = [Float32(lhs_scale[row, k_tile]) for row in rows]
+        block_scale = Float32(rhs_scale[expert, n_block, k_tile])
+        ab_pipeline.consumer_wait(read_state)
+        # Orders the previous promotion's reads of acc_block before wgmma writes it again.
+        warpgroup.fence()
+        for k_block in cutlass.range_constexpr(k_blocks):
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, k_block != 0)
+            coord = (None, None, k_block, read_state.index)
+            cute.gemm(tiled_mma, acc_block, tCrA[coord], tCrB[coord], acc_block)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        ab_pipeline.consumer_release(release_state)
+        release_state.advance()
+        read_state.advance()
+        scales = [scale * block_scale for scale in row_scales]
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            acc[v] = acc[v] + acc_block[v] * scales[fragment.row_half(v)]
+    return read_state, release_state

@@ -1,0 +1,344 @@
+"""The sm90 ragged-M GEMM on FP8_BLOCKWISE operands: bounds, refusals, compile tier, GPU tier.
+
+Kernel: `kernels/sm90/blockwise_matmul_kernel.py` (e4m3 lhs (m, k) and rhs (E, n, k), float32
+scales per row and 128 of k and per 128 x 128 block of rhs, each K block's partial sum
+promoted to float32). Reached through the backend protocol as the primitives reach it.
+
+CPU: the error bound (`fp8_bound`) rejects wrong answers (a scale from the wrong block, a
+dropped K block, another expert's weights); the XLA reference of the primitive is held to
+float64; refusals name the value. Compile tier (`compile`): every variant compiles for
+sm_90a into e4m3 wgmma with no spills and no serialized wgmma. GPU tier (`gpu`): against
+float64 of the values the quantized operands represent and against the recipe's emulation
+(`quantization.emulation`), ragged, empty and past-m groups, experts of fewer rows than a
+scale group, partial K and N blocks, 1 to 256 experts, every output NaN-filled first; the
+same bits on every run.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before anything imports CuTe DSL: on a machine without a GPU it cannot detect one.
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import zlib  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from jax_dsrelu.kernels.request import RaggedMatmulRequest  # noqa: E402
+from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu  # noqa: E402
+from jax_dsrelu.quantization import blockwise, emulation  # noqa: E402
+from jax_dsrelu.quantization.schema import E4M3, FP8_BLOCKWISE  # noqa: E402
+
+BF16 = np.dtype(jnp.bfloat16)
+BLOCK = FP8_BLOCKWISE.promotion
+# Hopper's FP8 wgmma keeps at least 13 fraction bits of a partial sum as it adds (about 14,
+# DeepSeek-V3's report): each of a K block's 4 wgmma (k = 32 each) rounds its sum of 32
+# products once as it enters the accumulator and once as the accumulator takes it, 8
+# roundings of at most 2^-13 of the block's sum of |products|. The promotion then adds the
+# blocks in float32 (2^-23: tensor-core float32 may round toward zero).
+_FP8_BLOCK_UNIT = 8 * 2.0**-13
+_F32_UNIT = 2.0**-23
+_BF16_UNIT = 2.0**-8
+_BF16_SUBNORMAL = 2.0**-133
+
+VARIANTS = {"plain": ("none", False), "srelu": ("srelu", False), "srelu_bias": ("srelu", True)}
+# name: ((E, k, n), m, group sizes or None for Dirichlet sizes)
+GROUPINGS = {
+    # k = 4 blocks and a partial one of 16; n = 2 N-blocks, the second of 64 columns.
+    "ragged_with_empty": ((8, 528, 320), 4096, [0, 700, 1, 0, 1500, 129, 1766, 0]),
+    "short_of_m": ((8, 528, 320), 3000, [500, 0, 1200, 3, 0, 0, 0, 0]),
+    "past_m": ((8, 528, 320), 2000, [900, 800, 700, 0, 0, 0, 0, 5]),
+    "no_rows": ((8, 528, 320), 0, [0] * 8),
+    # Every expert fewer rows than a scale group of the weight gradients would hold.
+    "fewer_rows_than_a_group": ((16, 256, 256), 700, [1, 0, 127, 5, 64, 100, 3, 0, 90, 2, 77, 33, 0, 120, 50, 28]),
+    "one_expert": ((1, 2048, 1024), 1500, [1500]),
+    "narrow_n": ((4, 384, 64), 1000, [400, 0, 300, 300]),
+    "experts_256": ((256, 256, 384), 24000, None),
+    # Nemotron-3 Nano's widths: d = 2688 (21 blocks) and f = 1856 (14.5 blocks).
+    "nano_widths": ((16, 2688, 1856), 5000, None),
+}
+GPU_CASES = [(name, "plain") for name in GROUPINGS] + [
+    ("ragged_with_empty", "srelu"), ("ragged_with_empty", "srelu_bias"), ("nano_widths", "srelu_bias"),
+    ("past_m", "srelu"),
+]
+
+
+def grouping(name):
+    shape, m, sizes = GROUPINGS[name]
+    if sizes is None:
+        rng = np.random.default_rng(11)
+        sizes = np.floor(rng.dirichlet(np.ones(shape[0])) * m).astype(int)
+        sizes[-1] += m - sizes.sum()
+        sizes = sizes.tolist()
+    return shape, m, sizes
+
+
+def request_for(shape, variant) -> RaggedMatmulRequest:
+    num_experts, k, n = shape
+    epilogue, with_bias = VARIANTS[variant]
+    return RaggedMatmulRequest(num_experts=num_experts, k=k, n=n, rhs_layout="nk", operand_dtype=E4M3,
+                               out_dtype=BF16, epilogue=epilogue, with_bias=with_bias, block_scaled=True)
+
+
+def quantized_operands(rng, m, k, n, num_experts):
+    """(lhs, lhs_scale, rhs, rhs_scale) of the recipe, from float32 rows whose magnitudes
+    span 2^-6 .. 2^6 (so the scales differ from row to row and block to block), and their
+    float64 dequantized values (m, k) and (E, n, k)."""
+    rows = rng.standard_normal((m, k)) * np.exp2(rng.uniform(-6, 6, (m, 1)))
+    weights = rng.standard_normal((num_experts, n, k)) * np.exp2(rng.uniform(-3, 3, (num_experts, 1, 1))) / np.sqrt(k)
+    lhs, lhs_scale = blockwise.quantize_blockwise(jnp.asarray(rows, jnp.float32), FP8_BLOCKWISE.activations)
+    rhs, rhs_scale = blockwise.quantize_blockwise(jnp.asarray(weights, jnp.float32), FP8_BLOCKWISE.weights)
+    lhs64 = np.asarray(blockwise.dequantize_blockwise(lhs, lhs_scale, FP8_BLOCKWISE.activations), np.float64)
+    rhs64 = np.asarray(blockwise.dequantize_blockwise(rhs, rhs_scale, FP8_BLOCKWISE.weights), np.float64)
+    return (lhs, lhs_scale, rhs, rhs_scale), (lhs64, rhs64)
+
+
+def clamped_bounds(sizes, m):
+    bounds, end = [], 0
+    for size in sizes:
+        start = end
+        end = min(end + max(size, 0), m)
+        bounds.append((start, end))
+    return bounds
+
+
+def reference(lhs64, rhs64, sizes, bias=None):
+    """float64 (acc (+ bias), |lhs| @ |rhs|^T (+ |bias|), owned rows) of the ragged product
+    of the dequantized operands; rows owned by no expert are 0."""
+    m, n = lhs64.shape[0], rhs64.shape[1]
+    ref, abs_dot, owned = np.zeros((m, n)), np.zeros((m, n)), np.zeros(m, bool)
+    for e, (start, end) in enumerate(clamped_bounds(sizes, m)):
+        if end > start:
+            ref[start:end] = lhs64[start:end] @ rhs64[e].T
+            abs_dot[start:end] = np.abs(lhs64[start:end]) @ np.abs(rhs64[e]).T
+            owned[start:end] = True
+            if bias is not None:
+                ref[start:end] += bias[e]
+                abs_dot[start:end] += np.abs(bias[e])
+    return ref, abs_dot, owned
+
+
+def fp8_bound(abs_dot, ref, k):
+    """Per-entry bound of the kernel's output against the float64 product of the values its
+    operands represent: the FP8 accumulation within each K block and the float32 promotion
+    across blocks (module constants), then one rounding to bf16 and its subnormal step."""
+    blocks = -(-k // BLOCK)
+    accumulation = (_FP8_BLOCK_UNIT + (blocks + 1) * _F32_UNIT) * abs_dot
+    return accumulation * (1 + _BF16_UNIT) + _BF16_UNIT * np.abs(ref) + _BF16_SUBNORMAL
+
+
+def check_against(out, ref, abs_dot, k, what="float64"):
+    got = np.asarray(out, np.float64)
+    assert np.isfinite(got).all(), "an output element was not written (NaN poison left)"
+    excess = np.abs(got - ref) - fp8_bound(abs_dot, ref, k)
+    assert (excess <= 0).all(), f"against {what}: worst excess {excess.max()} at {np.unravel_index(np.argmax(excess), excess.shape)}"
+
+
+def emulated(operands, sizes, m):
+    """The recipe's emulation expert by expert (rows owned by no expert 0), float64."""
+    lhs, lhs_scale, rhs, rhs_scale = operands
+    out = np.zeros((m, rhs.shape[1]))
+    for e, (start, end) in enumerate(clamped_bounds(sizes, m)):
+        if end > start:
+            out[start:end] = np.asarray(emulation.blockwise_matmul(
+                lhs[start:end], lhs_scale[start:end], rhs[e].T, rhs_scale[e].T, FP8_BLOCKWISE), np.float64)
+    return out
+
+
+# ---------------------------------------------------------------------------- CPU: bound
+
+
+def test_fp8_bound_rejects_wrong_answers():
+    (num_experts, k, n), m, sizes = GROUPINGS["ragged_with_empty"]
+    rng = np.random.default_rng(0)
+    operands, (lhs64, rhs64) = quantized_operands(rng, m, k, n, num_experts)
+    ref, abs_dot, _ = reference(lhs64, rhs64, sizes)
+    emulation_out = emulated(operands, sizes, m)
+    check_against(emulation_out.astype(BF16), ref, abs_dot, k, "the emulation")  # the recipe's own answer passes
+    lhs, lhs_scale, rhs, rhs_scale = operands
+    wrong_scale = np.array(lhs_scale)
+    wrong_scale[701:2201, 1] = wrong_scale[701:2201, 2]  # a scale from the neighbouring block
+    doubled = np.array(rhs_scale)
+    doubled[4, 1, 3] *= 2  # one weight block's scale off by a factor of two
+    last_block_dropped = ref - lhs64[:, 512:] @ rhs64[4, :, 512:].T
+    wrong_expert = ref.copy()
+    wrong_expert[701:2201] = lhs64[701:2201] @ rhs64[1].T
+    unowned_written = ref.copy()
+    unowned_written[-1] = 1.0
+    for wrong in (
+        emulated((lhs, jnp.asarray(wrong_scale), rhs, rhs_scale), sizes, m),
+        emulated((lhs, lhs_scale, rhs, jnp.asarray(doubled)), sizes, m),
+        last_block_dropped, wrong_expert, unowned_written,
+    ):
+        with pytest.raises(AssertionError):
+            check_against(wrong.astype(BF16), ref, abs_dot, k)
+
+
+@pytest.mark.parametrize("variant", ["plain", "srelu_bias"])
+def test_xla_reference_is_the_float64_product_of_the_represented_values(variant):
+    (num_experts, k, n), m, sizes = GROUPINGS["fewer_rows_than_a_group"]
+    rng = np.random.default_rng(1)
+    (lhs, lhs_scale, rhs, rhs_scale), (lhs64, rhs64) = quantized_operands(rng, m, k, n, num_experts)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    if variant == "plain":
+        out = ragged_matmul(lhs, rhs, group_sizes, rhs_layout="nk", out_dtype=BF16, backend="xla",
+                            lhs_scale=lhs_scale, rhs_scale=rhs_scale)
+        ref, abs_dot, _ = reference(lhs64, rhs64, sizes)
+        check_against(out, ref, abs_dot, k)
+        return
+    prob = rng.uniform(0.05, 1.0, m).astype(np.float32)
+    bias = rng.standard_normal((num_experts, n)).astype(np.float32)
+    h, act = ragged_matmul_srelu(lhs, rhs, group_sizes, jnp.asarray(prob), jnp.asarray(bias), rhs_layout="nk",
+                                 out_dtype=BF16, backend="xla", lhs_scale=lhs_scale, rhs_scale=rhs_scale)
+    ref, abs_dot, owned = reference(lhs64, rhs64, sizes, bias)
+    check_against(h, ref, abs_dot, k)
+    check_activation(h, act, prob, owned)
+
+
+def check_activation(h, act, prob, owned):
+    """act from the stored h: relu, square, times prob in float32, rounded once to bf16."""
+    r = np.maximum(np.asarray(h, np.float64), 0.0)
+    expected = np.where(owned[:, None], r * r * prob[:, None].astype(np.float64), 0.0)
+    bound = (3 * 2.0**-24 + _BF16_UNIT) * np.abs(expected) + _BF16_SUBNORMAL
+    assert (np.abs(np.asarray(act, np.float64) - expected) <= bound).all()
+
+
+def test_block_scaled_calls_are_refused_by_name():
+    lhs = jnp.zeros((4, 128), E4M3)
+    scale = jnp.ones((4, 1), jnp.float32)
+    rhs_nk = jnp.zeros((2, 128, 128), E4M3)
+    rhs_scale = jnp.ones((2, 1, 1), jnp.float32)
+    sizes = jnp.asarray([2, 2], jnp.int32)
+    with pytest.raises(ValueError, match="rhs_scale"):
+        ragged_matmul(lhs, rhs_nk, sizes, rhs_layout="nk", out_dtype=BF16, backend="xla", lhs_scale=scale)
+    with pytest.raises(ValueError, match="rhs_layout 'nk', got 'kn'"):
+        ragged_matmul(lhs, rhs_nk, sizes, rhs_layout="kn", out_dtype=BF16, backend="xla", lhs_scale=scale,
+                      rhs_scale=rhs_scale)
+    with pytest.raises(ValueError, match="lhs_index must be None"):
+        ragged_matmul(lhs, rhs_nk, sizes, rhs_layout="nk", out_dtype=BF16, backend="xla", lhs_scale=scale,
+                      rhs_scale=rhs_scale, lhs_index=jnp.arange(4, dtype=jnp.int32))
+
+
+def test_sm90_refuses_what_the_fp8_kernel_cannot_take():
+    from jax_dsrelu.kernels.sm90 import backend, config
+
+    request = request_for((8, 528, 320), "plain")
+    assert "not verified" in backend.cannot_implement(request)
+    with backend.unverified_enabled("fp8"):
+        assert backend.cannot_implement(request) is None
+    for changed, expected in (
+        (dict(k=520), "multiple of 16 (16-byte TMA rows), got k=520"),
+        (dict(rhs_layout="kn"), "rhs_layout 'nk', got 'kn'"),
+        (dict(operand_dtype=BF16), "float8_e4m3fn, got bfloat16"),
+        (dict(out_dtype=np.dtype(np.float32)), "got out_dtype=float32"),
+        (dict(num_experts=513), "1 to 512 experts, got E=513"),
+    ):
+        import dataclasses
+
+        assert expected in config.cannot_implement_gemm(dataclasses.replace(request, **changed))
+
+
+# ------------------------------------------------------------------------- compile tier
+
+
+def prebuild_requests():
+    """Every (request, config or None for the chosen one, outputs_in_place) the GPU tier
+    below runs, for the kernel cache."""
+    requests = {request_for(GROUPINGS[name][0], variant) for name, variant in GPU_CASES}
+    return [(request, None, True) for request in sorted(requests, key=repr)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("shape", [(8, 4096, 2048), (128, 2688, 1856), (512, 1856, 2688), (4, 384, 64)], ids=str)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fp8_matmul_compiles_for_sm90a(variant, shape):
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    import ptxas
+
+    from jax_dsrelu.kernels.sm90 import backend
+    from jax_dsrelu.kernels.sm90 import ragged_call
+
+    with backend.unverified_enabled("fp8"):
+        compiled = ragged_call.compile_kernel(request_for(shape, variant), keep=True)
+    assert "wgmma.mma_async.sync.aligned.m64n" in compiled.ptx and ".f32.e4m3.e4m3" in compiled.ptx
+    assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
+    ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.compile
+def test_fp8_matmul_lowers_for_cuda_only_where_enabled():
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    from jax_dsrelu.kernels.sm90 import backend
+
+    (num_experts, k, n), m, _ = GROUPINGS["ragged_with_empty"]
+    shapes = (jax.ShapeDtypeStruct((m, k), E4M3), jax.ShapeDtypeStruct((num_experts, n, k), E4M3),
+              jax.ShapeDtypeStruct((num_experts,), jnp.int32), jax.ShapeDtypeStruct((m, 5), jnp.float32),
+              jax.ShapeDtypeStruct((num_experts, 3, 5), jnp.float32))
+
+    def call(lhs, rhs, sizes, lhs_scale, rhs_scale):
+        return ragged_matmul(lhs, rhs, sizes, rhs_layout="nk", out_dtype=BF16, backend="sm90", lhs_scale=lhs_scale,
+                             rhs_scale=rhs_scale)
+
+    with pytest.raises(NotImplementedError, match="not verified"):
+        jax.jit(call).trace(*shapes).lower(lowering_platforms=("cuda",))
+    with backend.unverified_enabled("fp8"):
+        text = jax.jit(call).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert "CuteDSLRT_NvJaxCutlassCall" in text or "cutlass" in text.lower()
+
+
+# ---------------------------------------------------------------------------- GPU tier
+
+
+@pytest.fixture(scope="module")
+def hopper():
+    from jax_dsrelu.kernels import registry
+
+    capability = registry.cuda_compute_capability()
+    if capability != (9, 0):
+        pytest.skip(f"the sm90 kernels run on compute capability 9.0; this GPU has {capability}")
+
+
+def run_poisoned(request, named, m):
+    """The kernel with every output buffer NaN-filled first; its results by name."""
+    from jax_dsrelu.kernels.sm90 import backend, ragged_call
+
+    with backend.unverified_enabled("fp8"):
+        run = ragged_call.implementation(request, outputs_in_place=True)
+        filled = {o.name: jnp.full(o.shape_for(m), jnp.nan, o.dtype)
+                  for o in ragged_call.operands(request) if o.role == "output"}
+        return jax.jit(lambda o: run(**o, filled=filled))(named)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, variant", GPU_CASES, ids=[f"{n}-{v}" for n, v in GPU_CASES])
+def test_fp8_matmul_matches_float64_and_the_emulation(hopper, name, variant):
+    (num_experts, k, n), m, sizes = grouping(name)
+    rng = np.random.default_rng(zlib.crc32(f"{name}{variant}".encode()))
+    operands, (lhs64, rhs64) = quantized_operands(rng, m, k, n, num_experts)
+    lhs, lhs_scale, rhs, rhs_scale = operands
+    request = request_for((num_experts, k, n), variant)
+    named = dict(lhs=lhs, rhs=rhs, group_sizes=jnp.asarray(sizes, jnp.int32), lhs_scale=lhs_scale,
+                 rhs_scale=rhs_scale)
+    bias = None
+    if request.epilogue == "srelu":
+        prob = rng.uniform(0.05, 1.0, m).astype(np.float32)
+        named["prob"] = jnp.asarray(prob)
+        if request.with_bias:
+            bias = rng.standard_normal((num_experts, n)).astype(np.float32)
+            named["bias"] = jnp.asarray(bias)
+    results = run_poisoned(request, named, m)
+    ref, abs_dot, owned = reference(lhs64, rhs64, sizes, bias)
+    out = results["out" if request.epilogue == "none" else "h"]
+    check_against(out, ref, abs_dot, k)
+    if request.epilogue == "none":
+        check_against(out, emulated(operands, sizes, m), abs_dot, k, "the emulation")
+    else:
+        check_activation(out, results["act"], named["prob"], owned)
+    assert (np.asarray(out, np.float64)[~owned] == 0).all()
+    again = run_poisoned(request, named, m)
+    for key in results:
+        assert np.array_equal(np.asarray(results[key]).view(np.uint16), np.asarray(again[key]).view(np.uint16)), key
