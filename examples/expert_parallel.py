@@ -25,7 +25,7 @@ import math
 import jax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from train_moe import train, training_arguments
+from train_moe import precision_of, train, training_arguments
 
 import jax_dsrelu
 
@@ -45,7 +45,7 @@ def make_mesh(num_experts: int) -> jax.sharding.Mesh:
     )
 
 
-def expert_parallel_layer(params, x, *, mesh, top_k: int, deterministic: bool):
+def expert_parallel_layer(params, x, *, mesh, top_k: int, deterministic: bool, precision=None):
     """The MoE layer of train_moe.moe_layer, with experts sharded over mesh axis "expert"."""
     return jax_dsrelu.moe_layer_expert_parallel(
         x,
@@ -58,6 +58,7 @@ def expert_parallel_layer(params, x, *, mesh, top_k: int, deterministic: bool):
         data_axis="data",
         top_k=top_k,
         deterministic=deterministic,
+        precision=precision,
     )
 
 
@@ -73,7 +74,8 @@ def main() -> None:
           f"{args.experts // mesh.shape['expert']} experts per device")
     train(
         args,
-        functools.partial(expert_parallel_layer, mesh=mesh, top_k=args.top_k, deterministic=args.deterministic),
+        functools.partial(expert_parallel_layer, mesh=mesh, top_k=args.top_k, deterministic=args.deterministic,
+                          precision=precision_of(args)),
         place_params=functools.partial(shard_params, mesh=mesh),
         place_tokens=lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, TOKENS)),
     )

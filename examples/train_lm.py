@@ -14,6 +14,8 @@ AdamW under `nnx.jit`, with the load-balancing and router z-losses added to the 
         --experts 8 --top-k 3 --num-groups 4 --top-groups 2 --shared-d-ff 128 --latent-dim 32
         # Nemotron-H style blocks: sigmoid routing whose expert bias is moved every step
         # by the step's load (auxiliary-loss-free balancing), a shared expert, a latent width
+    python examples/train_lm.py --fp8                 # the experts' GEMMs on FP8 operands
+        # (DeepSeek-V3's blockwise recipe, docs/fp8.md); the parameters stay in float32
 
 It prints a progress bar, tokens per second, the training and held-out losses, a short
 sample of generated text, and draws the loss curves into a PNG (--plot; needs matplotlib).
@@ -93,6 +95,7 @@ class Block(nnx.Module):
             latent_dim=args.latent_dim,
             deterministic=args.deterministic,
             backend=args.backend,
+            precision=jax_dsrelu.quantization.FP8_BLOCKWISE if args.fp8 else None,
             dtype=dtype,
             rngs=rngs,
         )
@@ -245,6 +248,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
     parser.add_argument("--backend", choices=["auto", "xla", "sm90", "sm100"], default="auto")
     parser.add_argument("--deterministic", action="store_true", help="bitwise reproducible gradients")
+    parser.add_argument("--fp8", action="store_true",
+                        help="the experts' GEMMs on FP8 operands (DeepSeek-V3's blockwise recipe, docs/fp8.md)")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--eval-batches", type=int, default=4)
     parser.add_argument("--plot", default="train_lm.png", help="PNG of the loss curves; '' for none")
@@ -271,7 +276,8 @@ def main() -> None:
         f"corpus: {len(files)} files of {os.path.dirname(os.__file__)}; {len(train_data):,} bytes for "
         f"training, {len(held_out_data):,} held out (every tenth file)"
     )
-    print(f"devices: {jax.devices()}  dtype: {args.dtype}  backend: {args.backend}  deterministic: {args.deterministic}")
+    print(f"devices: {jax.devices()}  dtype: {args.dtype}  backend: {args.backend}  deterministic: {args.deterministic}"
+          f"  fp8: {args.fp8}")
 
     model = LanguageModel(args, nnx.Rngs(args.seed))
     parameters = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))

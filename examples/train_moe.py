@@ -10,6 +10,9 @@ model built from the same layer, see train_lm.py.
     python examples/train_moe.py --deterministic    # also prints a digest of the final
                                                     # parameters, identical across runs
                                                     # and processes
+    python examples/train_moe.py --fp8              # the student's experts on FP8 operands
+                                                    # (DeepSeek-V3's blockwise recipe,
+                                                    # docs/fp8.md); the teacher stays exact
 """
 
 from __future__ import annotations
@@ -45,12 +48,13 @@ def init_moe(key, d_model, d_ff, num_experts, dtype):
     }
 
 
-def moe_layer(params, x, top_k, deterministic):
+def moe_layer(params, x, top_k, deterministic, precision=None):
     """Route each token to its top_k experts, run them, combine by routing weight.
 
     jax_dsrelu.moe_layer does the sort by expert, the group sizes and the way back;
     with deterministic=True its gradients, the router's included, are bitwise
-    reproducible.
+    reproducible. precision=jax_dsrelu.quantization.FP8_BLOCKWISE runs the experts'
+    GEMMs on FP8 operands; the parameters stay in their dtype.
     """
     return jax_dsrelu.moe_layer(
         x,
@@ -60,7 +64,13 @@ def moe_layer(params, x, top_k, deterministic):
         b1=params["b1"],
         top_k=top_k,
         deterministic=deterministic,
+        precision=precision,
     )
+
+
+def precision_of(args):
+    """The experts' precision option that --fp8 asks for (None: the parameters' dtype)."""
+    return jax_dsrelu.quantization.FP8_BLOCKWISE if args.fp8 else None
 
 
 def digest(tree) -> str:
@@ -82,6 +92,8 @@ def training_arguments(description: str, steps: int) -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deterministic", action="store_true", help="bitwise reproducible gradients")
+    parser.add_argument("--fp8", action="store_true",
+                        help="the experts' GEMMs on FP8 operands (DeepSeek-V3's blockwise recipe, docs/fp8.md)")
     return parser
 
 
@@ -107,7 +119,7 @@ def train(args, layer, place_params=lambda params: params, place_tokens=lambda x
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    print(f"devices: {jax.devices()}  dtype: {args.dtype}  deterministic: {args.deterministic}  "
+    print(f"devices: {jax.devices()}  dtype: {args.dtype}  deterministic: {args.deterministic}  fp8: {args.fp8}  "
           f"compiler options: {json.dumps(compiler_options or {})}")
     start = time.perf_counter()
     keys = jax.random.split(k_data, args.steps)
@@ -126,7 +138,7 @@ def train(args, layer, place_params=lambda params: params, place_tokens=lambda x
 def main() -> None:
     args = training_arguments(__doc__.splitlines()[0], steps=500).parse_args()
     print("backends:\n" + jax_dsrelu.describe_backends())
-    train(args, lambda params, x: moe_layer(params, x, args.top_k, args.deterministic))
+    train(args, lambda params, x: moe_layer(params, x, args.top_k, args.deterministic, precision_of(args)))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Public API:
     ragged_dot                           a drop-in for jax.lax.ragged_dot on the grouped GEMMs
     moe_layer, MoEAux                    a top-k MoE layer, dropless unless round_to: route, dispatch, moe_mlp, combine
     MoEOptions                           the layer's options as one frozen object (routing, round_to, capacity_factor,
-                                         determinism, backend)
+                                         determinism, backend, precision: FP8_BLOCKWISE from jax_dsrelu.quantization)
     MoEWeights                           the layer's weights as one pytree
     moe_layer_expert_parallel            the same layer with experts split over a mesh axis (capacity_factor bounds
                                          what each device sends)

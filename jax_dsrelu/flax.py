@@ -49,6 +49,7 @@ from jax_dsrelu.moe.options import MoEOptions
 from jax_dsrelu.moe.routing import update_expert_bias
 from jax_dsrelu.moe.weights import MoEWeights
 from jax_dsrelu.primitives import validation
+from jax_dsrelu.quantization.schema import Recipe
 
 # Fan-in scaling per expert: the expert axis 0 is a batch of independent matrices.
 _EXPERT_INIT = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))
@@ -79,6 +80,8 @@ class MoE(nnx.Module):
     fields as keywords (see `__init__`); with round_to the module is no longer dropless
     (token rounding). The experts compute in `dtype` (param_dtype when None): bfloat16
     there, with float32 parameters, is the usual mixed precision for the GPU kernels.
+    precision=jax_dsrelu.quantization.FP8_BLOCKWISE runs the experts' GEMMs on FP8
+    operands (docs/fp8.md); the parameters stay in param_dtype.
     Every setting is checked here, when the module is built; the options are kept as
     `options` (an `MoEOptions`, static), which every call uses as it is.
     `MoE.from_hf_nemotron_h` builds the module from a Hugging Face NemotronHMoE block's
@@ -106,6 +109,7 @@ class MoE(nnx.Module):
         use_bias: bool = True,
         deterministic: bool = UNSET,
         backend: str = UNSET,
+        precision: Recipe | None = UNSET,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         router_init=_DENSE_INIT,
@@ -163,6 +167,7 @@ class MoE(nnx.Module):
         capacity_factor: float | None = UNSET,
         deterministic: bool = UNSET,
         backend: str = UNSET,
+        precision: Recipe | None = UNSET,
         dtype: Any = None,
         param_dtype: Any = None,
     ) -> MoE:

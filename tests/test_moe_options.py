@@ -55,6 +55,13 @@ BAD_OPTIONS = [
     (dict(capacity_factor="1.25"), TypeError, "capacity_factor must be None or a Python float, got '1.25' (str)"),
     (dict(deterministic="yes"), TypeError, "deterministic must be a Python bool, got 'yes' (str)"),
     (dict(backend="cuda"), ValueError, "backend must be one of 'auto', 'xla', 'sm90', 'sm100', got 'cuda'"),
+    (dict(precision="fp8"), TypeError,
+     "precision must be None or jax_dsrelu.quantization.FP8_BLOCKWISE (a Recipe), got 'fp8' (str)"),
+    (dict(precision=jax_dsrelu.quantization.MXFP8), ValueError,
+     "precision must be None or jax_dsrelu.quantization.FP8_BLOCKWISE, the recipes the experts run so far, "
+     "got the recipe 'MXFP8'"),
+    (dict(precision=jax_dsrelu.quantization.FP8_BLOCKWISE, backend="sm90"), NotImplementedError,
+     "backend='sm90' has no kernels for precision=FP8_BLOCKWISE yet"),
 ]
 
 
@@ -63,7 +70,7 @@ CASES = [
     (entry_point, *bad)
     for entry_point in ("route", "moe_layer", "moe_layer_expert_parallel", "flax.MoE")
     for bad in BAD_OPTIONS
-    if not (entry_point == "route" and set(bad[0]) & {"capacity_factor", "deterministic", "backend"})
+    if not (entry_point == "route" and set(bad[0]) & {"capacity_factor", "deterministic", "backend", "precision"})
 ]
 
 
@@ -301,7 +308,7 @@ def planted(default_of_top_k):
 
     def layer(x, *, options=None, top_k=default_of_top_k, score=UNSET, num_groups=UNSET, top_groups=UNSET,
               normalize=UNSET, scale=UNSET, round_to=UNSET, capacity_factor=UNSET,
-              deterministic=UNSET, backend=UNSET):
+              deterministic=UNSET, backend=UNSET, precision=UNSET):
         """A layer.
 
         {MoEOptions}

@@ -50,8 +50,26 @@ class LayerBackends:
     gather_sum: str
 
 
-def layer_backends(name: str) -> LayerBackends:
+def check_precision(name: str, precision) -> None:
+    """Raises NotImplementedError when backend `name` cannot run the experts at
+    `precision` (a `quantization.schema.Recipe`, or None for the operands' own dtype):
+    no kernel backend has kernels for a recipe yet; "xla" runs one as
+    quantize-dequantize arithmetic, and "auto" picks that."""
+    if precision is not None and name in KERNEL_BACKENDS:
+        raise NotImplementedError(
+            f"backend={name!r} has no kernels for precision={precision.name} yet: backend='xla' runs it as "
+            f"quantize-dequantize arithmetic (docs/fp8.md), and backend='auto' picks that on every platform"
+        )
+
+
+def layer_backends(name: str, precision=None) -> LayerBackends:
     """Which backend serves each step of a layer whose user asked for `name`.
+
+    Under a precision (an FP8 recipe) the GEMMs go to "xla", the only backend with the
+    recipe's arithmetic so far: so "auto" takes it on every platform, as it takes XLA for
+    any call that no kernel serves, and a kernel backend named explicitly is refused
+    (`check_precision`). The gather-and-sum reads no quantized operand and is chosen as
+    without a precision.
 
     A kernel backend serves the kinds of request it has kernels for and lets "auto" pick
     for the rest: the sm100 backend has a kernel for the fused dsReLU backward only, so a
@@ -60,6 +78,9 @@ def layer_backends(name: str) -> LayerBackends:
     one can, XLA where none can, and the layer is never refused for it. "auto" and "xla"
     pass through: "auto" is resolved per call when it is lowered.
     """
+    check_precision(name, precision)
+    if precision is not None:
+        return LayerBackends(dsrelu="xla", matmul="xla", contract="xla", gather_sum=name)
     backend = KERNEL_BACKENDS.get(name)
 
     def for_kind(kind: type) -> str:

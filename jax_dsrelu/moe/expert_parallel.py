@@ -48,6 +48,7 @@ from jax_dsrelu.moe.options import MoEOptions
 from jax_dsrelu.moe.weights import MoEWeights
 from jax_dsrelu.ops import exchanged_experts
 from jax_dsrelu.primitives import validation
+from jax_dsrelu.quantization.schema import Recipe
 
 
 @entry_point
@@ -78,6 +79,7 @@ def moe_layer_expert_parallel(
     latent_out: jax.Array | None = None,  # (l, d), replicated
     deterministic: bool = UNSET,
     backend: str = UNSET,
+    precision: Recipe | None = UNSET,
     return_aux: bool = False,
 ) -> jax.Array | tuple[jax.Array, MoEAux]:  # (T, d) x.dtype, split like x [, MoEAux]
     """The values of `moe_layer(x, router, w1, w2, ...)`, computed with experts split over
@@ -196,7 +198,7 @@ def _routed(x, weights: MoEWeights, plan, expert_axis: str, options: MoEOptions)
         permutation.gather_rows(got_prob, local.order, local.inverse), local.sizes, local.order, local.inverse,
         sends.slot_token, sends.slot_full, sends.token_slots,
         axis_name=expert_axis, drops=capacity < plan.order.shape[0], deterministic=options.deterministic,
-        backends=registry.layer_backends(options.backend),
+        backends=registry.layer_backends(options.backend, options.precision), precision=options.precision,
     )
     return routed, sends.dropped
 

@@ -38,6 +38,7 @@ from jax_dsrelu.moe.routing import RoutingPlan
 from jax_dsrelu.moe.weights import MoEWeights
 from jax_dsrelu.ops import block_experts
 from jax_dsrelu.primitives import validation
+from jax_dsrelu.quantization.schema import Recipe
 
 
 class MoEAux(NamedTuple):
@@ -83,6 +84,7 @@ def moe_layer(
     latent_out: jax.Array | None = None,  # (l, d) projection back
     deterministic: bool = UNSET,
     backend: str = UNSET,
+    precision: Recipe | None = UNSET,
     return_aux: bool = False,
 ) -> jax.Array | tuple[jax.Array, MoEAux]:  # (T, d) x.dtype [, MoEAux]
     """The MoE block:
@@ -99,7 +101,9 @@ def moe_layer(
     run in w1.dtype (z is cast to it), their top_k outputs are added in float32; the shared expert runs in
     shared_w1.dtype on `moe_mlp` as one expert that owns every token; the latent
     projections multiply in their weights' dtype and accumulate in float32. The sum is
-    cast to x.dtype. With return_aux=True, returns (out, MoEAux).
+    cast to x.dtype. With return_aux=True, returns (out, MoEAux). With a precision
+    (FP8_BLOCKWISE) the experts' GEMMs, the shared expert's included, read FP8 operands as
+    `moe_mlp` does; the router and the latent projections stay in their weights' dtype.
 
     The weights are the arrays above, or one `MoEWeights` as weights= (not both).
     Gradients reach x, router, w1, b1, w2, shared_w1, shared_w2, latent_in and latent_out;
@@ -140,7 +144,7 @@ def apply(
     routed = block_experts.routed_experts(
         expert_tokens(x, weights), weights.w1, weights.w2, weights.b1, plan.row_prob, plan.group_sizes,
         plan.order, plan.inverse, top_k=plan.top_k, deterministic=options.deterministic,
-        backends=registry.layer_backends(options.backend),
+        backends=registry.layer_backends(options.backend, options.precision), precision=options.precision,
     )
     out = block_output(routed, x, weights, options)
     if not return_aux:
@@ -182,7 +186,7 @@ def block_output(routed: jax.Array, x: jax.Array, weights: MoEWeights, options: 
     if weights.shared_w1 is not None:
         shared = block_experts.shared_expert(
             x, weights.shared_w1, weights.shared_w2, deterministic=options.deterministic,
-            backends=registry.layer_backends(options.backend),
+            backends=registry.layer_backends(options.backend, options.precision), precision=options.precision,
         )
         out = out + shared.astype(jnp.float32)
     return out.astype(x.dtype)

@@ -18,7 +18,9 @@ import math
 import jax
 import numpy as np
 
+from jax_dsrelu.kernels import registry
 from jax_dsrelu.primitives import validation
+from jax_dsrelu.quantization.schema import Recipe
 
 # How a router's logits become scores (`route`'s `score`).
 SCORES = ("softmax", "sigmoid")
@@ -34,7 +36,7 @@ def _option(default, doc: str):
 class MoEOptions:
     """How an MoE block routes its tokens and runs its experts.
 
-    The routing fields are `route`'s; deterministic and backend are `moe_mlp`'s. The
+    The routing fields are `route`'s; deterministic, backend and precision are `moe_mlp`'s. The
     number of experts is the weights' (w1.shape[0]): the checks that need it run when the
     options meet the weights (`check_experts`), every other check when they are built.
     Change a field with `dataclasses.replace(options, top_k=4)`.
@@ -56,6 +58,11 @@ class MoEOptions:
     )
     deterministic: bool = _option(False, "every gradient bitwise reproducible from run to run")
     backend: str = _option("auto", "'auto', 'xla', 'sm90' or 'sm100': the backend of the experts' GEMMs")
+    precision: Recipe | None = _option(
+        None,
+        "None: the experts' GEMMs in the weights' dtype; jax_dsrelu.quantization.FP8_BLOCKWISE: on FP8 operands "
+        "by DeepSeek-V3's blockwise recipe (docs/fp8.md; backend 'xla' or 'auto' so far)",
+    )
 
     def __post_init__(self) -> None:
         top_k = self.top_k
@@ -101,6 +108,8 @@ class MoEOptions:
                 )
         validation.require_bool("deterministic", self.deterministic)
         validation.backend_name(self.backend)
+        validation.precision(self.precision)
+        registry.check_precision(self.backend, self.precision)
 
     def check_experts(self, num_experts: int) -> None:
         """Raises unless the options fit num_experts experts: top_k of them, in num_groups

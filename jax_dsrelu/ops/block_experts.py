@@ -23,6 +23,9 @@ per output, a fixed order, no scatter-add, so they are bitwise reproducible.
 `shared_expert`: one expert owning every token, on the same kernels, with its weights
 given as the (d, fs) and (fs, d) matrices they are: the backward keeps x, its weights as
 given and its pre-activation, and makes the expert axis and the unit weights again.
+
+Both take the layer's precision (None, or an FP8 recipe) and pass it to the expert MLP's
+forward and backward, which then read their operands quantized by the recipe.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from jax_dsrelu.kernels.registry import LayerBackends
 from jax_dsrelu.ops import expert_mlp
 from jax_dsrelu.primitives import sharding
 from jax_dsrelu.primitives.gather_sum import gather_sum
+from jax_dsrelu.quantization.schema import Recipe
 
 
 def routed_experts(
@@ -52,12 +56,13 @@ def routed_experts(
     top_k: int,
     deterministic: bool,
     backends: LayerBackends,
+    precision: Recipe | None,  # None, or the FP8 recipe the experts' GEMMs read their operands by
 ) -> jax.Array:  # (T, l) float32
     """out[t] = sum over token t's slots s of prob * relu(tokens[t] @ w1[e] + b1[e])**2 @ w2[e]
     with e the slot's expert, as combine(moe_mlp(dispatch(tokens))) computes it, bit for
     bit. Arguments are the caller's to have checked (the MoE layer's)."""
     tokens, w1, w2, prob, b1 = jax_internals.vary_alike([tokens, w1, w2, prob, b1])
-    return _routed(top_k, deterministic, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse)
+    return _routed((top_k, precision), deterministic, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse)
 
 
 def _slots(inverse, top_k):
@@ -65,33 +70,37 @@ def _slots(inverse, top_k):
     return inverse.reshape(-1, top_k)
 
 
-def _routed_forward(top_k, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse):
+def _routed_forward(static, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse):
+    top_k, precision = static
     y, h = expert_mlp.forward(
-        backends, tokens.astype(w1.dtype), w1, w2, prob, group_sizes, b1, row_index=order // top_k
+        backends, tokens.astype(w1.dtype), w1, w2, prob, group_sizes, b1, row_index=order // top_k,
+        precision=precision,
     )
     return gather_sum(y, _slots(inverse, top_k), backend=backends.gather_sum), h
 
 
+# static: (top_k, precision), the layer's facts that the steps need beside the backends.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _routed(top_k, deterministic, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse):
+def _routed(static, deterministic, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse):
     del deterministic
-    return _routed_forward(top_k, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse)[0]
+    return _routed_forward(static, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse)[0]
 
 
-def _routed_fwd(top_k, deterministic, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse):
+def _routed_fwd(static, deterministic, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse):
     del deterministic
-    out, h = _routed_forward(top_k, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse)
+    out, h = _routed_forward(static, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse)
     return out, (tokens, w1, w2, b1, prob, group_sizes, order, inverse, h)
 
 
-def _routed_bwd(top_k, deterministic, backends, residuals, dout):
+def _routed_bwd(static, deterministic, backends, residuals, dout):
+    top_k, precision = static
     tokens, w1, w2, b1, prob, group_sizes, order, inverse, h = residuals
     row_token = order // top_k
     # Each row's gradient is its token's, in the rows' dtype: read through row_token.
     dy = dout.astype(w1.dtype)
     grads = expert_mlp.backward(
         deterministic, backends, tokens.astype(w1.dtype), w1, w2, prob, group_sizes, b1, h, dy,
-        row_index=row_token, dy_index=row_token,
+        row_index=row_token, dy_index=row_token, precision=precision,
     )
     summed = gather_sum(grads.rows, _slots(inverse, top_k), backend=backends.gather_sum)
     # Rounded to the rows' dtype first, as the gradient of rows cast from the tokens is.
@@ -111,11 +120,12 @@ def shared_expert(
     *,
     deterministic: bool,
     backends: LayerBackends,
+    precision: Recipe | None,  # None, or the FP8 recipe the experts' GEMMs read their operands by
 ) -> jax.Array:  # (T, d) in w1.dtype
     """relu(x @ w1)**2 @ w2 on every token: `moe_mlp` with one expert owning all T rows
     with weight 1, bit for bit."""
     x, w1, w2 = jax_internals.vary_alike([x, w1, w2])
-    return _shared(deterministic, backends, x, w1, w2)
+    return _shared(deterministic, backends, precision, x, w1, w2)
 
 
 def _one_expert(x, w1, w2):
@@ -127,23 +137,24 @@ def _one_expert(x, w1, w2):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _shared(deterministic, backends, x, w1, w2):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _shared(deterministic, backends, precision, x, w1, w2):
     del deterministic
-    return expert_mlp.forward(backends, *_one_expert(x, w1, w2), None)[0]
+    return expert_mlp.forward(backends, *_one_expert(x, w1, w2), None, precision=precision)[0]
 
 
-def _shared_fwd(deterministic, backends, x, w1, w2):
+def _shared_fwd(deterministic, backends, precision, x, w1, w2):
     del deterministic
-    y, h = expert_mlp.forward(backends, *_one_expert(x, w1, w2), None)
+    y, h = expert_mlp.forward(backends, *_one_expert(x, w1, w2), None, precision=precision)
     return y, (x, w1, w2, h)
 
 
-def _shared_bwd(deterministic, backends, residuals, dy):
+def _shared_bwd(deterministic, backends, precision, residuals, dy):
     x, w1, w2, h = residuals
     rows, experts_w1, experts_w2, prob, group_sizes = _one_expert(x, w1, w2)
     grads = expert_mlp.backward(
-        deterministic, backends, rows, experts_w1, experts_w2, prob, group_sizes, None, h, dy.astype(w1.dtype)
+        deterministic, backends, rows, experts_w1, experts_w2, prob, group_sizes, None, h, dy.astype(w1.dtype),
+        precision=precision,
     )
     dx = grads.rows.astype(x.dtype)
     return tuple(

@@ -20,6 +20,8 @@ or the outputs. A dropped row (token_slots = D*C) reads an appended zero row: it
 nothing and gets no gradient. Both sums over a token's slots are the ordered
 gather-and-sum, every other row movement a gather, and all_to_all moves blocks in device
 order, so deterministic=True makes every gradient bitwise reproducible, as on one device.
+A precision (an FP8 recipe) is passed to the experts' forward and backward, as on one
+device.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from jax_dsrelu.kernels.registry import LayerBackends
 from jax_dsrelu.ops import expert_mlp
 from jax_dsrelu.primitives import sharding
 from jax_dsrelu.primitives.gather_sum import gather_sum
+from jax_dsrelu.quantization.schema import Recipe
 
 
 def exchanged_experts(
@@ -55,12 +58,13 @@ def exchanged_experts(
     drops: bool,  # whether token_slots may name D*C (a capacity is set)
     deterministic: bool,
     backends: LayerBackends,
+    precision: Recipe | None,  # None, or the FP8 recipe the experts' GEMMs read their operands by
 ) -> jax.Array:  # (T, l) float32
     """out[t] = sum over token t's sent slots s of prob * relu(tokens[t] @ w1[e] + b1[e])**2 @ w2[e],
     e the slot's expert on the device it was sent to. Arguments are the caller's to have
     checked (`moe_layer_expert_parallel`), under shard_map over axis_name."""
     tokens, w1, w2, prob, b1 = jax_internals.vary_alike([tokens, w1, w2, prob, b1])
-    static = (axis_name, drops, deterministic, backends, np.dtype(tokens.dtype))
+    static = (axis_name, drops, deterministic, backends, np.dtype(tokens.dtype), precision)
     return _exchanged(static, tokens, w1, w2, b1, prob, group_sizes, local_order, local_inverse, slot_token,
                       slot_full, token_slots)
 
@@ -85,9 +89,11 @@ def _sum_back(rows, local_inverse, token_slots, drops, axis_name, backend):
 
 def _forward(static, tokens, w1, w2, b1, prob, group_sizes, local_order, local_inverse, slot_token, slot_full,
              token_slots):
-    axis_name, drops, _, backends, _ = static
+    axis_name, drops, _, backends, _, precision = static
     got = _send(tokens.astype(w1.dtype), slot_token, slot_full, axis_name)
-    y, h = expert_mlp.forward(backends, got, w1, w2, prob, group_sizes, b1, row_index=local_order)
+    y, h = expert_mlp.forward(
+        backends, got, w1, w2, prob, group_sizes, b1, row_index=local_order, precision=precision
+    )
     out = _sum_back(y, local_inverse, token_slots, drops, axis_name, backends.gather_sum)
     return out, (got, h)
 
@@ -107,13 +113,13 @@ def _exchanged_fwd(static, tokens, w1, w2, b1, prob, group_sizes, local_order, l
 
 
 def _exchanged_bwd(static, residuals, dout):
-    axis_name, drops, deterministic, backends, tokens_dtype = static
+    axis_name, drops, deterministic, backends, tokens_dtype, precision = static
     (got, w1, w2, b1, prob, group_sizes, local_order, local_inverse, slot_token, slot_full,
      token_slots, h) = residuals
     dy = _send(dout.astype(w1.dtype), slot_token, slot_full, axis_name)
     grads = expert_mlp.backward(
         deterministic, backends, got, w1, w2, prob, group_sizes, b1, h, dy,
-        row_index=local_order, dy_index=local_order,
+        row_index=local_order, dy_index=local_order, precision=precision,
     )
     summed = _sum_back(grads.rows, local_inverse, token_slots, drops, axis_name, backends.gather_sum)
     # Rounded to the rows' dtype first, as the gradient of rows cast from the tokens is.

@@ -11,6 +11,9 @@ the ragged matmul reading w1 transposed in place, dw1 and dw2 on the ragged cont
 No weight is ever transposed in memory, and the activation is never kept: the backward
 regenerates it from the pre-activation h.
 
+Under a precision (an FP8 recipe), both run `jax_dsrelu.ops.quantized_expert_mlp`
+instead: the same GEMMs on operands quantized by the recipe, on the XLA backend.
+
 Rows may be read through a row index (`row_index`, `dy_index`): row i is then
 source[index[i]], and the primitives read it so (`jax_dsrelu.primitives.base`), which on a
 backend that loads rows through the index makes no (m, l) copy of the source.
@@ -24,9 +27,11 @@ import jax
 import jax.numpy as jnp
 
 from jax_dsrelu.kernels.registry import LayerBackends
+from jax_dsrelu.ops import quantized_expert_mlp
 from jax_dsrelu.primitives import dsrelu
 from jax_dsrelu.primitives.ragged_contract import ragged_contract
 from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
+from jax_dsrelu.quantization.schema import Recipe
 
 
 class Gradients(NamedTuple):
@@ -48,11 +53,14 @@ def forward(
     group_sizes: jax.Array,  # (E,) int32
     b1: jax.Array | None,  # (E, f)
     row_index: jax.Array | None = None,  # (m,) int32: row i is rows[row_index[i]]
+    precision: Recipe | None = None,  # None: in w1.dtype; a recipe: its quantized operands
 ) -> tuple[jax.Array, jax.Array]:  # y (m, l), h (m, f), both in w1.dtype
     """(y, h); h is the pre-activation rounded to w1.dtype, as the backward reads it.
 
     The up-projection makes the activation in the same call, from the rounded h.
     """
+    if precision is not None:
+        return quantized_expert_mlp.forward(precision, backends, rows, w1, w2, prob, group_sizes, b1, row_index)
     dtype = w1.dtype
     h, act = ragged_matmul_srelu(
         rows, w1, group_sizes, prob, b1, rhs_layout="kn", out_dtype=dtype, backend=backends.matmul,
@@ -75,7 +83,12 @@ def backward(
     dy: jax.Array,  # (m, l) in w1.dtype, or its source (U, l) with dy_index
     row_index: jax.Array | None = None,  # (m,) int32: row i is rows[row_index[i]]
     dy_index: jax.Array | None = None,  # (m,) int32: row i of dy is dy[dy_index[i]]
+    precision: Recipe | None = None,  # as for forward
 ) -> Gradients:
+    if precision is not None:
+        return Gradients(*quantized_expert_mlp.backward(
+            precision, deterministic, backends, rows, w1, w2, prob, group_sizes, b1, h, dy, row_index, dy_index
+        ))
     dtype = w1.dtype
     num_experts = w1.shape[0]
     # No MXFP8 scales: the layer's operands are bf16 or fp16.

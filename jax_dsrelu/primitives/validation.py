@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dsrelu.quantization import mx
+from jax_dsrelu.quantization.schema import FP8_BLOCKWISE, Recipe
 from jax_dsrelu.kernels.registry import BACKEND_NAMES
 
 # The floating dtypes of every operand, result and option that is not an MXFP8 operand.
@@ -213,6 +214,24 @@ def check_block_scales(grad, weight, grad_scale, weight_scale) -> None:
     require_dim("weight_scale", weight_scale, 2, k // mx.BLOCK_SIZE, "k/32")
     require_dtype("grad_scale", grad_scale, (mx.SCALE_DTYPE,))
     require_dtype("weight_scale", weight_scale, (mx.SCALE_DTYPE,))
+
+
+# The recipes the expert MLP runs (its `precision`), beside None: the operands' own dtype.
+PRECISIONS = (FP8_BLOCKWISE,)
+
+
+def precision(value: Any) -> Recipe | None:
+    """The expert MLP's precision option: None, or one of PRECISIONS."""
+    expected = "None or " + " or ".join(f"jax_dsrelu.quantization.{recipe.name}" for recipe in PRECISIONS)
+    if value is None:
+        return None
+    if not isinstance(value, Recipe):
+        raise TypeError(f"precision must be {expected} (a Recipe), got {value!r} ({type(value).__name__})")
+    if value not in PRECISIONS:
+        raise ValueError(
+            f"precision must be {expected}, the recipes the experts run so far, got the recipe {value.name!r}"
+        )
+    return value
 
 
 def backend_name(value: Any) -> str:

@@ -31,7 +31,7 @@ import numpy as np
 
 from jax_dsrelu.quantization.schema import BlockScaling
 
-_INPUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+INPUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
 
 
 def _check(x: jax.Array, scaling: BlockScaling) -> None:
@@ -63,21 +63,33 @@ def quantize_blockwise(x: jax.Array, scaling: BlockScaling) -> tuple[jax.Array, 
     scaling.scale_shape(x.shape), with x ~= values * scales over each block (module doc).
     x is bfloat16, float16 or float32."""
     x = jnp.asarray(x)
-    if np.dtype(x.dtype) not in _INPUT_DTYPES:
+    if np.dtype(x.dtype) not in INPUT_DTYPES:
         raise TypeError(f"x.dtype must be bfloat16, float16 or float32, got x.dtype={np.dtype(x.dtype).name}")
     _check(x, scaling)
-    max_normal = float(jnp.finfo(scaling.element).max)
-    reciprocal = np.float32(1.0 / max_normal)
     blocks = _blocks(x.astype(jnp.float32), scaling.block)
     finite = jnp.isfinite(blocks)
     special = ~jnp.all(finite, axis=(-2, -1))
     amax = jnp.max(jnp.where(finite, jnp.abs(blocks), 0.0), axis=(-2, -1))
+    scales = scales_from_amax(amax, special, scaling.element)
+    values = _unblock(scaled_values(blocks, scales[..., None, None], scaling.element), x.shape)
+    return values, scales
+
+
+def scales_from_amax(amax: jax.Array, special: jax.Array, element) -> jax.Array:
+    """The scales of blocks of amax `amax` (float32, over the finite values), NaN where
+    `special` (the block holds a NaN or an infinity): the module doc's rule, shared by
+    every quantizer of the recipe whatever the shape of its blocks."""
+    reciprocal = np.float32(1.0 / float(jnp.finfo(element).max))
     smallest_normal = np.float32(np.finfo(np.float32).tiny)
     scales = jnp.where(amax > 0, jnp.maximum(amax * reciprocal, smallest_normal), 1.0).astype(jnp.float32)
-    scales = jnp.where(special, jnp.nan, scales)
-    scaled = jnp.clip(blocks / scales[..., None, None], -max_normal, max_normal)
-    values = _unblock(scaled.astype(scaling.element), x.shape)
-    return values, scales
+    return jnp.where(special, jnp.nan, scales)
+
+
+def scaled_values(x: jax.Array, scales: jax.Array, element) -> jax.Array:
+    """x / scales (float32, scales broadcast against x) rounded to `element`, clamped to
+    its largest normal."""
+    max_normal = float(jnp.finfo(element).max)
+    return jnp.clip(x / scales, -max_normal, max_normal).astype(element)
 
 
 def dequantize_blockwise(values: jax.Array, scales: jax.Array, scaling: BlockScaling, dtype=jnp.float32) -> jax.Array:

@@ -1,0 +1,166 @@
+"""The expert MLP under an FP8 recipe, as quantize-dequantize arithmetic on the XLA backend.
+
+`jax_dsrelu.ops.expert_mlp` runs this in place of its own forward and backward when the
+layer is given a precision. Each of a step's six GEMMs reads its two operands quantized
+by the recipe along its own K (`jax_dsrelu.quantization.qdq`), dequantized to float32,
+and multiplies them with float32 accumulation:
+
+    GEMM     A, quantized along K             B                               K
+    up       x: blocks along d                w1: 128 x 128                   d
+    down     act: blocks along f              w2: 128 x 128                   f
+    dsrelu   dy: blocks along d               w2 read transposed              d
+    dx       dh: blocks along f               w1 read transposed              f
+    dW1      x: blocks along expert rows      dh: blocks along expert rows    each expert's rows
+    dW2      act: blocks along expert rows    dy: blocks along expert rows    each expert's rows
+
+A weight's square blocks are the same blocks read either way, so one quantization of it
+serves its forward and backward GEMMs. In the weight gradients the blocks along the rows
+restart at each expert's first row (`jax_dsrelu.quantization.ragged`).
+
+The epilogues compute in float32, as without a recipe: h = acc (+ b1) is rounded to the
+caller's dtype, which the backward keeps; act = relu(h)**2 * prob is formed from that h
+in float32 and quantized from float32 (never rounded to the caller's dtype first), in the
+forward and again, the same values, in the backward; dh, dprob and db1 come from the
+fused dsReLU step's float32 epilogue, and dh is quantized from float32. y and dx come out
+in the caller's dtype, dW1 and dW2 in the weights'.
+
+Every step runs on the XLA reference (`layer_backends` sends the GEMMs there): a fixed
+summation order, and amax maxima exact in any order, so every result is bitwise
+reproducible whatever `deterministic` says. This is the arithmetic the FP8 kernels will
+compute, and their oracle; they quantize in their epilogues what this quantizes in passes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_dsrelu.kernels.registry import LayerBackends
+from jax_dsrelu.primitives import dsrelu
+from jax_dsrelu.primitives.ragged_contract import ragged_contract
+from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
+from jax_dsrelu.quantization import qdq
+from jax_dsrelu.quantization.schema import Recipe
+
+
+class Epilogue(NamedTuple):
+    """The backward's fused step: da = dy w2^T on quantized operands, and its epilogue."""
+
+    dh: jax.Array  # (m, f) float32, rows of no expert 0
+    act: jax.Array  # (m, f) float32: relu(h)**2 * prob, regenerated
+    dprob: jax.Array  # (m,) float32
+    dbias: jax.Array | None  # (E, f) float32, when b1 is given
+
+
+def squared_relu(h: jax.Array, prob: jax.Array) -> jax.Array:
+    """relu(h)**2 * prob in float32, as the fused dsReLU step regenerates it: (m, f)."""
+    r = jnp.maximum(h.astype(jnp.float32), 0.0)
+    return r * r * prob.astype(jnp.float32)[:, None]
+
+
+def _rows(source: jax.Array, index: jax.Array | None) -> jax.Array:
+    return source if index is None else jnp.take(source, index, axis=0, mode="clip")
+
+
+def forward(
+    recipe: Recipe,
+    backends: LayerBackends,
+    rows: jax.Array,  # (m, l) in w1.dtype, or its source (T, l) with row_index
+    w1: jax.Array,  # (E, l, f)
+    w2: jax.Array,  # (E, f, l)
+    prob: jax.Array,  # (m,)
+    group_sizes: jax.Array,  # (E,) int32
+    b1: jax.Array | None,  # (E, f)
+    row_index: jax.Array | None = None,  # (m,) int32: row i is rows[row_index[i]]
+) -> tuple[jax.Array, jax.Array]:  # y (m, l), h (m, f), both in w1.dtype
+    """(y, h), as `expert_mlp.forward` returns them, on quantized operands."""
+    dtype = w1.dtype
+    # Blocks along d are within a row, so quantizing the source rows and reading them
+    # through the index is quantizing the rows read.
+    h, _ = ragged_matmul_srelu(
+        qdq.along_k(rows, recipe), qdq.weights(w1, recipe), group_sizes, prob, b1, rhs_layout="kn",
+        out_dtype=dtype, backend=backends.matmul, lhs_index=row_index,
+    )
+    act = squared_relu(h, prob)  # 0 on rows of no expert, whose h is 0
+    y = ragged_matmul(
+        qdq.along_k(act, recipe), qdq.weights(w2, recipe), group_sizes, rhs_layout="kn", out_dtype=dtype,
+        backend=backends.matmul,
+    )
+    return y, h
+
+
+def epilogue(
+    recipe: Recipe,
+    deterministic: bool,
+    backends: LayerBackends,
+    w2: jax.Array,  # (E, f, l)
+    prob: jax.Array,  # (m,)
+    group_sizes: jax.Array,  # (E,) int32
+    with_dbias: bool,
+    h: jax.Array,  # (m, f) the forward's pre-activation
+    dy: jax.Array,  # (m, l), or its source (U, l) with dy_index
+    dy_index: jax.Array | None = None,
+) -> Epilogue:
+    """The fused dsReLU GEMM on quantized dy and w2, with its float32 epilogue."""
+    fused = dsrelu.bind(
+        grad=qdq.along_k(dy, recipe), grad_index=dy_index, weight=qdq.weights(w2, recipe), preact=h, prob=prob,
+        group_sizes=group_sizes, alpha=jnp.ones((w2.shape[0],), jnp.float32), grad_scale=None, weight_scale=None,
+        with_dbias=with_dbias, with_act=True, out_dtype=jnp.float32, deterministic=deterministic,
+        backend=backends.dsrelu,
+    )
+    return Epilogue(fused["dh"], fused["act"], fused["dprob"], fused["dbias"] if with_dbias else None)
+
+
+def backward(
+    recipe: Recipe,
+    deterministic: bool,
+    backends: LayerBackends,
+    rows: jax.Array,  # (m, l) in w1.dtype, or its source (T, l) with row_index
+    w1: jax.Array,  # (E, l, f)
+    w2: jax.Array,  # (E, f, l)
+    prob: jax.Array,  # (m,)
+    group_sizes: jax.Array,  # (E,) int32
+    b1: jax.Array | None,  # (E, f)
+    h: jax.Array,  # (m, f) the forward's pre-activation
+    dy: jax.Array,  # (m, l) in w1.dtype, or its source (U, l) with dy_index
+    row_index: jax.Array | None = None,
+    dy_index: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """(drows, dw1, dw2, dprob, db1), the fields of `expert_mlp.Gradients`, on quantized
+    operands: `epilogue`, then the GEMMs that read its dh and act (`gradient_gemms`)."""
+    fused = epilogue(recipe, deterministic, backends, w2, prob, group_sizes, b1 is not None, h, dy, dy_index)
+    drows, dw1, dw2 = gradient_gemms(recipe, backends, rows, w1, w2, group_sizes, fused, dy, row_index, dy_index)
+    db1 = None if b1 is None else fused.dbias.astype(b1.dtype)
+    return drows, dw1, dw2, fused.dprob.astype(prob.dtype), db1
+
+
+def gradient_gemms(
+    recipe: Recipe,
+    backends: LayerBackends,
+    rows: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    group_sizes: jax.Array,
+    fused: Epilogue,
+    dy: jax.Array,
+    row_index: jax.Array | None = None,
+    dy_index: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # drows (m, l) w1.dtype, dw1 (E, l, f), dw2 (E, f, l)
+    """dx = dh w1^T, dW1 = x^T dh and dW2 = act^T dy, each on its operands quantized along its K."""
+    drows = ragged_matmul(
+        qdq.along_k(fused.dh, recipe), qdq.weights(w1, recipe), group_sizes, rhs_layout="nk", out_dtype=w1.dtype,
+        backend=backends.matmul,
+    )
+    # K = each expert's rows: the rows as the experts own them, in expert order.
+    by_rows = lambda a: qdq.along_expert_rows(a, group_sizes, recipe)  # noqa: E731
+    dw1 = ragged_contract(
+        by_rows(_rows(rows, row_index)), by_rows(fused.dh), group_sizes, out_dtype=w1.dtype,
+        backend=backends.contract,
+    )
+    dw2 = ragged_contract(
+        by_rows(fused.act), by_rows(_rows(dy, dy_index)), group_sizes, out_dtype=w2.dtype,
+        backend=backends.contract,
+    )
+    return drows, dw1, dw2

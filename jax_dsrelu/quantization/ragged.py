@@ -1,0 +1,97 @@
+"""Quantizing along rows that belong to experts: the weight gradients' K = tokens.
+
+In dW1[e] = x_e^T dh_e and dW2[e] = act_e^T dy_e the GEMM's K runs over expert e's rows,
+so the recipe's 1 x r activation blocks (r = scaling.block[1], 128 for FP8_BLOCKWISE)
+lie along the rows: each column of (m, n) is cut into groups of r consecutive rows, and
+
+    the groups start at each expert's first row and never hold rows of two experts:
+    an expert's last group is partial, and an expert of fewer than r rows is one
+    partial group. Rows at or past sum(group_sizes) (no expert's) are grouped the same
+    way from the first of them, as one more expert's would be.
+
+Each group's scale and values follow `quantization.blockwise`'s rule (its amax over the
+group's finite values, exact in any order), so an expert's part equals
+`quantize_blockwise` of its own rows, transposed, with 1 x r blocks. Group sizes are
+clamped as every backend clamps them (`jax_dsrelu.groups`).
+
+The groups are numbered in row order: group g's scales are scales[g], and row_group[i]
+says which group row i is in. At most ceil(m / r) + E groups exist (each expert adds at
+most one partial group); the scales of numbers no group takes are 1.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dsrelu import groups
+from jax_dsrelu.quantization import blockwise
+from jax_dsrelu.quantization.schema import BlockScaling
+
+
+class RaggedQuantized(NamedTuple):
+    values: jax.Array  # (m, n) in the scaling's element dtype
+    scales: jax.Array  # (ceil(m / r) + E, n) float32: group g's scale of each column
+    row_group: jax.Array  # (m,) int32: the group of each row
+
+
+def row_groups(group_sizes: jax.Array, num_rows: int, rows_per_group: int) -> jax.Array:
+    """(m,) int32: the group of each row (module doc), numbered from 0 in row order."""
+    ends = groups.clamped_group_ends(group_sizes, num_rows)
+    if num_rows == 0:
+        return jnp.zeros((0,), jnp.int32)
+    expert, owned = groups.row_experts(group_sizes, num_rows)
+    total = ends[-1] if ends.shape[0] else jnp.zeros((), jnp.int32)
+    starts = ends - groups.clamped_group_sizes(group_sizes, num_rows)
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    first = jnp.where(owned, starts[expert], total)
+    opens = (rows - first) % rows_per_group == 0
+    # Row 0 always opens a group (it is its expert's first row, or the first unowned one).
+    return jnp.cumsum(opens.astype(jnp.int32)) - 1
+
+
+def max_groups(num_rows: int, num_experts: int, rows_per_group: int) -> int:
+    """The most groups m rows of E experts make: ceil(m / r) over the rows, plus at most
+    one partial group per expert (the unowned rows' partial group is covered by the
+    ceiling, since E + 1 segments of rows lose less than E + 1 whole groups)."""
+    return -(-num_rows // rows_per_group) + num_experts
+
+
+def quantize_ragged_rows(
+    x: jax.Array,  # (m, n) bfloat16, float16 or float32
+    group_sizes: jax.Array,  # (E,) int: rows of each expert, in row order
+    scaling: BlockScaling,  # 1 x r blocks: r rows of a column share a scale here
+) -> RaggedQuantized:
+    """x quantized in groups of r rows per column that restart at each expert (module doc)."""
+    x = jnp.asarray(x)
+    if scaling.rule != "amax" or scaling.block[0] != 1:
+        raise ValueError(
+            f"scaling must be 1 x r blocks with amax scales (an activation scaling), got block={scaling.block} "
+            f"and rule={scaling.rule!r}"
+        )
+    if x.ndim != 2:
+        raise ValueError(f"x must be (m, n), got x.shape={x.shape}")
+    if np.dtype(x.dtype) not in blockwise.INPUT_DTYPES:
+        raise TypeError(f"x.dtype must be bfloat16, float16 or float32, got x.dtype={np.dtype(x.dtype).name}")
+    num_rows, rows_per_group = x.shape[0], scaling.block[1]
+    row_group = row_groups(group_sizes, num_rows, rows_per_group)
+    count = max_groups(num_rows, group_sizes.shape[0], rows_per_group)
+    x = x.astype(jnp.float32)
+    finite = jnp.isfinite(x)
+    # Maxima of nonnegative values and of flags: exact in any order, so the scatter that
+    # forms them gives the same bits whatever order it runs in.
+    amax = jax.ops.segment_max(jnp.where(finite, jnp.abs(x), 0.0), row_group, count, indices_are_sorted=True)
+    special = jax.ops.segment_max((~finite).astype(jnp.int32), row_group, count, indices_are_sorted=True) > 0
+    # A number no group takes has no rows: its maximum is the empty one, -inf.
+    scales = blockwise.scales_from_amax(jnp.maximum(amax, 0.0), special, scaling.element)
+    values = blockwise.scaled_values(x, jnp.take(scales, row_group, axis=0), scaling.element)
+    return RaggedQuantized(values, scales, row_group)
+
+
+def dequantize_ragged_rows(quantized: RaggedQuantized, dtype=jnp.float32) -> jax.Array:
+    """values * their group's scale, in float32, cast to dtype: (m, n)."""
+    values, scales, row_group = quantized
+    return (values.astype(jnp.float32) * jnp.take(scales, row_group, axis=0)).astype(dtype)

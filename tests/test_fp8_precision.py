@@ -1,0 +1,491 @@
+"""The precision option, `precision=FP8_BLOCKWISE`: the XLA path's quantize-dequantize
+arithmetic of the six GEMMs of a `moe_mlp` step, held to float64 two ways.
+
+1. Against float64 of the same quantized arithmetic, GEMM by GEMM: each GEMM's operands
+   are quantized by the NumPy oracle of the recipe (`test_quantization_blockwise`'s, and
+   the per-expert loop of `test_quantization_ragged` along the tokens), from the values
+   the path feeds that GEMM (its own h, dh and act, so that a rounding decision of the
+   quantizer never depends on float32 against float64), and multiplied in float64. The
+   tolerance is float32 accumulation's: (K + 3) * 2^-24 * |A| @ |B|. Quantization bugs
+   planted in the path (a scale from the neighbouring block, a weight's block scales
+   transposed, groups along the tokens that straddle two experts) fail it.
+2. Against float64 of the unquantized layer, within a bound carried through the step from
+   e4m3's unit roundoff 2^-4 per operand (plus half a subnormal step times the scale),
+   float32 accumulation and the caller dtype's rounding, in float32 and in bfloat16. It is
+   a worst-case bound, on |A| @ |B| at every GEMM, so it is loose where products cancel
+   (tens of times the result's size at these shapes); it still catches a scale taken
+   from the neighbouring block, and the tight check is the first.
+
+Then: `moe_mlp`'s forward and gradients are these stages' bit for bit; deterministic runs
+repeat bit for bit; the option is checked; `MoEOptions` carries it through `moe_layer`,
+`moe_layer_expert_parallel` and `flax.MoE`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_dsrelu
+from jax_dsrelu import MoEOptions
+from jax_dsrelu.kernels.registry import LayerBackends, layer_backends
+from jax_dsrelu.ops import quantized_expert_mlp as qmlp
+from jax_dsrelu.quantization import FP8_BLOCKWISE, MXFP8, blockwise, qdq
+from test_quantization_blockwise import oracle_quantize
+from test_quantization_ragged import per_expert_loop
+
+RECIPE = FP8_BLOCKWISE
+BACKENDS = layer_backends("xla", RECIPE)
+U8 = 2.0**-4  # e4m3's unit roundoff
+SUBNORMAL_HALF_STEP = 2.0**-10  # relative to the block's scale
+F32, BF16 = 2.0**-24, 2.0**-8
+UNITS = {"float32": F32, "bfloat16": BF16}
+
+# An empty expert, experts of fewer than 128 rows, one of 128 + 72, and 15 rows past the
+# total; d and f are not multiples of 128.
+SIZES = [0, 70, 200, 5, 40]
+M, D, F = 330, 160, 200
+E = len(SIZES)
+OWNED = sum(SIZES)
+
+
+def inputs(dtype=jnp.float32, seed=0):
+    """x, w1, w2, prob, b1, dy as NumPy arrays (x, w1, w2, dy representable in dtype), with
+    magnitudes that change from one expert's rows to the next and from one K block of d to
+    the next, so that a scale taken from a wrong block shows."""
+    rng = np.random.default_rng(seed)
+    expert = np.searchsorted(np.cumsum(SIZES), np.arange(M), side="right")
+    by_expert = lambda: np.exp2(rng.integers(-4, 5, E + 1))[expert][:, None]  # noqa: E731
+    by_block = lambda factors: np.repeat(np.asarray(factors), 128)[:D]  # noqa: E731
+    rounded = lambda a: np.asarray(jnp.asarray(a, dtype).astype(jnp.float32))  # noqa: E731
+    x = rounded(rng.standard_normal((M, D)) * by_expert() * by_block([2.0, 0.125]))
+    w1 = rounded(rng.standard_normal((E, D, F)) / np.sqrt(D))
+    w2 = rounded(rng.standard_normal((E, F, D)) / np.sqrt(F))
+    prob = rng.uniform(0.1, 1.0, M).astype(np.float32)
+    b1 = (0.1 * rng.standard_normal((E, F))).astype(np.float32)
+    dy = rounded(rng.standard_normal((M, D)) * by_expert() * by_block([0.25, 4.0]))
+    return x, w1, w2, prob, b1, dy
+
+
+# --- float64 helpers ---
+
+
+def expert_of_rows():
+    return np.searchsorted(np.cumsum(SIZES), np.arange(M), side="right")
+
+
+def bias_rows(b1):
+    """b1 of each row's expert, 0 on rows of no expert: (m, f) float64."""
+    expert = expert_of_rows()
+    return np.where((expert < E)[:, None], np.asarray(b1, np.float64)[np.minimum(expert, E - 1)], 0.0)
+
+
+def rows_matmul(a, b):
+    """Row i of expert e is a[i] @ b[e], in float64; rows of no expert 0: (m, K), (E, K, N)."""
+    expert = expert_of_rows()
+    out = np.zeros((a.shape[0], b.shape[2]))
+    for e in range(E):
+        rows = expert == e
+        out[rows] = a[rows].astype(np.float64) @ b[e].astype(np.float64)
+    return out
+
+
+def per_expert_outer(a, b):
+    """sum over expert e's rows of a^T b, in float64: (m, p), (m, q) -> (E, p, q)."""
+    expert = expert_of_rows()
+    return np.stack([a[expert == e].astype(np.float64).T @ b[expert == e].astype(np.float64) for e in range(E)])
+
+
+def per_expert_sum(a):
+    expert = expert_of_rows()
+    return np.stack([a[expert == e].sum(axis=0) for e in range(E)])
+
+
+def dequantize(values, scales, block, shape):
+    """values * their block's scale, one float32 product as the library forms it, as float64."""
+    rows, cols = block
+    per_value = np.repeat(np.repeat(scales.astype(np.float64), rows, axis=-2), cols, axis=-1)
+    return (values * per_value[..., : shape[-2], : shape[-1]]).astype(np.float32).astype(np.float64)
+
+
+def oracle_along_k(a):
+    values, scales = oracle_quantize(np.asarray(a, np.float32), RECIPE.activations.block)
+    return dequantize(values, scales, RECIPE.activations.block, a.shape)
+
+
+def oracle_weights(w):
+    values, scales = oracle_quantize(np.asarray(w, np.float32), RECIPE.weights.block)
+    return dequantize(values, scales, RECIPE.weights.block, w.shape)
+
+
+def oracle_along_expert_rows(a):
+    return per_expert_loop(np.asarray(a, np.float32), SIZES)[0].astype(np.float64)
+
+
+def within(got, want, tolerance) -> bool:
+    got = np.asarray(got, np.float64)
+    return got.shape == want.shape and bool(np.all(np.abs(got - want) <= tolerance))
+
+
+def accumulation(k, a, b, product=np.matmul):
+    """float32 accumulation of K products of the float32 operands a and b, and the rounding
+    of its result: (K + 3) * 2^-24 * |a| @ |b|."""
+    return (k + 3) * F32 * product(np.abs(a), np.abs(b))
+
+
+# --- 1. The quantized arithmetic, GEMM by GEMM ---
+
+
+def run_stages(x, w1, w2, prob, b1, dy):
+    """The path's stages, each under jit: the forward, the fused dsReLU step, the GEMMs
+    that read its dh and act."""
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    forward = jax.jit(lambda *a: qmlp.forward(RECIPE, BACKENDS, *a))
+    y, h = forward(x, w1, w2, prob, sizes, b1)
+    epilogue = jax.jit(lambda *a: qmlp.epilogue(RECIPE, True, BACKENDS, *a), static_argnums=3)
+    fused = epilogue(w2, prob, sizes, True, h, dy)
+    gemms = jax.jit(lambda *a: qmlp.gradient_gemms(RECIPE, BACKENDS, *a))
+    drows, dw1, dw2 = gemms(x, w1, w2, sizes, fused, dy)
+    return dict(y=y, h=h, dh=fused.dh, act=fused.act, dprob=fused.dprob, db1=fused.dbias, dx=drows, dw1=dw1,
+                dw2=dw2)
+
+
+def stage_checks(x, w1, w2, prob, b1, dy, got) -> dict[str, bool]:
+    """Each output of the stages against float64 of the same quantized arithmetic, fed the
+    values the path feeds it; True where it is within float32 accumulation's tolerance."""
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    qx, qw1, qw2, qdy = oracle_along_k(x), oracle_weights(w1), oracle_weights(w2), oracle_along_k(dy)
+    qw1_t, qw2_t = np.swapaxes(qw1, 1, 2), np.swapaxes(qw2, 1, 2)
+    checks = {}
+
+    h = rows_matmul(qx, qw1) + bias_rows(b1)
+    checks["h"] = within(got["h"], h, accumulation(D, qx, qw1, rows_matmul) + 4 * F32 * np.abs(h))
+
+    # The activation, from the path's own h, in float32 as the epilogue forms it.
+    r = np.maximum(np.asarray(got["h"], np.float32), 0)
+    act = r * r * prob[:, None]
+    checks["act"] = np.array_equal(np.asarray(got["act"]), act)  # regenerated: the forward's, bit for bit
+    qact = oracle_along_k(act)
+    y = rows_matmul(qact, qw2)
+    checks["y"] = within(got["y"], y, accumulation(F, qact, qw2, rows_matmul))
+
+    da = rows_matmul(qdy, qw2_t)
+    da_tolerance = accumulation(D, qdy, qw2_t, rows_matmul)
+    r, p = f64(r), f64(prob)[:, None]
+    dh = 2 * da * r * p
+    dh_tolerance = 2 * r * p * da_tolerance + 4 * F32 * np.abs(dh)
+    checks["dh"] = within(got["dh"], dh, dh_tolerance)
+    dprob = np.sum(r * r * da, axis=1)
+    checks["dprob"] = within(got["dprob"], dprob,
+                             np.sum(r * r * da_tolerance, axis=1) + (F + 4) * F32 * np.sum(r * r * np.abs(da), axis=1))
+    checks["db1"] = within(got["db1"], per_expert_sum(dh),
+                           per_expert_sum(dh_tolerance) + (M + 3) * F32 * per_expert_sum(np.abs(dh)))
+
+    # The gradient GEMMs, fed the path's own float32 dh and act.
+    qdh = oracle_along_k(got["dh"])
+    checks["dx"] = within(got["dx"], rows_matmul(qdh, qw1_t), accumulation(F, qdh, qw1_t, rows_matmul))
+    qx_rows, qdh_rows = oracle_along_expert_rows(x), oracle_along_expert_rows(got["dh"])
+    checks["dw1"] = within(got["dw1"], per_expert_outer(qx_rows, qdh_rows),
+                           accumulation(M, qx_rows, qdh_rows, per_expert_outer))
+    qact_rows, qdy_rows = oracle_along_expert_rows(got["act"]), oracle_along_expert_rows(dy)
+    checks["dw2"] = within(got["dw2"], per_expert_outer(qact_rows, qdy_rows),
+                           accumulation(M, qact_rows, qdy_rows, per_expert_outer))
+    # Rows of no expert: exact zeros.
+    checks["unowned"] = all(not np.asarray(got[name])[OWNED:].any() for name in ("y", "h", "dh", "act", "dprob", "dx"))
+    return checks
+
+
+@pytest.fixture(scope="module")
+def case():
+    arrays = inputs()
+    return arrays, run_stages(*arrays)
+
+
+def test_every_gemm_is_float64_of_the_same_quantized_operands(case):
+    arrays, got = case
+    checks = stage_checks(*arrays, got)
+    assert all(checks.values()), checks
+    # Not vacuous: the quantization shows against the unquantized product.
+    exact_h = rows_matmul(arrays[0], arrays[1]) + bias_rows(arrays[4])
+    assert np.abs(np.asarray(got["h"]) - exact_h).max() > 1e-3 * np.abs(exact_h).max()
+
+
+def rolled_scales(a, recipe):
+    """A quantizer bug: each block along K dequantized with its neighbour's scale."""
+    values, scales = blockwise.quantize_blockwise(a, recipe.activations)
+    return blockwise.dequantize_blockwise(values, jnp.roll(scales, 1, axis=-1), recipe.activations)
+
+
+def transposed_weight_scales(w, recipe):
+    """A quantizer bug: a weight's 128 x 128 block scales read transposed."""
+    values, scales = blockwise.quantize_blockwise(w, recipe.weights)
+    return blockwise.dequantize_blockwise(values, jnp.swapaxes(scales, -1, -2), recipe.weights)
+
+
+def straddling_groups(a, group_sizes, recipe):
+    """A quantizer bug: groups of 128 tokens from row 0, across the experts' boundaries."""
+    return qdq.along_k(a.T, recipe).T
+
+
+PLANTED = {
+    "a scale from the neighbouring block": (
+        "along_k", rolled_scales, {"h", "y", "dh", "dprob", "db1", "dx"}),
+    "a weight's block scales transposed": (
+        "weights", transposed_weight_scales, {"h", "y", "dh", "dprob", "db1", "dx"}),
+    "groups along the tokens that straddle experts": (
+        "along_expert_rows", straddling_groups, {"dw1", "dw2"}),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_the_checks_catch_a_planted_quantization_bug(case, monkeypatch, bug):
+    name, wrong, caught = PLANTED[bug]
+    arrays, _ = case
+    monkeypatch.setattr(qdq, name, wrong)
+    checks = stage_checks(*arrays, run_stages(*arrays))
+    failed = {check for check, ok in checks.items() if not ok}
+    assert caught <= failed, checks
+
+
+def test_moe_mlp_is_the_stages_bit_for_bit(case):
+    (x, w1, w2, prob, b1, dy), got = case
+
+    @jax.jit
+    def step(x, w1, w2, prob, b1, dy):
+        y, pullback = jax.vjp(
+            lambda *a: jax_dsrelu.moe_mlp(*a[:4], jnp.asarray(SIZES, jnp.int32), b1=a[4], precision=RECIPE,
+                                          deterministic=True),
+            x, w1, w2, prob, b1,
+        )
+        return y, pullback(dy)
+
+    y, (dx, dw1, dw2, dprob, db1) = step(x, w1, w2, prob, b1, dy)
+    for name, value in dict(y=y, dx=dx, dw1=dw1, dw2=dw2, dprob=dprob, db1=db1).items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(got[name]), err_msg=name)
+
+
+# --- 2. Against the unquantized layer ---
+
+
+def quantization_error(v, error):
+    """A bound on |qdq(v^) - v| for a value v^ fed with |v^ - v| <= error: e4m3's unit
+    roundoff (plus float32's rounding of v / scale and of the dequantized product) on
+    |v^|, and half a subnormal step times the block's scale, at most amax / 448."""
+    fed = np.abs(v) + error
+    return error + (U8 + 2 * F32) * fed + SUBNORMAL_HALF_STEP * fed.max() / 448 * 1.001
+
+
+def gemm_error(a, a_error, b, b_error, k, product, unit):
+    """|c^ - a @ b| for c^ the float32 GEMM of qdq(a^) and qdq(b^), rounded by `unit`."""
+    qa, qb = quantization_error(a, a_error), quantization_error(b, b_error)
+    a, b = np.abs(a), np.abs(b)
+    error = product(qa, b + qb) + product(a, qb) + (k + 2) * F32 * product(a + qa, b + qb)
+    return error + unit * (product(a, b) + error)
+
+
+def unquantized_bounds(x, w1, w2, prob, b1, dy, unit):
+    """(exact float64 results, bounds) of the step, each bound carried from the errors of
+    the values it is computed from."""
+    x, w1, w2, dy = (np.asarray(a, np.float64) for a in (x, w1, w2, dy))
+    p = np.asarray(prob, np.float64)[:, None]
+    w1_t, w2_t = np.swapaxes(w1, 1, 2), np.swapaxes(w2, 1, 2)
+    zero = lambda a: np.zeros_like(a)  # noqa: E731
+
+    h = rows_matmul(x, w1) + bias_rows(b1)
+    # The GEMM, the bias added in float32, then h rounded to the caller's dtype.
+    h_error = gemm_error(x, zero(x), w1, zero(w1), D, rows_matmul, 0.0) + 2 * F32 * np.abs(h)
+    h_error += unit * (np.abs(h) + h_error)
+    r = np.maximum(h, 0)
+    act = r * r * p
+    act_error = p * (2 * r * h_error + h_error**2) + 3 * F32 * p * (r + h_error) ** 2
+    y = rows_matmul(act, w2)
+    y_error = gemm_error(act, act_error, w2, zero(w2), F, rows_matmul, unit)
+
+    da = rows_matmul(dy, w2_t)
+    da_error = gemm_error(dy, zero(dy), w2_t, zero(w2_t), D, rows_matmul, 0.0)
+    dh = 2 * r * da * p
+    dh_error = 2 * p * (h_error * (np.abs(da) + da_error) + r * da_error)
+    dh_error += 4 * F32 * 2 * p * (r + h_error) * (np.abs(da) + da_error)
+    dprob = np.sum(r * r * da, axis=1)
+    dprob_error = np.sum((2 * r * h_error + h_error**2) * (np.abs(da) + da_error) + r * r * da_error, axis=1)
+    dprob_error += (F + 3) * F32 * np.sum((r + h_error) ** 2 * (np.abs(da) + da_error), axis=1)
+    db1 = per_expert_sum(dh)
+    db1_error = per_expert_sum(dh_error) + (M + 3) * F32 * per_expert_sum(np.abs(dh) + dh_error)
+
+    dx = rows_matmul(dh, w1_t)
+    dx_error = gemm_error(dh, dh_error, w1_t, zero(w1_t), F, rows_matmul, unit)
+    dw1 = per_expert_outer(x, dh)
+    dw1_error = gemm_error(x, zero(x), dh, dh_error, M, per_expert_outer, unit)
+    dw2 = per_expert_outer(act, dy)
+    dw2_error = gemm_error(act, act_error, dy, zero(dy), M, per_expert_outer, unit)
+    exact = dict(y=y, dx=dx, dw1=dw1, dw2=dw2, dprob=dprob, db1=db1)
+    bounds = dict(y=y_error, dx=dx_error, dw1=dw1_error, dw2=dw2_error, dprob=dprob_error, db1=db1_error)
+    return exact, bounds
+
+
+def moe_mlp_step(dtype, x, w1, w2, prob, b1, dy) -> dict[str, jax.Array]:
+    """moe_mlp's output and gradients with precision=FP8_BLOCKWISE, x, w1, w2 and dy in dtype."""
+    cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+
+    @jax.jit
+    def step(x, w1, w2, prob, b1, dy):
+        y, pullback = jax.vjp(
+            lambda *a: jax_dsrelu.moe_mlp(*a[:4], jnp.asarray(SIZES, jnp.int32), b1=a[4], precision=RECIPE), x, w1,
+            w2, prob, b1,
+        )
+        return y, pullback(dy)
+
+    y, (dx, dw1, dw2, dprob, db1) = step(cast(x), cast(w1), cast(w2), prob, b1, cast(dy))
+    return dict(y=y, dx=dx, dw1=dw1, dw2=dw2, dprob=dprob, db1=db1)
+
+
+def outside_the_bound(got, exact, bounds) -> dict[str, float]:
+    """The largest |error| / bound of each result."""
+    return {name: float((np.abs(np.asarray(got[name], np.float64) - exact[name]) / np.maximum(bounds[name], 1e-300))
+                        .max()) for name in exact}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_step_is_float64_of_the_unquantized_layer_within_the_e4m3_bound(dtype):
+    arrays = inputs(jnp.dtype(dtype), seed=1)
+    got = moe_mlp_step(dtype, *arrays)
+    # Master weights and outputs in the caller's dtypes.
+    assert got["y"].dtype == got["dx"].dtype == got["dw1"].dtype == got["dw2"].dtype == jnp.dtype(dtype)
+    assert got["dprob"].dtype == got["db1"].dtype == jnp.float32
+    exact, bounds = unquantized_bounds(*arrays, UNITS[dtype])
+    ratios = outside_the_bound(got, exact, bounds)
+    assert max(ratios.values()) <= 1, ratios
+    for name in exact:  # FP8 is visibly inexact
+        assert np.abs(np.asarray(got[name], np.float64) - exact[name]).max() > 1e-3 * np.abs(exact[name]).max(), name
+
+
+def test_the_e4m3_bound_catches_a_scale_from_the_neighbouring_block(monkeypatch):
+    arrays = inputs(seed=1)
+    monkeypatch.setattr(qdq, "along_k", rolled_scales)
+    ratios = outside_the_bound(moe_mlp_step("float32", *arrays), *unquantized_bounds(*arrays, F32))
+    assert max(ratios.values()) > 1, ratios
+
+
+# --- Reproducibility, the option's checks, the layers that carry it ---
+
+
+def test_deterministic_steps_repeat_bit_for_bit():
+    x, w1, w2, prob, b1, dy = (jnp.asarray(a) for a in inputs(seed=2))
+    sizes = jnp.asarray(SIZES, jnp.int32)
+
+    def loss(x, w1, w2, prob, b1):
+        y = jax_dsrelu.moe_mlp(x, w1, w2, prob, sizes, b1=b1, precision=RECIPE, deterministic=True)
+        return jnp.sum(y * dy)
+
+    grads = [jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(x, w1, w2, prob, b1) for _ in range(2)]
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))
+
+
+BAD_PRECISIONS = [
+    ("fp8", TypeError, "precision must be None or jax_dsrelu.quantization.FP8_BLOCKWISE (a Recipe), got 'fp8' (str)"),
+    (MXFP8, ValueError, "precision must be None or jax_dsrelu.quantization.FP8_BLOCKWISE, the recipes the experts "
+                        "run so far, got the recipe 'MXFP8'"),
+]
+
+
+@pytest.mark.parametrize("precision, error, words", BAD_PRECISIONS, ids=["str", "MXFP8"])
+def test_a_bad_precision_names_what_was_seen(precision, error, words):
+    x, w1, w2, prob, _, _ = inputs()
+    with pytest.raises(error, match=re.escape(words)):
+        jax_dsrelu.moe_mlp(x, w1, w2, prob, SIZES, precision=precision)
+    with pytest.raises(error, match=re.escape(words)):
+        MoEOptions(precision=precision)
+
+
+@pytest.mark.parametrize("backend", ["sm90", "sm100"])
+def test_a_kernel_backend_without_the_recipe_refuses_it(backend):
+    words = f"backend={backend!r} has no kernels for precision=FP8_BLOCKWISE yet: backend='xla' runs it"
+    x, w1, w2, prob, _, _ = inputs()
+    with pytest.raises(NotImplementedError, match=re.escape(words)):
+        jax_dsrelu.moe_mlp(x, w1, w2, prob, SIZES, precision=RECIPE, backend=backend)
+    with pytest.raises(NotImplementedError, match=re.escape(words)):
+        MoEOptions(precision=RECIPE, backend=backend)
+
+
+def test_auto_takes_the_xla_path_for_a_precision():
+    assert layer_backends("auto", RECIPE) == LayerBackends(dsrelu="xla", matmul="xla", contract="xla", gather_sum="auto")
+    assert layer_backends("xla", RECIPE) == LayerBackends(dsrelu="xla", matmul="xla", contract="xla", gather_sum="xla")
+    assert layer_backends("auto") == LayerBackends(dsrelu="auto", matmul="auto", contract="auto", gather_sum="auto")
+
+
+T, DM, FF, NE, TOP_K = 96, 160, 200, 4, 2
+
+
+def layer_inputs(seed=3):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((T, DM)), jnp.float32)
+    router = jnp.asarray(rng.standard_normal((DM, NE)) / np.sqrt(DM), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((NE, DM, FF)) / np.sqrt(DM), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((NE, FF, DM)) / np.sqrt(FF), jnp.float32)
+    b1 = jnp.asarray(0.1 * rng.standard_normal((NE, FF)), jnp.float32)
+    return x, router, w1, w2, b1
+
+
+def test_moe_layer_carries_the_precision_to_its_experts():
+    x, router, w1, w2, b1 = layer_inputs()
+    options = MoEOptions(top_k=TOP_K, precision=RECIPE, deterministic=True)
+
+    def layer(x, w1, w2, precision):
+        return jax_dsrelu.moe_layer(x, router, w1, w2, b1=b1, options=dataclasses.replace(options, precision=precision))
+
+    def composed(x, w1, w2):
+        plan = jax_dsrelu.route(x @ router, TOP_K)
+        rows = jax_dsrelu.dispatch(x, plan)
+        y = jax_dsrelu.moe_mlp(rows, w1, w2, plan.row_prob, plan.group_sizes, b1=b1, precision=RECIPE,
+                               deterministic=True)
+        return jax_dsrelu.combine(y, plan).astype(x.dtype)
+
+    quantized = jax.jit(layer, static_argnums=3)(x, w1, w2, RECIPE)
+    np.testing.assert_array_equal(quantized, jax.jit(composed)(x, w1, w2))
+    exact = jax.jit(layer, static_argnums=3)(x, w1, w2, None)
+    assert not np.array_equal(quantized, exact)
+    np.testing.assert_allclose(quantized, exact, rtol=0.2, atol=0.2 * np.abs(exact).max())
+    # The experts' weight gradients too: dW1 and dW2 read the tokens in expert order alike.
+    loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)  # noqa: E731
+    grads = jax.jit(jax.grad(loss(lambda *a: layer(*a, RECIPE)), argnums=(1, 2)))(x, w1, w2)
+    composed_grads = jax.jit(jax.grad(loss(composed), argnums=(1, 2)))(x, w1, w2)
+    for a, b in zip(grads, composed_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+def test_expert_parallel_and_the_flax_module_take_the_precision():
+    from jax_dsrelu.flax import MoE
+    from flax import nnx
+
+    x, router, w1, w2, b1 = layer_inputs()
+    expected = jax.jit(lambda x: jax_dsrelu.moe_layer(x, router, w1, w2, b1=b1, top_k=TOP_K, precision=RECIPE))(x)
+    mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
+    parallel = jax.jit(lambda x: jax_dsrelu.moe_layer_expert_parallel(
+        x, router, w1, w2, b1=b1, mesh=mesh, top_k=TOP_K, precision=RECIPE))(x)
+    np.testing.assert_allclose(parallel, expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+
+    module = MoE(DM, FF, NE, top_k=TOP_K, precision=RECIPE, rngs=nnx.Rngs(0))
+    assert module.options.precision == RECIPE
+    plain = MoE(DM, FF, NE, top_k=TOP_K, rngs=nnx.Rngs(0))
+    call = nnx.jit(lambda module, x: module(x))
+    weights = dict(router=module.router[...], w1=module.w1[...], w2=module.w2[...], b1=module.b1[...])
+    layer = jax.jit(lambda x, weights: jax_dsrelu.moe_layer(x, **weights, top_k=TOP_K, precision=RECIPE))
+    np.testing.assert_array_equal(call(module, x), layer(x, weights))
+    assert not np.array_equal(call(module, x), call(plain, x))
+    # The gradients reach the parameters, which stay float32, through the quantized path.
+    grads = nnx.jit(nnx.grad(lambda module: jnp.sum(module(x) ** 2)))(module)
+    assert grads.w1[...].dtype == jnp.float32 and np.isfinite(grads.w1[...]).all() and grads.w1[...].any()
+
+
+def test_options_with_a_precision_stay_hashable_and_static():
+    options = MoEOptions(top_k=TOP_K, precision=RECIPE)
+    assert hash(options) == hash(MoEOptions(top_k=TOP_K, precision=RECIPE))
+    assert options != MoEOptions(top_k=TOP_K) and hash(options) != hash(MoEOptions(top_k=TOP_K))
+    assert jax.tree.leaves(options) == []
+    assert jax.jit(lambda x, options: x * (options.precision is RECIPE))(jnp.float32(2), options) == 2
