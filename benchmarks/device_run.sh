@@ -16,6 +16,7 @@
 #   moe_block benchmarks/bench_moe_block.py (6-9 min; MOE_BLOCK_ARGS="--blocks ..." splits it);
 #             its tokamax variant from a carried tokamax_deps.tar.zst (docs/performance.md)
 #   gemms     benchmarks/bench_gemms.py (3-5 min)
+#   fp8_gemms benchmarks/bench_fp8_gemms.py (FP8_GEMMS_ARGS)
 #   layer     benchmarks/bench_layer.py (5-8 min)
 #   step_ab   benchmarks/step_ab.sh: the step of STEP_AB_OLD (its tree carried in .kernels/old_tree)
 #             beside COMMIT's, STEP_AB_ROUNDS (1) rounds, STEP_AB_SHAPES (default every shape)
@@ -107,6 +108,7 @@ fi
 selected moe_block && PYTHONPATH="$(carried tokamax_deps.tar.zst "import tokamax")" run bench_moe_block 550 \
   python3 benchmarks/bench_moe_block.py --commit "$commit" --out "$OUT" $MOE_BLOCK_ARGS
 selected gemms && run bench_gemms 540 python3 benchmarks/bench_gemms.py --commit "$commit" --out "$OUT" $GEMMS_ARGS
+selected fp8_gemms && run bench_fp8_gemms 300 python3 benchmarks/bench_fp8_gemms.py --commit "$commit" --out "$OUT" $FP8_GEMMS_ARGS
 selected layer && run bench_layer 560 python3 benchmarks/bench_layer.py --commit "$commit" --out "$OUT" $LAYER_ARGS
 selected step_ab && run step_ab 400 bash benchmarks/step_ab.sh .kernels/old_tree "${STEP_AB_OLD:?}" "$commit" \
   "${STEP_AB_ROUNDS:-1}"
@@ -144,7 +146,9 @@ if selected sanitize; then
       "memcheck|tests/test_sm90.py|(test_matches_float64_contract and bf16 and negative) or (clusters_of_each_size and negative_and_unowned)" \
       "racecheck|tests/test_sm90.py|(test_matches_float64_contract and bf16 and one_row) or (clusters_of_each_size and one_row and 2)" \
       "memcheck|tests/test_sm90_gathered.py|not nano_widths and (gathered_matmul or gathered_dsrelu or (gathered_contraction and f32) or (gather_sum_is and bf16))" \
-      "racecheck|tests/test_sm90_gathered.py|(one_token or ragged_with_empty) and (up_srelu_bias or (gathered_dsrelu and True) or (gathered_contraction and f32 and both)) or (gather_sum_is and bf16)"; do
+      "racecheck|tests/test_sm90_gathered.py|(one_token or ragged_with_empty) and (up_srelu_bias or (gathered_dsrelu and True) or (gathered_contraction and f32 and both)) or (gather_sum_is and bf16)" \
+      "memcheck|tests/test_sm90_fp8.py|past_m or fewer_rows or narrow_n or short_of_m" \
+      "racecheck|tests/test_sm90_fp8.py|past_m-srelu or fewer_rows"; do
     IFS="|" read -r tool file selection <<<"$check"
     [[ $file =~ ${SANITIZE_FILES:-.} ]] || continue
     timeout 120 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -rs \
