@@ -6,6 +6,7 @@ K = d, N = f) and down (act W2[e], K = f, N = d; dx = dh W1[e]^T has its dimensi
     sm90          ours, bf16 operands (the step's GEMM as moe_mlp runs it)
     sm90_fp8      ours on FP8_BLOCKWISE operands quantized beforehand (e4m3, float32 scales
                   per row and 128 of K, per 128 x 128 block of the weight, stored (E, N, K))
+    sm90_fp8_overlap  as sm90_fp8 (down only), each K block promoted beside the next's wgmma
     quantize      quantize_blockwise of the GEMM's rows (m, K): what the step pays for them
                   where no epilogue writes them quantized
     cublas_bf16   one dense bf16 GEMM (m, K) x (K, N) by XLA (cuBLAS)
@@ -23,6 +24,7 @@ accumulation and one bf16 rounding, tests/test_sm90_fp8.py derives the elementwi
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import jax
@@ -35,12 +37,13 @@ import run_record
 import timing
 from harness import BF16, group_sizes_for
 from jax_dsrelu import groups
+from jax_dsrelu.kernels.request import RaggedMatmulRequest
 from jax_dsrelu.kernels.sm90 import backend as sm90_backend
 from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
-from jax_dsrelu.quantization.blockwise import dequantize_blockwise, quantize_blockwise
+from jax_dsrelu.quantization.blockwise import quantize_blockwise
 from jax_dsrelu.quantization.schema import E4M3, FP8_BLOCKWISE
 
-VARIANTS = ("sm90", "sm90_fp8", "quantize", "cublas_bf16", "cublas_fp8", "torch_fp8")
+VARIANTS = ("sm90", "sm90_fp8", "sm90_fp8_overlap", "quantize", "cublas_bf16", "cublas_fp8", "torch_fp8")
 GEMMS = ("up", "down")
 SHAPES = [(16384, 4096, 2048, 8), (49152, 2688, 1856, 128), (65536, 2048, 768, 256)]
 TOLERANCE = 2.0**-7
@@ -61,9 +64,10 @@ def operands(m, k, n, num_experts, seed, grouping):
 
 
 def dequantized_product(lhs, lhs_scale, rhs, rhs_scale, sizes, with_bias, bias):
-    """XLA's float32 product of the values the quantized operands represent (+ b1[e] for up)."""
-    weight_kn = jnp.swapaxes(dequantize_blockwise(rhs, rhs_scale, WEIGHT), 1, 2)
-    out = lax.ragged_dot(dequantize_blockwise(lhs, lhs_scale, ACT), weight_kn, sizes, preferred_element_type=jnp.float32)
+    """The library's XLA backend's float32 product of the values the quantized operands
+    represent (+ b1[e] for up): a dense GEMM per expert, never an (m, E, n) intermediate."""
+    out = ragged_matmul(lhs, rhs, sizes, rhs_layout="nk", out_dtype=jnp.float32, backend="xla", lhs_scale=lhs_scale,
+                        rhs_scale=rhs_scale)
     if not with_bias:
         return out
     expert, owned = groups.row_experts(sizes, lhs.shape[0])
@@ -92,8 +96,18 @@ def gemm_functions(gemm):
         up = lambda x, s: x.astype(BF16) * s.astype(BF16)  # noqa: E731
         return lax.dot_general(up(a, a_scale), up(b, b_scale), (((1,), (1,)), ((), ())), preferred_element_type=BF16)
 
+    def overlapped(lhs, rhs, sizes, lhs_scale, rhs_scale):
+        from jax_dsrelu.kernels.sm90 import ragged_call  # CuTe DSL: the 'gpu' extra
+
+        request = RaggedMatmulRequest(num_experts=rhs.shape[0], k=lhs.shape[1], n=rhs.shape[1], rhs_layout="nk",
+                                      operand_dtype=E4M3, out_dtype=BF16, block_scaled=True)
+        config = dataclasses.replace(ragged_call.choose_config(request), overlap_promotion=True)
+        return ragged_call.implementation(request, config)(lhs=lhs, rhs=rhs, group_sizes=sizes, lhs_scale=lhs_scale,
+                                                           rhs_scale=rhs_scale)["out"]
+
     return {
         "sm90": (ours, ("rows", "weight_kn", "group_sizes", "prob", "bias")),
+        **({} if srelu else {"sm90_fp8_overlap": (overlapped, ("lhs", "rhs", "group_sizes", "lhs_scale", "rhs_scale"))}),
         "sm90_fp8": (lambda *a: ours(*a, layout="nk"), ("lhs", "rhs", "group_sizes", "prob", "bias", "lhs_scale", "rhs_scale")),
         "quantize": (lambda rows: quantize_blockwise(rows, ACT), ("rows",)),
         "cublas_bf16": (lambda a, b: a @ b, ("rows", "dense_bf16")),
@@ -131,8 +145,8 @@ def measure_row(options):
             for variant, (fn, names) in gemm_functions(gemm).items():
                 if variant not in options.variants:
                     continue
-                check = checked_against(reference) if variant == "sm90_fp8" else None
-                with sm90_backend.unverified_enabled("fp8", on=variant == "sm90_fp8"):
+                check = checked_against(reference) if variant.startswith("sm90_fp8") else None
+                with sm90_backend.unverified_enabled("fp8", on=variant.startswith("sm90_fp8")):
                     result, _ = harness.measure(fn, tuple(t[name] for name in names), options.reps, clock, check=check,
                                                 compiler_options=harness.CUBLAS_ONLY, flops=flops)
                 if variant == "cublas_fp8" and "error" not in result:
@@ -145,7 +159,7 @@ def measure_row(options):
                 entry["variants"]["torch_fp8"] = dict(torch_fp8(t, options.reps), tflops=None)
             times = {v: r["ms"] for v, r in entry["variants"].items() if "ms" in r}
             entry["ratios"] = {f"{a}/{b}": times[a] / times[b] for a, b in (
-                ("sm90_fp8", "sm90"), ("sm90_fp8", "cublas_fp8"), ("sm90_fp8", "torch_fp8"), ("cublas_fp8", "cublas_bf16"),
+                ("sm90_fp8", "sm90"), ("sm90_fp8_overlap", "sm90_fp8"), ("sm90_fp8", "cublas_fp8"), ("sm90_fp8", "torch_fp8"), ("cublas_fp8", "cublas_bf16"),
                 ("quantize", "sm90_fp8")) if a in times and b in times}
             save()
     return measure
@@ -172,9 +186,10 @@ def main(argv=None):
                               lhs_scale=s((m, -(-k // 128)), jnp.float32),
                               rhs_scale=s((num_experts, -(-n // 128), -(-k // 128)), jnp.float32),
                               rows=s((m, k), BF16), weight_kn=s((num_experts, k, n), BF16))
-                for variant in ("sm90", "sm90_fp8"):
-                    fn, names = gemm_functions(gemm)[variant]
-                    with sm90_backend.unverified_enabled("fp8", on=variant == "sm90_fp8"):
+                for variant, (fn, names) in gemm_functions(gemm).items():
+                    if not variant.startswith("sm90"):
+                        continue
+                    with sm90_backend.unverified_enabled("fp8", on=variant.startswith("sm90_fp8")):
                         harness.lower_for_cuda(f"{gemm} {variant} {(m, d, f, num_experts)}", fn, *(shapes[x] for x in names))
         return
     harness.run(options, measure_row(options), plot, "gemms", benchmark="bench_fp8_gemms",

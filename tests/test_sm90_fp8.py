@@ -21,6 +21,7 @@ import os
 # Before anything imports CuTe DSL: on a machine without a GPU it cannot detect one.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+import dataclasses  # noqa: E402
 import zlib  # noqa: E402
 
 import jax  # noqa: E402
@@ -61,10 +62,12 @@ GROUPINGS = {
     # Nemotron-3 Nano's widths: d = 2688 (21 blocks) and f = 1856 (14.5 blocks).
     "nano_widths": ((16, 2688, 1856), 5000, None),
 }
-GPU_CASES = [(name, "plain") for name in GROUPINGS] + [
-    ("ragged_with_empty", "srelu"), ("ragged_with_empty", "srelu_bias"), ("nano_widths", "srelu_bias"),
-    ("past_m", "srelu"),
-]
+# (grouping, variant, overlap_promotion): the promotion beside the next wgmma batch
+# (`promoted_mainloop.mma_k_tiles_promoted_overlapped`) for the plain GEMM.
+GPU_CASES = [(name, "plain", False) for name in GROUPINGS] + [
+    ("ragged_with_empty", "srelu", False), ("ragged_with_empty", "srelu_bias", False),
+    ("nano_widths", "srelu_bias", False), ("past_m", "srelu", False),
+] + [(name, "plain", True) for name in ("ragged_with_empty", "past_m", "one_expert", "narrow_n", "nano_widths")]
 
 
 def grouping(name):
@@ -139,13 +142,22 @@ def check_against(out, ref, abs_dot, k, what="float64"):
 
 
 def emulated(operands, sizes, m):
-    """The recipe's emulation expert by expert (rows owned by no expert 0), float64."""
-    lhs, lhs_scale, rhs, rhs_scale = operands
+    """The recipe's emulation expert by expert (rows owned by no expert 0), float64. Each
+    expert's rows are padded to one row count (zero rows, unit scales), so that one
+    compiled emulation serves every expert."""
+    lhs, lhs_scale, rhs, rhs_scale = (np.asarray(x) for x in operands)
+    bounds = clamped_bounds(sizes, m)
+    rows = max([end - start for start, end in bounds] + [1])
+    rows = -(-rows // 256) * 256
+    run = jax.jit(lambda a, s, w, t: emulation.blockwise_matmul(a, s, w.T, t.T, FP8_BLOCKWISE))
     out = np.zeros((m, rhs.shape[1]))
-    for e, (start, end) in enumerate(clamped_bounds(sizes, m)):
+    for e, (start, end) in enumerate(bounds):
         if end > start:
-            out[start:end] = np.asarray(emulation.blockwise_matmul(
-                lhs[start:end], lhs_scale[start:end], rhs[e].T, rhs_scale[e].T, FP8_BLOCKWISE), np.float64)
+            a = np.zeros((rows, lhs.shape[1]), lhs.dtype)
+            a[: end - start] = lhs[start:end]
+            scale = np.ones((rows, lhs_scale.shape[1]), np.float32)
+            scale[: end - start] = lhs_scale[start:end]
+            out[start:end] = np.asarray(run(a, scale, rhs[e], rhs_scale[e]), np.float64)[: end - start]
     return out
 
 
@@ -237,19 +249,26 @@ def test_sm90_refuses_what_the_fp8_kernel_cannot_take():
         (dict(out_dtype=np.dtype(np.float32)), "got out_dtype=float32"),
         (dict(num_experts=513), "1 to 512 experts, got E=513"),
     ):
-        import dataclasses
-
         assert expected in config.cannot_implement_gemm(dataclasses.replace(request, **changed))
 
 
 # ------------------------------------------------------------------------- compile tier
 
 
+def config_for(request, overlap_promotion: bool):
+    """The chosen config, or None for it; with overlap_promotion, the chosen one overlapped."""
+    if not overlap_promotion:
+        return None
+    from jax_dsrelu.kernels.sm90 import ragged_call
+
+    return dataclasses.replace(ragged_call.choose_config(request), overlap_promotion=True)
+
+
 def prebuild_requests():
     """Every (request, config or None for the chosen one, outputs_in_place) the GPU tier
     below runs, for the kernel cache."""
-    requests = {request_for(GROUPINGS[name][0], variant) for name, variant in GPU_CASES}
-    return [(request, None, True) for request in sorted(requests, key=repr)]
+    built = {(request_for(GROUPINGS[name][0], variant), overlap) for name, variant, overlap in GPU_CASES}
+    return [(request, config_for(request, overlap), True) for request, overlap in sorted(built, key=repr)]
 
 
 @pytest.mark.compile
@@ -266,6 +285,21 @@ def test_fp8_matmul_compiles_for_sm90a(variant, shape):
         compiled = ragged_call.compile_kernel(request_for(shape, variant), keep=True)
     assert "wgmma.mma_async.sync.aligned.m64n" in compiled.ptx and ".f32.e4m3.e4m3" in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
+    ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("shape", [(8, 4096, 2048), (128, 1856, 2688), (4, 384, 64)], ids=str)
+def test_fp8_matmul_with_the_promotion_overlapped_compiles_for_sm90a(shape):
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    import ptxas
+
+    from jax_dsrelu.kernels.sm90 import backend, ragged_call
+
+    request = request_for(shape, "plain")
+    with backend.unverified_enabled("fp8"):
+        compiled = ragged_call.compile_kernel(request, config_for(request, True), keep=True)
+    assert compiled.ptx.count("wgmma.commit_group") == -(-shape[1] // BLOCK)  # the k-tiles unrolled
     ptxas.check_assembly(compiled.ptx)
 
 
@@ -302,20 +336,22 @@ def hopper():
         pytest.skip(f"the sm90 kernels run on compute capability 9.0; this GPU has {capability}")
 
 
-def run_poisoned(request, named, m):
-    """The kernel with every output buffer NaN-filled first; its results by name."""
+def run_poisoned(request, named, m, config=None):
+    """The kernel (of `config`, or the chosen one) with every output buffer NaN-filled
+    first; its results by name."""
     from jax_dsrelu.kernels.sm90 import backend, ragged_call
 
     with backend.unverified_enabled("fp8"):
-        run = ragged_call.implementation(request, outputs_in_place=True)
+        run = ragged_call.implementation(request, config, outputs_in_place=True)
         filled = {o.name: jnp.full(o.shape_for(m), jnp.nan, o.dtype)
-                  for o in ragged_call.operands(request) if o.role == "output"}
+                  for o in ragged_call.operands(request, config) if o.role == "output"}
         return jax.jit(lambda o: run(**o, filled=filled))(named)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, variant", GPU_CASES, ids=[f"{n}-{v}" for n, v in GPU_CASES])
-def test_fp8_matmul_matches_float64_and_the_emulation(hopper, name, variant):
+@pytest.mark.parametrize("name, variant, overlap", GPU_CASES,
+                         ids=[f"{n}-{v}" + ("-overlapped" if o else "") for n, v, o in GPU_CASES])
+def test_fp8_matmul_matches_float64_and_the_emulation(hopper, name, variant, overlap):
     (num_experts, k, n), m, sizes = grouping(name)
     rng = np.random.default_rng(zlib.crc32(f"{name}{variant}".encode()))
     operands, (lhs64, rhs64) = quantized_operands(rng, m, k, n, num_experts)
@@ -330,7 +366,8 @@ def test_fp8_matmul_matches_float64_and_the_emulation(hopper, name, variant):
         if request.with_bias:
             bias = rng.standard_normal((num_experts, n)).astype(np.float32)
             named["bias"] = jnp.asarray(bias)
-    results = run_poisoned(request, named, m)
+    config = config_for(request, overlap)
+    results = run_poisoned(request, named, m, config)
     ref, abs_dot, owned = reference(lhs64, rhs64, sizes, bias)
     out = results["out" if request.epilogue == "none" else "h"]
     check_against(out, ref, abs_dot, k)
@@ -339,6 +376,6 @@ def test_fp8_matmul_matches_float64_and_the_emulation(hopper, name, variant):
     else:
         check_activation(out, results["act"], named["prob"], owned)
     assert (np.asarray(out, np.float64)[~owned] == 0).all()
-    again = run_poisoned(request, named, m)
+    again = run_poisoned(request, named, m, config)
     for key in results:
         assert np.array_equal(np.asarray(results[key]).view(np.uint16), np.asarray(again[key]).view(np.uint16)), key

@@ -41,7 +41,7 @@ _F32 = np.dtype(np.float32)
 
 @dataclasses.dataclass(eq=False, slots=True)
 class BlockScaledContext(UpProjectionContext):
-    acc_block: Any = None  # one K block's partial sum, before its promotion
+    acc_blocks: Any = None  # K blocks' partial sums before their promotion: one, or two in turn
 
 
 class BlockScaledRaggedGemmSm90(RaggedGemmSm90):
@@ -76,7 +76,8 @@ class BlockScaledRaggedGemmSm90(RaggedGemmSm90):
 
     def epilogue_setup(self, ctx) -> None:
         super().epilogue_setup(ctx)
-        ctx.acc_block = cute.make_rmem_tensor(ctx.tCcAcc.shape, cutlass.Float32)
+        buffers = 2 if self.config.overlap_promotion else 1
+        ctx.acc_blocks = [cute.make_rmem_tensor(ctx.tCcAcc.shape, cutlass.Float32) for _ in range(buffers)]
 
     def mainloop(self, ctx, item, tile, read_state, release_state):
         """The promoted mainloop (`promoted_mainloop.mma_k_tiles_promoted`), with this
@@ -86,8 +87,13 @@ class BlockScaledRaggedGemmSm90(RaggedGemmSm90):
         for h in range(len(ctx.tile_row)):
             row = row0 + ctx.tile_row[h]
             rows.append(Int32(cutlass.select_(row < ctx.params.num_rows, row, Int32(0))))
+        n_block = (tile.n_tile * self.tile_n) // BLOCK
+        if self.config.overlap_promotion:
+            return promoted_mainloop.mma_k_tiles_promoted_overlapped(
+                ctx.tiled_mma, ctx.acc, ctx.acc_blocks, ctx.tCrA, ctx.tCrB, ctx.ab_pipeline, read_state,
+                release_state, self.k_tiles, ctx.params.lhs_scale, rows, ctx.params.rhs_scale, tile.expert, n_block,
+            )
         return promoted_mainloop.mma_k_tiles_promoted(
-            ctx.tiled_mma, ctx.acc, ctx.acc_block, ctx.tCrA, ctx.tCrB, ctx.ab_pipeline, read_state, release_state,
-            self.k_tile_count(tile), ctx.params.lhs_scale, rows, ctx.params.rhs_scale, tile.expert,
-            (tile.n_tile * self.tile_n) // BLOCK,
+            ctx.tiled_mma, ctx.acc, ctx.acc_blocks[0], ctx.tCrA, ctx.tCrB, ctx.ab_pipeline, read_state, release_state,
+            self.k_tile_count(tile), ctx.params.lhs_scale, rows, ctx.params.rhs_scale, tile.expert, n_block,
         )

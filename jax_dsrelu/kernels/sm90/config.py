@@ -278,7 +278,16 @@ def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileCon
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GemmConfig(KernelTiles):
-    """The ragged-M GEMM's configuration (`ragged_matmul_kernel.py`): the family's."""
+    """The ragged-M GEMM's configuration (`ragged_matmul_kernel.py`): the family's; for
+    block-scaled FP8 operands, whether each K block's promotion runs beside the next
+    block's wgmma (`promoted_mainloop`), with two partial-sum buffers."""
+
+    overlap_promotion: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.overlap_promotion and self.operand_bytes != 1:
+            raise ValueError("overlap_promotion=True is for block-scaled FP8 operands (operand_bytes=1)")
 
     def smem_bytes(self, num_experts: int, outputs: int) -> int:
         """Shared memory for this config with `outputs` 16-bit output tensors."""

@@ -28,6 +28,85 @@ from jax_dsrelu.kernels.sm90 import fragment
 
 
 @cute.jit
+def mma_k_tiles_promoted_overlapped(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    acc_blocks: list,  # two partial-sum buffers, written by wgmma only, used in turn
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    ab_pipeline: pipeline.PipelineTmaAsync,
+    read_state: pipeline.PipelineState,
+    release_state: pipeline.PipelineState,
+    k_tiles: cutlass.Constexpr,
+    lhs_scale: cute.Tensor,
+    rows: list,
+    rhs_scale: cute.Tensor,
+    expert: Int32,
+    n_block: Int32,
+):
+    """`mma_k_tiles_promoted` with the promotion of k-tile t beside the wgmma batch of
+    k-tile t + 1: the batches go to the two buffers in turn, each promoted once the batch
+    after it has been issued (wait_group(1)). k_tiles is static (the ragged-M kernels'
+    K), and the k-tiles are unrolled: a buffer is a set of registers, chosen at trace
+    time, and the wgmma's accumulate flag may not be set inside a run-time loop whose
+    wgmma after it reads the flag."""
+    acc.fill(0.0)
+    if cutlass.const_expr(k_tiles > 0):
+        read_state = _issue_block(tiled_mma, acc_blocks[0], tCrA, tCrB, ab_pipeline, read_state)
+        for k_tile in cutlass.range_constexpr(1, k_tiles):
+            read_state, release_state = _issue_and_promote(
+                tiled_mma, acc, acc_blocks[k_tile % 2], acc_blocks[(k_tile - 1) % 2], tCrA, tCrB, ab_pipeline,
+                read_state, release_state, k_tile - 1, lhs_scale, rows, rhs_scale, expert, n_block)
+        scales = _block_scales(lhs_scale, rows, rhs_scale, expert, n_block, k_tiles - 1)
+        warpgroup.wait_group(0)
+        ab_pipeline.consumer_release(release_state)
+        release_state.advance()
+        _promote(acc, acc_blocks[(k_tiles - 1) % 2], scales)
+    return read_state, release_state
+
+
+@cute.jit
+def _issue_block(tiled_mma, acc_block, tCrA, tCrB, ab_pipeline, read_state):
+    """The next k-tile's wgmma batch into a fresh `acc_block`, once its stage has landed."""
+    ab_pipeline.consumer_wait(read_state)
+    warpgroup.fence()
+    for k_block in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, k_block != 0)
+        coord = (None, None, k_block, read_state.index)
+        cute.gemm(tiled_mma, acc_block, tCrA[coord], tCrB[coord], acc_block)
+    warpgroup.commit_group()
+    read_state.advance()
+    return read_state
+
+
+@cute.jit
+def _issue_and_promote(tiled_mma, acc, issued, promoted, tCrA, tCrB, ab_pipeline, read_state, release_state,
+                       promoted_tile: cutlass.Constexpr, lhs_scale, rows, rhs_scale, expert, n_block):
+    """Issues the next k-tile into `issued`, then promotes k-tile `promoted_tile` from
+    `promoted` once its batch has landed, and releases its stage."""
+    scales = _block_scales(lhs_scale, rows, rhs_scale, expert, n_block, promoted_tile)
+    read_state = _issue_block(tiled_mma, issued, tCrA, tCrB, ab_pipeline, read_state)
+    warpgroup.wait_group(1)
+    ab_pipeline.consumer_release(release_state)
+    release_state.advance()
+    _promote(acc, promoted, scales)
+    return read_state, release_state
+
+
+@cute.jit
+def _block_scales(lhs_scale, rows, rhs_scale, expert, n_block, k_tile):
+    """This thread's two rows' scale products for k-tile `k_tile`."""
+    block_scale = Float32(rhs_scale[expert, n_block, k_tile])
+    return [Float32(lhs_scale[row, k_tile]) * block_scale for row in rows]
+
+
+@cute.jit
+def _promote(acc, acc_block, scales):
+    for v in cutlass.range_constexpr(cute.size(acc)):
+        acc[v] = acc[v] + acc_block[v] * scales[fragment.row_half(v)]
+
+
+@cute.jit
 def mma_k_tiles_promoted(
     tiled_mma: cute.TiledMma,
     acc: cute.Tensor,  # the float32 total
