@@ -156,7 +156,9 @@ def measure_row(options):
                 entry["variants"][variant] = result
                 save()
             if "torch_fp8" in options.variants and clock == timing.CUPTI:
-                entry["variants"]["torch_fp8"] = dict(torch_fp8(t, options.reps), tflops=None)
+                torch_entry = entry["variants"]["torch_fp8"] = torch_fp8(t, options.reps)
+                if "ms" in torch_entry:
+                    torch_entry["tflops"] = timing.tflops(flops, torch_entry["ms"])
             times = {v: r["ms"] for v, r in entry["variants"].items() if "ms" in r}
             entry["ratios"] = {f"{a}/{b}": times[a] / times[b] for a, b in (
                 ("sm90_fp8", "sm90"), ("sm90_fp8_overlap", "sm90_fp8"), ("sm90_fp8", "cublas_fp8"), ("sm90_fp8", "torch_fp8"), ("cublas_fp8", "cublas_bf16"),

@@ -214,7 +214,7 @@ def test_xla_reference_is_the_float64_product_of_the_represented_values(variant)
 def check_activation(h, act, prob, owned):
     """act from the stored h: relu, square, times prob in float32, rounded once to bf16."""
     r = np.maximum(np.asarray(h, np.float64), 0.0)
-    expected = np.where(owned[:, None], r * r * prob[:, None].astype(np.float64), 0.0)
+    expected = np.where(owned[:, None], r * r * np.asarray(prob, np.float64)[:, None], 0.0)
     bound = (3 * 2.0**-24 + _BF16_UNIT) * np.abs(expected) + _BF16_SUBNORMAL
     assert (np.abs(np.asarray(act, np.float64) - expected) <= bound).all()
 
