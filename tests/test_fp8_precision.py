@@ -221,10 +221,21 @@ def rolled_scales(a, recipe):
     return blockwise.dequantize_blockwise(values, jnp.roll(scales, 1, axis=-1), recipe.activations)
 
 
-def transposed_weight_scales(w, recipe):
-    """A quantizer bug: a weight's 128 x 128 block scales read transposed."""
+def rolled_row_scales(a, recipe, index=None):
+    """The same bug where a GEMM takes the rows quantized (values and scales)."""
+    values, scales = QUANTIZED_ROWS(a, recipe, index)
+    return values, jnp.roll(scales, 1, axis=-1)
+
+
+def rolled_weight_scales(w, recipe):
+    """A quantizer bug: each 128 x 128 block of a weight dequantized with its neighbour's scale."""
     values, scales = blockwise.quantize_blockwise(w, recipe.weights)
-    return blockwise.dequantize_blockwise(values, jnp.swapaxes(scales, -1, -2), recipe.weights)
+    return blockwise.dequantize_blockwise(values, jnp.roll(scales, 1, axis=-1), recipe.weights)
+
+
+def rolled_quantized_weight_scales(w, recipe, transposed):
+    values, scales = QUANTIZED_WEIGHT(w, recipe, transposed)
+    return values, jnp.roll(scales, 1, axis=-1)
 
 
 def straddling_groups(a, group_sizes, recipe):
@@ -232,21 +243,27 @@ def straddling_groups(a, group_sizes, recipe):
     return qdq.along_k(a.T, recipe).T
 
 
+QUANTIZED_ROWS, QUANTIZED_WEIGHT = qmlp._quantized_rows, qmlp._quantized_weight
+# bug: (the functions it replaces, as (module, name, wrong version), the checks it must fail):
+# the quantize-dequantize passes and the quantized operands the ragged-M GEMMs take alike.
 PLANTED = {
     "a scale from the neighbouring block": (
-        "along_k", rolled_scales, {"h", "y", "dh", "dprob", "db1", "dx"}),
-    "a weight's block scales transposed": (
-        "weights", transposed_weight_scales, {"h", "y", "dh", "dprob", "db1", "dx"}),
+        [(qdq, "along_k", rolled_scales), (qmlp, "_quantized_rows", rolled_row_scales)],
+        {"h", "y", "dh", "dprob", "db1", "dx"}),
+    "a weight's block scale from the neighbouring block": (
+        [(qdq, "weights", rolled_weight_scales), (qmlp, "_quantized_weight", rolled_quantized_weight_scales)],
+        {"h", "y", "dh", "dprob", "db1", "dx"}),
     "groups along the tokens that straddle experts": (
-        "along_expert_rows", straddling_groups, {"dw1", "dw2"}),
+        [(qdq, "along_expert_rows", straddling_groups)], {"dw1", "dw2"}),
 }
 
 
 @pytest.mark.parametrize("bug", sorted(PLANTED))
 def test_the_checks_catch_a_planted_quantization_bug(case, monkeypatch, bug):
-    name, wrong, caught = PLANTED[bug]
+    replaced, caught = PLANTED[bug]
     arrays, _ = case
-    monkeypatch.setattr(qdq, name, wrong)
+    for module, name, wrong in replaced:
+        monkeypatch.setattr(module, name, wrong)
     checks = stage_checks(*arrays, run_stages(*arrays))
     failed = {check for check, ok in checks.items() if not ok}
     assert caught <= failed, checks
@@ -413,8 +430,9 @@ def test_a_kernel_backend_without_the_recipe_refuses_it(backend):
         MoEOptions(precision=RECIPE, backend=backend)
 
 
-def test_auto_takes_the_xla_path_for_a_precision():
-    assert layer_backends("auto", RECIPE) == LayerBackends(dsrelu="xla", matmul="xla", contract="xla", gather_sum="auto")
+def test_auto_takes_the_xla_path_for_a_precision_but_for_the_ragged_m_gemms():
+    # The block-scaled ragged-M GEMMs stay "auto": resolved per call, a kernel where one serves.
+    assert layer_backends("auto", RECIPE) == LayerBackends(dsrelu="xla", matmul="auto", contract="xla", gather_sum="auto")
     assert layer_backends("xla", RECIPE) == LayerBackends(dsrelu="xla", matmul="xla", contract="xla", gather_sum="xla")
     assert layer_backends("auto") == LayerBackends(dsrelu="auto", matmul="auto", contract="auto", gather_sum="auto")
 

@@ -324,6 +324,43 @@ def test_fp8_matmul_lowers_for_cuda_only_where_enabled():
     assert "CuteDSLRT_NvJaxCutlassCall" in text or "cutlass" in text.lower()
 
 
+@pytest.mark.compile
+def test_moe_mlp_in_fp8_runs_its_ragged_m_gemms_on_the_fp8_kernel_once_enabled():
+    """The layer's precision path under backend="auto", lowered for a Hopper GPU: its up,
+    down and dx GEMMs are the FP8 kernel's custom calls where the kernel is enabled, and
+    XLA's where it is not; the other three GEMMs are XLA's either way."""
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    from unittest import mock
+
+    import jax_dsrelu
+    from jax_dsrelu.kernels import registry
+    from jax_dsrelu.kernels.sm90 import backend
+
+    m, d, f, num_experts = 512, 256, 384, 4
+    s = jax.ShapeDtypeStruct
+    shapes = (s((m, d), BF16), s((num_experts, d, f), BF16), s((num_experts, f, d), BF16), s((m,), jnp.float32),
+              s((num_experts,), jnp.int32))
+
+    def loss(x, w1, w2, prob, sizes):
+        y = jax_dsrelu.moe_mlp(x, w1, w2, prob, sizes, precision=FP8_BLOCKWISE)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    def lowered():
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        with mock.patch.object(registry, "cuda_compute_capability", lambda: (9, 0)):
+            return grad.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+    def fp8_calls(text):
+        calls = [line for line in text.splitlines() if "custom_call @CuteDSLRT" in line]
+        # Each reads e4m3 operands (the kernel's buffers are in the call's type signature).
+        assert all("f8E4M3FN" in line for line in calls)
+        return len(calls)
+
+    assert fp8_calls(lowered()) == 0
+    with backend.unverified_enabled("fp8"):
+        assert fp8_calls(lowered()) == 3
+
+
 # ---------------------------------------------------------------------------- GPU tier
 
 

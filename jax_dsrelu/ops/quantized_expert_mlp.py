@@ -24,10 +24,14 @@ forward and again, the same values, in the backward; dh, dprob and db1 come from
 fused dsReLU step's float32 epilogue, and dh is quantized from float32. y and dx come out
 in the caller's dtype, dW1 and dW2 in the weights'.
 
-Every step runs on the XLA reference (`layer_backends` sends the GEMMs there): a fixed
-summation order, and amax maxima exact in any order, so every result is bitwise
-reproducible whatever `deterministic` says. This is the arithmetic the FP8 kernels will
-compute, and their oracle; they quantize in their epilogues what this quantizes in passes.
+The ragged-M GEMMs (up, down, dx) take their operands quantized, values and scales (the
+block-scaled `ragged_matmul`, weights stored (E, N, K)): on the XLA backend its reference
+dequantizes them, the same arithmetic; under backend "auto" on a Hopper GPU the FP8
+kernel serves them once enabled (`kernels/sm90/backend.py`). The fused dsReLU step and the
+weight gradients run on the XLA reference (`layer_backends`). Every step has a fixed
+summation order, and amax maxima are exact in any order, so every result is bitwise
+reproducible whatever `deterministic` says. The quantizing passes here are what the FP8
+kernels' epilogues will write instead.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from jax_dsrelu.kernels.registry import LayerBackends
 from jax_dsrelu.primitives import dsrelu
 from jax_dsrelu.primitives.ragged_contract import ragged_contract
 from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
-from jax_dsrelu.quantization import qdq
+from jax_dsrelu.quantization import blockwise, qdq
 from jax_dsrelu.quantization.schema import Recipe
 
 
@@ -79,16 +83,42 @@ def forward(
     dtype = w1.dtype
     # Blocks along d are within a row, so quantizing the source rows and reading them
     # through the index is quantizing the rows read.
-    h, _ = ragged_matmul_srelu(
-        qdq.along_k(rows, recipe), qdq.weights(w1, recipe), group_sizes, prob, b1, rhs_layout="kn",
-        out_dtype=dtype, backend=backends.matmul, lhs_index=row_index,
-    )
+    lhs, lhs_scale = _quantized_rows(rows, recipe, row_index)
+    rhs, rhs_scale = _quantized_weight(w1, recipe, transposed=True)
+    h, _ = ragged_matmul_srelu(lhs, rhs, group_sizes, prob, b1, rhs_layout="nk", out_dtype=dtype,
+                               backend=backends.matmul, lhs_scale=lhs_scale, rhs_scale=rhs_scale)
     act = squared_relu(h, prob)  # 0 on rows of no expert, whose h is 0
-    y = ragged_matmul(
-        qdq.along_k(act, recipe), qdq.weights(w2, recipe), group_sizes, rhs_layout="kn", out_dtype=dtype,
-        backend=backends.matmul,
-    )
+    y = _block_scaled_matmul(act, w2, group_sizes, recipe, backends, transposed=True, out_dtype=dtype)
     return y, h
+
+
+def _quantized_rows(a: jax.Array, recipe: Recipe, index: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(values, scales) of the rows a[index] (all of a without an index), in blocks of
+    recipe.activations along K: a source quantized once, its rows' values and scales read
+    through the index."""
+    values, scales = blockwise.quantize_blockwise(a, recipe.activations)
+    if index is None:
+        return values, scales
+    return jnp.take(values, index, axis=0, mode="clip"), jnp.take(scales, index, axis=0, mode="clip")
+
+
+def _quantized_weight(w: jax.Array, recipe: Recipe, transposed: bool) -> tuple[jax.Array, jax.Array]:
+    """(values, scales) of w (E, a, b) in the recipe's square weight blocks, stored (E, n, k)
+    as the block-scaled GEMM reads it: w's last axis is K (transposed=False), or its middle
+    one (transposed=True: values and scales swapped, the same blocks read the other way)."""
+    values, scales = blockwise.quantize_blockwise(qdq.square_blocks(w, recipe), recipe.weights)
+    if not transposed:
+        return values, scales
+    return jnp.swapaxes(values, 1, 2), jnp.swapaxes(scales, 1, 2)
+
+
+def _block_scaled_matmul(a, w, group_sizes, recipe, backends, *, transposed: bool, out_dtype):
+    """a @ w[e] row by row on a and w quantized (the block-scaled ragged matmul): w (E, K, N)
+    read transposed into (E, N, K), or w (E, N, K) as stored."""
+    lhs, lhs_scale = _quantized_rows(a, recipe)
+    rhs, rhs_scale = _quantized_weight(w, recipe, transposed)
+    return ragged_matmul(lhs, rhs, group_sizes, rhs_layout="nk", out_dtype=out_dtype, backend=backends.matmul,
+                         lhs_scale=lhs_scale, rhs_scale=rhs_scale)
 
 
 def epilogue(
@@ -149,10 +179,7 @@ def gradient_gemms(
     dy_index: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # drows (m, l) w1.dtype, dw1 (E, l, f), dw2 (E, f, l)
     """dx = dh w1^T, dW1 = x^T dh and dW2 = act^T dy, each on its operands quantized along its K."""
-    drows = ragged_matmul(
-        qdq.along_k(fused.dh, recipe), qdq.weights(w1, recipe), group_sizes, rhs_layout="nk", out_dtype=w1.dtype,
-        backend=backends.matmul,
-    )
+    drows = _block_scaled_matmul(fused.dh, w1, group_sizes, recipe, backends, transposed=False, out_dtype=w1.dtype)
     # K = each expert's rows: the rows as the experts own them, in expert order.
     by_rows = lambda a: qdq.along_expert_rows(a, group_sizes, recipe)  # noqa: E731
     dw1 = ragged_contract(

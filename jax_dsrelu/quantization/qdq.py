@@ -31,12 +31,17 @@ def along_k(a: jax.Array, recipe: Recipe) -> jax.Array:
 
 def weights(w: jax.Array, recipe: Recipe) -> jax.Array:
     """(..., a, b) -> float32, blocks of recipe.weights over the last two axes."""
+    values, scales = blockwise.quantize_blockwise(square_blocks(w, recipe), recipe.weights)
+    return blockwise.dequantize_blockwise(values, scales, recipe.weights)
+
+
+def square_blocks(w: jax.Array, recipe: Recipe) -> jax.Array:
+    """w, once the recipe's weight blocks are known to be square (read either way alike)."""
     if recipe.weights.block[0] != recipe.weights.block[1]:
         raise ValueError(
             f"{recipe.name}: a weight read both ways needs square blocks, got {recipe.weights.block}"
         )
-    values, scales = blockwise.quantize_blockwise(w, recipe.weights)
-    return blockwise.dequantize_blockwise(values, scales, recipe.weights)
+    return w
 
 
 def along_expert_rows(a: jax.Array, group_sizes: jax.Array, recipe: Recipe) -> jax.Array:

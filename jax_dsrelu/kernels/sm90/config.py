@@ -427,9 +427,11 @@ def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_
 def _blockwise_gemm_config(request: RaggedMatmulRequest, outputs: int, sm_count: int) -> GemmConfig:
     """The FP8 ragged-M GEMM's configuration: k-tiles of one scale block (128 of K, a
     128-byte row), N tiles of at most one scale block (128 columns, 64 below n = 128),
-    so that a tile's k-tile has one weight scale; alone; as many stages as fit."""
+    so that a tile's k-tile has one weight scale; alone; as many stages as fit; the plain
+    GEMM's promotion beside the next K block's wgmma (decision `fp8_overlap_promotion`)."""
     base = dict(tile_n=64 if request.n < BLOCK else BLOCK, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1,
-                store_stages=tuning.value("gemm_store_stages"), cluster_n=1, max_ctas=sm_count)
+                store_stages=tuning.value("gemm_store_stages"), cluster_n=1, max_ctas=sm_count,
+                overlap_promotion=request.epilogue == "none" and tuning.value("fp8_overlap_promotion"))
     fits = lambda stages: GemmConfig(ab_stages=stages, **base).smem_bytes(request.num_experts, outputs) <= SMEM_CAPACITY  # noqa: E731
     return GemmConfig(ab_stages=most_stages(fits, 2), **base)
 

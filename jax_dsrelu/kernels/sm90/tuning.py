@@ -71,6 +71,8 @@ def describe(fields: dict[str, Any], contraction: bool) -> str:
         text += f" epi{fields['epi_n']}"
     if fields.get("cluster_n", 1) == 2:
         text += " pairs"
+    if fields.get("overlap_promotion"):
+        text += " overlapped"
     if contraction:
         text += " a-fastest" if fields.get("a_fastest") else " b-fastest"
     return text
@@ -611,6 +613,19 @@ DECISIONS: tuple[Decision, ...] = (
         E((65536, 2048, 1024, 64), "dw2", "fine_grained/sweep_contract_d133ba6.json",
           T("128x256 k32 ab6 st8 a-fastest", 0.3924, "chosen"),
           T("128x256 k32 ab6 st8 pairs a-fastest", 0.4021, "chosen cluster2")),
+        )),
+    # The FP8 GEMM's (`blockwise_matmul_kernel.py`), from bench_fp8_gemms.py: its variants side by
+    # side in one process, each a kernel's CUPTI time.
+    Decision("fp8_overlap_promotion", True, 0.0,
+             "The plain FP8 GEMM promotes each K block beside the next block's wgmma, in two partial-sum "
+             "buffers: 8-10% less time than promoting between batches (the up-projection's squared-ReLU "
+             "epilogue with its bias keeps one buffer: with two it spilled 68 bytes at Nano's widths).", (
+        E((16384, 4096, 2048, 8), "down", "bench_fp8_gemms_e834a7c.json",
+          T("128x128 k128 ab6 st2 overlapped", 0.2387, "sm90_fp8_overlap"),
+          T("128x128 k128 ab6 st2", 0.2587, "sm90_fp8")),
+        E((49152, 2688, 1856, 128), "down", "bench_fp8_gemms_e834a7c.json",
+          T("128x128 k128 ab6 st2 overlapped", 0.5427, "sm90_fp8_overlap"),
+          T("128x128 k128 ab6 st2", 0.6009, "sm90_fp8")),
         )),
 )
 _BY_NAME = {decision.name: decision for decision in DECISIONS}
