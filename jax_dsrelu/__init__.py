@@ -16,6 +16,8 @@ Public API:
     backends                             what each backend can do on this machine
     check_group_sizes                    opt-in runtime check, under checkify
     quantize_mx, dequantize_mx           MXFP8 block scaling of operands (OCP MX v1.0)
+    quantize_expert_weights, QuantizedExpertWeights  the expert weights quantized once by an FP8 recipe, for
+                                         moe_mlp's quantized_weights (reused over gradient accumulation)
 """
 
 # First, so that an unsupported JAX is refused with its own message before anything else fails.
@@ -26,6 +28,7 @@ from jax_dsrelu.ops.checks import check_group_sizes
 from jax_dsrelu.moe.expert_parallel import moe_layer_expert_parallel
 from jax_dsrelu.moe.hf_nemotron import params_from_hf_nemotron_h
 from jax_dsrelu.ops.moe_mlp import moe_mlp
+from jax_dsrelu.ops.quantized_expert_mlp import QuantizedExpertWeights, quantize_expert_weights
 from jax_dsrelu.moe.layer import MoEAux, moe_layer
 from jax_dsrelu.moe.options import MoEOptions
 from jax_dsrelu.moe.weights import MoEWeights
@@ -39,6 +42,7 @@ __all__ = [
     "MoEAux",
     "MoEOptions",
     "MoEWeights",
+    "QuantizedExpertWeights",
     "RoutingPlan",
     "backends",
     "check_group_sizes",
@@ -51,6 +55,7 @@ __all__ = [
     "moe_layer_expert_parallel",
     "moe_mlp",
     "params_from_hf_nemotron_h",
+    "quantize_expert_weights",
     "quantize_mx",
     "ragged_dot",
     "route",

@@ -30,7 +30,7 @@ CONTRACT_SIGNATURES = {
     ),
     "moe_mlp": (
         ["x", "w1", "w2", "prob", "group_sizes"],
-        dict(b1=None, deterministic=False, backend="auto", precision=None),
+        dict(b1=None, deterministic=False, backend="auto", precision=None, quantized_weights=None),
     ),
 }
 

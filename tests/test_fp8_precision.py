@@ -148,7 +148,8 @@ def run_stages(x, w1, w2, prob, b1, dy):
     forward = jax.jit(lambda *a: qmlp.forward(RECIPE, BACKENDS, *a))
     y, h = forward(x, w1, w2, prob, sizes, b1)
     epilogue = jax.jit(lambda *a: qmlp.epilogue(RECIPE, True, BACKENDS, *a), static_argnums=3)
-    fused = epilogue(w2, prob, sizes, True, h, dy)
+    fused = epilogue(qmlp.QuantizedWeight(*qmlp._quantized_weight(w2, RECIPE)), prob, sizes, True,
+                     h, dy)
     gemms = jax.jit(lambda *a: qmlp.gradient_gemms(RECIPE, BACKENDS, *a))
     drows, dw1, dw2 = gemms(x, w1, w2, sizes, fused, dy)
     return dict(y=y, h=h, dh=fused.dh, act=fused.act, dprob=fused.dprob, db1=fused.dbias, dx=drows, dw1=dw1,
@@ -233,8 +234,8 @@ def rolled_weight_scales(w, recipe):
     return blockwise.dequantize_blockwise(values, jnp.roll(scales, 1, axis=-1), recipe.weights)
 
 
-def rolled_quantized_weight_scales(w, recipe, transposed):
-    values, scales = QUANTIZED_WEIGHT(w, recipe, transposed)
+def rolled_quantized_weight_scales(w, recipe):
+    values, scales = QUANTIZED_WEIGHT(w, recipe)
     return values, jnp.roll(scales, 1, axis=-1)
 
 
@@ -507,3 +508,59 @@ def test_options_with_a_precision_stay_hashable_and_static():
     assert options != MoEOptions(top_k=TOP_K) and hash(options) != hash(MoEOptions(top_k=TOP_K))
     assert jax.tree.leaves(options) == []
     assert jax.jit(lambda x, options: x * (options.precision is RECIPE))(jnp.float32(2), options) == 2
+
+
+# --- Quantized weights made once and reused ---
+
+
+def test_quantized_weights_made_once_give_the_same_bits_and_gradients():
+    x, w1, w2, prob, b1, dy = inputs()
+    sizes = jnp.asarray(SIZES, jnp.int32)
+
+    def loss(x, w1, w2, prob, b1, quantized):
+        y = jax_dsrelu.moe_mlp(x, w1, w2, prob, sizes, b1=b1, precision=RECIPE, quantized_weights=quantized)
+        return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+    quantized = jax.jit(jax_dsrelu.quantize_expert_weights, static_argnums=2)(w1, w2, RECIPE)
+    without = step(x, w1, w2, prob, b1, None)
+    reused = step(x, w1, w2, prob, b1, quantized)
+    for a, b in zip(jax.tree.leaves(without), jax.tree.leaves(reused)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    # Not vacuous: weights quantized otherwise change the result.
+    other = jax_dsrelu.quantize_expert_weights(w1 * 1.5, w2, RECIPE)
+    assert not np.array_equal(np.asarray(step(x, w1, w2, prob, b1, other)[0]), np.asarray(without[0]))
+
+
+def test_a_step_given_quantized_weights_quantizes_only_its_activations():
+    x, w1, w2, prob, b1, dy = inputs()
+    sizes = jnp.asarray(SIZES, jnp.int32)
+
+    def step(quantized):
+        def loss(x, w1, w2):
+            y = jax_dsrelu.moe_mlp(x, w1, w2, prob, sizes, precision=RECIPE, quantized_weights=quantized)
+            return jnp.sum(y.astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2))
+
+    def e4m3_conversions(fn, *args):
+        text = jax.jit(fn).lower(*args).as_text()
+        return sum(1 for line in text.splitlines() if "stablehlo.convert" in line and line.rstrip().endswith("xf8E4M3FN>"))
+
+    quantized = jax_dsrelu.quantize_expert_weights(w1, w2, RECIPE)
+    made_each_step = e4m3_conversions(step(None), x, w1, w2)
+    reused = e4m3_conversions(lambda x, w1, w2, q: step(q)(x, w1, w2), x, w1, w2, quantized)
+    # The forward's and the backward's weight quantizations (two layouts of each weight
+    # read in each) are gone; the activations' remain.
+    assert made_each_step > reused > 0
+
+
+def test_quantized_weights_are_checked_against_the_weights_and_the_precision():
+    x, w1, w2, prob, _, _ = inputs()
+    quantized = jax_dsrelu.quantize_expert_weights(w1, w2, RECIPE)
+    with pytest.raises(ValueError, match="quantized_weights needs precision="):
+        jax_dsrelu.moe_mlp(x, w1, w2, prob, SIZES, quantized_weights=quantized)
+    with pytest.raises(TypeError, match="quantized_weights must be None or a QuantizedExpertWeights"):
+        jax_dsrelu.moe_mlp(x, w1, w2, prob, SIZES, precision=RECIPE, quantized_weights=(w1, w2))
+    wrong = jax_dsrelu.quantize_expert_weights(w1[:, :, :128], w2[:, :128], RECIPE)
+    with pytest.raises(ValueError, match=r"quantized_weights.w1_up.values.shape must be"):
+        jax_dsrelu.moe_mlp(x, w1, w2, prob, SIZES, precision=RECIPE, quantized_weights=wrong)

@@ -54,13 +54,15 @@ def forward(
     b1: jax.Array | None,  # (E, f)
     row_index: jax.Array | None = None,  # (m,) int32: row i is rows[row_index[i]]
     precision: Recipe | None = None,  # None: in w1.dtype; a recipe: its quantized operands
+    quantized=None,  # with a recipe: w1 and w2 quantized already (QuantizedExpertWeights)
 ) -> tuple[jax.Array, jax.Array]:  # y (m, l), h (m, f), both in w1.dtype
     """(y, h); h is the pre-activation rounded to w1.dtype, as the backward reads it.
 
     The up-projection makes the activation in the same call, from the rounded h.
     """
     if precision is not None:
-        return quantized_expert_mlp.forward(precision, backends, rows, w1, w2, prob, group_sizes, b1, row_index)
+        return quantized_expert_mlp.forward(precision, backends, rows, w1, w2, prob, group_sizes, b1, row_index,
+                                            quantized)
     dtype = w1.dtype
     h, act = ragged_matmul_srelu(
         rows, w1, group_sizes, prob, b1, rhs_layout="kn", out_dtype=dtype, backend=backends.matmul,
@@ -84,10 +86,12 @@ def backward(
     row_index: jax.Array | None = None,  # (m,) int32: row i is rows[row_index[i]]
     dy_index: jax.Array | None = None,  # (m,) int32: row i of dy is dy[dy_index[i]]
     precision: Recipe | None = None,  # as for forward
+    quantized=None,  # as for forward
 ) -> Gradients:
     if precision is not None:
         return Gradients(*quantized_expert_mlp.backward(
-            precision, deterministic, backends, rows, w1, w2, prob, group_sizes, b1, h, dy, row_index, dy_index
+            precision, deterministic, backends, rows, w1, w2, prob, group_sizes, b1, h, dy, row_index, dy_index,
+            quantized,
         ))
     dtype = w1.dtype
     num_experts = w1.shape[0]

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_dsrelu.kernels.registry import LayerBackends
-from jax_dsrelu.primitives import dsrelu
+from jax_dsrelu.primitives import dsrelu, validation
 from jax_dsrelu.primitives.ragged_contract import ragged_contract
 from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
 from jax_dsrelu.quantization import blockwise, qdq
@@ -78,17 +78,18 @@ def forward(
     group_sizes: jax.Array,  # (E,) int32
     b1: jax.Array | None,  # (E, f)
     row_index: jax.Array | None = None,  # (m,) int32: row i is rows[row_index[i]]
+    quantized: QuantizedExpertWeights | None = None,  # w1 and w2 quantized already
 ) -> tuple[jax.Array, jax.Array]:  # y (m, l), h (m, f), both in w1.dtype
     """(y, h), as `expert_mlp.forward` returns them, on quantized operands."""
     dtype = w1.dtype
+    weights = quantized if quantized is not None else quantize_expert_weights(w1, w2, recipe)
     # Blocks along d are within a row, so quantizing the source rows and reading them
     # through the index is quantizing the rows read.
     lhs, lhs_scale = _quantized_rows(rows, recipe, row_index)
-    rhs, rhs_scale = _quantized_weight(w1, recipe, transposed=True)
-    h, _ = ragged_matmul_srelu(lhs, rhs, group_sizes, prob, b1, rhs_layout="nk", out_dtype=dtype,
-                               backend=backends.matmul, lhs_scale=lhs_scale, rhs_scale=rhs_scale)
+    h, _ = ragged_matmul_srelu(lhs, weights.w1_up.values, group_sizes, prob, b1, rhs_layout="nk", out_dtype=dtype,
+                               backend=backends.matmul, lhs_scale=lhs_scale, rhs_scale=weights.w1_up.scales)
     act = squared_relu(h, prob)  # 0 on rows of no expert, whose h is 0
-    y = _block_scaled_matmul(act, w2, group_sizes, recipe, backends, transposed=True, out_dtype=dtype)
+    y = _block_scaled_matmul(act, weights.w2_down, group_sizes, recipe, backends, out_dtype=dtype)
     return y, h
 
 
@@ -102,30 +103,85 @@ def _quantized_rows(a: jax.Array, recipe: Recipe, index: jax.Array | None = None
     return jnp.take(values, index, axis=0, mode="clip"), jnp.take(scales, index, axis=0, mode="clip")
 
 
-def _quantized_weight(w: jax.Array, recipe: Recipe, transposed: bool) -> tuple[jax.Array, jax.Array]:
-    """(values, scales) of w (E, a, b) in the recipe's square weight blocks, stored (E, n, k)
-    as the block-scaled GEMM reads it: w's last axis is K (transposed=False), or its middle
-    one (transposed=True: values and scales swapped, the same blocks read the other way)."""
-    values, scales = blockwise.quantize_blockwise(qdq.square_blocks(w, recipe), recipe.weights)
-    if not transposed:
-        return values, scales
-    return jnp.swapaxes(values, 1, 2), jnp.swapaxes(scales, 1, 2)
+class QuantizedWeight(NamedTuple):
+    """A weight quantized by a recipe, stored (E, N, K) as the block-scaled GEMM reads it."""
+
+    values: jax.Array  # (E, N, K) in the recipe's element type
+    scales: jax.Array  # (E, ceil(N / 128), ceil(K / 128)) float32
 
 
-def _block_scaled_matmul(a, w, group_sizes, recipe, backends, *, transposed: bool, out_dtype):
-    """a @ w[e] row by row on a and w quantized (the block-scaled ragged matmul): w (E, K, N)
-    read transposed into (E, N, K), or w (E, N, K) as stored."""
+class QuantizedExpertWeights(NamedTuple):
+    """An expert MLP's weights quantized by a recipe, in the layouts its GEMMs read:
+    `quantize_expert_weights(w1, w2, recipe)`. A training loop that accumulates gradients
+    over micro-steps makes it once per update of the weights and passes it to every
+    micro-step's `moe_mlp` (`quantized_weights=`), which then reads no weight in its
+    dtype for its GEMMs: the quantizing pass reads w1 and w2 and writes both layouts.
+
+    w1 (E, d, f) read as up's (E, f, d) and dx's (E, d, f); w2 (E, f, d) as down's
+    (E, d, f) and the fused dsReLU step's (E, f, d)."""
+
+    w1_up: QuantizedWeight  # (E, f, d): up, K = d
+    w1_dx: QuantizedWeight  # (E, d, f): dx, K = f
+    w2_down: QuantizedWeight  # (E, d, f): down, K = f
+    w2_dsrelu: QuantizedWeight  # (E, f, d): dy w2^T, K = d
+
+
+def quantize_expert_weights(w1: jax.Array, w2: jax.Array, recipe: Recipe) -> QuantizedExpertWeights:
+    """w1 (E, d, f) and w2 (E, f, d) quantized by `recipe` (FP8_BLOCKWISE), each in both
+    layouts its GEMMs read (`QuantizedExpertWeights`). The values are the same whether
+    made here once or by every moe_mlp call: quantization is deterministic."""
+    recipe = validation.precision(recipe)
+    if recipe is None:
+        raise ValueError("recipe must be an FP8 recipe (jax_dsrelu.quantization.FP8_BLOCKWISE), got None")
+    w1_dx = QuantizedWeight(*_quantized_weight(w1, recipe))
+    w2_dsrelu = QuantizedWeight(*_quantized_weight(w2, recipe))
+    # The square blocks read the other way: the same values and scales, transposed.
+    return QuantizedExpertWeights(w1_up=_transposed(w1_dx), w1_dx=w1_dx, w2_down=_transposed(w2_dsrelu),
+                                  w2_dsrelu=w2_dsrelu)
+
+
+def _transposed(weight: QuantizedWeight) -> QuantizedWeight:
+    return QuantizedWeight(jnp.swapaxes(weight.values, 1, 2), jnp.swapaxes(weight.scales, 1, 2))
+
+
+def check_quantized_weights(quantized, w1: jax.Array, w2: jax.Array, recipe: Recipe | None) -> None:
+    """Raises unless `quantized` is None or a `QuantizedExpertWeights` of w1's and w2's
+    shapes, given with a recipe."""
+    if quantized is None:
+        return
+    if not isinstance(quantized, QuantizedExpertWeights):
+        raise TypeError(f"quantized_weights must be None or a QuantizedExpertWeights (quantize_expert_weights), "
+                        f"got {type(quantized).__name__}")
+    if recipe is None:
+        raise ValueError("quantized_weights needs precision= the recipe that made them, got precision=None")
+    expected = {name: (w.shape[0], w.shape[dims[0]], w.shape[dims[1]])
+                for name, w, dims in (("w1_up", w1, (2, 1)), ("w1_dx", w1, (1, 2)), ("w2_down", w2, (2, 1)),
+                                      ("w2_dsrelu", w2, (1, 2)))}
+    for name, shape in expected.items():
+        seen = tuple(getattr(quantized, name).values.shape)
+        if seen != shape:
+            raise ValueError(f"quantized_weights.{name}.values.shape must be {shape} for w1 {w1.shape} and "
+                             f"w2 {w2.shape}, got {seen}")
+
+
+def _quantized_weight(w: jax.Array, recipe: Recipe) -> tuple[jax.Array, jax.Array]:
+    """(values, scales) of w (E, a, b) in the recipe's square weight blocks, as stored."""
+    return blockwise.quantize_blockwise(qdq.square_blocks(w, recipe), recipe.weights)
+
+
+def _block_scaled_matmul(a, weight: QuantizedWeight, group_sizes, recipe, backends, *, out_dtype):
+    """a @ w[e] row by row on a quantized and the weight as quantized (E, N, K): the
+    block-scaled ragged matmul."""
     lhs, lhs_scale = _quantized_rows(a, recipe)
-    rhs, rhs_scale = _quantized_weight(w, recipe, transposed)
-    return ragged_matmul(lhs, rhs, group_sizes, rhs_layout="nk", out_dtype=out_dtype, backend=backends.matmul,
-                         lhs_scale=lhs_scale, rhs_scale=rhs_scale)
+    return ragged_matmul(lhs, weight.values, group_sizes, rhs_layout="nk", out_dtype=out_dtype,
+                         backend=backends.matmul, lhs_scale=lhs_scale, rhs_scale=weight.scales)
 
 
 def epilogue(
     recipe: Recipe,
     deterministic: bool,
     backends: LayerBackends,
-    w2: jax.Array,  # (E, f, l)
+    w2: QuantizedWeight,  # (E, f, l) quantized
     prob: jax.Array,  # (m,)
     group_sizes: jax.Array,  # (E,) int32
     with_dbias: bool,
@@ -134,9 +190,10 @@ def epilogue(
     dy_index: jax.Array | None = None,
 ) -> Epilogue:
     """The fused dsReLU GEMM on quantized dy and w2, with its float32 epilogue."""
+    weight = blockwise.dequantize_blockwise(w2.values, w2.scales, recipe.weights)
     fused = dsrelu.bind(
-        grad=qdq.along_k(dy, recipe), grad_index=dy_index, weight=qdq.weights(w2, recipe), preact=h, prob=prob,
-        group_sizes=group_sizes, alpha=jnp.ones((w2.shape[0],), jnp.float32), grad_scale=None, weight_scale=None,
+        grad=qdq.along_k(dy, recipe), grad_index=dy_index, weight=weight, preact=h, prob=prob,
+        group_sizes=group_sizes, alpha=jnp.ones((weight.shape[0],), jnp.float32), grad_scale=None, weight_scale=None,
         with_dbias=with_dbias, with_act=True, out_dtype=jnp.float32, deterministic=deterministic,
         backend=backends.dsrelu,
     )
@@ -157,11 +214,15 @@ def backward(
     dy: jax.Array,  # (m, l) in w1.dtype, or its source (U, l) with dy_index
     row_index: jax.Array | None = None,
     dy_index: jax.Array | None = None,
+    quantized: QuantizedExpertWeights | None = None,  # w1 and w2 quantized already
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """(drows, dw1, dw2, dprob, db1), the fields of `expert_mlp.Gradients`, on quantized
     operands: `epilogue`, then the GEMMs that read its dh and act (`gradient_gemms`)."""
-    fused = epilogue(recipe, deterministic, backends, w2, prob, group_sizes, b1 is not None, h, dy, dy_index)
-    drows, dw1, dw2 = gradient_gemms(recipe, backends, rows, w1, w2, group_sizes, fused, dy, row_index, dy_index)
+    weights = quantized if quantized is not None else quantize_expert_weights(w1, w2, recipe)
+    fused = epilogue(recipe, deterministic, backends, weights.w2_dsrelu, prob, group_sizes, b1 is not None, h, dy,
+                     dy_index)
+    drows, dw1, dw2 = gradient_gemms(recipe, backends, rows, w1, w2, group_sizes, fused, dy, row_index, dy_index,
+                                     weights.w1_dx)
     db1 = None if b1 is None else fused.dbias.astype(b1.dtype)
     return drows, dw1, dw2, fused.dprob.astype(prob.dtype), db1
 
@@ -177,9 +238,12 @@ def gradient_gemms(
     dy: jax.Array,
     row_index: jax.Array | None = None,
     dy_index: jax.Array | None = None,
+    w1_dx: QuantizedWeight | None = None,  # w1 quantized as dx reads it (made here without)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # drows (m, l) w1.dtype, dw1 (E, l, f), dw2 (E, f, l)
     """dx = dh w1^T, dW1 = x^T dh and dW2 = act^T dy, each on its operands quantized along its K."""
-    drows = _block_scaled_matmul(fused.dh, w1, group_sizes, recipe, backends, transposed=False, out_dtype=w1.dtype)
+    if w1_dx is None:
+        w1_dx = QuantizedWeight(*_quantized_weight(w1, recipe))
+    drows = _block_scaled_matmul(fused.dh, w1_dx, group_sizes, recipe, backends, out_dtype=w1.dtype)
     # K = each expert's rows: the rows as the experts own them, in expert order.
     by_rows = lambda a: qdq.along_expert_rows(a, group_sizes, recipe)  # noqa: E731
     dw1 = ragged_contract(
