@@ -132,7 +132,12 @@ def _fp8_tests():
             importlib.import_module("jax_dsrelu.kernels.sm90.ragged_call").compile_kernel(
                 request, config, outputs_in_place=in_place)
 
-    return [functools.partial(compile_enabled, *built) for built in test_sm90_fp8.prebuild_requests()]
+    def compile_fused(request, config):
+        with backend.unverified_enabled("fp8"):
+            lowering.compile_kernel(request, config)
+
+    return [functools.partial(compile_enabled, *built) for built in test_sm90_fp8.prebuild_requests()] + [
+        functools.partial(compile_fused, *built) for built in test_sm90_fp8.prebuild_fused_requests()]
 
 
 def _layer_tests():

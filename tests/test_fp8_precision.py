@@ -432,8 +432,8 @@ def test_a_kernel_backend_without_the_recipe_refuses_it(backend):
 
 
 def test_auto_takes_the_xla_path_for_a_precision_but_for_the_ragged_m_gemms():
-    # The block-scaled ragged-M GEMMs stay "auto": resolved per call, a kernel where one serves.
-    assert layer_backends("auto", RECIPE) == LayerBackends(dsrelu="xla", matmul="auto", contract="xla", gather_sum="auto")
+    # The block-scaled ragged-M GEMMs and fused step stay "auto": resolved per call, a kernel where one serves.
+    assert layer_backends("auto", RECIPE) == LayerBackends(dsrelu="auto", matmul="auto", contract="xla", gather_sum="auto")
     assert layer_backends("xla", RECIPE) == LayerBackends(dsrelu="xla", matmul="xla", contract="xla", gather_sum="xla")
     assert layer_backends("auto") == LayerBackends(dsrelu="auto", matmul="auto", contract="auto", gather_sum="auto")
 

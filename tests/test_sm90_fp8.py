@@ -271,6 +271,14 @@ def prebuild_requests():
     return [(request, config_for(request, overlap), True) for request, overlap in sorted(built, key=repr)]
 
 
+def prebuild_fused_requests():
+    """The fused kernel's (request, config) of every case of its GPU tier, for the cache."""
+    from jax_dsrelu.kernels.sm90 import config
+
+    requests = {dsrelu_request(DSRELU_GROUPINGS[name][0], deterministic) for name, deterministic in DSRELU_GPU_CASES}
+    return [(request, config.choose_config(request)) for request in sorted(requests, key=repr)]
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("shape", [(8, 4096, 2048), (128, 2688, 1856), (512, 1856, 2688), (4, 384, 64)], ids=str)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -325,10 +333,10 @@ def test_fp8_matmul_lowers_for_cuda_only_where_enabled():
 
 
 @pytest.mark.compile
-def test_moe_mlp_in_fp8_runs_its_ragged_m_gemms_on_the_fp8_kernel_once_enabled():
+def test_moe_mlp_in_fp8_runs_four_gemms_on_the_fp8_kernels_once_enabled():
     """The layer's precision path under backend="auto", lowered for a Hopper GPU: its up,
-    down and dx GEMMs are the FP8 kernel's custom calls where the kernel is enabled, and
-    XLA's where it is not; the other three GEMMs are XLA's either way."""
+    down, dx and fused dsReLU GEMMs are the FP8 kernels' custom calls where they are
+    enabled, and XLA's where they are not; the weight gradients are XLA's either way."""
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     from unittest import mock
 
@@ -358,7 +366,7 @@ def test_moe_mlp_in_fp8_runs_its_ragged_m_gemms_on_the_fp8_kernel_once_enabled()
 
     assert fp8_calls(lowered()) == 0
     with backend.unverified_enabled("fp8"):
-        assert fp8_calls(lowered()) == 3
+        assert fp8_calls(lowered()) == 4
 
 
 # ---------------------------------------------------------------------------- GPU tier
@@ -416,3 +424,140 @@ def test_fp8_matmul_matches_float64_and_the_emulation(hopper, name, variant, ove
     again = run_poisoned(request, named, m, config)
     for key in results:
         assert np.array_equal(np.asarray(results[key]).view(np.uint16), np.asarray(again[key]).view(np.uint16)), key
+
+
+# ------------------------------------------------------------ the fused dsReLU kernel
+
+# name: ((E, n, k), m, group sizes): n = f, k = d of the layer (dy w2^T).
+DSRELU_GROUPINGS = {
+    "ragged_with_empty": ((8, 320, 528), 4096, [0, 700, 1, 0, 1500, 129, 1766, 0]),
+    "past_m": ((8, 320, 528), 2000, [900, 800, 700, 0, 0, 0, 0, 5]),
+    "nano_widths": ((16, 1856, 2688), 5000, None),
+}
+DSRELU_GPU_CASES = [(name, deterministic) for name in DSRELU_GROUPINGS for deterministic in (False, True)]
+
+
+def dsrelu_request(shape, deterministic, out_dtype=np.dtype(np.float32)):
+    from jax_dsrelu.kernels.request import Request
+
+    num_experts, n, k = shape
+    return Request(num_experts=num_experts, n=n, k=k, operand_dtype=E4M3, preact_dtype=BF16,
+                   prob_dtype=np.dtype(np.float32), out_dtype=out_dtype, with_dbias=True, with_act=True,
+                   deterministic=deterministic, blockwise_scaled=True)
+
+
+def dsrelu_case(name):
+    (num_experts, n, k), m, sizes = DSRELU_GROUPINGS[name]
+    if sizes is None:
+        rng = np.random.default_rng(12)
+        sizes = np.floor(rng.dirichlet(np.ones(num_experts)) * m).astype(int)
+        sizes[-1] += m - sizes.sum()
+        sizes = sizes.tolist()
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    operands, (grad64, weight64) = quantized_operands(rng, m, k, n, num_experts)
+    preact = jnp.asarray(rng.standard_normal((m, n)), BF16)
+    prob = jnp.asarray(rng.uniform(0.05, 1.0, m), jnp.float32)
+    return (num_experts, n, k), m, sizes, operands, (grad64, weight64), preact, prob
+
+
+def fused(operands, preact, prob, sizes, *, deterministic, backend):
+    from jax_dsrelu.primitives import dsrelu
+
+    grad, grad_scale, weight, weight_scale = operands
+    return dsrelu.bind(grad=grad, grad_block_scale=grad_scale, weight=weight, weight_block_scale=weight_scale,
+                       preact=preact, prob=prob, group_sizes=jnp.asarray(sizes, jnp.int32),
+                       alpha=jnp.ones((weight.shape[0],), jnp.float32), with_dbias=True, with_act=True,
+                       out_dtype=jnp.float32, deterministic=deterministic, backend=backend)
+
+
+def check_fused(results, grad64, weight64, preact, prob, sizes, k):
+    """dh, act, dprob, dbias against float64 of the represented values: the FP8 GEMM's
+    bound carried through the epilogue (dh = 2 acc r p, dprob = sum r^2 acc), float32
+    epilogue arithmetic (a few roundings of 2^-24) and sums over n (gamma(n) of |terms|)."""
+    acc, abs_dot, owned = reference(grad64, weight64, sizes)
+    r = np.maximum(np.asarray(preact, np.float64), 0.0)
+    p = np.asarray(prob, np.float64)[:, None]
+    acc_bound = fp8_bound(abs_dot, acc, k) - _BF16_UNIT * np.abs(acc) - _BF16_SUBNORMAL  # no bf16 rounding here
+    dh = np.where(owned[:, None], 2 * acc * r * p, 0.0)
+    dh_bound = 2 * r * p * acc_bound + 2.0**-21 * np.abs(dh) + 1e-30
+    got = {name: np.asarray(value, np.float64) for name, value in results.items() if value is not None}
+    assert np.isfinite(got["dh"]).all() and np.isfinite(got["act"]).all()
+    assert (np.abs(got["dh"] - dh) <= dh_bound).all(), "dh"
+    act = np.where(owned[:, None], r * r * p, 0.0)
+    assert (np.abs(got["act"] - act) <= 2.0**-21 * act + 1e-30).all(), "act"
+    n = acc.shape[1]
+    terms = r * r * np.abs(acc)
+    dprob = np.where(owned, np.sum(r * r * acc, axis=1), 0.0)
+    dprob_bound = np.sum(r * r * acc_bound, axis=1) + (n + 4) * 2.0**-23 * np.sum(terms, axis=1) + 1e-30
+    assert (np.abs(got["dprob"] - dprob) <= dprob_bound).all(), "dprob"
+    bounds = clamped_bounds(sizes, len(owned))
+    for e, (start, end) in enumerate(bounds):
+        column = dh[start:end].sum(axis=0)
+        column_bound = dh_bound[start:end].sum(axis=0) + (end - start + 4) * 2.0**-23 * np.abs(dh[start:end]).sum(axis=0)
+        assert (np.abs(got["dbias"][e] - column) <= column_bound + 1e-30).all(), f"dbias of expert {e}"
+
+
+def test_fused_xla_reference_is_the_float64_of_the_represented_values():
+    (num_experts, n, k), m, sizes, operands, (grad64, weight64), preact, prob = dsrelu_case("ragged_with_empty")
+    results = fused(operands, preact, prob, sizes, deterministic=True, backend="xla")
+    check_fused(results, grad64, weight64, preact, prob, sizes, k)
+    # Not vacuous: a weight block's scale off by two fails it.
+    grad, grad_scale, weight, weight_scale = operands
+    doubled = jnp.asarray(weight_scale).at[4, 1, 2].multiply(2.0)
+    wrong = fused((grad, grad_scale, weight, doubled), preact, prob, sizes, deterministic=True, backend="xla")
+    with pytest.raises(AssertionError):
+        check_fused(wrong, grad64, weight64, preact, prob, sizes, k)
+
+
+def test_fused_scaled_operands_are_refused_where_they_cannot_run():
+    from jax_dsrelu.kernels.sm90 import backend, config
+
+    request = dsrelu_request((8, 320, 528), False)
+    assert "not verified" in backend.cannot_implement(request)
+    with backend.unverified_enabled("fp8"):
+        assert backend.cannot_implement(request) is None
+    import dataclasses as dc
+
+    assert "multiple of 16" in config.cannot_implement(dc.replace(request, k=520))
+    assert "float8_e4m3fn, got bfloat16" in config.cannot_implement(dc.replace(request, operand_dtype=BF16))
+    (_, n, k), m, sizes, operands, _, preact, prob = dsrelu_case("ragged_with_empty")
+    from jax_dsrelu.primitives import dsrelu
+
+    grad, grad_scale, weight, weight_scale = operands
+    with pytest.raises(NotImplementedError, match="grad_index cannot be combined with scaled operands"):
+        dsrelu.bind(grad=grad, grad_block_scale=grad_scale, weight=weight, weight_block_scale=weight_scale,
+                    preact=preact, prob=prob, group_sizes=jnp.asarray(sizes, jnp.int32),
+                    alpha=jnp.ones((8,), jnp.float32), grad_index=jnp.arange(m, dtype=jnp.int32), with_dbias=True,
+                    with_act=True, out_dtype=jnp.float32, deterministic=False, backend="xla")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("shape", [(8, 2048, 4096), (128, 1856, 2688), (512, 768, 2048), (4, 64, 384)], ids=str)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_fp8_fused_kernel_compiles_for_sm90a(shape, deterministic):
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    import ptxas
+
+    from jax_dsrelu.kernels.sm90 import backend, config, dsrelu_call
+
+    request = dsrelu_request(shape, deterministic)
+    with backend.unverified_enabled("fp8"):
+        compiled = dsrelu_call.compile_kernel(request, config.choose_config(request), keep=True)
+    assert ".f32.e4m3.e4m3" in compiled.ptx
+    ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, deterministic", DSRELU_GPU_CASES, ids=[f"{n}-{d}" for n, d in DSRELU_GPU_CASES])
+def test_fp8_fused_kernel_matches_float64(hopper, name, deterministic):
+    from jax_dsrelu.kernels.sm90 import backend
+
+    (_, n, k), m, sizes, operands, (grad64, weight64), preact, prob = dsrelu_case(name)
+    with backend.unverified_enabled("fp8"):
+        run = jax.jit(lambda o, h, p: fused(o, h, p, sizes, deterministic=deterministic, backend="sm90"))
+        results = run(operands, preact, prob)
+        again = run(operands, preact, prob)
+    check_fused(results, grad64, weight64, preact, prob, sizes, k)
+    if deterministic:
+        for key in ("dh", "act", "dprob", "dbias", "amax"):
+            assert np.array_equal(np.asarray(results[key]), np.asarray(again[key])), key

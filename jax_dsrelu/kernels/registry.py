@@ -65,9 +65,9 @@ def check_precision(name: str, precision) -> None:
 def layer_backends(name: str, precision=None) -> LayerBackends:
     """Which backend serves each step of a layer whose user asked for `name`.
 
-    Under a precision (an FP8 recipe) the fused dsReLU step and the contractions go to
-    "xla", the only backend with the recipe's arithmetic for them so far, and the ragged-M
-    GEMMs to the name asked ("auto": the FP8 kernel where one serves, else XLA); a kernel
+    Under a precision (an FP8 recipe) the contractions go to "xla", the only backend with
+    the recipe's arithmetic for them so far, and the ragged-M GEMMs and the fused dsReLU
+    step to the name asked ("auto": the FP8 kernel where one serves, else XLA); a kernel
     backend named explicitly is refused (`check_precision`): it would run half the step. The gather-and-sum reads no quantized operand and is chosen as
     without a precision.
 
@@ -80,9 +80,9 @@ def layer_backends(name: str, precision=None) -> LayerBackends:
     """
     check_precision(name, precision)
     if precision is not None:
-        # The ragged-M GEMMs are block-scaled calls that "auto" resolves per call: a
-        # kernel where one serves them (sm90's FP8 GEMM, once enabled), else XLA.
-        return LayerBackends(dsrelu="xla", matmul=name, contract="xla", gather_sum=name)
+        # The ragged-M GEMMs and the fused step are block-scaled calls that "auto" resolves
+        # per call: a kernel where one serves them (sm90's, once enabled), else XLA.
+        return LayerBackends(dsrelu=name, matmul=name, contract="xla", gather_sum=name)
     backend = KERNEL_BACKENDS.get(name)
 
     def for_kind(kind: type) -> str:

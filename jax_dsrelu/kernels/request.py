@@ -32,7 +32,10 @@ class Request:
     with_dbias: bool
     with_act: bool
     deterministic: bool
-    block_scaled: bool = False
+    block_scaled: bool = False  # MXFP8 operands (sm100): e8m0 scales per 32 of k
+    # FP8_BLOCKWISE operands (sm90): e4m3 grad and weight with float32 scales,
+    # grad_block_scale (m, ceil(k / 128)) and weight_block_scale (E, ceil(n / 128), ceil(k / 128))
+    blockwise_scaled: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

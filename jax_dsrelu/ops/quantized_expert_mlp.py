@@ -24,11 +24,12 @@ forward and again, the same values, in the backward; dh, dprob and db1 come from
 fused dsReLU step's float32 epilogue, and dh is quantized from float32. y and dx come out
 in the caller's dtype, dW1 and dW2 in the weights'.
 
-The ragged-M GEMMs (up, down, dx) take their operands quantized, values and scales (the
-block-scaled `ragged_matmul`, weights stored (E, N, K)): on the XLA backend its reference
-dequantizes them, the same arithmetic; under backend "auto" on a Hopper GPU the FP8
-kernel serves them once enabled (`kernels/sm90/backend.py`). The fused dsReLU step and the
-weight gradients run on the XLA reference (`layer_backends`). Every step has a fixed
+The ragged-M GEMMs (up, down, dx) and the fused dsReLU step take their operands
+quantized, values and scales (the block-scaled `ragged_matmul` and `grouped_gemm_dsrelu`,
+weights stored (E, N, K)): on the XLA backend their references dequantize them, the same
+arithmetic; under backend "auto" on a Hopper GPU the FP8 kernels serve them once enabled
+(`kernels/sm90/backend.py`). The weight gradients run on the XLA reference
+(`layer_backends`). Every step has a fixed
 summation order, and amax maxima are exact in any order, so every result is bitwise
 reproducible whatever `deterministic` says. The quantizing passes here are what the FP8
 kernels' epilogues will write instead.
@@ -189,11 +190,13 @@ def epilogue(
     dy: jax.Array,  # (m, l), or its source (U, l) with dy_index
     dy_index: jax.Array | None = None,
 ) -> Epilogue:
-    """The fused dsReLU GEMM on quantized dy and w2, with its float32 epilogue."""
-    weight = blockwise.dequantize_blockwise(w2.values, w2.scales, recipe.weights)
+    """The fused dsReLU GEMM on quantized dy and w2 (values and scales: the FP8 fused
+    kernel where "auto" finds it enabled, else XLA's dequantizing reference), with its
+    float32 epilogue and float32 dh and act."""
+    grad, grad_scale = _quantized_rows(dy, recipe, dy_index)
     fused = dsrelu.bind(
-        grad=qdq.along_k(dy, recipe), grad_index=dy_index, weight=weight, preact=h, prob=prob,
-        group_sizes=group_sizes, alpha=jnp.ones((weight.shape[0],), jnp.float32), grad_scale=None, weight_scale=None,
+        grad=grad, grad_block_scale=grad_scale, weight=w2.values, weight_block_scale=w2.scales, preact=h, prob=prob,
+        group_sizes=group_sizes, alpha=jnp.ones((w2.values.shape[0],), jnp.float32),
         with_dbias=with_dbias, with_act=True, out_dtype=jnp.float32, deterministic=deterministic,
         backend=backends.dsrelu,
     )

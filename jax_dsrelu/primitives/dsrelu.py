@@ -3,7 +3,9 @@
 Operands and results are those of `schema.GROUPED_GEMM_DSRELU`: grad (m, k), weight
 (E, n, k), preact (m, n), prob (m,) float32, group_sizes (E,) int32, alpha (E,) float32,
 and for MXFP8 operands (block_scaled) grad_scale (m, k/32) and weight_scale (E, n, k/32)
-float8_e8m0fnu; results dh, dprob, [dbias], [act], amax, the bracketed ones only when
+float8_e8m0fnu, or for FP8_BLOCKWISE operands (blockwise_scaled: e4m3 grad and weight)
+grad_block_scale (m, ceil(k/128)) and weight_block_scale (E, ceil(n/128), ceil(k/128))
+float32; results dh, dprob, [dbias], [act], amax, the bracketed ones only when
 asked for. grad may be gathered: with grad_index (m,) int32, grad is a source (T, k) and
 row i reads grad[grad_index[i]] (the layer's dy read by token through the routing; see
 `jax_dsrelu.primitives.base`); not with MXFP8 operands, whose scales would need the same
@@ -26,8 +28,8 @@ from jax_dsrelu.primitives.reference import grouped_gemm_dsrelu_reference
 from jax_dsrelu.primitives.schema import GROUPED_GEMM_DSRELU
 
 
-def _reference(*, with_dbias, with_act, out_dtype, deterministic, block_scaled, **operands):
-    del deterministic, block_scaled  # the reference is always deterministic; scales are operands
+def _reference(*, with_dbias, with_act, out_dtype, deterministic, block_scaled, blockwise_scaled, **operands):
+    del deterministic, block_scaled, blockwise_scaled  # the reference is always deterministic; scales are operands
     return grouped_gemm_dsrelu_reference(**operands, with_dbias=with_dbias, with_act=with_act, out_dtype=out_dtype)
 
 
@@ -35,6 +37,7 @@ def _request(named: Mapping[str, Any], params: Mapping[str, Any]) -> request_fac
     return request_facts.request_from_avals(
         (named["grad"], named["weight"], named["preact"], named["prob"]),
         block_scaled=params["block_scaled"],
+        blockwise_scaled=params["blockwise_scaled"],
         out_dtype=params["out_dtype"],
         with_dbias=params["with_dbias"],
         with_act=params["with_act"],
@@ -55,15 +58,19 @@ def bind(
     backend: str,
     **operands: jax.Array | None,
 ) -> dict[str, jax.Array | None]:
-    """Operands by schema name (grad_scale and weight_scale None unless MXFP8; grad_index
-    None unless grad is read through it)."""
+    """Operands by schema name (grad_scale and weight_scale None unless MXFP8,
+    grad_block_scale and weight_block_scale None unless FP8_BLOCKWISE; grad_index None
+    unless grad is read through it)."""
     block_scaled = operands.get("grad_scale") is not None
+    blockwise_scaled = operands.get("grad_block_scale") is not None
     gathered = operands.get("grad_index") is not None
-    if block_scaled and gathered:
+    if (block_scaled or blockwise_scaled) and gathered:
         raise NotImplementedError(
-            "grad_index cannot be combined with MXFP8 operands (grad_scale): gather grad and "
-            "grad_scale first, or pass unscaled operands"
+            "grad_index cannot be combined with scaled operands (grad_scale, grad_block_scale): gather grad "
+            "and its scales first, or pass unscaled operands"
         )
+    if block_scaled and blockwise_scaled:
+        raise ValueError("grad_scale (MXFP8) and grad_block_scale (FP8_BLOCKWISE) are two recipes: pass one")
     return grouped_gemm_dsrelu.bind(
         operands,
         with_dbias=with_dbias,
@@ -71,6 +78,7 @@ def bind(
         out_dtype=np.dtype(out_dtype),
         deterministic=deterministic,
         block_scaled=block_scaled,
+        blockwise_scaled=blockwise_scaled,
         with_grad_index=gathered,
         backend=backend,
     )

@@ -27,6 +27,8 @@ def grouped_gemm_dsrelu_reference(
     alpha: jax.Array,  # (E,) float32
     grad_scale: jax.Array | None = None,  # (m, k/32) float8_e8m0fnu, MXFP8 operands only
     weight_scale: jax.Array | None = None,  # (E, n, k/32) float8_e8m0fnu
+    grad_block_scale: jax.Array | None = None,  # (m, ceil(k/128)) float32, FP8_BLOCKWISE operands only
+    weight_block_scale: jax.Array | None = None,  # (E, ceil(n/128), ceil(k/128)) float32
     *,
     with_dbias: bool,
     with_act: bool,
@@ -34,12 +36,15 @@ def grouped_gemm_dsrelu_reference(
 ) -> dict[str, jax.Array]:
     """Returns {dh, dprob, [dbias], [act], amax}, the optional ones when asked for.
 
-    Block-scaled (MXFP8) operands are dequantized to float32 first, so every backend is
+    Block-scaled (MXFP8, FP8_BLOCKWISE) operands are dequantized to float32 first, so every backend is
     held to the contract on the values the operands represent.
     """
     if grad_scale is not None:
         grad = mx.dequantize_mx(grad, grad_scale)
         weight = mx.dequantize_mx(weight, weight_scale)
+    if grad_block_scale is not None:
+        grad = blockwise.dequantize_blockwise(grad, grad_block_scale, FP8_BLOCKWISE.activations)
+        weight = blockwise.dequantize_blockwise(weight, weight_block_scale, FP8_BLOCKWISE.weights)
     num_rows = grad.shape[0]
     num_experts = weight.shape[0]
     sizes = groups.clamped_group_sizes(group_sizes, num_rows)

@@ -197,6 +197,10 @@ GROUPED_GEMM_DSRELU = Schema(
         # MXFP8 operands: one scale per 32 elements along k ("b" the k/32 blocks).
         Field("grad_scale", "m b", present_if="block_scaled"),
         Field("weight_scale", "e n b", present_if="block_scaled"),
+        # FP8_BLOCKWISE operands: float32 scales per row and 128 of k ("q" the k blocks), and
+        # per 128 x 128 block of weight ("p" the n blocks).
+        Field("grad_block_scale", "m q", present_if="blockwise_scaled"),
+        Field("weight_block_scale", "e p q", present_if="blockwise_scaled"),
         _GRAD_INDEX,
     ),
     results=(
@@ -208,7 +212,7 @@ GROUPED_GEMM_DSRELU = Schema(
     ),
     # k: a cross-device sum would come before the nonlinear epilogue; e: splitting the
     # experts of a ragged, row-ordered layout is not a sharding of its rows.
-    kept_whole=("k", "e", "b", SOURCE_ROWS),
+    kept_whole=("k", "e", "b", "p", "q", SOURCE_ROWS),
 )
 
 # lhs (m, k) times expert e's rhs, stored (e, k, n) or (e, n, k).

@@ -42,7 +42,9 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 #                 bit for bit XLA's sequential sum, no memcheck error or racecheck hazard,
 #                 and, in the block records, faster than XLA's fused gather-and-sum at
 #                 one block of three and slower at two.
-#   "fp8"         the ragged-M GEMM on FP8_BLOCKWISE operands (`blockwise_matmul_kernel.py`).
+#   "fp8"         the kernels on FP8_BLOCKWISE operands. The fused dsReLU kernel's
+#                 (`blockwise_dsrelu_kernel.py`) is compiled and lowered, not yet run on a
+#                 Hopper card. The ragged-M GEMM's (`blockwise_matmul_kernel.py`):
 #                 Run at e834a7c on an H200: its GPU tier passed (float64 and the recipe's
 #                 emulation, both promotion schedules), 1.3-1.5x faster than the bf16 GEMM
 #                 (bench_fp8_gemms.json); memcheck and racecheck not yet run over it, nor
@@ -118,6 +120,8 @@ def cannot_implement(request: AnyRequest) -> str | None:
         return config.cannot_implement_gemm(request)
     if isinstance(request, RaggedContractRequest):
         return config.cannot_implement_contract(request)
+    if request.blockwise_scaled and not enabled("fp8"):
+        return f"the sm90 FP8 fused kernel is not verified on a Hopper card (set {UNVERIFIED_VARIABLE}=fp8 to use it)"
     return config.cannot_implement(request)
 
 
@@ -127,7 +131,7 @@ def gathers_rows(request: AnyRequest) -> frozenset[str]:
     "grad" of the fused dsReLU kernel, not with MXFP8 operands); the primitives gather the others
     before calling `implementation` (see `jax_dsrelu.primitives.base`). None while the
     "gathered" kernels are unverified."""
-    if not enabled("gathered") or getattr(request, "block_scaled", False):
+    if not enabled("gathered") or getattr(request, "block_scaled", False) or getattr(request, "blockwise_scaled", False):
         return frozenset()
     return _GATHERED_OPERANDS.get(type(request), frozenset())
 

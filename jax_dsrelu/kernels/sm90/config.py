@@ -130,23 +130,41 @@ class TileConfig(KernelTiles):
     preact_stages: int
     counts: ClassVar[tuple[str, ...]] = KernelTiles.counts + ("preact_stages",)
 
-    def smem_bytes(self, num_experts: int, with_act: bool, with_dbias: bool) -> int:
-        """Shared memory the kernel allocates for this config (16-bit operands and outputs):
-        the preact ring, dh's and act's store buffers, and the per-warp column partials of
-        the tile (8 consumer warps, float32)."""
+    def smem_bytes(self, num_experts: int, with_act: bool, with_dbias: bool, out_bytes: int = 2) -> int:
+        """Shared memory the kernel allocates for this config (16-bit preact, outputs of
+        out_bytes): the preact ring, dh's and act's store buffers, and the per-warp column
+        partials of the tile (8 consumer warps, float32)."""
         preact = self.preact_stages * self.tile_m * self.epi_n * 2
-        buffers = [preact] + [self._store_bytes()] * (2 if with_act else 1)
+        buffers = [preact] + [self._store_bytes(out_bytes)] * (2 if with_act else 1)
         if with_dbias:
             buffers.append(8 * self.tile_n * 4)
         return self._shared_bytes(num_experts, 2, self.preact_stages, buffers)
 
-    def check_fits(self, num_experts: int, with_act: bool, with_dbias: bool) -> None:
-        need = self.smem_bytes(num_experts, with_act, with_dbias)
+    def check_fits(self, num_experts: int, with_act: bool, with_dbias: bool, out_bytes: int = 2) -> None:
+        need = self.smem_bytes(num_experts, with_act, with_dbias, out_bytes)
         if need > SMEM_CAPACITY:
             raise ValueError(
                 f"{self} needs {need} bytes of shared memory with E={num_experts}, "
-                f"with_act={with_act}, with_dbias={with_dbias}; sm_90 has {SMEM_CAPACITY}"
+                f"with_act={with_act}, with_dbias={with_dbias}, {out_bytes}-byte outputs; sm_90 has {SMEM_CAPACITY}"
             )
+
+
+def _blockwise_dsrelu_reason(request: Request) -> str | None:
+    """Why the fused kernel on FP8_BLOCKWISE operands (`blockwise_dsrelu_kernel.py`)
+    cannot serve `request`, or None. Its dh and act may be float32: the recipe's next
+    GEMMs quantize them from float32."""
+    if np.dtype(request.operand_dtype) != FP8:
+        return f"FP8_BLOCKWISE operands on sm90 are float8_e4m3fn, got {np.dtype(request.operand_dtype).name}"
+    if np.dtype(request.preact_dtype) not in _SIXTEEN_BIT:
+        return f"the sm90 kernel needs preact dtype bfloat16 or float16, got {np.dtype(request.preact_dtype).name}"
+    if np.dtype(request.out_dtype) not in _SIXTEEN_BIT + (np.dtype(np.float32),):
+        return f"the FP8 fused kernel writes bfloat16, float16 or float32, got out_dtype={np.dtype(request.out_dtype).name}"
+    if request.num_experts < 1 or request.num_experts > MAX_EXPERTS:
+        return f"the sm90 kernel takes 1 to {MAX_EXPERTS} experts, got E={request.num_experts}"
+    for name, extent in (("n", request.n), ("k", request.k)):
+        if extent < 16 or extent % 16:
+            return f"the FP8 fused kernel needs {name} to be a positive multiple of 16 (16-byte TMA rows), got {name}={extent}"
+    return None
 
 
 def max_m_tiles(num_rows: int, num_experts: int, tile_m: int = TILE_M) -> int:
@@ -163,6 +181,8 @@ def cannot_implement(request: Request) -> str | None:
     """Why the SM90 kernel cannot serve `request`, or None when it can."""
     if request.block_scaled:
         return "block-scaled (MXFP8) operands need the sm100 backend; the sm90 kernel takes bf16/fp16"
+    if request.blockwise_scaled:
+        return _blockwise_dsrelu_reason(request)
     for name, dtype in (
         ("grad/weight dtype", request.operand_dtype),
         ("preact dtype", request.preact_dtype),
@@ -256,7 +276,9 @@ def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileCon
     reason = cannot_implement(request)
     if reason is not None:
         raise ValueError(reason)
-    facts = (request.num_experts, request.with_act, request.with_dbias)
+    facts = (request.num_experts, request.with_act, request.with_dbias, np.dtype(request.out_dtype).itemsize)
+    if request.blockwise_scaled:
+        return _blockwise_dsrelu_config(request, facts, sm_count)
 
     def with_most_stages(preact_stages):
         base = dict(tile_n=dsrelu_tile_n(request.n), tile_k=_RAGGED_M_TILE_K, epi_n=_EPI_N,
@@ -269,6 +291,19 @@ def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileCon
     fewer_preact = with_most_stages(_DSRELU_FEWER_PREACT_STAGES)
     if fewer_preact.ab_stages > config.ab_stages:
         config = fewer_preact
+    config.check_fits(*facts)
+    return config
+
+
+def _blockwise_dsrelu_config(request: Request, facts, sm_count: int) -> TileConfig:
+    """The FP8 fused kernel's configuration: the FP8 GEMM's k-tiles of one scale block and
+    N tiles of at most one (`_blockwise_gemm_config`), the preact ring of the bf16
+    kernel's decision, as many operand stages as fit beside it; alone."""
+    base = dict(tile_n=64 if request.n < BLOCK else BLOCK, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1,
+                preact_stages=_DSRELU_PREACT_STAGES, store_stages=tuning.value("fused_store_stages"), cluster_n=1,
+                max_ctas=sm_count)
+    stages = most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2)
+    config = TileConfig(ab_stages=stages, **base)
     config.check_fits(*facts)
     return config
 

@@ -41,6 +41,10 @@ def _kernel(request: Request, config: sm90_config.TileConfig, gathered: str | No
         from jax_dsrelu.kernels.sm90.gathered_kernels import GatheredDsreluSm90
 
         return GatheredDsreluSm90(config, request)
+    if request.blockwise_scaled:
+        from jax_dsrelu.kernels.sm90.blockwise_dsrelu_kernel import BlockScaledDsreluSm90
+
+        return BlockScaledDsreluSm90(config, request)
     return GroupedGemmDsreluSm90(config, request)
 
 
@@ -109,7 +113,7 @@ def implementation(
     request = kernel_request(request)
     if config is None:
         config = sm90_config.choose_config(request, sm_count())
-    config.check_fits(request.num_experts, request.with_act, request.with_dbias)
+    config.check_fits(request.num_experts, request.with_act, request.with_dbias, np.dtype(request.out_dtype).itemsize)
 
     def run(*, filled=None, **operands) -> dict[str, jax.Array]:
         gathered = "grad" if operands.get("grad_index") is not None else None

@@ -1,0 +1,73 @@
+"""What a kernel of the family on FP8_BLOCKWISE operands adds to its 16-bit variant: the
+two scale operands and the promoted mainloop (`promoted_mainloop.py`).
+
+A variant mixes `BlockScaledMainloop` in before its 16-bit kernel class and names its
+scale operands: `a_scale` (rows, K blocks), one per row of A and 128 of K, and `b_scale`
+(E, N blocks, K blocks), one per 128 x 128 block of B stored (E, N, K). The config's
+k-tile is one K block and its N tile at most one N block (`config.BLOCK`), so each
+k-tile of a work tile has one B scale and a scale per row; the 16-bit variant's epilogue
+then reads the promoted float32 accumulator as it reads its own.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import numpy as np
+from cutlass import Float32, Int32
+
+from jax_dsrelu.kernels.operands import M, KernelOperand
+from jax_dsrelu.kernels.sm90 import promoted_mainloop
+from jax_dsrelu.kernels.sm90.config import BLOCK
+
+_F32 = np.dtype(np.float32)
+
+
+class BlockScaledMainloop:
+    """Mixin (before the 16-bit kernel class): the scale operands, after `scales_after`
+    in the declaration, and the promoted mainloop."""
+
+    a_scale: str
+    b_scale: str
+    scales_after = "group_sizes"
+
+    def check_blocks(self, config) -> None:
+        if config.tile_k != BLOCK or config.tile_n > BLOCK:
+            raise ValueError(f"{type(self).__name__} needs tile_k={BLOCK} and tile_n <= {BLOCK} (one scale per "
+                             f"k-tile), got tile_k={config.tile_k}, tile_n={config.tile_n}")
+
+    def operands(self) -> list[KernelOperand]:
+        plan = super().operands()
+        k_blocks, n_blocks = -(-self.k // BLOCK), -(-self.n // BLOCK)
+        after = next(i for i, o in enumerate(plan) if o.name == self.scales_after) + 1
+        plan[after:after] = [
+            KernelOperand(self.a_scale, "input", _F32, (M, k_blocks)),
+            KernelOperand(self.b_scale, "input", _F32, (self.num_experts, n_blocks, k_blocks)),
+        ]
+        return plan
+
+    def kernel_params(self, t) -> dict:
+        return dict(super().kernel_params(t), a_scale=getattr(t, self.a_scale), b_scale=getattr(t, self.b_scale))
+
+    def mainloop(self, ctx, item, tile, read_state, release_state):
+        """The promoted mainloop with this thread's two rows' scales (a row past m reads
+        row 0's, never stored); both warpgroups multiply every tile. The partial-sum
+        buffers are the work item's registers."""
+        row0, _ = self._tile_rows(tile)
+        num_rows = self.num_rows(ctx.params)
+        rows = []
+        for h in range(len(ctx.tile_row)):
+            row = row0 + ctx.tile_row[h]
+            rows.append(Int32(cutlass.select_(row < num_rows, row, Int32(0))))
+        n_block = (tile.n_tile * self.tile_n) // BLOCK
+        scales = (ctx.params.a_scale, rows, ctx.params.b_scale, tile.expert, n_block)
+        if getattr(self.config, "overlap_promotion", False):  # GemmConfig only
+            blocks = [cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32) for _ in range(2)]
+            return promoted_mainloop.mma_k_tiles_promoted_overlapped(
+                ctx.tiled_mma, ctx.acc, blocks, ctx.tCrA, ctx.tCrB, ctx.ab_pipeline, read_state, release_state,
+                self.k_tiles, *scales,
+            )
+        return promoted_mainloop.mma_k_tiles_promoted(
+            ctx.tiled_mma, ctx.acc, cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32), ctx.tCrA, ctx.tCrB,
+            ctx.ab_pipeline, read_state, release_state, self.k_tile_count(tile), *scales,
+        )
