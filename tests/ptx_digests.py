@@ -198,12 +198,27 @@ def cases() -> list[Case]:
     return [*dsrelu_cases(), *matmul_cases(), *contract_cases(), *unverified_cases()]
 
 
+def fp8_matmul(num_experts, k, n, epilogue):
+    from jax_dsrelu.quantization.schema import E4M3 as e4m3
+
+    return RaggedMatmulRequest(num_experts=num_experts, k=k, n=n, rhs_layout="nk", operand_dtype=e4m3, out_dtype=BF16,
+                               epilogue=epilogue, with_bias=epilogue == "srelu", block_scaled=True)
+
+
+def fp8_dsrelu(k, n, num_experts):
+    from jax_dsrelu.quantization.schema import E4M3 as e4m3
+
+    return Request(num_experts=num_experts, n=n, k=k, operand_dtype=e4m3, preact_dtype=BF16, prob_dtype=F32,
+                   out_dtype=F32, with_dbias=True, with_act=True, deterministic=True, blockwise_scaled=True)
+
+
 def pinned_cases() -> list[Case]:
     """A few small kernels at configs named here (not chosen, so that a change of the
     tuning rules leaves them be), one per kernel and walk: the compile tier compares their
     PTX with `PINNED_TABLE` (tests/test_sm90_ptx.py)."""
     common = dict(tile_k=64, epi_n=32, store_stages=2, max_ctas=sm90_config.DEFAULT_SM_COUNT)
     contract_tiles = dict(tile_k=32, epi_n=32, max_ctas=sm90_config.DEFAULT_SM_COUNT)
+    fp8_tiles = dict(common, tile_k=128)
     return [
         Case("dsrelu/deterministic", dsrelu(256, 512, 5, deterministic=True),
              sm90_config.TileConfig(tile_n=256, ab_stages=3, preact_stages=4, **common)),
@@ -224,6 +239,14 @@ def pinned_cases() -> list[Case]:
         Case("gathered/contract/rhs", contract(8, 328, 520, BF16),
              sm90_config.ContractConfig(tile_n=192, ab_stages=8, store_stages=6, **contract_tiles), gathered="rhs"),
         Case("gather_sum/bfloat16", GatherSumRequest(n=2688, slots=6, rows_dtype=BF16)),
+        # The FP8 kernels: the ragged-M GEMM as its GPU tier ran at e834a7c (both promotion
+        # schedules), and the fused kernel, not yet run on a GPU.
+        Case("fp8/matmul/plain_overlapped", fp8_matmul(8, 528, 320, "none"),
+             sm90_config.GemmConfig(tile_n=128, ab_stages=6, operand_bytes=1, overlap_promotion=True, **fp8_tiles)),
+        Case("fp8/matmul/up_srelu_bias", fp8_matmul(8, 528, 320, "srelu"),
+             sm90_config.GemmConfig(tile_n=128, ab_stages=6, operand_bytes=1, **fp8_tiles)),
+        Case("fp8/dsrelu/deterministic", fp8_dsrelu(528, 320, 8),
+             sm90_config.TileConfig(tile_n=128, ab_stages=3, preact_stages=4, operand_bytes=1, **fp8_tiles)),
     ]
 
 
