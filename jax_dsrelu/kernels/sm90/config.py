@@ -153,17 +153,25 @@ def _blockwise_dsrelu_reason(request: Request) -> str | None:
     """Why the fused kernel on FP8_BLOCKWISE operands (`blockwise_dsrelu_kernel.py`)
     cannot serve `request`, or None. Its dh and act may be float32: the recipe's next
     GEMMs quantize them from float32."""
-    if np.dtype(request.operand_dtype) != FP8:
-        return f"FP8_BLOCKWISE operands on sm90 are float8_e4m3fn, got {np.dtype(request.operand_dtype).name}"
     if np.dtype(request.preact_dtype) not in _SIXTEEN_BIT:
         return f"the sm90 kernel needs preact dtype bfloat16 or float16, got {np.dtype(request.preact_dtype).name}"
-    if np.dtype(request.out_dtype) not in _SIXTEEN_BIT + (np.dtype(np.float32),):
-        return f"the FP8 fused kernel writes bfloat16, float16 or float32, got out_dtype={np.dtype(request.out_dtype).name}"
+    return _fp8_reason("fused kernel", request, _SIXTEEN_BIT + (np.dtype(np.float32),))
+
+
+def _fp8_reason(kernel: str, request, out_dtypes) -> str | None:
+    """What every sm90 kernel on FP8_BLOCKWISE operands asks: e4m3 operands, 1 to
+    MAX_EXPERTS experts, n and k multiples of 16 (16-byte TMA rows of e4m3), an output
+    dtype of `out_dtypes`."""
+    if np.dtype(request.operand_dtype) != FP8:
+        return f"FP8_BLOCKWISE operands on sm90 are float8_e4m3fn, got {np.dtype(request.operand_dtype).name}"
     if request.num_experts < 1 or request.num_experts > MAX_EXPERTS:
-        return f"the sm90 kernel takes 1 to {MAX_EXPERTS} experts, got E={request.num_experts}"
+        return f"the sm90 kernels take 1 to {MAX_EXPERTS} experts, got E={request.num_experts}"
     for name, extent in (("n", request.n), ("k", request.k)):
         if extent < 16 or extent % 16:
-            return f"the FP8 fused kernel needs {name} to be a positive multiple of 16 (16-byte TMA rows), got {name}={extent}"
+            return f"the FP8 {kernel} needs {name} to be a positive multiple of 16 (16-byte TMA rows), got {name}={extent}"
+    if np.dtype(request.out_dtype) not in out_dtypes:
+        names = [np.dtype(dtype).name for dtype in out_dtypes]
+        return f"the FP8 {kernel} writes {' or '.join(names)}, got out_dtype={np.dtype(request.out_dtype).name}"
     return None
 
 
@@ -409,19 +417,10 @@ def cannot_implement_gemm(request: RaggedMatmulRequest) -> str | None:
 def _blockwise_reason(request: RaggedMatmulRequest) -> str | None:
     """Why the blockwise-scaled FP8 ragged-M GEMM (`blockwise_matmul_kernel.py`) cannot
     serve `request`, or None."""
-    if np.dtype(request.operand_dtype) != FP8:
-        return f"block-scaled operands on sm90 are float8_e4m3fn, got {np.dtype(request.operand_dtype).name}"
     if request.rhs_layout != "nk":
         # Hopper's FP8 wgmma reads both operands K-major from shared memory.
         return f"block-scaled FP8 needs rhs stored K-major, rhs_layout 'nk', got {request.rhs_layout!r}"
-    if request.num_experts < 1 or request.num_experts > MAX_EXPERTS:
-        return f"the sm90 kernels take 1 to {MAX_EXPERTS} experts, got E={request.num_experts}"
-    for name, extent in (("n", request.n), ("k", request.k)):
-        if extent < 16 or extent % 16:
-            return f"the FP8 ragged GEMM needs {name} to be a positive multiple of 16 (16-byte TMA rows), got {name}={extent}"
-    if np.dtype(request.out_dtype) not in _SIXTEEN_BIT:
-        return f"the FP8 ragged GEMM writes bfloat16 or float16, got out_dtype={np.dtype(request.out_dtype).name}"
-    return None
+    return _fp8_reason("ragged GEMM", request, _SIXTEEN_BIT)
 
 
 def cannot_implement_contract(request: RaggedContractRequest) -> str | None:
