@@ -42,6 +42,7 @@ def reference_of(request):
             out_dtype=request.out_dtype,
             deterministic=request.deterministic,
             block_scaled=request.block_scaled,
+            blockwise_scaled=request.blockwise_scaled,
         )
     if isinstance(request, RaggedContractRequest):
         return ragged_contract_primitive.reference, dict(out_dtype=request.out_dtype)

@@ -216,43 +216,32 @@ def test_every_gemm_is_float64_of_the_same_quantized_operands(case):
     assert np.abs(np.asarray(got["h"]) - exact_h).max() > 1e-3 * np.abs(exact_h).max()
 
 
-def rolled_scales(a, recipe):
-    """A quantizer bug: each block along K dequantized with its neighbour's scale."""
-    values, scales = blockwise.quantize_blockwise(a, recipe.activations)
-    return blockwise.dequantize_blockwise(values, jnp.roll(scales, 1, axis=-1), recipe.activations)
-
-
 def rolled_row_scales(a, recipe, index=None):
-    """The same bug where a GEMM takes the rows quantized (values and scales)."""
+    """A quantizer bug: each block along K of the rows with its neighbour's scale."""
     values, scales = QUANTIZED_ROWS(a, recipe, index)
     return values, jnp.roll(scales, 1, axis=-1)
 
 
-def rolled_weight_scales(w, recipe):
-    """A quantizer bug: each 128 x 128 block of a weight dequantized with its neighbour's scale."""
-    values, scales = blockwise.quantize_blockwise(w, recipe.weights)
-    return blockwise.dequantize_blockwise(values, jnp.roll(scales, 1, axis=-1), recipe.weights)
-
-
 def rolled_quantized_weight_scales(w, recipe):
+    """A quantizer bug: each 128 x 128 block of a weight with its neighbour's scale."""
     values, scales = QUANTIZED_WEIGHT(w, recipe)
     return values, jnp.roll(scales, 1, axis=-1)
 
 
 def straddling_groups(a, group_sizes, recipe):
     """A quantizer bug: groups of 128 tokens from row 0, across the experts' boundaries."""
-    return qdq.along_k(a.T, recipe).T
+    values, scales = blockwise.quantize_blockwise(a.T, recipe.activations)
+    return blockwise.dequantize_blockwise(values, scales, recipe.activations).T
 
 
 QUANTIZED_ROWS, QUANTIZED_WEIGHT = qmlp._quantized_rows, qmlp._quantized_weight
-# bug: (the functions it replaces, as (module, name, wrong version), the checks it must fail):
-# the quantize-dequantize passes and the quantized operands the ragged-M GEMMs take alike.
+# bug: (the functions it replaces, as (module, name, wrong version), the checks it must fail).
 PLANTED = {
     "a scale from the neighbouring block": (
-        [(qdq, "along_k", rolled_scales), (qmlp, "_quantized_rows", rolled_row_scales)],
+        [(qmlp, "_quantized_rows", rolled_row_scales)],
         {"h", "y", "dh", "dprob", "db1", "dx"}),
     "a weight's block scale from the neighbouring block": (
-        [(qdq, "weights", rolled_weight_scales), (qmlp, "_quantized_weight", rolled_quantized_weight_scales)],
+        [(qmlp, "_quantized_weight", rolled_quantized_weight_scales)],
         {"h", "y", "dh", "dprob", "db1", "dx"}),
     "groups along the tokens that straddle experts": (
         [(qdq, "along_expert_rows", straddling_groups)], {"dw1", "dw2"}),
@@ -384,7 +373,7 @@ def test_the_step_is_float64_of_the_unquantized_layer_within_the_e4m3_bound(dtyp
 
 def test_the_e4m3_bound_catches_a_scale_from_the_neighbouring_block(monkeypatch):
     arrays = inputs(seed=1)
-    monkeypatch.setattr(qdq, "along_k", rolled_scales)
+    monkeypatch.setattr(qmlp, "_quantized_rows", rolled_row_scales)
     ratios = outside_the_bound(moe_mlp_step("float32", *arrays), *unquantized_bounds(*arrays, F32))
     assert max(ratios.values()) > 1, ratios
 
@@ -423,7 +412,7 @@ def test_a_bad_precision_names_what_was_seen(precision, error, words):
 
 @pytest.mark.parametrize("backend", ["sm90", "sm100"])
 def test_a_kernel_backend_without_the_recipe_refuses_it(backend):
-    words = f"backend={backend!r} has no kernels for precision=FP8_BLOCKWISE yet: backend='xla' runs it"
+    words = f"backend={backend!r} has no kernels for every GEMM at precision=FP8_BLOCKWISE yet: backend='xla' runs it"
     x, w1, w2, prob, _, _ = inputs()
     with pytest.raises(NotImplementedError, match=re.escape(words)):
         jax_dsrelu.moe_mlp(x, w1, w2, prob, SIZES, precision=RECIPE, backend=backend)
@@ -431,7 +420,7 @@ def test_a_kernel_backend_without_the_recipe_refuses_it(backend):
         MoEOptions(precision=RECIPE, backend=backend)
 
 
-def test_auto_takes_the_xla_path_for_a_precision_but_for_the_ragged_m_gemms():
+def test_auto_takes_the_xla_path_for_a_precision_but_where_a_kernel_may_serve():
     # The block-scaled ragged-M GEMMs and fused step stay "auto": resolved per call, a kernel where one serves.
     assert layer_backends("auto", RECIPE) == LayerBackends(dsrelu="auto", matmul="auto", contract="xla", gather_sum="auto")
     assert layer_backends("xla", RECIPE) == LayerBackends(dsrelu="xla", matmul="xla", contract="xla", gather_sum="xla")
@@ -562,5 +551,27 @@ def test_quantized_weights_are_checked_against_the_weights_and_the_precision():
     with pytest.raises(TypeError, match="quantized_weights must be None or a QuantizedExpertWeights"):
         jax_dsrelu.moe_mlp(x, w1, w2, prob, SIZES, precision=RECIPE, quantized_weights=(w1, w2))
     wrong = jax_dsrelu.quantize_expert_weights(w1[:, :, :128], w2[:, :128], RECIPE)
-    with pytest.raises(ValueError, match=r"quantized_weights.w1_up.values.shape must be"):
+    with pytest.raises(ValueError, match=r"quantized_weights.w1_up.values must be float8_e4m3fn of shape"):
         jax_dsrelu.moe_mlp(x, w1, w2, prob, SIZES, precision=RECIPE, quantized_weights=wrong)
+
+
+def test_a_precision_step_with_the_expert_width_split_over_devices_is_the_one_device_step():
+    # The quantized weights' 128-column blocks keep the width whole on each device
+    # (`Schema.whole_when`): a split would hand a device columns without their scales.
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    x, w1, w2, prob, b1, dy = inputs()
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    mesh = jax.make_mesh((2,), ("model",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+
+    def step(x, w1, w2):
+        def loss(x, w1, w2):
+            y = jax_dsrelu.moe_mlp(x, w1, w2, prob, sizes, precision=RECIPE, backend="xla")
+            return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w1, w2)
+
+    one_device = jax.jit(step)(x, w1, w2)
+    split = jax.jit(step)(x, jax.device_put(w1, NamedSharding(mesh, P(None, None, "model"))),
+                          jax.device_put(w2, NamedSharding(mesh, P(None, "model", None))))
+    for a, b in zip(jax.tree.leaves(one_device), jax.tree.leaves(split)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

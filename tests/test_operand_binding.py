@@ -125,7 +125,7 @@ def cases():
     return {
         "grouped_gemm_dsrelu": (
             dsrelu_step(a), dsrelu_plan(), {ROWS: M}, schema.GROUPED_GEMM_DSRELU,
-            dict(with_dbias=True, with_act=True, block_scaled=False, out_dtype=BF16),
+            dict(with_dbias=True, with_act=True, block_scaled=False, blockwise_scaled=False, out_dtype=BF16),
         ),
         "ragged_matmul": (
             (lambda x, w, g: ragged_matmul(x, w, g, rhs_layout="nk", out_dtype=BF16, backend="sm90"),

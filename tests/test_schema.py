@@ -9,7 +9,7 @@ from jax_dsrelu.primitives import schema
 
 
 def test_optional_results_and_operands_follow_their_flags():
-    params = dict(with_dbias=False, with_act=True, block_scaled=False, out_dtype=np.float16)
+    params = dict(with_dbias=False, with_act=True, block_scaled=False, blockwise_scaled=False, out_dtype=np.float16)
     s = schema.GROUPED_GEMM_DSRELU
     assert [f.name for f in s.operand_fields(params)] == [
         "grad", "weight", "preact", "prob", "group_sizes", "alpha"
@@ -48,7 +48,7 @@ def test_an_absent_bias_is_no_argument():
 
 def test_results_are_taken_by_name_and_checked_against_abstract_evaluation():
     s = schema.GROUPED_GEMM_DSRELU
-    params = dict(with_dbias=False, with_act=False, block_scaled=False, out_dtype=np.float16)
+    params = dict(with_dbias=False, with_act=False, block_scaled=False, blockwise_scaled=False, out_dtype=np.float16)
     operand_shapes = [(10, 4), (3, 6, 4), (10, 6), (10,), (3,), (3,)]
     arrays = dict(
         dh=np.zeros((10, 6), np.float16), dprob=np.zeros((10,), np.float32), amax=np.zeros((3,), np.float32),

@@ -52,13 +52,15 @@ class LayerBackends:
 
 def check_precision(name: str, precision) -> None:
     """Raises NotImplementedError when backend `name` cannot run the experts at
-    `precision` (a `quantization.schema.Recipe`, or None for the operands' own dtype):
-    no kernel backend has kernels for a recipe yet; "xla" runs one as
-    quantize-dequantize arithmetic, and "auto" picks that."""
+    `precision` (a `quantization.schema.Recipe`, or None for the operands' own dtype): no
+    kernel backend has kernels for every GEMM of a step at a recipe yet; "xla" runs one
+    as quantize-dequantize arithmetic, and "auto" runs each GEMM on a kernel where one
+    serves it, else on that path."""
     if precision is not None and name in KERNEL_BACKENDS:
         raise NotImplementedError(
-            f"backend={name!r} has no kernels for precision={precision.name} yet: backend='xla' runs it as "
-            f"quantize-dequantize arithmetic (docs/fp8.md), and backend='auto' picks that on every platform"
+            f"backend={name!r} has no kernels for every GEMM at precision={precision.name} yet: backend='xla' runs "
+            f"it as quantize-dequantize arithmetic, and backend='auto' runs each GEMM on a kernel where one serves "
+            f"it, else on that path (docs/fp8.md)"
         )
 
 

@@ -29,9 +29,9 @@ quantized, values and scales (the block-scaled `ragged_matmul` and `grouped_gemm
 weights stored (E, N, K)): on the XLA backend their references dequantize them, the same
 arithmetic; under backend "auto" on a Hopper GPU the FP8 kernels serve them once enabled
 (`kernels/sm90/backend.py`). The weight gradients run on the XLA reference
-(`layer_backends`). Every step has a fixed
-summation order, and amax maxima are exact in any order, so every result is bitwise
-reproducible whatever `deterministic` says. The quantizing passes here are what the FP8
+(`layer_backends`). On the XLA path every step has a fixed summation order and amax
+maxima are exact in any order, so every result is bitwise reproducible; the FP8 fused
+kernel sums dprob and db1 by atomics unless `deterministic=True`, as the 16-bit one does. The quantizing passes here are what the FP8
 kernels' epilogues will write instead.
 """
 
@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_dsrelu.kernels.registry import LayerBackends
 from jax_dsrelu.primitives import dsrelu, validation
@@ -158,11 +159,16 @@ def check_quantized_weights(quantized, w1: jax.Array, w2: jax.Array, recipe: Rec
     expected = {name: (w.shape[0], w.shape[dims[0]], w.shape[dims[1]])
                 for name, w, dims in (("w1_up", w1, (2, 1)), ("w1_dx", w1, (1, 2)), ("w2_down", w2, (2, 1)),
                                       ("w2_dsrelu", w2, (1, 2)))}
+    block = recipe.weights.block[0]
     for name, shape in expected.items():
-        seen = tuple(getattr(quantized, name).values.shape)
-        if seen != shape:
-            raise ValueError(f"quantized_weights.{name}.values.shape must be {shape} for w1 {w1.shape} and "
-                             f"w2 {w2.shape}, got {seen}")
+        weight = getattr(quantized, name)
+        scales = (shape[0], -(-shape[1] // block), -(-shape[2] // block))
+        for part, array, want, dtype in (("values", weight.values, shape, recipe.weights.element),
+                                         ("scales", weight.scales, scales, np.dtype(np.float32))):
+            seen = (tuple(array.shape), np.dtype(array.dtype))
+            if seen != (want, np.dtype(dtype)):
+                raise ValueError(f"quantized_weights.{name}.{part} must be {np.dtype(dtype).name} of shape {want} "
+                                 f"for w1 {w1.shape} and w2 {w2.shape}, got {seen[1].name} of shape {seen[0]}")
 
 
 def _quantized_weight(w: jax.Array, recipe: Recipe) -> tuple[jax.Array, jax.Array]:

@@ -61,6 +61,11 @@ def bind(
     """Operands by schema name (grad_scale and weight_scale None unless MXFP8,
     grad_block_scale and weight_block_scale None unless FP8_BLOCKWISE; grad_index None
     unless grad is read through it)."""
+    for grad_side, weight_side in (("grad_scale", "weight_scale"), ("grad_block_scale", "weight_block_scale")):
+        if (operands.get(grad_side) is None) != (operands.get(weight_side) is None):
+            raise ValueError(f"{grad_side} and {weight_side} come together or not at all, got "
+                             f"{grad_side} {'None' if operands.get(grad_side) is None else 'given'} and "
+                             f"{weight_side} {'None' if operands.get(weight_side) is None else 'given'}")
     block_scaled = operands.get("grad_scale") is not None
     blockwise_scaled = operands.get("grad_block_scale") is not None
     gathered = operands.get("grad_index") is not None

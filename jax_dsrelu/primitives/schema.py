@@ -84,12 +84,19 @@ class Field:
 @dataclasses.dataclass(frozen=True)
 class Schema:
     """A primitive's operands and results, in order; `kept_whole` dimensions are never
-    split across devices (see `jax_dsrelu.primitives.sharding`)."""
+    split across devices (see `jax_dsrelu.primitives.sharding`), nor those of
+    `whole_when` where its boolean static parameter is True."""
 
     name: str
     operands: tuple[Field, ...]
     results: tuple[Field, ...]
     kept_whole: tuple[str, ...]
+    whole_when: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (parameter, dimensions)
+
+    def whole(self, params: Mapping[str, Any]) -> tuple[str, ...]:
+        """The dimensions a call with these static parameters never splits."""
+        extra = [letter for flag, letters in self.whole_when if params.get(flag) for letter in letters]
+        return self.kept_whole + tuple(extra)
 
     def operand_fields(self, params: Mapping[str, Any]) -> tuple[Field, ...]:
         """The operands the primitive is bound with: the present ones, in order."""
@@ -213,6 +220,8 @@ GROUPED_GEMM_DSRELU = Schema(
     # k: a cross-device sum would come before the nonlinear epilogue; e: splitting the
     # experts of a ragged, row-ordered layout is not a sharding of its rows.
     kept_whole=("k", "e", "b", "p", "q", SOURCE_ROWS),
+    # FP8_BLOCKWISE: a device's columns of weight would need their own 128-column blocks.
+    whole_when=(("blockwise_scaled", ("n",)),),
 )
 
 # lhs (m, k) times expert e's rhs, stored (e, k, n) or (e, n, k).
@@ -230,6 +239,8 @@ RAGGED_MATMUL = Schema(
     operands=_RAGGED_MATMUL_OPERANDS + _BLOCK_SCALES + (_LHS_INDEX,),
     results=(Field("out", "m n", dtype="out_dtype"),),
     kept_whole=("k", "e", "p", "q", SOURCE_ROWS),
+    # Block-scaled: a device's columns of rhs would need their own 128-column blocks.
+    whole_when=(("block_scaled", ("n",)),),
 )
 
 RAGGED_MATMUL_SRELU = Schema(
@@ -244,6 +255,7 @@ RAGGED_MATMUL_SRELU = Schema(
     ),
     # k: the epilogue is nonlinear in the sum over k.
     kept_whole=("k", "e", "p", "q", SOURCE_ROWS),
+    whole_when=(("block_scaled", ("n",)),),
 )
 
 # Each side its own source: the weight gradients read x rows (dW1 = x^T dh) or dy rows

@@ -91,7 +91,7 @@ def partitioned(
         partition=partition,
         sharding_rule=", ".join(operand_dims) + " -> " + ", ".join(result_dims),
         # In the order the factors first appear in the rule, as Shardy requires.
-        need_replication_factors=tuple(dict.fromkeys(f for f in letters if f in schema.kept_whole)),
+        need_replication_factors=tuple(dict.fromkeys(f for f in letters if f in schema.whole(params))),
     )
     return computation
 
@@ -106,7 +106,7 @@ def factor_axes(
     taken: set[str] = set()
     for field, spec in zip(schema.operand_fields(params), specs):
         for letter, entry in zip(field.letters(params), spec):
-            if letter in schema.kept_whole or axes.get(letter):
+            if letter in schema.whole(params) or axes.get(letter):
                 continue
             chosen = tuple(
                 a for a in _axes(entry) if a not in taken and (usable is None or a in usable)

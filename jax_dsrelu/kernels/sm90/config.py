@@ -163,7 +163,7 @@ def _fp8_reason(kernel: str, request, out_dtypes) -> str | None:
     MAX_EXPERTS experts, n and k multiples of 16 (16-byte TMA rows of e4m3), an output
     dtype of `out_dtypes`."""
     if np.dtype(request.operand_dtype) != FP8:
-        return f"FP8_BLOCKWISE operands on sm90 are float8_e4m3fn, got {np.dtype(request.operand_dtype).name}"
+        return f"FP8_BLOCKWISE operands (A and B) on sm90 are float8_e4m3fn, got {np.dtype(request.operand_dtype).name}"
     if request.num_experts < 1 or request.num_experts > MAX_EXPERTS:
         return f"the sm90 kernels take 1 to {MAX_EXPERTS} experts, got E={request.num_experts}"
     for name, extent in (("n", request.n), ("k", request.k)):
