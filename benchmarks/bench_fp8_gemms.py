@@ -37,7 +37,6 @@ import harness
 import run_record
 import timing
 from harness import BF16, group_sizes_for
-from jax_dsrelu import groups
 from jax_dsrelu.kernels.request import RaggedMatmulRequest
 from jax_dsrelu.kernels.sm90 import backend as sm90_backend
 from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
@@ -69,10 +68,7 @@ def dequantized_product(lhs, lhs_scale, rhs, rhs_scale, sizes, with_bias, bias):
     represent (+ b1[e] for up): a dense GEMM per expert, never an (m, E, n) intermediate."""
     out = ragged_matmul(lhs, rhs, sizes, rhs_layout="nk", out_dtype=jnp.float32, backend="xla", lhs_scale=lhs_scale,
                         rhs_scale=rhs_scale)
-    if not with_bias:
-        return out
-    expert, owned = groups.row_experts(sizes, lhs.shape[0])
-    return out + jnp.where(owned[:, None], bias[expert], 0.0)
+    return out + harness.bias_rows(bias, sizes, lhs.shape[0]) if with_bias else out
 
 
 def checked_against(reference):
@@ -179,7 +175,6 @@ def main(argv=None):
     options = harness.parse(harness.parser(__doc__.splitlines()[0], reps=20, variants=VARIANTS,
                                            subsets={"gemms": GEMMS}), argv, SHAPES)
     if options.prebuild:
-        harness.prepare_prebuild()
         for m, d, f, num_experts in options.shapes:
             for gemm in options.gemms:
                 k, n = (d, f) if gemm == "up" else (f, d)

@@ -35,7 +35,6 @@ import run_record
 import timing
 from harness import BF16, group_sizes_for, operand_shapes
 import jax_dsrelu
-from jax_dsrelu import groups
 from jax_dsrelu.kernels import registry as backend_choice
 from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest
 
@@ -104,7 +103,7 @@ class RaggedMatmul:
     def reference(self, operands) -> dict:
         reference = accumulated(self, operands, terms=operands[self.lhs].shape[1])
         if self.epilogue == "srelu":
-            reference["bias"] = jax.jit(bias_rows, static_argnums=2)(
+            reference["bias"] = jax.jit(harness.bias_rows, static_argnums=2)(
                 operands["b1"], operands["group_sizes"], operands[self.lhs].shape[0])
         return reference
 
@@ -163,11 +162,6 @@ def accumulated(spec, operands, terms) -> dict:
     lhs, rhs, sizes = (operands[n] for n in (spec.lhs, spec.rhs, "group_sizes"))
     accumulate = jax.jit(spec.xla_accumulator)
     return dict(acc=accumulate(lhs, rhs, sizes), bound=accumulate(jnp.abs(lhs), jnp.abs(rhs), sizes), terms=terms)
-
-
-def bias_rows(b1, group_sizes, num_rows):
-    expert, owned = groups.row_experts(group_sizes, num_rows)
-    return jnp.where(owned[:, None], b1[expert], 0.0)
 
 
 def activation_f32(h, prob):
@@ -336,7 +330,6 @@ def bench_gemm(gemm, shape, operands, reps, clock, out_dtype, selected) -> dict:
 
 def prebuild(shapes, gemms, variants, out_dtype) -> None:
     """Lowers the selected sm90 variants at these shapes for cuda, which builds and caches their kernels."""
-    harness.prepare_prebuild()
     for shape, gemm in itertools.product(shapes, gemms):
         described = operand_shapes(*shape)
         for variant in gemm_variants(gemm, described, out_dtype):

@@ -180,7 +180,6 @@ LAYER_VARIANTS = ("xla", "sm90", "sm90_det")
 
 def prebuild(shapes, variants, modes) -> None:
     """Lowers the selected moe_mlp variants' steps and forwards for cuda, building their kernels."""
-    harness.prepare_prebuild()
     for shape, variant, mode in itertools.product(shapes, [v for v in variants if v in LAYER_VARIANTS], modes):
         fn, names = computation(variant, mode)
         harness.lower_for_cuda(f"bench_layer {variant} {mode} {shape}", fn, *(operand_shapes(*shape)[n] for n in names))

@@ -212,7 +212,6 @@ def run_variant(block, variant, operands, reference, reps, clock) -> tuple[dict,
 
 def prebuild(blocks, variants) -> None:
     """Lowers the kernel variants' steps for cuda, which builds and caches their kernels."""
-    harness.prepare_prebuild()
     for block, variant in itertools.product(blocks, [v for v in variants if v in KERNEL_VARIANTS]):
         fn, names = computation(block, variant)
         with sm90_backend.unverified_enabled(on=variant.startswith("gathered")):

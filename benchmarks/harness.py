@@ -1,8 +1,7 @@
-"""What every benchmark shares: its options, shapes and groupings, the loop that measures row
-after row into one record (`<benchmark>.json` in --out, or `<benchmark>_<label>.json`) and a
-plot, the pieces of a measurement (memory, errors), and the prebuild of its kernels on a
-machine without a GPU (`lower_for_cuda`). The record is rewritten after every piece of a
-row, so a run cut short keeps what it measured.
+"""What every benchmark shares: its options, shapes and groupings, the loop that measures row after row into one
+record (`<benchmark>.json` in --out, or `<benchmark>_<label>.json`) and a plot, the pieces of a measurement
+(memory, errors), and the prebuild of its kernels on a machine without a GPU (`lower_for_cuda`). The record is
+rewritten after every piece of a row, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import numpy as np
 
 import run_record
 import timing
+from jax_dsrelu import groups
 from jax_dsrelu.kernels import registry as backend_choice
 
 # (m, d, f, E): few large experts, then fine-grained MoE (Nemotron-3 Nano's 128 experts of
@@ -37,6 +37,7 @@ BF16 = np.dtype(jnp.bfloat16)
 # XLA fuses a GEMM into a Triton kernel of its own where its autotuner finds one faster,
 # and otherwise calls cuBLAS; with the fusion off every GEMM is cuBLAS's.
 CUBLAS_ONLY = {"xla_gpu_enable_triton_gemm": False}
+MEMORY = "XLA memory analysis of the compiled computation: arguments + outputs + temporaries - aliased"
 
 
 def group_sizes_for(grouping, m, num_experts, seed) -> np.ndarray:
@@ -44,9 +45,7 @@ def group_sizes_for(grouping, m, num_experts, seed) -> np.ndarray:
     if grouping in ("dirichlet", "rounded128"):
         sizes = np.floor(np.random.default_rng(seed).dirichlet(np.ones(num_experts)) * m).astype(np.int64)
         sizes[np.argmax(sizes)] += m - sizes.sum()
-        if grouping == "rounded128":
-            sizes = sizes // 128 * 128
-        return sizes.astype(np.int32)
+        return (sizes // 128 * 128 if grouping == "rounded128" else sizes).astype(np.int32)
     if grouping != "equal" or m % num_experts:
         raise ValueError(f"grouping must be 'dirichlet', 'rounded128', or 'equal' with m % E == 0; got {grouping!r}, "
                          f"m={m}, E={num_experts}")
@@ -63,30 +62,25 @@ def operand_shapes(m, d, f, num_experts) -> dict[str, jax.ShapeDtypeStruct]:
                 group_sizes=s((num_experts,), jnp.int32))
 
 
-def parse_shapes(text):
-    return [tuple(int(v) for v in s.split(",")) for s in text.split(";")]
-
-
 def parser(description: str, *, reps: int, variants: tuple[str, ...] = (), optional_variants: tuple[str, ...] = (),
            shaped: bool = True, subsets: dict[str, tuple[str, ...]] | None = None) -> argparse.ArgumentParser:
     """The options every benchmark takes. --variants picks among `variants` (its default) and
     `optional_variants`, each of `subsets` (--gemms, say) likewise; one not `shaped` takes no --shapes."""
     parser = argparse.ArgumentParser(description=description)
-    parser.subsets = dict(subsets or {}, **({"variants": variants + optional_variants} if variants else {}))
-    for option, allowed in (subsets or {}).items():
-        parser.add_argument(f"--{option}", default=",".join(allowed), help=f"comma-separated subset of {','.join(allowed)}")
+    parser.subsets = dict(subsets or {}, **(dict(groups=GROUPINGS) if shaped else {}),
+                          **({"variants": variants + optional_variants} if variants else {}))
+    defaults = dict(groups="dirichlet", variants=",".join(variants))
+    for option, allowed in parser.subsets.items():
+        parser.add_argument(f"--{option}", default=defaults.get(option, ",".join(allowed)),
+                            help=f"comma-separated subset of {','.join(allowed)}")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--label", default="", help="the record is <benchmark>_<label>.json (default <benchmark>.json)")
     parser.add_argument("--reps", type=int, default=reps)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit", default=None)
     if shaped:
-        parser.add_argument("--shapes", type=parse_shapes, default=None, help="m,d,f,E;... (default: the benchmark's)")
-        parser.add_argument("--groups", default="dirichlet", help=f"comma-separated subset of {','.join(GROUPINGS)}")
-        parser.subsets["groups"] = GROUPINGS
-    if variants:
-        parser.add_argument("--variants", default=",".join(variants),
-                            help=f"comma-separated subset of {','.join(variants + optional_variants)}")
+        parser.add_argument("--shapes", type=lambda text: [tuple(map(int, s.split(","))) for s in text.split(";")],
+                            default=None, help="m,d,f,E;... (default: the benchmark's)")
     parser.add_argument("--prebuild", action="store_true",
                         help="lower the selected kernels for cuda here (no GPU) to fill JAX_DSRELU_KERNEL_CACHE, then stop")
     parser.add_argument("--cpu", action="store_true",
@@ -122,8 +116,7 @@ def png_path(options, benchmark: str) -> str:
 
 def start_record(options, **fields) -> tuple[dict, str, Callable[[], str]]:
     """(the record, its clock, save): the run's header and `fields`; save() rewrites it."""
-    clock = timing.clock_for(options.cpu)
-    started = time.time()
+    clock, started = timing.clock_for(options.cpu), time.time()
     result = dict(run_record.header(options.commit, timing.DESCRIPTIONS[clock]), clock=clock, **fields)
     name = record_name(fields["benchmark"], options.label)
 
@@ -135,8 +128,8 @@ def start_record(options, **fields) -> tuple[dict, str, Callable[[], str]]:
 
 
 def run(options, measure_row: Callable, plot: Callable, part: str, **fields) -> None:
-    """Measures every (shape, grouping) row into the benchmark's record and its PNG, and prints
-    them by `part`: measure_row(shape, grouping, row, clock, save) fills `row`, saving after each piece."""
+    """Measures every (shape, grouping) row into the record and its PNG (measure_row(shape, grouping, row,
+    clock, save) fills `row`, saving after each piece), then prints each variant's ms (TFLOP/s) by `part`."""
     result, clock, save = start_record(options, **fields)
     rows = result.setdefault("shapes", [])
     for shape, grouping in itertools.product(options.shapes, options.groups):
@@ -144,15 +137,6 @@ def run(options, measure_row: Callable, plot: Callable, part: str, **fields) -> 
         measure_row(shape, grouping, row, clock, save)
         save()
         plot(rows, png_path(options, fields["benchmark"]), f"{fields['title']}, {result['device']} ({clock})")
-    summarize(rows, part)
-
-
-def row_title(row: dict) -> str:
-    return " ".join(f"{key}={value}" for key, value in row["shape"].items())
-
-
-def summarize(rows: list[dict], part: str) -> None:
-    """Prints each row's times: per GEMM or mode (`part`), every variant's ms (TFLOP/s)."""
     for row in rows:
         print(f"{row_title(row)} {row['grouping']}   ms (TFLOP/s)")
         for name, entry in row[part].items():
@@ -161,22 +145,23 @@ def summarize(rows: list[dict], part: str) -> None:
             print(f"  {name:<8} " + "  ".join(cells))
 
 
+def row_title(row: dict) -> str:
+    return " ".join(f"{key}={value}" for key, value in row["shape"].items())
+
+
 def plot_bars(panels: list[tuple[str, list[str], dict[str, list[float]]]], path: str, title: str, ylabel: str) -> None:
     """One bar chart per panel (title, x labels, {series: values}); 0 marks a failed or missing value."""
     import matplotlib
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.2 * len(panels)), squeeze=False)
     for ax, (name, labels, series) in zip(axes[:, 0], panels):
         width = 0.8 / max(len(series), 1)
         for index, (variant, values) in enumerate(series.items()):
             x = np.arange(len(labels)) + (index - (len(series) - 1) / 2) * width
             ax.bar(x, values, width, label=variant)
-            for xi, value in zip(x, values):
-                if not value:
-                    ax.text(xi, 0, "x", ha="center", va="bottom", fontsize=7)
+            for xi in x[np.asarray(values) == 0]:
+                ax.text(xi, 0, "x", ha="center", va="bottom", fontsize=7)
         ax.set_title(name, fontsize=9)
         ax.set_xticks(np.arange(len(labels)), labels, fontsize=7)
         ax.set_ylabel(ylabel)
@@ -189,15 +174,11 @@ def plot_bars(panels: list[tuple[str, list[str], dict[str, list[float]]]], path:
 
 def memory(compiled) -> dict:
     """Peak device memory of a compiled computation by XLA's memory analysis."""
-    stats = compiled.memory_analysis()
-    if stats is None:
+    if (stats := compiled.memory_analysis()) is None:
         return {"unavailable": "this backend gives no memory analysis"}
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
     entry = {field: int(getattr(stats, field)) for field in fields}
     return dict(entry, peak_bytes=sum(entry[field] for field in fields[:3]) - entry["alias_size_in_bytes"])
-
-
-MEMORY = "XLA memory analysis of the compiled computation: arguments + outputs + temporaries - aliased"
 
 
 def measure(fn, args, reps, clock, *, check=None, compiler_options=None, flops=None) -> tuple[dict, object]:
@@ -222,6 +203,12 @@ def measure(fn, args, reps, clock, *, check=None, compiler_options=None, flops=N
         return entry, outputs
     except Exception as error:  # recorded; the next variant runs
         return dict(entry, **run_record.error_entry(error, stage)), None
+
+
+def bias_rows(b1, group_sizes, num_rows):
+    """Each row's expert's bias, b1[e] (E, n), and 0 for the rows past the experts' sum."""
+    expert, owned = groups.row_experts(group_sizes, num_rows)
+    return jnp.where(owned[:, None], b1[expert], 0.0)
 
 
 def digest(tree) -> str:
@@ -250,18 +237,12 @@ def shapes_of(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
-def prepare_prebuild() -> str:
-    """Checks that compiled kernels will be kept; targets sm_90a (read when CuTe DSL is first imported)."""
-    directory = os.environ.get(CACHE_VARIABLE)
-    if not directory:
-        raise SystemExit(f"--prebuild needs {CACHE_VARIABLE} set to the kernel cache directory")
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    return directory
-
-
 def lower_for_cuda(name: str, fn: Callable, *shapes) -> bool:
-    """Lowers fn at these shapes for cuda; prints and returns whether it lowered. A kernel its
-    backend does not serve yet is reported and skipped, so the others are still built."""
+    """Lowers fn at these shapes for cuda into the kernel cache, which must be named; prints and returns
+    whether it lowered. A kernel its backend does not serve yet is reported and skipped, so the others are still built."""
+    if not os.environ.get(CACHE_VARIABLE):
+        raise SystemExit(f"--prebuild needs {CACHE_VARIABLE} set to the kernel cache directory")
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # read when CuTe DSL is first imported
     # A function jitted already keeps its own jit options (compiler options may only sit
     # on the outermost jit), so it is lowered as it is.
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)

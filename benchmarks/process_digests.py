@@ -95,7 +95,6 @@ def digests_of(fn, operands, output_names, unverified, runs) -> dict:
 
 def prebuild(backends) -> None:
     """Lowers every computation for cuda, building the kernels they call (small operands, made here)."""
-    harness.prepare_prebuild()
     for name, fn, operands, _, unverified in computations(backends):
         with sm90_backend.unverified_enabled(on=unverified):
             harness.lower_for_cuda(f"process_digests {name}", fn, *harness.shapes_of(operands))

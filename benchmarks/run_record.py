@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import pathlib
 import platform
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import jax
 
 # Enough of a message to say what failed; whole tracebacks go to the log.
 ERROR_CHARS = 600
+# A record above this size is written gzipped (.json.gz): XLA's own path records hundreds of launches.
+GZIP_BYTES = 256 * 1024
 
 
 def git_commit() -> str:
@@ -50,10 +53,6 @@ def best_of(tried: list[dict]) -> dict:
                                for e in tried])
 
 
-# A record above this size is written gzipped (.json.gz): XLA's own path records hundreds of launches.
-GZIP_BYTES = 256 * 1024
-
-
 def write_json(result: dict, directory: str, name: str) -> str:
     """Writes `result` as directory/name without whitespace (committed records: indented is 60%
     larger), gzipped as name + ".gz" where large; the record's other form is removed."""
@@ -64,15 +63,12 @@ def write_json(result: dict, directory: str, name: str) -> str:
         path, data = path + ".gz", gzip.compress(data, mtime=0)
     else:
         stale += ".gz"
-    with open(path, "wb") as file:
-        file.write(data)
-    if os.path.exists(stale):
-        os.remove(stale)
+    pathlib.Path(path).write_bytes(data)
+    pathlib.Path(stale).unlink(missing_ok=True)
     return path
 
 
 def load(path) -> dict:
     """A record written by write_json, gzipped or not."""
-    with open(path, "rb") as file:
-        data = file.read()
+    data = pathlib.Path(path).read_bytes()
     return json.loads(gzip.decompress(data) if str(path).endswith(".gz") else data)

@@ -8,7 +8,6 @@ plumbing test is timed by a wall clock, and its record says WALL CLOCK in its he
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import re
 import statistics
@@ -19,10 +18,8 @@ import jax
 
 CUPTI = "cupti"
 WALL_CLOCK = "wall_clock"
-DESCRIPTIONS = {
-    CUPTI: "CUPTI kernel time per call (the sum of the kernels it launches), median of reps after warm-up",
-    WALL_CLOCK: "WALL CLOCK on the CPU: a test of the script's plumbing, not a measurement",
-}
+DESCRIPTIONS = {CUPTI: "CUPTI kernel time per call (the sum of the kernels it launches), median of reps after warm-up",
+                WALL_CLOCK: "WALL CLOCK on the CPU: a test of the script's plumbing, not a measurement"}
 KERNEL_NAME_CHARS = 120  # of a mangled CuTe DSL kernel name (hundreds): the head identifies it
 # A GEMM kernel, by its name: cuBLAS's (nvjet_sm90_*, sm90_xmma_gemm_*), XLA's Triton GEMM
 # fusions, CUTLASS's and QuACK's (GemmDefaultSm90), ours (RaggedGemmSm90, GroupedGemmDsreluSm90,
@@ -117,9 +114,7 @@ def _timing(launches: list[list[tuple[str, float]]]) -> Timing:
 
 def kernel_summary(kernels: list[tuple[str, float]], top: int = 8) -> list[list]:
     """Time per kernel name (launches of one name added), largest first; the rest as one row."""
-    by_name = collections.Counter()
-    for name, ms in kernels:
-        by_name[name] += ms
+    by_name = {name: sum(ms for n, ms in kernels if n == name) for name, _ in kernels}
     ranked = sorted(by_name.items(), key=lambda item: -item[1])
     rows = [[name, ms] for name, ms in ranked[:top]]
     if len(ranked) > top:
