@@ -26,7 +26,8 @@ accumulation and one bf16 rounding, tests/test_sm90_fp8.py derives the elementwi
 from __future__ import annotations
 
 import dataclasses
-import sys
+import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,8 @@ def operands(m, k, n, num_experts, seed, grouping):
                 rhs_scale=rhs_scale, prob=jax.random.uniform(keys[2], (m,), jnp.float32, 0.05, 1.0),
                 bias=0.1 * jax.random.normal(keys[3], (num_experts, n), jnp.float32),
                 group_sizes=jnp.asarray(group_sizes_for(grouping, m, num_experts, seed)),
-                dense_bf16=weight_nk[0].T, dense_fp8=rhs[0], dense_scale=jnp.max(rhs_scale[0]))
+                dense_bf16=weight_nk[0].T, dense_fp8=rhs[0], dense_scale=jnp.max(rhs_scale[0]),
+                lhs_scale_max=jnp.max(lhs_scale))
 
 
 def dequantized_product(lhs, lhs_scale, rhs, rhs_scale, sizes, with_bias, bias):
@@ -71,11 +73,9 @@ def dequantized_product(lhs, lhs_scale, rhs, rhs_scale, sizes, with_bias, bias):
     return out + harness.bias_rows(bias, sizes, lhs.shape[0]) if with_bias else out
 
 
-def checked_against(reference):
-    def check(outputs):
-        error = float(harness.relative_error(outputs, reference))
-        return dict(relative_error=error), error <= TOLERANCE
-    return check
+def checked_against(reference, outputs):
+    error = float(harness.relative_error(outputs, reference))
+    return dict(relative_error=error), error <= TOLERANCE
 
 
 def gemm_functions(gemm):
@@ -83,11 +83,8 @@ def gemm_functions(gemm):
     srelu = gemm == "up"
 
     def ours(lhs, rhs, sizes, prob, bias, lhs_scale=None, rhs_scale=None, layout="kn"):
-        if srelu:
-            return ragged_matmul_srelu(lhs, rhs, sizes, prob, bias, rhs_layout=layout, out_dtype=BF16, backend="sm90",
-                                       lhs_scale=lhs_scale, rhs_scale=rhs_scale)[0]
-        return ragged_matmul(lhs, rhs, sizes, rhs_layout=layout, out_dtype=BF16, backend="sm90", lhs_scale=lhs_scale,
-                             rhs_scale=rhs_scale)
+        kw = dict(rhs_layout=layout, out_dtype=BF16, backend="sm90", lhs_scale=lhs_scale, rhs_scale=rhs_scale)
+        return ragged_matmul_srelu(lhs, rhs, sizes, prob, bias, **kw)[0] if srelu else ragged_matmul(lhs, rhs, sizes, **kw)
 
     def cublas_fp8(a, b, a_scale, b_scale):
         up = lambda x, s: x.astype(BF16) * s.astype(BF16)  # noqa: E731
@@ -112,7 +109,7 @@ def gemm_functions(gemm):
     }
 
 
-def torch_fp8(t, reps):
+def torch_fp8(t, reps, flops):
     """torch._scaled_mm's entry: the dense FP8 GEMM of the same FLOPs, per-tensor scales."""
     try:
         import torch
@@ -122,77 +119,65 @@ def torch_fp8(t, reps):
         one = torch.ones((), dtype=torch.float32, device=a.device)
         entry = timing.time_launches(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16),
                                      torch.cuda.synchronize, reps).record()
-        return dict(entry, scaling="per-tensor float32 scales (cuBLASLt)", torch=torch.__version__)
+        return dict(entry, scaling="per-tensor float32 scales (cuBLASLt)", torch=torch.__version__,
+                    tflops=timing.tflops(flops, entry["ms"]))
     except Exception as error:  # recorded; the other variants stand
         return run_record.error_entry(error, "torch")
 
 
-def measure_row(options):
-    def measure(shape, grouping, row, clock, save):
-        m, d, f, num_experts = shape
-        row["gemms"] = {}
-        for gemm in options.gemms:
-            k, n = (d, f) if gemm == "up" else (f, d)
-            t = operands(m, k, n, num_experts, options.seed, grouping)
-            t["lhs_scale_max"] = jnp.max(t["lhs_scale"])
-            flops = 2.0 * m * k * n
-            entry = row["gemms"][gemm] = dict(flops=flops, variants={})
-            reference = jax.jit(dequantized_product, static_argnums=5)(
-                t["lhs"], t["lhs_scale"], t["rhs"], t["rhs_scale"], t["group_sizes"], gemm == "up", t["bias"])
-            for variant, (fn, names) in gemm_functions(gemm).items():
-                if variant not in options.variants:
-                    continue
-                check = checked_against(reference) if variant.startswith("sm90_fp8") else None
-                with sm90_backend.unverified_enabled("fp8", on=variant.startswith("sm90_fp8")):
-                    result, _ = harness.measure(fn, tuple(t[name] for name in names), options.reps, clock, check=check,
-                                                compiler_options=harness.CUBLAS_ONLY, flops=flops)
-                if variant == "cublas_fp8" and "error" not in result:
-                    hlo = jax.jit(fn, compiler_options=harness.CUBLAS_ONLY).lower(
-                        *(t[name] for name in names)).compile().as_text()
-                    result["hlo_fp8_call"] = "f8e4m3" in hlo and "cublas" in hlo
-                entry["variants"][variant] = result
-                save()
-            if "torch_fp8" in options.variants and clock == timing.CUPTI:
-                torch_entry = entry["variants"]["torch_fp8"] = torch_fp8(t, options.reps)
-                if "ms" in torch_entry:
-                    torch_entry["tflops"] = timing.tflops(flops, torch_entry["ms"])
-            times = {v: r["ms"] for v, r in entry["variants"].items() if "ms" in r}
-            entry["ratios"] = {f"{a}/{b}": times[a] / times[b] for a, b in (
-                ("sm90_fp8", "sm90"), ("sm90_fp8", "sm90_fp8_between"), ("sm90_fp8", "cublas_fp8"), ("sm90_fp8", "torch_fp8"), ("cublas_fp8", "cublas_bf16"),
-                ("quantize", "sm90_fp8")) if a in times and b in times}
+def measure_row(options, shape, grouping, row, clock, save):
+    m, d, f, num_experts = shape
+    row["gemms"] = {}
+    for gemm in options.gemms:
+        k, n = (d, f) if gemm == "up" else (f, d)
+        t = operands(m, k, n, num_experts, options.seed, grouping)
+        flops = 2.0 * m * k * n
+        entry = row["gemms"][gemm] = dict(flops=flops, variants={})
+        reference = jax.jit(dequantized_product, static_argnums=5)(
+            t["lhs"], t["lhs_scale"], t["rhs"], t["rhs_scale"], t["group_sizes"], gemm == "up", t["bias"])
+        for variant, (fn, names) in gemm_functions(gemm).items():
+            if variant not in options.variants:
+                continue
+            args, fp8 = tuple(t[name] for name in names), variant.startswith("sm90_fp8")
+            with sm90_backend.unverified_enabled("fp8", on=fp8):
+                result, _ = harness.measure(fn, args, options.reps, clock, compiler_options=harness.CUBLAS_ONLY, flops=flops,
+                                            check=functools.partial(checked_against, reference) if fp8 else None)
+            if variant == "cublas_fp8" and "error" not in result:
+                hlo = jax.jit(fn, compiler_options=harness.CUBLAS_ONLY).lower(*args).compile().as_text()
+                result["hlo_fp8_call"] = "f8e4m3" in hlo and "cublas" in hlo
+            entry["variants"][variant] = result
             save()
-    return measure
+        if "torch_fp8" in options.variants and clock == timing.CUPTI:
+            entry["variants"]["torch_fp8"] = torch_fp8(t, options.reps, flops)
+        times = {v: r["ms"] for v, r in entry["variants"].items() if "ms" in r}
+        entry["ratios"] = {f"{a}/{b}": times[a] / times[b] for a, b in (
+            ("sm90_fp8", "sm90"), ("sm90_fp8", "sm90_fp8_between"), ("sm90_fp8", "cublas_fp8"), ("sm90_fp8", "torch_fp8"),
+            ("cublas_fp8", "cublas_bf16"), ("quantize", "sm90_fp8")) if a in times and b in times}
+        save()
 
 
 def plot(rows, path, title):
-    labels = [f"{harness.row_title(r)}" for r in rows]
-    panels = [(f"{gemm}: ms", labels, {v: [r["gemms"].get(gemm, {}).get("variants", {}).get(v, {}).get("ms", 0.0)
-                                            for r in rows] for v in VARIANTS}) for gemm in GEMMS]
+    panels = [(f"{gemm}: ms", [harness.row_title(r) for r in rows],
+               {v: [r["gemms"].get(gemm, {}).get("variants", {}).get(v, {}).get("ms", 0.0) for r in rows] for v in VARIANTS})
+              for gemm in GEMMS]
     harness.plot_bars(panels, path, title, "ms")
 
 
 def main(argv=None):
     options = harness.parse(harness.parser(__doc__.splitlines()[0], reps=20, variants=VARIANTS,
                                            subsets={"gemms": GEMMS}), argv, SHAPES)
-    if options.prebuild:
-        for m, d, f, num_experts in options.shapes:
-            for gemm in options.gemms:
-                k, n = (d, f) if gemm == "up" else (f, d)
-                s = jax.ShapeDtypeStruct
-                shapes = dict(lhs=s((m, k), E4M3), rhs=s((num_experts, n, k), E4M3), group_sizes=s((num_experts,), jnp.int32),
-                              prob=s((m,), jnp.float32), bias=s((num_experts, n), jnp.float32),
-                              lhs_scale=s((m, -(-k // 128)), jnp.float32),
-                              rhs_scale=s((num_experts, -(-n // 128), -(-k // 128)), jnp.float32),
-                              rows=s((m, k), BF16), weight_kn=s((num_experts, k, n), BF16))
-                for variant, (fn, names) in gemm_functions(gemm).items():
-                    if not variant.startswith("sm90"):
-                        continue
+    if options.prebuild:  # our variants lowered at the operands' shapes, which builds their kernels
+        for (m, d, f, num_experts), gemm in itertools.product(options.shapes, options.gemms):
+            k, n = (d, f) if gemm == "up" else (f, d)
+            shapes = jax.eval_shape(lambda: operands(m, k, n, num_experts, 0, "dirichlet"))
+            for variant, (fn, names) in gemm_functions(gemm).items():
+                if variant.startswith("sm90"):
                     with sm90_backend.unverified_enabled("fp8", on=variant.startswith("sm90_fp8")):
                         harness.lower_for_cuda(f"{gemm} {variant} {(m, d, f, num_experts)}", fn, *(shapes[x] for x in names))
         return
-    harness.run(options, measure_row(options), plot, "gemms", benchmark="bench_fp8_gemms",
+    harness.run(options, functools.partial(measure_row, options), plot, "gemms", benchmark="bench_fp8_gemms",
                 title="FP8 ragged-M GEMMs", tolerance=TOLERANCE, shapes_asked=[list(s) for s in options.shapes])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

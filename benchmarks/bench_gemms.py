@@ -1,12 +1,11 @@
 """Times the six grouped GEMMs of an MoE layer step against their alternatives, on one GPU.
 
-At each layer shape (m, d, f, E) and grouping (--groups), on one set of bf16 inputs, each GEMM
-(2 m d f FLOPs): up (h, act = srelu(x W1[e] + b1[e]), fused), down (act W2[e]), dsrelu
-(grouped_gemm_dsrelu(dy, W2, h, prob): dh, dprob, db1, act), dx (dh W1[e]^T, W1 read in
-place), dw1 (x_e^T dh_e) and dw2 (act_e^T dy_e); by sm90 (ours; sm90_det for dsrelu),
-cublas_dense (one dense bf16 GEMM of the same FLOPs), cublas_batched (E batches of m / E
-rows) and, when --variants names it, quack (quack_gemms.py); precision.py states each. Ours
-are checked against XLA's float32 result before they are timed (`compare`).
+At each layer shape (m, d, f, E) and grouping (--groups), on one set of bf16 inputs, each GEMM (2 m d f FLOPs): up
+(h, act = srelu(x W1[e] + b1[e]), fused), down (act W2[e]), dsrelu (grouped_gemm_dsrelu(dy, W2, h, prob): dh,
+dprob, db1, act), dx (dh W1[e]^T, W1 read in place), dw1 (x_e^T dh_e) and dw2 (act_e^T dy_e); by sm90 (ours;
+sm90_det for dsrelu), cublas_dense (one dense bf16 GEMM of the same FLOPs), cublas_batched (E batches of m / E
+rows) and, when --variants names it, quack (quack_gemms.py); precision.py states each. Ours are checked against
+XLA's float32 result before they are timed (`compare`).
 
     python benchmarks/bench_gemms.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_gemms.py --prebuild
@@ -17,6 +16,7 @@ writes bench_gemms.json (bench_gemms_<label>.json with --label) and its PNG.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -51,6 +51,9 @@ F32_ROUNDOFF = 2.0**-24
 DSRELU_TOLERANCE = {"dh": 2.0**-6, "act": 2.0**-6, "dprob": 2.0**-10, "dbias": 2.0**-10, "amax": 2.0**-6}
 RAGGED_ROWS_CONTRACTED = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+# One way to compute a GEMM: build() (which may raise: then the variant is an error entry) gives a
+# function of the named operands; ours are checked.
+Variant = collections.namedtuple("Variant", ("name", "build", "operands"))
 
 
 def make_operands(m, d, f, num_experts, seed, grouping="dirichlet") -> dict[str, jax.Array]:
@@ -80,8 +83,7 @@ class RaggedMatmul:
     def operand_names(self):
         return (self.lhs, self.rhs, "group_sizes") + (("prob", "b1") if self.epilogue == "srelu" else ())
 
-    def request(self, shapes, contract_out_dtype):
-        del contract_out_dtype  # the ragged-M outputs are in the operand dtype, as moe_mlp's are
+    def request(self, shapes, contract_out_dtype):  # the ragged-M outputs in the operand dtype, as moe_mlp's are
         lhs, rhs = shapes[self.lhs], shapes[self.rhs]
         return RaggedMatmulRequest(num_experts=rhs.shape[0], k=lhs.shape[1], n=rhs.shape[2 if self.rhs_layout == "kn" else 1],
                                    rhs_layout=self.rhs_layout, operand_dtype=np.dtype(lhs.dtype), out_dtype=BF16,
@@ -115,7 +117,7 @@ class RaggedMatmul:
         # Rounding scale |acc| + |b1|: one rounding of acc + b1, or two where acc is rounded first.
         checks = dict(h=compare(outputs[0], acc + bias, jnp.abs(acc) + jnp.abs(bias), bound, terms))
         # act is made from the h the kernel stored: relu(h)^2 prob in float32, rounded once.
-        expected = jax.jit(activation_f32)(outputs[0], operands["prob"])
+        expected = jax.jit(activation, static_argnums=2)(outputs[0], operands["prob"], jnp.float32)
         checks["act"] = compare(outputs[1], expected, jnp.abs(expected), jnp.zeros_like(expected), 0)
         return checks
 
@@ -135,16 +137,13 @@ class RaggedContract:
         return RaggedContractRequest(num_experts=shapes["group_sizes"].shape[0], a=lhs.shape[1], b=rhs.shape[1],
                                      operand_dtype=np.dtype(lhs.dtype), out_dtype=np.dtype(contract_out_dtype))
 
-    @staticmethod
-    def xla_accumulator(lhs, rhs, group_sizes):
+    def xla_accumulator(self, lhs, rhs, group_sizes):
         return lax.ragged_dot_general(lhs, rhs, group_sizes, RAGGED_ROWS_CONTRACTED, preferred_element_type=jnp.float32)
 
-    @staticmethod
-    def dense(lhs, rhs):
+    def dense(self, lhs, rhs):
         return lax.dot_general(lhs, rhs, (((0,), (0,)), ((), ())))
 
-    @staticmethod
-    def batched(lhs, rhs, batches):
+    def batched(self, lhs, rhs, batches):
         """lhs_e^T rhs_e over E batches of m / E rows."""
         lhs, rhs = lhs.reshape(batches, -1, lhs.shape[1]), rhs.reshape(batches, -1, rhs.shape[1])
         return lax.dot_general(lhs, rhs, (((1,), (1,)), ((0,), (0,))))
@@ -164,31 +163,23 @@ def accumulated(spec, operands, terms) -> dict:
     return dict(acc=accumulate(lhs, rhs, sizes), bound=accumulate(jnp.abs(lhs), jnp.abs(rhs), sizes), terms=terms)
 
 
-def activation_f32(h, prob):
+def activation(h, prob, dtype=None):
+    """act = relu(h)^2 prob in float32 from the rounded h, rounded to `dtype` (default h's, as moe_mlp makes it)."""
     r = jnp.maximum(h.astype(jnp.float32), 0.0)
-    return r * r * prob[:, None]
+    return (r * r * prob[:, None]).astype(dtype or h.dtype)
 
 
-def activation(h, prob):
-    """act = relu(h)^2 prob from the rounded h, rounded to h's dtype (as moe_mlp makes it)."""
-    return activation_f32(h, prob).astype(h.dtype)
-
-
-MATMULS = {
-    "up": RaggedMatmul("x", "w1", "kn", "w1_dense", epilogue="srelu"),
-    "down": RaggedMatmul("act", "w2", "kn", "w2_dense"),
-    "dx": RaggedMatmul("dh", "w1", "nk", "w1_dense"),
-    "dw1": RaggedContract("x", "dh"),
-    "dw2": RaggedContract("act", "dy"),
-}
+MATMULS = {"up": RaggedMatmul("x", "w1", "kn", "w1_dense", epilogue="srelu"),
+           "down": RaggedMatmul("act", "w2", "kn", "w2_dense"), "dx": RaggedMatmul("dh", "w1", "nk", "w1_dense"),
+           "dw1": RaggedContract("x", "dh"), "dw2": RaggedContract("act", "dy")}
 DSRELU_OPERANDS = ("dy", "w2", "h", "prob", "group_sizes")
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype",))
-def _compare(ours, reference, scale, accumulation_bound, terms, out_dtype):
+@jax.jit
+def _compare(ours, reference, scale, accumulation_bound, terms):
     error = jnp.abs(ours.astype(jnp.float32) - reference)
     tiny = np.finfo(np.float32).tiny
-    tolerance = 2.0 * UNIT_ROUNDOFF[np.dtype(out_dtype)] * scale + 2.0 * terms * F32_ROUNDOFF * accumulation_bound + tiny
+    tolerance = 2.0 * UNIT_ROUNDOFF[np.dtype(ours.dtype)] * scale + 2.0 * terms * F32_ROUNDOFF * accumulation_bound + tiny
     relative = jnp.linalg.norm(error) / jnp.maximum(jnp.linalg.norm(reference), tiny)
     return jnp.max(error), jnp.max(error / tolerance), relative
 
@@ -200,8 +191,7 @@ def compare(ours, reference, scale, accumulation_bound, terms) -> dict:
     products in different orders drift apart. `worst` is the largest error over its bound."""
     if ours.shape != reference.shape:
         raise ValueError(f"result shape {ours.shape} differs from the reference's {reference.shape}")
-    max_error, worst, relative = _compare(ours, reference, scale, accumulation_bound, float(terms),
-                                          out_dtype=np.dtype(ours.dtype).name)
+    max_error, worst, relative = _compare(ours, reference, scale, accumulation_bound, float(terms))
     return dict(max_abs_error=float(max_error), worst_error_over_bound=float(worst),
                 relative_frobenius_error=float(relative))
 
@@ -251,30 +241,16 @@ def fused(backend, deterministic=False):
 
 
 def sm90_implementation(request):
-    """Our kernel for `request` through the backend protocol, or NotImplementedError why not."""
+    """Our kernel for `request` through the backend protocol (or NotImplementedError why not), called
+    with a spec's `operand_names` in order and giving its results in order, as every variant runs."""
     backend = backend_choice.kernel_backend("sm90")
-    reason = backend.software_missing() or backend.cannot_implement(request)
-    if reason is not None:
+    if (reason := backend.software_missing() or backend.cannot_implement(request)) is not None:
         raise NotImplementedError(f"backend 'sm90' does not serve {request}: {reason}")
-    return positional(backend.implementation(request), request)
-
-
-def positional(implementation, request):
-    """The implementation (operands and results by the primitive's names) called with a
-    spec's `operand_names` in order, its results in order, as the harness runs every variant."""
+    implementation = backend.implementation(request)
     srelu = isinstance(request, RaggedMatmulRequest) and request.epilogue == "srelu"
     operands = ("lhs", "rhs", "group_sizes") + (("prob", "bias") if srelu else ())
     results = ("h", "act") if srelu else ("out",)
     return lambda *arrays: tuple(implementation(**dict(zip(operands, arrays)))[name] for name in results)
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """One way to compute a GEMM: a function of the named operands; ours are checked."""
-
-    name: str
-    build: Callable[[], Callable]  # may raise: then the variant is an error entry
-    operands: tuple[str, ...]
 
 
 def gemm_variants(gemm: str, shapes, out_dtype) -> list[Variant]:
@@ -283,42 +259,36 @@ def gemm_variants(gemm: str, shapes, out_dtype) -> list[Variant]:
         spec = RaggedMatmul("dy", "w2", "nk", "w2_dense")  # its GEMM: dy W2[e]^T
         ours = [Variant(name, lambda det=det: fused("sm90", det), DSRELU_OPERANDS)
                 for name, det in (("sm90", False), ("sm90_det", True))]
-        batched = spec.batched
     else:
         spec = MATMULS[gemm]
         request = spec.request(shapes, out_dtype)
         ours = [Variant("sm90", lambda: jax.jit(sm90_implementation(request)), spec.operand_names())]
-        batched = (functools.partial(spec.batched, batches=shapes["group_sizes"].shape[0])
-                   if isinstance(spec, RaggedContract) else spec.batched)
+    batched = (functools.partial(spec.batched, batches=shapes["group_sizes"].shape[0])
+               if isinstance(spec, RaggedContract) else spec.batched)
     return ours + [Variant("cublas_dense", lambda: jax.jit(spec.dense), (spec.lhs, getattr(spec, "dense_weight", spec.rhs))),
                    Variant("cublas_batched", lambda: jax.jit(batched), (spec.lhs, spec.rhs))]
 
 
-def run_variant(variant, gemm, operands, reference, reps, clock) -> dict:
-    """Builds, checks (ours) and times one variant; any failure becomes the entry's error."""
-    try:
-        fn = variant.build()
-    except Exception as error:  # not built: recorded, the next variant runs
-        return run_record.error_entry(error, "build")
-
-    def check(outputs):
-        checks = (check_dsrelu(outputs, reference) if gemm == "dsrelu"
-                  else MATMULS[gemm].check(outputs, reference, operands))
-        return checks, check_passes(checks)
-
-    args = tuple(operands[name] for name in variant.operands)
-    return harness.measure(fn, args, reps, clock, check=check if variant.name.startswith("sm90") else None)[0]
-
-
 def bench_gemm(gemm, shape, operands, reps, clock, out_dtype, selected) -> dict:
-    m, d, f, _ = shape
-    flops = 2.0 * m * d * f
+    """Builds, checks (ours) and times each selected variant of `gemm`; any failure becomes its entry's error."""
+    flops = 2.0 * shape[0] * shape[1] * shape[2]  # 2 m d f
     reference = (fused("xla")(*(operands[n] for n in DSRELU_OPERANDS)) if gemm == "dsrelu"
                  else MATMULS[gemm].reference(operands))
+
+    def check(outputs):
+        checks = check_dsrelu(outputs, reference) if gemm == "dsrelu" else MATMULS[gemm].check(outputs, reference, operands)
+        return checks, check_passes(checks)
+
     results: dict[str, dict] = {}
     for variant in (v for v in gemm_variants(gemm, operand_shapes(*shape), out_dtype) if v.name in selected):
         print(f"{shape} {gemm} {variant.name}", flush=True)
-        results[variant.name] = run_variant(variant, gemm, operands, reference, reps, clock)
+        try:
+            fn = variant.build()
+        except Exception as error:  # not built: recorded, the next variant runs
+            results[variant.name] = run_record.error_entry(error, "build")
+            continue
+        results[variant.name] = harness.measure(fn, tuple(operands[n] for n in variant.operands), reps, clock,
+                                                check=check if variant.name.startswith("sm90") else None)[0]
     if "quack" in selected:
         print(f"{shape} {gemm} quack", flush=True)
         results["quack"] = quack_gemms.bench_entry(
@@ -353,12 +323,10 @@ def main(argv=None):
     options = harness.parse(parser, argv)
     out_dtype = np.dtype(options.contract_out_dtype)
     if options.prebuild:
-        prebuild(options.shapes, options.gemms, options.variants, out_dtype)
-        return
+        return prebuild(options.shapes, options.gemms, options.variants, out_dtype)
 
     def measure_row(shape, grouping, row, clock, save):
-        m, d, f, num_experts = shape
-        operands = make_operands(m, d, f, num_experts, options.seed, grouping)
+        operands = make_operands(*shape, options.seed, grouping)
         row.update(group_sizes=np.asarray(operands["group_sizes"]).tolist(), gemms={})
         for gemm in options.gemms:
             try:

@@ -1,13 +1,12 @@
 """Times a whole MoE layer step through `moe_mlp` against its alternatives, on one GPU.
 
-At each shape (m, d, f, E) and grouping (--groups), on one set of bf16 inputs (b1 included):
-the step (jax.value_and_grad of sum(y * cotangent) in x, w1, w2, prob and b1, 12 m d f FLOPs,
-m the rows the experts own) and the forward (4 m d f), by moe_mlp on backend xla and sm90
-(sm90_det: deterministic), and the bf16 baselines a user would write: dense_mlp (one expert's
-weights for every row, autodiff), batched_mlp (E equal batches), and the step's six GEMMs
-alone on cuBLAS, cublas_dense (the practical ceiling) and cublas_batched; precision.py states
-each. The sm90 results are checked against xla's before they are timed, and the step's
-kernels set against their rooflines (roofline.py).
+At each shape (m, d, f, E) and grouping (--groups), on one set of bf16 inputs (b1 included): the step
+(jax.value_and_grad of sum(y * cotangent) in x, w1, w2, prob and b1, 12 m d f FLOPs, m the rows the experts own)
+and the forward (4 m d f), by moe_mlp on backend xla and sm90 (sm90_det: deterministic), and the bf16 baselines a
+user would write: dense_mlp (one expert's weights for every row, autodiff), batched_mlp (E equal batches), and the
+step's six GEMMs alone on cuBLAS, cublas_dense (the practical ceiling) and cublas_batched; precision.py states
+each. The sm90 results are checked against xla's before they are timed, and the step's kernels set against their
+rooflines (roofline.py).
 
     python benchmarks/bench_layer.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_layer.py --prebuild
@@ -36,6 +35,8 @@ import jax_dsrelu
 VARIANTS = ("xla", "sm90", "sm90_det", "dense_mlp", "batched_mlp", "cublas_dense", "cublas_batched")
 # Variants that compute something else than moe_mlp: timed, not checked against it.
 BASELINES = ("dense_mlp", "batched_mlp", "cublas_dense", "cublas_batched")
+# The variants through moe_mlp, which a prebuild lowers (xla compiles no kernel, but tests the path).
+LAYER_VARIANTS = ("xla", "sm90", "sm90_det")
 MODES = ("step", "forward")
 FLOPS_PER_MDF = {"step": 12.0, "forward": 4.0}
 GRADIENTS = ("x", "w1", "w2", "prob", "b1")  # moe_mlp's differentiable operands, in order
@@ -58,10 +59,8 @@ def make_operands(m, d, f, num_experts, seed, grouping="dirichlet") -> dict[str,
 
 
 def moe_mlp_with(backend, deterministic):
-    def layer(x, w1, w2, prob, b1, group_sizes):
-        return jax_dsrelu.moe_mlp(x, w1, w2, prob, group_sizes, b1=b1, deterministic=deterministic, backend=backend)
-
-    return layer
+    return lambda x, w1, w2, prob, b1, group_sizes: jax_dsrelu.moe_mlp(
+        x, w1, w2, prob, group_sizes, b1=b1, deterministic=deterministic, backend=backend)
 
 
 def dense_mlp(x, w1, w2, prob, b1):
@@ -84,10 +83,7 @@ def cublas_gemms(mode, batched):
         if batched:  # E equal batches of rows, each with its expert's weights
             x, act, dh, dy = (a.reshape(w1.shape[0], -1, a.shape[1]) for a in (x, act, dh, dy))
         rows, weight = ("er", "e") if batched else ("r", "")
-
-        def gemm(spec, a, b):
-            return jnp.einsum(spec.format(r=rows, e=weight), a, b, preferred_element_type=BF16)
-
+        gemm = lambda spec, a, b: jnp.einsum(spec.format(r=rows, e=weight), a, b, preferred_element_type=BF16)  # noqa: E731
         outputs = (gemm("{r}d,{e}df->{r}f", x, w1), gemm("{r}f,{e}fd->{r}d", act, w2))
         if mode == "step":
             outputs += (gemm("{r}d,{e}fd->{r}f", dy, w2), gemm("{r}f,{e}df->{r}d", dh, w1),
@@ -98,11 +94,8 @@ def cublas_gemms(mode, batched):
 
 
 def loss_of(layer):
-    def loss(*operands):
-        *layer_operands, cotangent = operands
-        return jnp.sum(layer(*layer_operands).astype(jnp.float32) * cotangent.astype(jnp.float32))
-
-    return loss
+    """sum(layer(*operands) * cotangent), the cotangent the last operand, in float32."""
+    return lambda *operands: jnp.sum(layer(*operands[:-1]).astype(jnp.float32) * operands[-1].astype(jnp.float32))
 
 
 def computation(variant, mode):
@@ -124,9 +117,8 @@ def computation(variant, mode):
 
 def flatten(outputs, mode):
     """The named results: the loss and every gradient (step), or y (forward)."""
-    if mode == "forward":
-        return {"y": outputs}
-    return {"loss": outputs[0], **{f"d{name}": grad for name, grad in zip(GRADIENTS, outputs[1])}}
+    return ({"y": outputs} if mode == "forward"
+            else {"loss": outputs[0], **{f"d{name}": grad for name, grad in zip(GRADIENTS, outputs[1])}})
 
 
 def compare(outputs, reference) -> tuple[dict, bool]:
@@ -144,38 +136,14 @@ def run_variant(variant, mode, operands, reference, reps, clock, flops) -> tuple
     fn, names = computation(variant, mode)
     if variant not in BASELINES:
         fn = functools.partial(lambda fn, *args: flatten(fn(*args), mode), fn)
-    check = lambda outputs: compare(outputs, reference)  # noqa: E731
-
     ours = variant not in ("xla", *BASELINES)
     entry, outputs = harness.measure(
-        fn, tuple(operands[name] for name in names), reps, clock, check=check if ours and reference else None,
+        fn, tuple(operands[name] for name in names), reps, clock,
+        check=functools.partial(compare, reference=reference) if ours and reference else None,
         flops=flops, compiler_options=harness.CUBLAS_ONLY if variant.startswith("cublas") else None)
     if ours and reference is None:  # recorded rather than dropped
         entry["check"] = "not checked: the xla backend failed at this shape"
     return entry, outputs
-
-
-def bench_shape(shape, row, operands, variants, modes, reps, clock, save, copy) -> None:
-    """Fills `row` with every mode's variants, saving after each, and the step's rooflines (from `copy`)."""
-    m, d, f, _ = shape
-    row.update(group_sizes=np.asarray(operands["group_sizes"]).tolist(), modes={})
-    owned = int(np.sum(row["group_sizes"]))  # m, but where token rounding cut rows
-    for mode in modes:
-        flops, results, reference = FLOPS_PER_MDF[mode] * owned * d * f, {}, None
-        for variant in harness.reference_first(variants):
-            print(f"{shape} {mode} {variant}", flush=True)
-            done = FLOPS_PER_MDF[mode] * m * d * f if variant in BASELINES else flops  # they compute every row
-            results[variant], outputs = run_variant(variant, mode, operands, reference, reps, clock, done)
-            reference = outputs if variant == "xla" else reference
-        del reference
-        row["modes"][mode] = dict(flops=flops, variants=results)
-        if mode == "step":
-            row["modes"][mode]["roofline"] = roofline.roofline(shape, owned, row["modes"][mode], copy)
-        save()
-
-
-# The variants through moe_mlp, which a prebuild lowers (xla compiles no kernel, but tests the path).
-LAYER_VARIANTS = ("xla", "sm90", "sm90_det")
 
 
 def prebuild(shapes, variants, modes) -> None:
@@ -197,16 +165,29 @@ def main(argv=None):
     options = harness.parse(harness.parser(__doc__.split("\n\n")[0], reps=10, variants=VARIANTS,
                                            subsets=dict(modes=MODES)), argv)
     if options.prebuild:
-        prebuild(options.shapes, options.variants, options.modes)
-        return
+        return prebuild(options.shapes, options.variants, options.modes)
 
     copy = {}
 
     def measure_row(shape, grouping, row, clock, save):
+        """Fills `row` with every mode's variants, saving after each, and the step's rooflines."""
         if not copy:  # once per run, beside the kernels it is the ceiling of
             copy.update(roofline.copy_rate(clock, options.reps, 1 << 20 if options.cpu else roofline.COPY_BYTES))
-        operands = make_operands(*shape, options.seed, grouping)
-        bench_shape(shape, row, operands, options.variants, options.modes, options.reps, clock, save, copy)
+        (m, d, f, _), operands = shape, make_operands(*shape, options.seed, grouping)
+        row.update(group_sizes=np.asarray(operands["group_sizes"]).tolist(), modes={})
+        owned = int(np.sum(row["group_sizes"]))  # m, but where token rounding cut rows
+        for mode in options.modes:
+            flops, results, reference = FLOPS_PER_MDF[mode] * owned * d * f, {}, None
+            for variant in harness.reference_first(options.variants):
+                print(f"{shape} {mode} {variant}", flush=True)
+                done = FLOPS_PER_MDF[mode] * m * d * f if variant in BASELINES else flops  # they compute every row
+                results[variant], outputs = run_variant(variant, mode, operands, reference, options.reps, clock, done)
+                reference = outputs if variant == "xla" else reference
+            del reference
+            row["modes"][mode] = dict(flops=flops, variants=results)
+            if mode == "step":
+                row["modes"][mode]["roofline"] = roofline.roofline(shape, owned, row["modes"][mode], copy)
+            save()
 
     harness.run(options, measure_row, plot, "modes", benchmark="bench_layer",
                 title="moe_mlp layer, bf16", description="moe_mlp layer: value_and_grad step and forward, bf16, with b1",

@@ -1,12 +1,11 @@
 """Times one training step of MoE blocks built with `moe_layer`, beside their GEMMs alone, on one GPU.
 
-The blocks (BLOCKS; --blocks picks), bf16 with a float32 router; a step is jax.value_and_grad
-of sum(out * cotangent) in x, the router and every expert weight, by the variants (--variants
-picks; precision.py states each): auto and auto_det (moe_layer on the kernels, both modes),
-xla and xla_det, tokamax (the block around tokamax.ragged_dot; skipped where not installed),
-gemms_cublas (the step's GEMMs alone on cuBLAS), gathered and gathered_det (auto with the sm90
-kernels not yet verified switched on). Each entry holds the step's CUPTI kernel breakdown and
-peak memory; all but xla and the GEMMs alone are checked against xla's gradients first.
+The blocks (BLOCKS; --blocks picks), bf16 with a float32 router; a step is jax.value_and_grad of sum(out *
+cotangent) in x, the router and every expert weight, by the variants (--variants picks; precision.py states each):
+auto and auto_det (moe_layer on the kernels, both modes), xla and xla_det, tokamax (the block around
+tokamax.ragged_dot; skipped where not installed), gemms_cublas (the step's GEMMs alone on cuBLAS), gathered and
+gathered_det (auto with the sm90 kernels not yet verified switched on). Each entry holds the step's CUPTI kernel
+breakdown and peak memory; all but xla and the GEMMs alone are checked against xla's gradients first.
 
     python benchmarks/bench_moe_block.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_moe_block.py --prebuild
@@ -76,12 +75,9 @@ class Block:
 
 
 NANO = Block(8192, 2688, 128, 1856, 6, "sigmoid", bias=True, normalize=True, scale=2.5, shared=3712)
-BLOCKS = {
-    "nano_8k": NANO,
-    "nano_32k": dataclasses.replace(NANO, tokens=32768),
-    "deepseek_v3_shard": Block(4096, 7168, 32, 2048, 8, "sigmoid", bias=True, normalize=True, scale=2.5),
-    "few_experts": Block(8192, 4096, 8, 8192, 2, "softmax", bias=False, normalize=True, scale=1.0),
-}
+BLOCKS = {"nano_8k": NANO, "nano_32k": dataclasses.replace(NANO, tokens=32768),
+          "deepseek_v3_shard": Block(4096, 7168, 32, 2048, 8, "sigmoid", bias=True, normalize=True, scale=2.5),
+          "few_experts": Block(8192, 4096, 8, 8192, 2, "softmax", bias=False, normalize=True, scale=1.0)}
 
 
 def operand_shapes(block: Block) -> dict[str, jax.ShapeDtypeStruct]:
@@ -107,13 +103,10 @@ def make_operands(block: Block, seed: int) -> dict[str, jax.Array]:
 
 
 def library_layer(block: Block, backend: str, deterministic: bool):
-    def layer(x, router, w1, w2, expert_bias, shared_w1=None, shared_w2=None):
-        return jax_dsrelu.moe_layer(
-            x, router, w1, w2, top_k=block.top_k, score=block.score, expert_bias=expert_bias if block.bias else None,
-            normalize=block.normalize, scale=block.scale, shared_w1=shared_w1, shared_w2=shared_w2,
-            deterministic=deterministic, backend=backend)
-
-    return layer
+    return lambda x, router, w1, w2, expert_bias, shared_w1=None, shared_w2=None: jax_dsrelu.moe_layer(
+        x, router, w1, w2, top_k=block.top_k, score=block.score, expert_bias=expert_bias if block.bias else None,
+        normalize=block.normalize, scale=block.scale, shared_w1=shared_w1, shared_w2=shared_w2,
+        deterministic=deterministic, backend=backend)
 
 
 def squared_relu(h, weight=1.0):
@@ -132,8 +125,7 @@ def tokamax_layer(block: Block, implementation: str):
         probs = jax.nn.sigmoid(logits) if block.score == "sigmoid" else jax.nn.softmax(logits, axis=-1)
         _, experts = lax.top_k(lax.stop_gradient(probs) + (expert_bias if block.bias else 0.0), block.top_k)
         weight = jnp.take_along_axis(probs, experts, axis=1)
-        if block.normalize:
-            weight = weight / (jnp.sum(weight, axis=1, keepdims=True) + 1e-20)
+        weight = weight / (jnp.sum(weight, axis=1, keepdims=True) + 1e-20) if block.normalize else weight
         order = jnp.argsort(experts.reshape(-1), stable=True)  # the (token, slot) rows by expert
         sizes = jnp.bincount(experts.reshape(-1), length=block.experts).astype(jnp.int32)
         h = tokamax.ragged_dot(x[order // block.top_k], w1, sizes, implementation=implementation)
@@ -150,11 +142,7 @@ def tokamax_layer(block: Block, implementation: str):
 def step_of(block: Block, layer):
     """(jax.value_and_grad of sum(layer(...) * cotangent) in block.gradients, operand names)."""
     names = block.gradients + ("expert_bias", "cotangent")
-
-    def loss(*operands):
-        *named, cotangent = operands
-        return jnp.sum(layer(**dict(zip(names, named))).astype(F32) * cotangent.astype(F32))
-
+    loss = lambda *ops: jnp.sum(layer(**dict(zip(names, ops[:-1]))).astype(F32) * ops[-1].astype(F32))  # noqa: E731
     return jax.value_and_grad(loss, argnums=tuple(range(len(block.gradients)))), names
 
 
@@ -218,18 +206,12 @@ def prebuild(blocks, variants) -> None:
             harness.lower_for_cuda(f"bench_moe_block {variant} {block}", fn, *(operand_shapes(block)[n] for n in names))
 
 
-def plot(blocks: dict, path: str, title: str) -> None:
-    series = {v: [b["variants"].get(v, {}).get("tflops", 0.0) for b in blocks.values()] for v in VARIANTS}
-    harness.plot_bars([("step", list(blocks), series)], path, title, "TFLOP/s")
-
-
 def main(argv=None):
     options = harness.parse(harness.parser(__doc__.split("\n\n")[0], reps=10, variants=VARIANTS, shaped=False,
                                            subsets=dict(blocks=tuple(BLOCKS))), argv)
     blocks = {name: BLOCKS[name].tiny() if options.cpu else BLOCKS[name] for name in options.blocks}
     if options.prebuild:
-        prebuild(blocks.values(), options.variants)
-        return
+        return prebuild(blocks.values(), options.variants)
     result, clock, save = harness.start_record(
         options, benchmark="bench_moe_block", description="MoE blocks of moe_layer: value_and_grad step, bf16",
         flops="6 x (2 T top_k d f + 2 T d fs + T d E) per step", memory=harness.MEMORY,
@@ -244,7 +226,9 @@ def main(argv=None):
             print(f"  {variant:<12} " + (f"{entry['ms']:9.3f} ms ({entry['tflops']:.0f} TFLOP/s)" if "ms" in entry
                                          else entry.get("skipped") or f"failed at {entry['stage']}"), flush=True)
             save()
-    plot(result["blocks"], harness.png_path(options, "bench_moe_block"), f"MoE block steps, {result['device']} ({clock})")
+    series = {v: [b["variants"].get(v, {}).get("tflops", 0.0) for b in result["blocks"].values()] for v in VARIANTS}
+    harness.plot_bars([("step", list(result["blocks"]), series)], harness.png_path(options, "bench_moe_block"),
+                      f"MoE block steps, {result['device']} ({clock})", "TFLOP/s")
     print(save())
 
 
