@@ -26,10 +26,9 @@ HEADERS = {
     "sm90": "sm90", "sm90_det": "sm90, deterministic", "auto": "library, backend auto (sm90)",
     "auto_det": "the same, deterministic", "xla": "XLA backend", "xla_det": "XLA backend, deterministic",
     "pallas": "Pallas", "quack": "QuACK", "tokamax": "tokamax ragged_dot", "dense_mlp": "dense bf16 MLP",
-    "batched_mlp": "batched bf16 MLP", "gemms_cublas": "its GEMMs alone, bf16 cuBLAS",
-    "cublas_dense": "dense bf16 cuBLAS", "cublas_batched": "batched bf16 cuBLAS",
-    "gathered": "library, auto with gathered loads (sm90, not yet in auto)", "gathered_det": "the same, deterministic",
-}
+    "batched_mlp": "batched bf16 MLP", "gemms_cublas": "its GEMMs alone, bf16 cuBLAS", "cublas_dense": "dense bf16 cuBLAS",
+    "cublas_batched": "batched bf16 cuBLAS", "gathered": "library, auto with gathered loads (sm90, not yet in auto)",
+    "gathered_det": "the same, deterministic"}
 # Our kernels' classes in the mangled CuTe DSL names of a breakdown; the gathered ones first,
 # since a name holds the first class it matches (GatheredRaggedGemmSm90 holds RaggedGemmSm90).
 KERNEL_CLASSES = {
@@ -37,7 +36,7 @@ KERNEL_CLASSES = {
     "GatheredContractSm90": "sm90 gathered contraction", "GatheredRhsContractSm90": "sm90 gathered contraction (rhs)",
     "GatherSumSm90": "sm90 gather-and-sum", "RaggedGemmSm90": "sm90 ragged GEMM",
     "RaggedContractSm90": "sm90 ragged contraction", "GroupedGemmDsreluSm90": "sm90 fused dsReLU"}
-
+RATIOS = "A ratio column: the first's time over the second's (above 1.00x: the first is slower)."
 Runs = list[tuple[str, dict]]  # (record name, record)
 
 
@@ -60,9 +59,6 @@ def cell(entry: dict | None) -> str:
     return f"failed ({entry.get('stage', 'error')})"
 
 
-RATIOS = "A ratio column: the first's time over the second's (above 1.00x: the first is slower)."
-
-
 def over(numerator: dict | None, denominator: dict | None) -> float | None:
     """numerator's time over denominator's, where both were timed."""
     timed = numerator and denominator and "ms" in numerator and "ms" in denominator
@@ -75,8 +71,7 @@ def ratio(numerator: dict | None, denominator: dict | None) -> str:
 
 def cost(deterministic: dict | None, default: dict | None) -> str:
     """The deterministic mode's time over the default one's, as a change."""
-    value = over(deterministic, default)
-    return "—" if value is None else f"{value - 1.0 if round(value - 1.0, 3) else 0.0:+.1%}"
+    return "—" if (value := over(deterministic, default)) is None else f"{value - 1.0 if round(value - 1.0, 3) else 0.0:+.1%}"
 
 
 def table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -88,34 +83,23 @@ def precision_of(name: str, run: dict) -> dict[str, str]:
     return precision.of(max((b for b in precision.BY_BENCHMARK if name.startswith(b)), key=len), run)
 
 
-def shown(runs: Runs, variants) -> list[str]:
-    """The variants the record holds whose precision is known, in column order."""
+def shown(runs: Runs, variants) -> tuple[list[str], str]:
+    """The variants the record holds whose precision is known, in column order, and the line stating it."""
     known, held = precision_of(*runs[0]), set(variants(runs[0][1]))
-    return [v for v in HEADERS if v in held and v in known]
+    columns = [v for v in HEADERS if v in held and v in known]
+    return columns, "Precision: " + "; ".join(f"{HEADERS[v]}: {known[v]}" for v in columns) + "."
 
 
-def precision_line(runs: Runs, variants: list[str]) -> str:
-    known = precision_of(*runs[0])
-    return "Precision: " + "; ".join(f"{HEADERS[v]}: {known[v]}" for v in variants) + "."
-
-
-def grouping(row: dict) -> str:
-    """A row's group sizes: records from before --groups drew Dirichlet sizes only."""
-    return row.get("grouping", "dirichlet")
-
-
-def shape_text(shape: dict) -> str:
-    return ", ".join(str(shape[key]) for key in "mdfE")
-
-
-def row_label(row: dict) -> str:
-    return f"{shape_text(row['shape'])}, {grouping(row)}"
+def row_label(row: dict, dirichlet: bool = True) -> str:
+    """A row's shape and group sizes, those named unless Dirichlet and not `dirichlet` (records from
+    before --groups drew Dirichlet sizes only)."""
+    shape, groups = ", ".join(str(row["shape"][key]) for key in "mdfE"), row.get("grouping", "dirichlet")
+    return shape if groups == "dirichlet" and not dirichlet else f"{shape}, {groups}"
 
 
 def breakdown(entry: dict, named_others: int = 0) -> str:
     """Where a step's time goes: our kernels by class, then all else (its `named_others` longest by name)."""
-    ours: dict[str, float] = {}
-    others: list[tuple[float, str]] = []
+    ours, others = {}, []  # {label: ms}, [(ms, name)]
     for name, ms in entry["kernel_summary"]:
         label = next((label for cls, label in KERNEL_CLASSES.items() if cls in name), None)
         if label is not None:
@@ -130,19 +114,15 @@ def breakdown(entry: dict, named_others: int = 0) -> str:
 
 def render_layer(runs: Runs) -> str:
     """bench_layer.py's record, by mode: each variant, determinism's cost, ours over each baseline, the step's breakdown."""
-    (_, run), lines = runs[0], []
-    rows = run["shapes"]
-    variants = shown(runs, lambda r: {v for row in r["shapes"] for m in row["modes"].values() for v in m["variants"]})
+    run, rows = runs[0][1], runs[0][1]["shapes"]
+    variants, stated = shown(runs, lambda r: {v for row in r["shapes"] for m in row["modes"].values() for v in m["variants"]})
     baselines = [v for v in variants if v not in ("sm90", "sm90_det", "xla")]
-    lines += [provenance(runs, "bf16 with b1, a step is `jax.value_and_grad` in x, w1, b1, w2 and prob"),
-              f"Each cell: time (TFLOP/s at {run['flops']}). {RATIOS} " + precision_line(runs, variants)]
+    lines = [provenance(runs, "bf16 with b1, a step is `jax.value_and_grad` in x, w1, b1, w2 and prob"),
+             f"Each cell: time (TFLOP/s at {run['flops']}). {RATIOS} {stated}"]
     for mode in rows[0]["modes"] if rows else ():
-        body = []
-        for row in rows:
-            entries = row["modes"][mode]["variants"]
-            body.append([row_label(row), *(cell(entries.get(v)) for v in variants),
-                         cost(entries.get("sm90_det"), entries.get("sm90")),
-                         *(ratio(entries.get("sm90"), entries.get(b)) for b in baselines)])
+        body = [[row_label(row), *(cell(entries.get(v)) for v in variants), cost(entries.get("sm90_det"), entries.get("sm90")),
+                 *(ratio(entries.get("sm90"), entries.get(b)) for b in baselines)]
+                for row in rows for entries in [row["modes"][mode]["variants"]]]
         lines += ["", *table([f"{mode}: shape (m, d, f, E), groups", *(HEADERS[v] for v in variants),
                               "cost of determinism", *(f"sm90 / {HEADERS[b]}" for b in baselines)], body)]
     lines += ["", "Where the sm90 step's time goes (CUPTI, ms):", ""] + [
@@ -153,8 +133,8 @@ def render_layer(runs: Runs) -> str:
 
 def render_roofline(runs: Runs) -> str:
     """The sm90 step's kernels against their rooflines (benchmarks/roofline.py)."""
-    (_, run), lines, body = runs[0], [], []
-    for row in run["shapes"]:
+    body = []
+    for row in runs[0][1]["shapes"]:
         if "kernels" not in (found := row["modes"].get("step", {}).get("roofline", {})):
             continue
         # Records of 6942f08 name the GEMMs a launch may be "down|dx", which a table cell cannot hold.
@@ -164,49 +144,39 @@ def render_roofline(runs: Runs) -> str:
         body.append([row_label(row), f"{found['dense_tflops']:.0f}", f"{step['ms']:.3f} ms", f"{step['roofline_ms']:.3f} ms",
                      f"{step['ratio']:.2f}x", kernels])
         copy = f"{found['copy_tb_per_s']:.2f} TB/s"
-    lines += [provenance(runs, "the sm90 step (default mode), each kernel against max(its FLOPs at the dense "
-                         "bf16 cuBLAS rate, its least bytes at a copy's rate), both rates timed in the same run"),
-              f"The copy's rate in this run: {copy}." if body else "No roofline in this record.", ""]
-    lines += table(["shape (m, d, f, E), groups", "dense bf16 cuBLAS TFLOP/s", "sm90 step", "its kernels' rooflines", "ratio",
-                    "each kernel: ms / roofline ms (bound by)"], body)
-    return "\n".join(lines)
-
-
-def six_gemm_sums(run: dict, variants) -> dict:
-    """{(shape, grouping): {variant: {"ms": sum}}} over rows where all six GEMMs were timed."""
-    sums = {}
-    for row in run["shapes"]:
-        for variant in variants:
-            times = [row["gemms"].get(g, {}).get("variants", {}).get(variant, {}).get("ms") for g in GEMMS]
-            if all(times):
-                sums.setdefault((shape_text(row["shape"]), grouping(row)), {})[variant] = dict(ms=sum(times))
-    return sums
+    return "\n".join([provenance(runs, "the sm90 step (default mode), each kernel against max(its FLOPs at the dense "
+                                  "bf16 cuBLAS rate, its least bytes at a copy's rate), both rates timed in the same run"),
+                      f"The copy's rate in this run: {copy}." if body else "No roofline in this record.", "",
+                      *table(["shape (m, d, f, E), groups", "dense bf16 cuBLAS TFLOP/s", "sm90 step",
+                              "its kernels' rooflines", "ratio", "each kernel: ms / roofline ms (bound by)"], body)])
 
 
 def render_gemms(runs: Runs) -> str:
     """bench_gemms.py's record: each GEMM per variant, ours over the others; all six where all were timed."""
-    (_, run), lines, body = runs[0], [], []
-    variants = shown(runs, lambda r: {v for row in r["shapes"] for g in row["gemms"].values() for v in g["variants"]})
+    run, body, six = runs[0][1], [], {}
+    variants, stated = shown(runs, lambda r: {v for row in r["shapes"] for g in row["gemms"].values() for v in g["variants"]})
     others = [v for v in variants if v not in ("sm90", "sm90_det")]
+
+    def line(label, gemm, entries):
+        return [label, gemm, *(cell(entries.get(v)) for v in variants),
+                *(ratio(entries.get("sm90"), entries.get(o)) for o in others)]
+
     for row in run["shapes"]:
-        for gemm, entry in row["gemms"].items():
-            entries = entry["variants"]
-            body.append([row_label(row), gemm,
-                         *(cell(entries.get(v)) for v in variants), *(ratio(entries.get("sm90"), entries.get(o)) for o in others)])
-    for (shape, groups), sums in six_gemm_sums(run, variants).items():
-        body.append([f"{shape}, {groups}", "all six", *(cell(sums.get(v)) for v in variants),
-                     *(ratio(sums.get("sm90"), sums.get(o)) for o in others)])
-    lines += [provenance(runs, f"bf16, dW in {run['contract_out_dtype']}"),
-              f"Each cell: time per GEMM (TFLOP/s at {run['flops']}). {RATIOS} " + precision_line(runs, variants),
-              "", *table(["shape (m, d, f, E), groups", "GEMM", *(HEADERS[v] for v in variants),
-                          *(f"sm90 / {HEADERS[o]}" for o in others)], body)]
-    return "\n".join(lines)
+        body += [line(row_label(row), gemm, entry["variants"]) for gemm, entry in row["gemms"].items()]
+        for variant in variants:  # the six GEMMs' time together, where all six were timed
+            times = [row["gemms"].get(g, {}).get("variants", {}).get(variant, {}).get("ms") for g in GEMMS]
+            if all(times):
+                six.setdefault(row_label(row), {})[variant] = dict(ms=sum(times))
+    body += [line(label, "all six", sums) for label, sums in six.items()]
+    return "\n".join([provenance(runs, f"bf16, dW in {run['contract_out_dtype']}"),
+                      f"Each cell: time per GEMM (TFLOP/s at {run['flops']}). {RATIOS} {stated}", "",
+                      *table(["shape (m, d, f, E), groups", "GEMM", *(HEADERS[v] for v in variants),
+                              *(f"sm90 / {HEADERS[o]}" for o in others)], body)])
 
 
 def render_moe_block(runs: Runs) -> str:
     """bench_moe_block.py's record: each block's step per variant and mode, outside the GEMMs, peak memory, ratios."""
-    run = runs[0][1]
-    blocks = run["blocks"]
+    run, blocks = runs[0][1], runs[0][1]["blocks"]
 
     def outside(entry):
         part = timing.outside_gemms(entry["kernels"]) if entry and entry.get("kernels") else None
@@ -215,7 +185,7 @@ def render_moe_block(runs: Runs) -> str:
     def peak(entry):
         return f"{entry['memory']['peak_bytes'] / 2**30:.2f}" if "peak_bytes" in (entry or {}).get("memory", {}) else "—"
 
-    variants, body = shown(runs, lambda r: {v for b in blocks.values() for v in b["variants"]}), []
+    (variants, stated), body = shown(runs, lambda r: {v for b in blocks.values() for v in b["variants"]}), []
     for name, block in blocks.items():
         entries = block["variants"]
         for v in (v for v in HEADERS if v in {w.removesuffix("_det") for w in variants}):
@@ -228,7 +198,7 @@ def render_moe_block(runs: Runs) -> str:
         "Blocks: " + "; ".join(f"`{name}`, {block['description']}" for name, block in blocks.items()) + ".",
         f"Each cell: time (TFLOP/s). {RATIOS} Outside the GEMMs: the step's time in kernels that are no GEMM "
         "(routing, gathers, combine, casts), default mode. Peak memory: by XLA's memory analysis of the compiled "
-        "step, default / deterministic. " + precision_line(runs, variants), "",
+        f"step, default / deterministic. {stated}", "",
         *table(["block", "variant", "step", "deterministic", "deterministic / default", "outside the GEMMs",
                 "peak memory (GiB)", "step / its GEMMs alone"], body),
         "", "Where the library's default-mode steps go (CUPTI, ms):", "",
@@ -247,14 +217,12 @@ def render_summary(runs: Runs) -> str:
         for variant, ceiling in found.items():
             if (value := over(entries.get("sm90"), ceiling)) is not None:
                 slower[variant].append(value)
-        shape = shape_text(row["shape"]) + ("" if grouping(row) == "dirichlet" else f", {grouping(row)}")
-        body.append([shape, cell(entries.get("sm90")), cell(entries.get("sm90_det")),
+        body.append([row_label(row, dirichlet=False), cell(entries.get("sm90")), cell(entries.get("sm90_det")),
                      *("pending" if c is None else cell(c) for c in found.values()),
                      *(ratio(entries.get("sm90"), c) for c in found.values())])
     said = [f"{what} at {sum(t > 1 for t in times)} of the {len(times)} shapes where they were timed "
             f"({min(times):.2f}x-{max(times):.2f}x their time)"
-            for what, times in (("the six dense GEMMs", slower["cublas_dense"]), ("the batched GEMMs", slower["cublas_batched"]))
-            if times]
+            for what, times in zip(("the six dense GEMMs", "the batched GEMMs"), slower.values()) if times]
     return "\n".join([
         f"A `moe_mlp` training step (`jax.value_and_grad`, bf16 with b1, ragged group sizes) on an "
         f"{step_run['device']}, CUPTI kernel time (TFLOP/s), commit `{step_run['commit']}`, beside bf16 cuBLAS "
@@ -324,12 +292,10 @@ def render_determinism(runs: Runs) -> str:
                              [((d or {}).get("results", {}).get(key) or {}).get("digest") for d in run["digests"]]) if d]
         if not found:
             return "not run"
-        distinct = len(set(found))
-        text = f"identical in {len(found)}" if distinct == 1 else f"**{distinct} distinct** in {len(found)}"
+        text = f"identical in {len(found)}" if len(set(found)) == 1 else f"**{len(set(found))} distinct** in {len(found)}"
         results = [d["results"][key] for d in run["digests"] if key != "example" and d and "outputs" in d["results"].get(key, {})]
         differ = sorted(o for o in (results[0]["outputs"] if results else {}) if len({r["outputs"][o] for r in results}) > 1)
-        if 0 < len(differ) < len(results[0]["outputs"]):
-            text += f" (differing: {', '.join(differ)})"
+        text += f" (differing: {', '.join(differ)})" if 0 < len(differ) < len(results[0]["outputs"]) else ""
         within = max((r.get("distinct_in_process", 1) for r in results), default=1)
         text += f"; up to {within} distinct in a process's {results[0]['runs']} runs" if within > 1 else ""
         return text + ("" if len(found) == run["processes"] else f" (of {run['processes']} started)")
