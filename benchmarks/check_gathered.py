@@ -84,9 +84,8 @@ def problem(deterministic: bool):
     alpha = jnp.asarray(rng.uniform(-2.0, 2.0, num_experts), jnp.float32)
     request = cases.dsrelu_request(num_experts, k, n, deterministic)
     config = sm90_config.choose_config(dsrelu_call.kernel_request(request))
-    inputs = dict(dy=jnp.asarray(dy), index=jnp.asarray(index), rows=jnp.asarray(rows), weight=weight,
-                  preact=preact, prob=prob, sizes=jnp.asarray(sizes, jnp.int32), alpha=alpha)
-    return inputs, request, config
+    return dict(dy=jnp.asarray(dy), index=jnp.asarray(index), rows=jnp.asarray(rows), weight=weight, preact=preact,
+                prob=prob, sizes=jnp.asarray(sizes, jnp.int32), alpha=alpha), request, config
 
 
 def runner(kernel: str, request, config):
@@ -172,8 +171,7 @@ def check(deterministic: bool, runs: int) -> dict:
                 entry["unlike_in_memory"] += any(not np.array_equal(got[name], verified[name], equal_nan=True)
                                                  for name in exact)
                 bad = {name: contract_numpy.outside_bound(got[name], getattr(expected, name),
-                                                          getattr(expected, f"{name}_bound"))
-                       for name in OUTPUTS}
+                                                          getattr(expected, f"{name}_bound")) for name in OUTPUTS}
                 if not any(b.any() for b in bad.values()):
                     continue
                 entry["outside_contract"] += 1
@@ -183,8 +181,7 @@ def check(deterministic: bool, runs: int) -> dict:
                         run=run, wrong={name: int(b.sum()) for name, b in bad.items()},
                         unwritten={name: int(np.isnan(got[name]).sum()) for name in ("dh", "act")}, blocks=blocks,
                         first_block=sources(blocks[0], got, inputs, verified["dh"], tiles, config) if blocks else None))
-        entry["distinct"] = len(entry["digests"])
-        entry["digests"] = dict(entry["digests"])
+        entry.update(distinct=len(entry["digests"]), digests=dict(entry["digests"]))
         print(f"  {'deterministic' if deterministic else 'default'} {kernel}: {entry['outside_contract']} of {runs} "
               f"runs outside the contract, {entry['unlike_in_memory']} unlike the verified kernel's first, "
               f"{entry['distinct']} distinct results of {', '.join(exact)}", flush=True)

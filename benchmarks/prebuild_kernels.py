@@ -1,8 +1,7 @@
-"""Compiles, on a machine without a GPU, every sm90 kernel the GPU runs need, into the disk
-cache named by JAX_DSRELU_KERNEL_CACHE that the GPU machine reads instead of compiling.
-Kernels the GPU tests and sweep_configs.py call directly are compiled by request; everything
-that goes through the library (the benchmarks, process_digests.py, the examples, the GPU
-tests' layers) is lowered for cuda at the shapes it runs (harness.lower_for_cuda).
+"""Compiles, on a machine without a GPU, every sm90 kernel the GPU runs need, into the disk cache named by
+JAX_DSRELU_KERNEL_CACHE that the GPU machine reads instead of compiling. Kernels the GPU tests and sweep_configs.py
+call directly are compiled by request; everything that goes through the library (the benchmarks, process_digests.py,
+the examples, the GPU tests' layers) is lowered for cuda at the shapes it runs (harness.lower_for_cuda).
 
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/prebuild_kernels.py --jobs 2
 """
@@ -25,7 +24,6 @@ import bench_layer  # noqa: E402
 import bench_moe_block  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import process_digests  # noqa: E402
 import sweep_configs  # noqa: E402
 import test_sm90  # noqa: E402
@@ -35,18 +33,34 @@ import harness  # noqa: E402
 import jax_dsrelu  # noqa: E402
 from jax_dsrelu.ffi import cutlass_bridge  # noqa: E402
 from jax_dsrelu.kernels.sm90 import dsrelu_call as lowering  # noqa: E402
+from jax_dsrelu.kernels.sm90 import backend as sm90_backend  # noqa: E402
 from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
+from jax_dsrelu.kernels.sm90 import ragged_call  # noqa: E402
+
+# examples/train_moe.py's defaults: 2048 tokens, d_model 64, d_ff 128, 8 experts, top-2.
+TOKENS, D_MODEL, D_FF, EXPERTS, TOP_K = 2048, 64, 128, 8, 2
+# examples/train_lm.py's GPU command (its docstring): batch 64 x seq-len 256 tokens, d_model
+# 512, d_ff 1024, 8 experts, top-2, bfloat16 experts; its activations reach the layer in float32.
+LM_TOKENS, LM_D_MODEL, LM_D_FF, LM_EXPERTS = 64 * 256, 512, 1024, 8
 
 
 def lower_tests_and_examples():
-    """Lowers for cuda the GPU tests' moe_mlp case and the examples' training step."""
+    """Lowers for cuda the GPU tests' moe_mlp case and the gradients of examples/train_moe.py's training step (its
+    loss against the float32 teacher); expert_parallel.py on one GPU runs moe_mlp at the same static facts."""
     described = bench_layer.operand_shapes(4192, 256, 512, 5)
+    params = [jax.eval_shape(lambda dtype=dtype: train_moe.init_moe(jax.random.key(0), D_MODEL, D_FF, EXPERTS, dtype))
+              for dtype in (jnp.bfloat16, jnp.float32)]
     for deterministic in (False, True):
         loss = bench_layer.loss_of(bench_layer.moe_mlp_with("auto", deterministic))
         harness.lower_for_cuda(f"tests moe_mlp grads deterministic={deterministic}", jax.grad(loss, argnums=tuple(range(5))),
                                *(described[name] for name in ("x", "w1", "w2", "prob", "b1", "group_sizes", "cotangent")))
-        harness.lower_for_cuda(f"examples train step bfloat16 deterministic={deterministic}",
-                                     example_gradients(deterministic), *example_shapes())
+
+        def example(params, teacher, tokens, deterministic=deterministic):
+            target = train_moe.moe_layer(teacher, tokens, TOP_K, True)
+            return jnp.mean((train_moe.moe_layer(params, tokens, TOP_K, deterministic) - target) ** 2)
+
+        harness.lower_for_cuda(f"examples train step bfloat16 deterministic={deterministic}", jax.grad(example), *params,
+                               jax.ShapeDtypeStruct((TOKENS, D_MODEL), jnp.float32))
 
 
 def lower_determinism_tests():
@@ -67,33 +81,6 @@ def lower_moe_block_tests():
                                *harness.shapes_of(t.block_inputs(0)))
 
 
-# examples/train_moe.py's defaults: 2048 tokens, d_model 64, d_ff 128, 8 experts, top-2.
-TOKENS, D_MODEL, D_FF, EXPERTS, TOP_K = 2048, 64, 128, 8, 2
-
-
-def example_gradients(deterministic):
-    """The gradients of examples/train_moe.py's training step (its loss against the float32
-    teacher). expert_parallel.py on one GPU runs moe_mlp at the same static facts."""
-
-    def loss(params, teacher, tokens):
-        target = train_moe.moe_layer(teacher, tokens, TOP_K, True)
-        return jnp.mean((train_moe.moe_layer(params, tokens, TOP_K, deterministic) - target) ** 2)
-
-    return jax.grad(loss)
-
-
-def example_shapes():
-    def params(dtype):
-        return jax.eval_shape(lambda: train_moe.init_moe(jax.random.key(0), D_MODEL, D_FF, EXPERTS, dtype))
-
-    return params(jnp.bfloat16), params(jnp.float32), jax.ShapeDtypeStruct((TOKENS, D_MODEL), jnp.float32)
-
-
-# examples/train_lm.py's GPU command (its docstring): batch 64 x seq-len 256 tokens, d_model
-# 512, d_ff 1024, 8 experts, top-2, bfloat16 experts; its activations reach the layer in float32.
-LM_TOKENS, LM_D_MODEL, LM_D_FF, LM_EXPERTS = 64 * 256, 512, 1024, 8
-
-
 def lower_language_model():
     """Lowers for cuda the gradients of the layer examples/train_lm.py's MoE module calls at its
     GPU command's shapes (the module is a thin wrapper over moe_layer: the same static facts
@@ -102,69 +89,43 @@ def lower_language_model():
     shapes = (s((LM_TOKENS, LM_D_MODEL), f32), s((LM_D_MODEL, e), f32), s((e, LM_D_MODEL, LM_D_FF), bf16),
               s((e, LM_D_FF, LM_D_MODEL), bf16), s((e, LM_D_FF), f32))
     for deterministic in (False, True):
-        def loss(x, router, w1, w2, b1, deterministic=deterministic):
-            out = jax_dsrelu.moe_layer(x, router, w1, w2, b1=b1, top_k=TOP_K, deterministic=deterministic)
-            return jnp.sum(out.astype(f32))
-
+        loss = lambda x, router, w1, w2, b1, deterministic=deterministic: jnp.sum(jax_dsrelu.moe_layer(  # noqa: E731
+            x, router, w1, w2, b1=b1, top_k=TOP_K, deterministic=deterministic).astype(f32))
         harness.lower_for_cuda(f"examples/train_lm.py layer deterministic={deterministic}",
-                                     jax.grad(loss, argnums=tuple(range(5))), *shapes)
-
-
-def sweep_builds(kernel, gemm=None):
-    return sweep_configs.builds(kernel, sm90_config.DEFAULT_SM_COUNT, (gemm,) if gemm else sweep_configs.GEMM_KERNELS)
-
-
-LAYER_TEST_CASES = list(itertools.product(("bfloat16", "float16"), (False, True), (False, True)))  # dtype, det, b1
-
-
-def _gemm_requests():
-    import test_sm90_gemms
-
-    return test_sm90_gemms.prebuild_requests()
-
-
-def _fp8_tests():
-    import test_sm90_fp8
-    from jax_dsrelu.kernels.sm90 import backend
-
-    def compile_enabled(request, config, in_place):
-        with backend.unverified_enabled("fp8"):
-            importlib.import_module("jax_dsrelu.kernels.sm90.ragged_call").compile_kernel(
-                request, config, outputs_in_place=in_place)
-
-    def compile_fused(request, config):
-        with backend.unverified_enabled("fp8"):
-            lowering.compile_kernel(request, config)
-
-    return [functools.partial(compile_enabled, *built) for built in test_sm90_fp8.prebuild_requests()] + [
-        functools.partial(compile_fused, *built) for built in test_sm90_fp8.prebuild_fused_requests()]
+                               jax.grad(loss, argnums=tuple(range(5))), *shapes)
 
 
 def _layer_tests():
     import test_moe_mlp_sm90
 
     return [functools.partial(test_moe_mlp_sm90.lowered_text, getattr(jnp, dtype), deterministic, with_b1)
-            for dtype, deterministic, with_b1 in LAYER_TEST_CASES]
+            for dtype, deterministic, with_b1 in itertools.product(("bfloat16", "float16"), (False, True), (False, True))]
 
 
-def _compiles(module, requests):
-    return [functools.partial(module.compile_kernel, request, config, outputs_in_place=in_place)
-            for request, config, in_place in requests]
+def _compiles(module, requests, *unverified):
+    """A job per (request, config, outputs_in_place): its kernel compiled, the `unverified` kinds enabled."""
+    def compile_kernel(request, config, in_place):
+        with sm90_backend.unverified_enabled(*unverified, on=bool(unverified)):
+            module.compile_kernel(request, config, outputs_in_place=in_place)
+
+    return [functools.partial(compile_kernel, *built) for built in requests]
 
 
 def _sweeps(kernel, gemm=None):
-    return [functools.partial(sweep_configs.compile_candidate, *build) for build in sweep_builds(kernel, gemm)]
+    builds = sweep_configs.builds(kernel, sm90_config.DEFAULT_SM_COUNT, (gemm,) if gemm else sweep_configs.GEMM_KERNELS)
+    return [functools.partial(sweep_configs.compile_candidate, *build) for build in builds]
 
 
 OURS = ("sm90", "sm90_det")
 # Jobs, one process's piece of work each: those of a kind numbered (the kind lists them), and whole ones.
 NUMBERED = {
     "dsrelu test": lambda: _compiles(lowering, test_sm90.prebuild_requests()),
-    "gemm test": lambda: _compiles(importlib.import_module("jax_dsrelu.kernels.sm90.ragged_call"), _gemm_requests()),
+    "gemm test": lambda: _compiles(ragged_call, importlib.import_module("test_sm90_gemms").prebuild_requests()),
     "layer test": _layer_tests,
-    "fp8 test": _fp8_tests,
+    "fp8 test": lambda: _compiles(ragged_call, importlib.import_module("test_sm90_fp8").prebuild_requests(), "fp8") + _compiles(
+        lowering, [(*built, False) for built in importlib.import_module("test_sm90_fp8").prebuild_fused_requests()], "fp8"),
     "bench_fp8_gemms": lambda: [functools.partial(importlib.import_module("bench_fp8_gemms").main, ["--prebuild"])],
-    "bench_gemms": lambda: [functools.partial(bench_gemms.prebuild, [shape], bench_gemms.GEMMS, OURS, np.dtype(jnp.bfloat16))
+    "bench_gemms": lambda: [functools.partial(bench_gemms.prebuild, [shape], bench_gemms.GEMMS, OURS, harness.BF16)
                             for shape in harness.SHAPES],
     "bench_layer": lambda: [functools.partial(bench_layer.prebuild, [shape], OURS, bench_layer.MODES)
                             for shape in harness.SHAPES],
@@ -202,11 +163,9 @@ def main():
     options = parser.parse_args()
     if not os.environ.get(cutlass_bridge.CACHE_DIR_VARIABLE):
         raise SystemExit(f"set {cutlass_bridge.CACHE_DIR_VARIABLE} to the cache directory")
-    prefixes = None if options.only is None else tuple(options.only.split(","))
-    names = [name for name in job_names() if prefixes is None or name.startswith(prefixes)]
+    names = [name for name in job_names() if name.startswith(tuple(options.only.split(",")) if options.only else "")]
     if options.jobs > 1:
-        # Workers only lower and compile: keep their JAX off any GPU.
-        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["JAX_PLATFORMS"] = "cpu"  # workers only lower and compile: keep their JAX off any GPU
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 

@@ -1,9 +1,8 @@
 """Digests of results computed from fixed inputs, to compare bit for bit across processes.
 
-One process computes each of `computations` --runs times (the library's primitive and step,
-the examples' layer, the block of tests/test_moe_block_gpu.py, in both modes and compiles)
-and prints one JSON line: each one's digest and how many distinct results its calls gave;
-benchmarks/determinism_parallel.sh compares the lines of several processes.
+One process computes each of `computations` --runs times (the library's primitive and step, the examples' layer, the
+block of tests/test_moe_block_gpu.py, in both modes and compiles) and prints one JSON line: each one's digest and how
+many distinct results its calls gave; benchmarks/determinism_parallel.sh compares the lines of several processes.
 
     python benchmarks/process_digests.py --label run1
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/process_digests.py --prebuild
@@ -100,12 +99,6 @@ def prebuild(backends) -> None:
             harness.lower_for_cuda(f"process_digests {name}", fn, *harness.shapes_of(operands))
 
 
-def kernel_compiles() -> int | None:
-    """CuTe DSL kernels compiled (not read from the disk cache) in this process so far."""
-    bridge = sys.modules.get("jax_dsrelu.ffi.cutlass_bridge")
-    return None if bridge is None else bridge.compile_count()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--label", default="")
@@ -116,17 +109,17 @@ def main() -> None:
     args = parser.parse_args()
     backends = args.backends.split(",")
     if args.prebuild:
-        prebuild(backends)
-        return
+        return prebuild(backends)
     results = {}
     for name, fn, operands, output_names, unverified in computations(backends):
         try:
             results[name] = digests_of(fn, operands, output_names, unverified, args.runs)
         except Exception as error:  # recorded; the other computations still run
             results[name] = dict(error=f"{type(error).__name__}: {str(error)[:400]}")
+    bridge = sys.modules.get("jax_dsrelu.ffi.cutlass_bridge")  # CuTe DSL kernels compiled here, not read from the cache
     line = dict(label=args.label, device=jax.devices()[0].device_kind, xla_flags=os.environ.get("XLA_FLAGS", ""),
-                kernel_cache=os.environ.get(harness.CACHE_VARIABLE, ""), kernels_compiled_in_process=kernel_compiles(),
-                results=results)
+                kernel_cache=os.environ.get(harness.CACHE_VARIABLE, ""),
+                kernels_compiled_in_process=None if bridge is None else bridge.compile_count(), results=results)
     print(json.dumps(line), flush=True)
 
 

@@ -1,9 +1,8 @@
-"""QuACK's SM90 GEMMs as the `quack` variant of bench_gemms.py: the six GEMMs of a layer step
-by another CuTe DSL library (deterministic too: one CTA writes each output tile), on the same
-operands through DLPack (`gemm_call`). Each of CONFIGS is compiled on its first call, checked
-as ours are, and timed by CUPTI; the variant's time is the fastest config that passes. Needs
-torch and quack-kernels (with apache-tvm-ffi, torch-c-dlpack-ext, einops); without them the
-variant is an error entry.
+"""QuACK's SM90 GEMMs as the `quack` variant of bench_gemms.py: the six GEMMs of a layer step by another CuTe DSL
+library (deterministic too: one CTA writes each output tile), on the same operands through DLPack (`gemm_call`).
+Each of CONFIGS is compiled on its first call, checked as ours are, and timed by CUPTI; the variant's time is the
+fastest config that passes. Needs torch and quack-kernels (with apache-tvm-ffi, torch-c-dlpack-ext, einops);
+without them the variant is an error entry.
 """
 
 from __future__ import annotations
@@ -17,14 +16,6 @@ import timing
 # (tile_m, tile_n, pingpong, cluster_m, cluster_n) from QuACK's SM90 space: its default (ping-pong,
 # clusters along M), then the two cooperative shapes nearest ours.
 CONFIGS = [(128, 192, True, 2, 1), (128, 256, False, 2, 1), (256, 128, False, 1, 2)]
-
-
-def quack_config(tile_m, tile_n, pingpong, cluster_m, cluster_n):
-    from quack.gemm_config import GemmConfig
-
-    # As QuACK's own SM90 list builds them (gemm_config._get_sm90_configs).
-    return GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=pingpong, cluster_m=cluster_m, cluster_n=cluster_n,
-                      swap_ab=False, device_capacity=9, is_dynamic_persistent=False, use_tma_gather=False)
 
 
 def key_cute_dsl_references() -> None:
@@ -92,6 +83,7 @@ def bench_entry(gemm, operands, check, passes, reps, clock, out_dtype) -> dict:
     try:
         import torch
         from quack import gemm_interface  # noqa: F401
+        from quack.gemm_config import GemmConfig
 
         key_cute_dsl_references()
         if clock != timing.CUPTI:
@@ -106,7 +98,9 @@ def bench_entry(gemm, operands, check, passes, reps, clock, out_dtype) -> dict:
         print(f"  quack {gemm} {described}", flush=True)
         stage = "build"
         try:
-            config = quack_config(*described)
+            # As QuACK's own SM90 list builds them (gemm_config._get_sm90_configs).
+            config = GemmConfig(**dict(zip(("tile_m", "tile_n", "pingpong", "cluster_m", "cluster_n"), described)),
+                                swap_ab=False, device_capacity=9, is_dynamic_persistent=False, use_tma_gather=False)
             run, outputs = gemm_call(gemm, t, offsets, out_dtype)
             stage = "first call"  # QuACK compiles the kernel in it
             for output in outputs:

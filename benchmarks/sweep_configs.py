@@ -13,6 +13,7 @@ Dirichlet group sizes, bench_gemms.py's operands, CUPTI time of the kernel's cal
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -29,6 +30,7 @@ from jax_dsrelu.kernels.sm90 import dsrelu_call
 from jax_dsrelu.kernels.sm90 import ragged_call
 
 GEMM_KERNELS = ("up", "down", "dx", "dsrelu")
+CONTRACTIONS = ("dw1", "dw2")
 # Nano's widths, and n = 768, where the 192- and 256-wide tiles pad alike, at 128 and 256
 # experts; the other fine-grained step shape, then the few-expert ones.
 GEMM_SHAPES = [(49152, 2688, 1856, 128), (65536, 2048, 768, 128), (65536, 2048, 768, 256),
@@ -42,7 +44,7 @@ CONTRACT_ALTERNATIVES = {name: dict(zip(("tile_n", "tile_k", "ab_stages", "store
 
 
 def gemm_cases(shapes=GEMM_SHAPES, gemms=GEMM_KERNELS):
-    """(shape, gemm, request) of every ragged-M kernel of `gemms`, as bench_gemms.py requests it."""
+    """(shape, gemm, request) of every kernel of `gemms` (or CONTRACTIONS, in bf16), as bench_gemms.py requests it."""
     for shape in shapes:
         m, d, f, num_experts = shape
         for gemm in gemms:
@@ -50,11 +52,6 @@ def gemm_cases(shapes=GEMM_SHAPES, gemms=GEMM_KERNELS):
                 num_experts=num_experts, n=f, k=d, operand_dtype=BF16, preact_dtype=BF16, prob_dtype=np.dtype(np.float32),
                 out_dtype=BF16, with_dbias=True, with_act=True, deterministic=False) if gemm == "dsrelu"
                 else bench_gemms.MATMULS[gemm].request(harness.operand_shapes(*shape), BF16))
-
-
-def contract_cases(shapes=CONTRACT_SHAPES):
-    """(shape, gemm, request) of every contraction (dW1, dW2 in bf16), as bench_gemms.py requests it."""
-    return gemm_cases(shapes, ("dw1", "dw2"))
 
 
 def _fits(config, request):
@@ -124,7 +121,7 @@ def contract_candidates(sm_count, request):
 
 def builds(kernel: str, sm_count: int, gemms=GEMM_KERNELS):
     """(request, config) of every candidate at the kernel's default shapes: one compile each."""
-    cases = contract_cases() if kernel == "contract" else gemm_cases(gemms=gemms)
+    cases = gemm_cases(CONTRACT_SHAPES, CONTRACTIONS) if kernel == "contract" else gemm_cases(gemms=gemms)
     candidates = contract_candidates if kernel == "contract" else gemm_candidates
     return [(request, config) for _, _, request in cases for config in candidates(sm_count, request).values()]
 
@@ -142,27 +139,6 @@ def operands_for(gemm, request, operands):
     return {name: operands[ours] for name, ours in named}
 
 
-def sweep(kernel, cases, sm_count, reps, clock, rows, save):
-    candidates = contract_candidates if kernel == "contract" else gemm_candidates
-    operands, operands_shape = None, None
-    for shape, gemm, request in cases:
-        m, d, f, _ = shape
-        if shape != operands_shape:
-            operands, operands_shape = bench_gemms.make_operands(*shape, 0, "dirichlet"), shape
-        args = operands_for(gemm, request, operands)
-        for name, config in candidates(sm_count, request).items():
-            row = dict(shape=list(shape), gemm=gemm, config=name, fields=dataclasses.asdict(config))
-            try:  # a config that does not build is recorded as such; the next one runs
-                run = (dsrelu_call if gemm == "dsrelu" else ragged_call).implementation(request, config)
-                ms = timing.time_call(jax.jit(lambda named, run=run: run(**named)), (args,), reps, clock).ms
-            except Exception as error:
-                rows.append(dict(row, **run_record.error_entry(error, "timing")))
-                continue
-            rows.append(dict(row, ms=ms, tflops=timing.tflops(2.0 * m * d * f, ms)))
-            print(f"{shape} {gemm:<6} {name:<28} {ms:8.3f} ms", flush=True)
-        save()
-
-
 def main(argv=None):
     parser = harness.parser(__doc__.split("\n\n")[0], reps=20, subsets=dict(gemms=GEMM_KERNELS))  # --kernel gemm's
     parser.add_argument("--kernel", choices=["gemm", "contract"], required=True)
@@ -175,9 +151,23 @@ def main(argv=None):
             compile_candidate(request, config)
         return
     result, clock, save = harness.start_record(options, benchmark=f"sweep_{options.kernel}", flops="2 m d f per GEMM")
-    cases = (contract_cases(options.shapes) if options.kernel == "contract"
-             else gemm_cases(options.shapes, tuple(options.gemms)))
-    sweep(options.kernel, cases, dsrelu_call.sm_count(), options.reps, clock, result.setdefault("rows", []), save)
+    rows, sm_count = result.setdefault("rows", []), dsrelu_call.sm_count()
+    candidates = contract_candidates if options.kernel == "contract" else gemm_candidates
+    layer_operands = functools.lru_cache(maxsize=1)(lambda shape: bench_gemms.make_operands(*shape, 0, "dirichlet"))
+    for shape, gemm, request in gemm_cases(options.shapes, CONTRACTIONS if options.kernel == "contract" else options.gemms):
+        m, d, f, _ = shape
+        args = operands_for(gemm, request, layer_operands(shape))
+        for name, config in candidates(sm_count, request).items():
+            row = dict(shape=list(shape), gemm=gemm, config=name, fields=dataclasses.asdict(config))
+            try:  # a config that does not build is recorded as such; the next one runs
+                run = (dsrelu_call if gemm == "dsrelu" else ragged_call).implementation(request, config)
+                ms = timing.time_call(jax.jit(lambda named, run=run: run(**named)), (args,), options.reps, clock).ms
+            except Exception as error:
+                rows.append(dict(row, **run_record.error_entry(error, "timing")))
+                continue
+            rows.append(dict(row, ms=ms, tflops=timing.tflops(2.0 * m * d * f, ms)))
+            print(f"{shape} {gemm:<6} {name:<28} {ms:8.3f} ms", flush=True)
+        save()
 
 
 if __name__ == "__main__":
