@@ -8,8 +8,8 @@ K = d, N = f) and down (act W2[e], K = f, N = d; dx = dh W1[e]^T has its dimensi
                   per row and 128 of K, per 128 x 128 block of the weight, stored (E, N, K))
     sm90_fp8_between  as sm90_fp8 (down only), each K block promoted between the wgmma batches
                   rather than beside the next one's (the tuning table's `fp8_overlap_promotion`)
-    quantize      quantize_blockwise of the GEMM's rows (m, K): what the step pays for them
-                  where no epilogue writes them quantized
+    quantize      quantize_blockwise of the GEMM's rows (m, K): what the step pays for them where no epilogue
+                  writes them quantized
     cublas_bf16   one dense bf16 GEMM (m, K) x (K, N) by XLA (cuBLAS)
     cublas_fp8    one dense e4m3 GEMM of the same FLOPs by XLA: scaled e4m3 operands upcast and
                   multiplied, the pattern XLA's GEMM rewriter hands cuBLASLt as an FP8 GEMM with

@@ -124,10 +124,9 @@ def flatten(outputs, mode):
 def compare(outputs, reference) -> tuple[dict, bool]:
     """Normwise errors against the xla backend, and whether all pass. The loss is recorded but
     not judged: a sum of terms of both signs, its relative error says nothing about the layer."""
-    checks = {name: dict(relative_error=float(harness.relative_error(outputs[name], ref)))
-              for name, ref in reference.items()}
-    for name in checks.keys() - {"loss"}:
-        checks[name]["passes"] = checks[name]["relative_error"] <= TOLERANCE
+    errors = {name: float(harness.relative_error(outputs[name], ref)) for name, ref in reference.items()}
+    checks = {name: dict(relative_error=error, **({} if name == "loss" else dict(passes=error <= TOLERANCE)))
+              for name, error in errors.items()}
     return checks, all(c.get("passes", True) for c in checks.values())
 
 

@@ -1,11 +1,10 @@
 """Each kernel of a moe_mlp step against its roofline, from rates measured in the same run.
 
-A kernel's roofline is max(its FLOPs at the dense bf16 cuBLAS rate, its bytes at a device
-copy's rate): what bench_layer's cublas_dense variant reaches on the step's six GEMMs, and
-what an elementwise kernel reading and writing one large bf16 array reaches (`copy_rate`),
-both timed in the run that times the kernels. Bytes are the least each kernel must move:
-every operand read once and every output written once, all E experts' weights included, at
-the rows the experts own (m, less the rows token rounding cut). FLOPs: 2 m d f per GEMM.
+A kernel's roofline is max(its FLOPs at the dense bf16 cuBLAS rate, its bytes at a device copy's rate): what
+bench_layer's cublas_dense variant reaches on the step's six GEMMs, and what an elementwise kernel reading and
+writing one large bf16 array reaches (`copy_rate`), both timed in the run that times the kernels. Bytes are the
+least each kernel must move: every operand read once and every output written once, all E experts' weights
+included, at the rows the experts own (m, less the rows token rounding cut). FLOPs: 2 m d f per GEMM.
 """
 
 from __future__ import annotations
