@@ -1,23 +1,14 @@
 """Times the FP8 ragged-M GEMMs against our bf16 ones and dense cuBLAS GEMMs of the same FLOPs.
 
 At each layer shape (m, d, f, E), on one set of inputs: up (h, act = srelu(x W1[e] + b1[e]),
-K = d, N = f) and down (act W2[e], K = f, N = d; dx = dh W1[e]^T has its dimensions), each by
-
-    sm90          ours, bf16 operands (the step's GEMM as moe_mlp runs it)
-    sm90_fp8      ours on FP8_BLOCKWISE operands quantized beforehand (e4m3, float32 scales
-                  per row and 128 of K, per 128 x 128 block of the weight, stored (E, N, K))
-    sm90_fp8_between  as sm90_fp8 (down only), each K block promoted between the wgmma batches
-                  rather than beside the next one's (the tuning table's `fp8_overlap_promotion`)
-    quantize      quantize_blockwise of the GEMM's rows (m, K): what the step pays for them where no epilogue
-                  writes them quantized
-    cublas_bf16   one dense bf16 GEMM (m, K) x (K, N) by XLA (cuBLAS)
-    cublas_fp8    one dense e4m3 GEMM of the same FLOPs by XLA: scaled e4m3 operands upcast and
-                  multiplied, the pattern XLA's GEMM rewriter hands cuBLASLt as an FP8 GEMM with
-                  per-tensor scales; `hlo_fp8_call` says whether the compiled HLO holds that call
-    torch_fp8     torch._scaled_mm, e4m3 operands, per-tensor float32 scales, bf16 out (cuBLASLt)
-
-sm90_fp8 is checked against XLA's product of the dequantized operands (normwise 2^-7: the FP8
-accumulation and one bf16 rounding, tests/test_sm90_fp8.py derives the elementwise bound).
+K = d, N = f) and down (act W2[e], K = f, N = d, as dx = dh W1[e]^T), each by sm90 (ours, bf16),
+sm90_fp8 (ours on FP8_BLOCKWISE operands quantized beforehand), sm90_fp8_between (down only: each
+K block promoted between the wgmma batches, the schedule `fp8_overlap_promotion` did not choose),
+quantize (quantize_blockwise of the rows, which the step pays where no epilogue writes them
+quantized), cublas_bf16, cublas_fp8 (XLA's dot of scaled e4m3 operands, which its GEMM rewriter
+hands cuBLASLt: `hlo_fp8_call` says whether the compiled HLO holds that call) and torch_fp8
+(torch._scaled_mm); precision.py states each. sm90_fp8 is checked against the XLA backend's
+product of the dequantized operands (normwise 2^-7; tests/test_sm90_fp8.py bounds it elementwise).
 
     python benchmarks/bench_fp8_gemms.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_fp8_gemms.py --prebuild
@@ -35,6 +26,7 @@ import numpy as np
 from jax import lax
 
 import harness
+import precision
 import run_record
 import timing
 from harness import BF16, group_sizes_for
@@ -176,7 +168,8 @@ def main(argv=None):
                         harness.lower_for_cuda(f"{gemm} {variant} {(m, d, f, num_experts)}", fn, *(shapes[x] for x in names))
         return
     harness.run(options, functools.partial(measure_row, options), plot, "gemms", benchmark="bench_fp8_gemms",
-                title="FP8 ragged-M GEMMs", tolerance=TOLERANCE, shapes_asked=[list(s) for s in options.shapes])
+                title="FP8 ragged-M GEMMs", tolerance=TOLERANCE, shapes_asked=[list(s) for s in options.shapes],
+                precision=precision.stated("bench_fp8_gemms", options.variants))
 
 
 if __name__ == "__main__":

@@ -34,9 +34,14 @@ BY_BENCHMARK = {
         "gathered": "as auto, its GEMMs reading rows through the routing index, its ordered "
                     "gather-and-sums on the sm90 kernel", "gathered_det": "as gathered",
     },
+    "bench_fp8_gemms": {"sm90": BF16_GEMM, "quantize": "bf16 rows to e4m3 and float32 scales (1 x 128)", "sm90_fp8":
+                        "e4m3 operands, FP8_BLOCKWISE float32 scales, float32 promotion every 128 of K, bf16 out",
+                        "sm90_fp8_between": "as sm90_fp8", "cublas_fp8": "e4m3, per-tensor float32 scales, bf16 out "
+                        "(XLA's dot, cuBLASLt)", "torch_fp8": "as cublas_fp8 (torch._scaled_mm)", "cublas_bf16": BF16_GEMM},
 }
 SAME_SINCE_WRITTEN = {"bench_gemms": tuple(BY_BENCHMARK["bench_gemms"]), "bench_layer": ("xla", "sm90", "sm90_det", "pallas"),
-                      "bench_moe_block": ("auto", "auto_det", "xla")}
+                      "bench_moe_block": ("auto", "auto_det", "xla"), "bench_fp8_gemms": ("sm90", "sm90_fp8", "quantize", "cublas_fp8",
+                                                                                     "torch_fp8", "cublas_bf16")}
 
 
 def stated(benchmark: str, variants) -> dict[str, str]:

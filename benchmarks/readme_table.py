@@ -28,7 +28,8 @@ HEADERS = {
     "pallas": "Pallas", "quack": "QuACK", "tokamax": "tokamax ragged_dot", "dense_mlp": "dense bf16 MLP",
     "batched_mlp": "batched bf16 MLP", "gemms_cublas": "its GEMMs alone, bf16 cuBLAS", "cublas_dense": "dense bf16 cuBLAS",
     "cublas_batched": "batched bf16 cuBLAS", "gathered": "library, auto with gathered loads (sm90, not yet in auto)",
-    "gathered_det": "the same, deterministic"}
+    "gathered_det": "the same, deterministic", "sm90_fp8": "sm90 FP8", "quantize": "quantizing the rows",
+    "cublas_fp8": "dense FP8 cuBLASLt (XLA)", "torch_fp8": "dense FP8 torch._scaled_mm", "cublas_bf16": "dense bf16 cuBLAS"}
 # Our kernels' classes in the mangled CuTe DSL names of a breakdown; the gathered ones first,
 # since a name holds the first class it matches (GatheredRaggedGemmSm90 holds RaggedGemmSm90).
 KERNEL_CLASSES = {
@@ -53,7 +54,7 @@ def cell(entry: dict | None) -> str:
     if "skipped" in entry:
         return entry["skipped"]
     if "ms" in entry:
-        return f"{entry['ms']:.3f} ms ({entry['tflops']:.0f})" if "tflops" in entry else f"{entry['ms']:.3f} ms"
+        return f"{entry['ms']:.3f} ms ({entry['tflops']:.0f})" if entry.get("tflops") else f"{entry['ms']:.3f} ms"
     if entry.get("stage") == "build" and entry.get("error", "").startswith("NotImplementedError"):
         return "not built"
     return f"failed ({entry.get('stage', 'error')})"
@@ -172,6 +173,19 @@ def render_gemms(runs: Runs) -> str:
                       f"Each cell: time per GEMM (TFLOP/s at {run['flops']}). {RATIOS} {stated}", "",
                       *table(["shape (m, d, f, E), groups", "GEMM", *(HEADERS[v] for v in variants),
                               *(f"sm90 / {HEADERS[o]}" for o in others)], body)])
+
+
+def render_fp8_gemms(runs: Runs) -> str:
+    """bench_fp8_gemms.py's record: each GEMM per variant, the FP8 GEMM over each other."""
+    variants, stated = shown(runs, lambda r: {v for row in r["shapes"] for g in row["gemms"].values() for v in g["variants"]})
+    others = [v for v in variants if v not in ("sm90_fp8", "quantize")]  # the rows' quantizing is no GEMM: no TFLOP/s
+    body = [[row_label(row), gemm, *(cell(dict(e["variants"][v], tflops=None) if v == "quantize" and v in e["variants"]
+                                          else e["variants"].get(v)) for v in variants),
+             *(ratio(e["variants"].get("sm90_fp8"), e["variants"].get(o)) for o in others)]
+            for row in runs[0][1]["shapes"] for gemm, e in row["gemms"].items()]
+    return "\n".join([provenance(runs, "operands quantized beforehand"), f"Each cell: time per GEMM (TFLOP/s). {RATIOS} "
+                      f"{stated}", "", *table(["shape (m, d, f, E), groups", "GEMM", *(HEADERS[v] for v in variants),
+                                               *(f"sm90 FP8 / {HEADERS[o]}" for o in others)], body)])
 
 
 def render_moe_block(runs: Runs) -> str:
@@ -324,6 +338,7 @@ TABLES: list[tuple[str, str, tuple[str, ...], Callable[[Runs], str]]] = [
     ("docs/gemm-performance.md", "gemms_fine_grained", ("bench_gemms_fine_grained.json",), render_gemms),
     ("docs/gemm-performance.md", "gemms_quack", ("bench_gemms_quack.json",), render_gemms),
     ("docs/performance.md", "moe_block", ("bench_moe_block.json",), render_moe_block),
+    ("docs/fp8.md", "fp8_gemms", ("bench_fp8_gemms.json",), render_fp8_gemms),
     ("docs/sm90.md", "tuning", (), render_tuning),
     ("docs/determinism.md", "determinism", ("determinism_parallel_warm.json", "determinism_parallel_fresh.json"),
      render_determinism),

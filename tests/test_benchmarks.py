@@ -17,6 +17,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import bench_fp8_gemms  # noqa: E402
 import bench_gemms  # noqa: E402
 import bench_layer  # noqa: E402
 import bench_moe_block  # noqa: E402
@@ -173,7 +174,8 @@ def test_the_cublas_baselines_of_each_gemm_are_bf16(gemm):
 
 @pytest.mark.parametrize("benchmark, variants", [
     ("bench_gemms", bench_gemms.VARIANTS + bench_gemms.OPTIONAL_VARIANTS),
-    ("bench_layer", bench_layer.VARIANTS), ("bench_moe_block", bench_moe_block.VARIANTS)])
+    ("bench_layer", bench_layer.VARIANTS), ("bench_moe_block", bench_moe_block.VARIANTS),
+    ("bench_fp8_gemms", bench_fp8_gemms.VARIANTS)])
 def test_every_variant_states_its_precision(benchmark, variants):
     assert set(variants) <= set(precision.stated(benchmark, variants))
     assert set(precision.SAME_SINCE_WRITTEN[benchmark]) <= set(precision.BY_BENCHMARK[benchmark])
