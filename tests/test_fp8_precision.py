@@ -575,3 +575,25 @@ def test_a_precision_step_with_the_expert_width_split_over_devices_is_the_one_de
                           jax.device_put(w2, NamedSharding(mesh, P(None, "model", None))))
     for a, b in zip(jax.tree.leaves(one_device), jax.tree.leaves(split)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_moe_layer_takes_quantized_weights_made_once():
+    tokens, d, f, num_experts = 96, 160, 200, 4
+    keys = jax.random.split(jax.random.key(7), 5)
+    x = jax.random.normal(keys[0], (tokens, d), jnp.bfloat16)
+    router = jax.random.normal(keys[1], (d, num_experts), jnp.float32)
+    w1 = (jax.random.normal(keys[2], (num_experts, d, f)) / d**0.5).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(keys[3], (num_experts, f, d)) / f**0.5).astype(jnp.bfloat16)
+    dy = jax.random.normal(keys[4], (tokens, d), jnp.float32)
+
+    def loss(x, router, w1, w2, quantized):
+        out = jax_dsrelu.moe_layer(x, router, w1, w2, top_k=2, precision=RECIPE, quantized_weights=quantized)
+        return jnp.sum(out.astype(jnp.float32) * dy)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    without = step(x, router, w1, w2, None)
+    reused = step(x, router, w1, w2, jax_dsrelu.quantize_expert_weights(w1, w2, RECIPE))
+    for a, b in zip(jax.tree.leaves(without), jax.tree.leaves(reused)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="quantized_weights needs precision="):
+        jax_dsrelu.moe_layer(x, router, w1, w2, quantized_weights=jax_dsrelu.quantize_expert_weights(w1, w2, RECIPE))

@@ -36,7 +36,8 @@ from jax_dsrelu.moe.entry_points import UNSET, entry_point
 from jax_dsrelu.moe.options import MoEOptions
 from jax_dsrelu.moe.routing import RoutingPlan
 from jax_dsrelu.moe.weights import MoEWeights
-from jax_dsrelu.ops import block_experts
+from jax_dsrelu.ops import block_experts, quantized_expert_mlp
+from jax_dsrelu.ops.quantized_expert_mlp import QuantizedExpertWeights
 from jax_dsrelu.primitives import validation
 from jax_dsrelu.quantization.schema import Recipe
 
@@ -86,6 +87,7 @@ def moe_layer(
     backend: str = UNSET,
     precision: Recipe | None = UNSET,
     return_aux: bool = False,
+    quantized_weights: QuantizedExpertWeights | None = None,  # quantize_expert_weights(w1, w2, precision)
 ) -> jax.Array | tuple[jax.Array, MoEAux]:  # (T, d) x.dtype [, MoEAux]
     """The MoE block:
 
@@ -104,6 +106,9 @@ def moe_layer(
     cast to x.dtype. With return_aux=True, returns (out, MoEAux). With a precision
     (FP8_BLOCKWISE) the experts' GEMMs, the shared expert's included, read FP8 operands as
     `moe_mlp` does; the router and the latent projections stay in their weights' dtype.
+    quantized_weights: the routed experts' w1 and w2 quantized once by the precision
+    (`quantize_expert_weights(w1, w2, precision)`), read instead of quantizing them again,
+    as `moe_mlp` takes them (gradient accumulation); the gradients are the same bits.
 
     The weights are the arrays above, or one `MoEWeights` as weights= (not both).
     Gradients reach x, router, w1, b1, w2, shared_w1, shared_w2, latent_in and latent_out;
@@ -115,7 +120,8 @@ def moe_layer(
     weights.check(x)
     options.check_experts(weights.num_experts)
     check_one_device(options)
-    return apply(x, weights, options, return_aux)
+    quantized_expert_mlp.check_quantized_weights(quantized_weights, weights.w1, weights.w2, options.precision)
+    return apply(x, weights, options, return_aux, quantized_weights)
 
 
 def check_one_device(options: MoEOptions) -> None:
@@ -135,6 +141,7 @@ def apply(
     weights: MoEWeights,
     options: MoEOptions,
     return_aux: bool,
+    quantized_weights: QuantizedExpertWeights | None = None,  # checked against weights and options
 ) -> jax.Array | tuple[jax.Array, MoEAux]:  # (T, d) x.dtype [, MoEAux]
     """`moe_layer` on weights checked against x and options checked against the weights:
     the block's steps on one device. `jax_dsrelu.flax.MoE` calls it with the options it
@@ -145,6 +152,7 @@ def apply(
         expert_tokens(x, weights), weights.w1, weights.w2, weights.b1, plan.row_prob, plan.group_sizes,
         plan.order, plan.inverse, top_k=plan.top_k, deterministic=options.deterministic,
         backends=registry.layer_backends(options.backend, options.precision), precision=options.precision,
+        quantized=None if quantized_weights is None else jax.lax.stop_gradient(quantized_weights),
     )
     out = block_output(routed, x, weights, options)
     if not return_aux:

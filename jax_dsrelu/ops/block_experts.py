@@ -57,12 +57,14 @@ def routed_experts(
     deterministic: bool,
     backends: LayerBackends,
     precision: Recipe | None,  # None, or the FP8 recipe the experts' GEMMs read their operands by
+    quantized=None,  # with a precision: w1 and w2 quantized already (QuantizedExpertWeights)
 ) -> jax.Array:  # (T, l) float32
     """out[t] = sum over token t's slots s of prob * relu(tokens[t] @ w1[e] + b1[e])**2 @ w2[e]
     with e the slot's expert, as combine(moe_mlp(dispatch(tokens))) computes it, bit for
     bit. Arguments are the caller's to have checked (the MoE layer's)."""
     tokens, w1, w2, prob, b1 = jax_internals.vary_alike([tokens, w1, w2, prob, b1])
-    return _routed((top_k, precision), deterministic, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse)
+    return _routed((top_k, precision), deterministic, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse,
+                   quantized)
 
 
 def _slots(inverse, top_k):
@@ -70,37 +72,37 @@ def _slots(inverse, top_k):
     return inverse.reshape(-1, top_k)
 
 
-def _routed_forward(static, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse):
+def _routed_forward(static, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse, quantized):
     top_k, precision = static
     y, h = expert_mlp.forward(
         backends, tokens.astype(w1.dtype), w1, w2, prob, group_sizes, b1, row_index=order // top_k,
-        precision=precision,
+        precision=precision, quantized=quantized,
     )
     return gather_sum(y, _slots(inverse, top_k), backend=backends.gather_sum), h
 
 
 # static: (top_k, precision), the layer's facts that the steps need beside the backends.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _routed(static, deterministic, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse):
+def _routed(static, deterministic, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse, quantized):
     del deterministic
-    return _routed_forward(static, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse)[0]
+    return _routed_forward(static, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse, quantized)[0]
 
 
-def _routed_fwd(static, deterministic, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse):
+def _routed_fwd(static, deterministic, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse, quantized):
     del deterministic
-    out, h = _routed_forward(static, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse)
-    return out, (tokens, w1, w2, b1, prob, group_sizes, order, inverse, h)
+    out, h = _routed_forward(static, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse, quantized)
+    return out, (tokens, w1, w2, b1, prob, group_sizes, order, inverse, h, quantized)
 
 
 def _routed_bwd(static, deterministic, backends, residuals, dout):
     top_k, precision = static
-    tokens, w1, w2, b1, prob, group_sizes, order, inverse, h = residuals
+    tokens, w1, w2, b1, prob, group_sizes, order, inverse, h, quantized = residuals
     row_token = order // top_k
     # Each row's gradient is its token's, in the rows' dtype: read through row_token.
     dy = dout.astype(w1.dtype)
     grads = expert_mlp.backward(
         deterministic, backends, tokens.astype(w1.dtype), w1, w2, prob, group_sizes, b1, h, dy,
-        row_index=row_token, dy_index=row_token, precision=precision,
+        row_index=row_token, dy_index=row_token, precision=precision, quantized=quantized,
     )
     summed = gather_sum(grads.rows, _slots(inverse, top_k), backend=backends.gather_sum)
     # Rounded to the rows' dtype first, as the gradient of rows cast from the tokens is.
@@ -110,7 +112,8 @@ def _routed_bwd(static, deterministic, backends, residuals, dout):
         for cotangent, primal in ((dtokens, tokens), (grads.w1, w1), (grads.w2, w2), (grads.prob, prob))
     )
     db1 = None if b1 is None else sharding.like_primal(grads.b1, b1)
-    return dtokens, dw1, dw2, db1, dprob, None, None, None
+    # The quantized weights are w1's and w2's: their gradients are w1's and w2's.
+    return dtokens, dw1, dw2, db1, dprob, None, None, None, jax.tree.map(jnp.zeros_like, quantized)
 
 
 def shared_expert(
