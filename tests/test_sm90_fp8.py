@@ -579,3 +579,31 @@ def test_fp8_fused_kernel_matches_float64(hopper, name, deterministic):
     if deterministic:
         for key in ("dh", "act", "dprob", "dbias", "amax"):
             assert np.array_equal(np.asarray(results[key]), np.asarray(again[key])), key
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kernel, shape", [
+    ("plain", (8, 4096, 2048)), ("srelu_bias", (128, 2688, 1856)), ("srelu_bias", (512, 2688, 1856)),
+    ("fused", (128, 1856, 2688)), ("fused", (512, 768, 2048)),
+], ids=str)
+def test_fp8_shared_memory_estimate_is_the_kernels_struct(kernel, shape, monkeypatch):
+    """The estimate that picks the FP8 kernels' operand stages (1-byte operands, the fused
+    kernel's float32 outputs) is the shared-memory struct each allocates."""
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    from jax_dsrelu.kernels.sm90 import backend, config, dsrelu_call, ragged_call
+
+    module = dsrelu_call if kernel == "fused" else ragged_call
+    built, make = [], module._kernel
+    monkeypatch.setattr(module, "_kernel", lambda *key: built.append(make(*key)) or built[-1])
+    with backend.unverified_enabled("fp8"):
+        if kernel == "fused":
+            request = dsrelu_request(shape, deterministic=True)
+            chosen = config.choose_config(request)
+            dsrelu_call.compile_kernel(request, chosen, keep=True)
+            estimate = chosen.smem_bytes(request.num_experts, True, True, 4)
+        else:
+            request = request_for(shape, kernel)
+            chosen = ragged_call.choose_config(request)
+            ragged_call.compile_kernel(request, chosen, keep=True)
+            estimate = chosen.request_bytes(request)
+    assert built[-1].shared_storage.size_in_bytes() == estimate <= config.SMEM_CAPACITY
