@@ -607,3 +607,16 @@ def test_fp8_shared_memory_estimate_is_the_kernels_struct(kernel, shape, monkeyp
             ragged_call.compile_kernel(request, chosen, keep=True)
             estimate = chosen.request_bytes(request)
     assert built[-1].shared_storage.size_in_bytes() == estimate <= config.SMEM_CAPACITY
+
+
+@pytest.mark.compile
+def test_a_config_counting_other_operand_bytes_is_refused():
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    from jax_dsrelu.kernels.sm90 import config
+    from jax_dsrelu.kernels.sm90.ragged_matmul_kernel import RaggedGemmSm90
+
+    bf16_request = dataclasses.replace(request_for((8, 528, 320), "plain"), operand_dtype=BF16, block_scaled=False)
+    fp8_counted = config.GemmConfig(tile_n=128, tile_k=64, ab_stages=6, epi_n=32, store_stages=2, max_ctas=132,
+                                    operand_bytes=1)
+    with pytest.raises(ValueError, match="config.operand_bytes must be 2 for bfloat16 operands, got 1"):
+        RaggedGemmSm90(fp8_counted, bf16_request)

@@ -90,6 +90,7 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
 
     def __init__(self, config: TileConfig, request: Request):
         super().__init__(config, request.num_experts, request.n, request.k)
+        self.check_operand_bytes(request.operand_dtype)
         self.request = request
         self.with_dbias = request.with_dbias
         self.with_act = request.with_act

@@ -102,6 +102,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+import numpy as np
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.tensor_utils import LayoutEnum
@@ -169,6 +170,14 @@ class GemmSm90:
         self.tile_k = config.tile_k
         self.epi_n = config.epi_n
         self.subtiles = config.subtiles
+
+    def check_operand_bytes(self, operand_dtype) -> None:
+        """The config's operand_bytes must be the operands' element size: the shared-memory
+        estimate and the k-tile's swizzle row are counted in it."""
+        itemsize = np.dtype(operand_dtype).itemsize
+        if self.config.operand_bytes != itemsize:
+            raise ValueError(f"config.operand_bytes must be {itemsize} for {np.dtype(operand_dtype).name} operands, "
+                             f"got {self.config.operand_bytes}")
 
     # ------------------------------------------------------------- the declaration
 

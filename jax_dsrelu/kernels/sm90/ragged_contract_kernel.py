@@ -74,6 +74,7 @@ class RaggedContractSm90(GemmSm90):
 
     def __init__(self, config: ContractConfig, request: RaggedContractRequest):
         super().__init__(config, request.num_experts)
+        self.check_operand_bytes(request.operand_dtype)
         self.request = request
         self.a = request.a
         self.b = request.b

@@ -80,6 +80,7 @@ class RaggedGemmSm90(RaggedMGemmSm90):
         if request.with_bias and request.epilogue != "srelu":
             raise ValueError(f"with_bias=True needs epilogue='srelu' (only it adds a bias), got epilogue={request.epilogue!r}")
         super().__init__(config, request.num_experts, request.n, request.k)
+        self.check_operand_bytes(request.operand_dtype)
         self.request = request
         self.srelu = request.epilogue == "srelu"
         self.with_bias = request.with_bias
