@@ -1,8 +1,9 @@
 """What a kernel of the family on FP8_BLOCKWISE operands adds to its 16-bit variant: the
 two scale operands and the promoted mainloop (`promoted_mainloop.py`).
 
-A variant mixes `BlockScaledMainloop` in before its 16-bit kernel class and names its
-scale operands: `a_scale` (rows, K blocks), one per row of A and 128 of K, and `b_scale`
+A variant mixes `BlockScaledMainloop` in before its 16-bit kernel class and names the
+request field that says its operands are block-scaled (`scaled_flag`) and its scale
+operands: `a_scale` (rows, K blocks), one per row of A and 128 of K, and `b_scale`
 (E, N blocks, K blocks), one per 128 x 128 block of B stored (E, N, K). The config's
 k-tile is one K block and its N tile at most one N block (`config.BLOCK`), so each
 k-tile of a work tile has one B scale and a scale per row; the 16-bit variant's epilogue
@@ -29,12 +30,16 @@ class BlockScaledMainloop:
 
     a_scale: str
     b_scale: str
+    scaled_flag: str  # the request's field saying its operands are FP8_BLOCKWISE
     scales_after = "group_sizes"
 
-    def check_blocks(self, config) -> None:
+    def __init__(self, config, request):
+        if not getattr(request, self.scaled_flag):
+            raise ValueError(f"{type(self).__name__} serves requests with {self.scaled_flag}=True, got False")
         if config.tile_k != BLOCK or config.tile_n > BLOCK:
             raise ValueError(f"{type(self).__name__} needs tile_k={BLOCK} and tile_n <= {BLOCK} (one scale per "
                              f"k-tile), got tile_k={config.tile_k}, tile_n={config.tile_n}")
+        super().__init__(config, request)
 
     def operands(self) -> list[KernelOperand]:
         plan = super().operands()

@@ -17,9 +17,7 @@ Constraints (`config.cannot_implement`): e4m3 operands, n and k multiples of 16,
 
 from __future__ import annotations
 
-from jax_dsrelu.kernels.request import Request
 from jax_dsrelu.kernels.sm90.block_scaled import BlockScaledMainloop
-from jax_dsrelu.kernels.sm90.config import TileConfig
 from jax_dsrelu.kernels.sm90.dsrelu_kernel import GroupedGemmDsreluSm90
 
 
@@ -28,9 +26,4 @@ class BlockScaledDsreluSm90(BlockScaledMainloop, GroupedGemmDsreluSm90):
 
     a_scale = "grad_block_scale"
     b_scale = "weight_block_scale"
-
-    def __init__(self, config: TileConfig, request: Request):
-        if not request.blockwise_scaled:
-            raise ValueError(f"{type(self).__name__} serves FP8_BLOCKWISE requests, got blockwise_scaled=False")
-        self.check_blocks(config)
-        super().__init__(config, request)
+    scaled_flag = "blockwise_scaled"

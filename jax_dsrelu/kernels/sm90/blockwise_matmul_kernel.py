@@ -20,9 +20,7 @@ Constraints (`config.cannot_implement_gemm`): rhs_layout "nk", n and k multiples
 
 from __future__ import annotations
 
-from jax_dsrelu.kernels.request import RaggedMatmulRequest
 from jax_dsrelu.kernels.sm90.block_scaled import BlockScaledMainloop
-from jax_dsrelu.kernels.sm90.config import GemmConfig
 from jax_dsrelu.kernels.sm90.ragged_matmul_kernel import RaggedGemmSm90
 
 
@@ -31,9 +29,4 @@ class BlockScaledRaggedGemmSm90(BlockScaledMainloop, RaggedGemmSm90):
 
     a_scale = "lhs_scale"
     b_scale = "rhs_scale"
-
-    def __init__(self, config: GemmConfig, request: RaggedMatmulRequest):
-        if not request.block_scaled:
-            raise ValueError(f"{type(self).__name__} serves block-scaled requests, got block_scaled=False")
-        self.check_blocks(config)
-        super().__init__(config, request)
+    scaled_flag = "block_scaled"

@@ -124,7 +124,9 @@ def mma_k_tiles_promoted(
     n_block: Int32,
 ):
     """acc = sum over the tile's k-tiles of (A B^T over the k-tile) times its scales
-    (acc = 0 for none). Returns (read_state, release_state), each advanced k_tiles times."""
+    (acc = 0 for none). Returns (read_state, release_state), each advanced k_tiles times.
+    Written out rather than with `_issue_block` and `_promote`: their order of the state
+    advances gives other PTX than the code that passed its GPU tier (tests/ptx_digests.json)."""
     k_blocks = cute.size(tCrA, mode=[2])
     acc.fill(0.0)
     for k_tile in range(k_tiles):
