@@ -36,8 +36,12 @@ def grouping(name: str) -> tuple[int, int, int, list[int]]:
     """(m, k, n, group sizes) of a case."""
     m, k, n, sizes = GROUPINGS[name]
     if isinstance(sizes, int):
-        rng = np.random.default_rng(5)
-        sizes = np.floor(rng.dirichlet(np.ones(sizes)) * m).astype(int)
-        sizes[-1] += m - sizes.sum()
-        sizes = sizes.tolist()
+        sizes = dirichlet_sizes(m, sizes, seed=5)
     return m, k, n, sizes
+
+
+def dirichlet_sizes(m: int, num_experts: int, seed: int) -> list[int]:
+    """Group sizes of num_experts experts summing to m, drawn from a flat Dirichlet."""
+    sizes = np.floor(np.random.default_rng(seed).dirichlet(np.ones(num_experts)) * m).astype(int)
+    sizes[-1] += m - sizes.sum()
+    return sizes.tolist()

@@ -29,7 +29,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from contract_numpy import expert_rows  # noqa: E402
 from jax_dsrelu.kernels.request import RaggedMatmulRequest  # noqa: E402
+from kernel_cases import dirichlet_sizes  # noqa: E402
 from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu  # noqa: E402
 from jax_dsrelu.quantization import blockwise, emulation  # noqa: E402
 from jax_dsrelu.quantization.schema import E4M3, FP8_BLOCKWISE  # noqa: E402
@@ -74,12 +76,7 @@ GPU_CASES = [(name, "plain", False) for name in GROUPINGS] + [
 
 def grouping(name):
     shape, m, sizes = GROUPINGS[name]
-    if sizes is None:
-        rng = np.random.default_rng(11)
-        sizes = np.floor(rng.dirichlet(np.ones(shape[0])) * m).astype(int)
-        sizes[-1] += m - sizes.sum()
-        sizes = sizes.tolist()
-    return shape, m, sizes
+    return shape, m, dirichlet_sizes(m, shape[0], seed=11) if sizes is None else sizes
 
 
 def request_for(shape, variant) -> RaggedMatmulRequest:
@@ -102,21 +99,12 @@ def quantized_operands(rng, m, k, n, num_experts):
     return (lhs, lhs_scale, rhs, rhs_scale), (lhs64, rhs64)
 
 
-def clamped_bounds(sizes, m):
-    bounds, end = [], 0
-    for size in sizes:
-        start = end
-        end = min(end + max(size, 0), m)
-        bounds.append((start, end))
-    return bounds
-
-
 def reference(lhs64, rhs64, sizes, bias=None):
     """float64 (acc (+ bias), |lhs| @ |rhs|^T (+ |bias|), owned rows) of the ragged product
     of the dequantized operands; rows owned by no expert are 0."""
     m, n = lhs64.shape[0], rhs64.shape[1]
     ref, abs_dot, owned = np.zeros((m, n)), np.zeros((m, n)), np.zeros(m, bool)
-    for e, (start, end) in enumerate(clamped_bounds(sizes, m)):
+    for e, (start, end) in enumerate(expert_rows(sizes, m)):
         if end > start:
             ref[start:end] = lhs64[start:end] @ rhs64[e].T
             abs_dot[start:end] = np.abs(lhs64[start:end]) @ np.abs(rhs64[e]).T
@@ -148,7 +136,7 @@ def emulated(operands, sizes, m):
     expert's rows are padded to one row count (zero rows, unit scales), so that one
     compiled emulation serves every expert."""
     lhs, lhs_scale, rhs, rhs_scale = (np.asarray(x) for x in operands)
-    bounds = clamped_bounds(sizes, m)
+    bounds = expert_rows(sizes, m)
     rows = max([end - start for start, end in bounds] + [1])
     rows = -(-rows // 256) * 256
     run = jax.jit(lambda a, s, w, t: emulation.blockwise_matmul(a, s, w.T, t.T, FP8_BLOCKWISE))
@@ -450,10 +438,7 @@ def dsrelu_request(shape, deterministic, out_dtype=np.dtype(np.float32)):
 def dsrelu_case(name):
     (num_experts, n, k), m, sizes = DSRELU_GROUPINGS[name]
     if sizes is None:
-        rng = np.random.default_rng(12)
-        sizes = np.floor(rng.dirichlet(np.ones(num_experts)) * m).astype(int)
-        sizes[-1] += m - sizes.sum()
-        sizes = sizes.tolist()
+        sizes = dirichlet_sizes(m, num_experts, seed=12)
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     operands, (grad64, weight64) = quantized_operands(rng, m, k, n, num_experts)
     preact = jnp.asarray(rng.standard_normal((m, n)), BF16)
@@ -493,7 +478,7 @@ def check_fused(results, grad64, weight64, preact, prob, sizes, k):
     dprob = np.where(owned, np.sum(r * r * acc, axis=1), 0.0)
     dprob_bound = np.sum(r * r * acc_bound, axis=1) + (n + 4) * 2.0**-23 * np.sum(terms, axis=1) + 1e-30
     assert (np.abs(got["dprob"] - dprob) <= dprob_bound).all(), "dprob"
-    bounds = clamped_bounds(sizes, len(owned))
+    bounds = expert_rows(sizes, len(owned))
     for e, (start, end) in enumerate(bounds):
         column = dh[start:end].sum(axis=0)
         column_bound = dh_bound[start:end].sum(axis=0) + (end - start + 4) * 2.0**-23 * np.abs(dh[start:end]).sum(axis=0)
@@ -574,7 +559,7 @@ def test_fp8_fused_kernel_matches_float64(hopper, name, deterministic):
     check_fused(results, grad64, weight64, preact, prob, sizes, k)
     # amax is the largest |dh| of each expert's rows, as the kernel stored them (0 when empty).
     dh = np.abs(np.asarray(results["dh"], np.float64))
-    for e, (start, end) in enumerate(clamped_bounds(sizes, m)):
+    for e, (start, end) in enumerate(expert_rows(sizes, m)):
         assert float(results["amax"][e]) == (dh[start:end].max() if end > start else 0.0), f"amax of expert {e}"
     if deterministic:
         for key in ("dh", "act", "dprob", "dbias", "amax"):
