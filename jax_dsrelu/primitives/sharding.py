@@ -69,6 +69,7 @@ def partitioned(
     operand_dims = [" ".join(f.letters(params)) for f in operand_fields]
     result_dims = [" ".join(f.letters(params)) for f in result_fields]
     letters = " ".join(operand_dims).split()
+    whole = schema.whole(params)
 
     @custom_partitioning
     def computation(*operands):
@@ -91,7 +92,7 @@ def partitioned(
         partition=partition,
         sharding_rule=", ".join(operand_dims) + " -> " + ", ".join(result_dims),
         # In the order the factors first appear in the rule, as Shardy requires.
-        need_replication_factors=tuple(dict.fromkeys(f for f in letters if f in schema.whole(params))),
+        need_replication_factors=tuple(dict.fromkeys(f for f in letters if f in whole)),
     )
     return computation
 
@@ -104,9 +105,10 @@ def factor_axes(
     one dimension only). `usable` limits the axes considered."""
     axes: FactorAxes = {}
     taken: set[str] = set()
+    whole = schema.whole(params)
     for field, spec in zip(schema.operand_fields(params), specs):
         for letter, entry in zip(field.letters(params), spec):
-            if letter in schema.whole(params) or axes.get(letter):
+            if letter in whole or axes.get(letter):
                 continue
             chosen = tuple(
                 a for a in _axes(entry) if a not in taken and (usable is None or a in usable)
