@@ -205,3 +205,48 @@ def test_the_binding_check_sees_buffers_out_of_their_declared_order():
     reordered[first], reordered[second] = plan[second], plan[first]
     wrong = unbound_buffers(reordered, counts, text)
     assert [line.split(":")[0] for line in wrong] == [f"input {first} preact", f"input {second} grad"]
+
+
+def test_a_kernel_buffer_of_the_primitive_takes_the_schemas_name_and_shape():
+    # The kernels declare the primitive's buffers through the schema (`Declaration`):
+    # names it lacks, buffers absent under the call's parameters and roles against the
+    # field's kind are refused, and a gathered operand gets its source's rows.
+    declare = kernel_operands.declaration(schema.GROUPED_GEMM_DSRELU, dsrelu_request(), dict(e=E, n=N, k=K))
+    assert declare("weight", "input", BF16, mode=(1, 2, 0)) == kernel_operands.KernelOperand(
+        "weight", "input", BF16, (E, N, K), mode=(1, 2, 0))
+    assert declare("dh", "output", BF16).shape == (kernel_operands.M, N)
+    with pytest.raises(ValueError, match=r"grouped_gemm_dsrelu has no operand or result 'grads'"):
+        declare("grads", "input", BF16)
+    with pytest.raises(ValueError, match=r"'dh' is a result; a kernel cannot declare it as 'input'"):
+        declare("dh", "input", BF16)
+    with pytest.raises(ValueError, match=r"'grad' is an operand; a kernel cannot declare it as 'accumulate'"):
+        declare("grad", "accumulate", BF16)
+    without_dbias = kernel_operands.declaration(schema.GROUPED_GEMM_DSRELU,
+                                                dataclasses.replace(dsrelu_request(), with_dbias=False), {})
+    with pytest.raises(ValueError, match=r"'dbias' is absent .* \(present only with with_dbias=True\)"):
+        without_dbias("dbias", "output", F32)
+    with pytest.raises(ValueError, match=r"'weight' has dimensions \('e', 'n', 'k'\); the kernel gives no size"):
+        without_dbias("weight", "input", BF16)
+    gathered = kernel_operands.declaration(schema.GROUPED_GEMM_DSRELU, dsrelu_request(), dict(e=E, n=N, k=K),
+                                           with_grad_index=True)
+    assert gathered("grad", "input", BF16).shape == (kernel_operands.T, K)
+    assert gathered("grad_index", "input", I32).shape == (kernel_operands.M,)
+    # dW2's rhs, dy, is gathered from a source of its own (the count "u").
+    contract = kernel_operands.declaration(
+        schema.RAGGED_CONTRACT, RaggedContractRequest(num_experts=E, a=K, b=N, operand_dtype=BF16, out_dtype=F32),
+        dict(e=E, a=K, b=N), with_rhs_index=True)
+    assert contract("rhs", "input", BF16).shape == (kernel_operands.U, N)
+
+
+@pytest.mark.parametrize("name", list(cases()))
+def test_every_kernel_buffer_named_by_the_schema_has_its_shape(name):
+    # Whatever the kernel's own buffers (slots, workspaces), each of the primitive's
+    # buffers it declares is shaped as the schema's letters say, at the case's sizes.
+    (_, args), plan, counts, primitive_schema, params = cases()[name]
+    sizes = primitive_schema.dim_sizes([x.shape for x in args], params)
+    named = {f.name: f for f in primitive_schema.operands + primitive_schema.results}
+    ours = [o for o in plan if o.name in named]
+    assert ours, plan
+    for buffer in ours:
+        expected = tuple(counts.get(letter, sizes.get(letter)) for letter in named[buffer.name].letters(params))
+        assert buffer.shape_for(counts) == expected, buffer.name

@@ -61,8 +61,8 @@ def emulate_kernel(ops: layout.KernelOperands, n: int, k: int, out_dtype):
     assert np.all(offsets % CONFIG.segment_rows == 0) and np.all(np.diff(offsets) >= 0)
     assert offsets[-1] <= num_padded and num_padded % CONFIG.segment_rows == 0
 
-    a = dequantize(ops.grad, detile(ops.grad_scale, num_padded, k // 32)[0])
-    b = dequantize(ops.weight, detile(ops.weight_scale, n, k // 32, num_experts))
+    a = dequantize(ops.grad, detile(ops.grad_scale_tiled, num_padded, k // 32)[0])
+    b = dequantize(ops.weight, detile(ops.weight_scale_tiled, n, k // 32, num_experts))
     c = np.maximum(np.asarray(ops.preact, np.float64), 0.0)
     prob = np.asarray(ops.prob, np.float64)
     alpha = np.asarray(ops.alpha, np.float64)

@@ -9,6 +9,13 @@ one list come the host function's unpacking by name (`by_name`), the custom call
 outputs and aliases (`call_layout`), the compile descriptions (`compile_kernel`) and the
 call (`call`); no other list has to agree with it by position.
 
+A buffer that is one of the primitive's operands or results is not described twice: the
+kernel names it, and its shape comes from the primitive's schema (`Declaration`: the
+schema's dimension letters at the kernel's static sizes, the row letters varying). The
+kernel adds only what is its own: the buffer's place among its host function's
+arguments, its role, the dtype it stores, and the order in which it sees the axes. Its
+workspaces (slots, padded offsets) are KernelOperands of its own.
+
 Roles:
     input       read only
     accumulate  zero-filled by XLA, added into in place by the kernel (atomics, or
@@ -21,7 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import types
-from typing import Callable, Hashable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +111,53 @@ class KernelOperand:
         """The kernel's mode along which the stored array is contiguous (its last axis)."""
         last = len(self.shape) - 1
         return last if self.mode is None else self.mode.index(last)
+
+
+# The schema's letters that vary from call to call (`jax_dsrelu.primitives.schema`), as
+# kernel extents.
+_VARYING_LETTERS = {ROWS: M, SOURCE_ROWS: T, OTHER_SOURCE_ROWS: U}
+
+
+@dataclasses.dataclass(frozen=True)
+class Declaration:
+    """A primitive's buffers as one kernel stores them, each made from the primitive's
+    schema: `schema` (a `jax_dsrelu.primitives.schema.Schema`), the call's static
+    `params` (which buffers are present, a layout parameter, which operands are read
+    through a row index) and the kernel's static `sizes` of the schema's other letters.
+
+    declare(name, role, dtype, mode) is the buffer `name` with the schema's shape. A name
+    the schema lacks, a buffer absent under `params`, or a role that is not the field's
+    kind (operands are inputs; results are outputs, or accumulators) is refused."""
+
+    schema: Any
+    params: Mapping[str, Any]
+    sizes: Mapping[str, int]
+
+    def __call__(self, name: str, role: str, dtype, mode: tuple[int, ...] | None = None) -> KernelOperand:
+        field = self.schema.field(name)
+        if not field.present(self.params):
+            raise ValueError(f"{self.schema.name}'s {name!r} is absent under {dict(self.params)} "
+                             f"(present only with {field.present_if}=True)")
+        is_result = self.schema.is_result(name)
+        if (role == "input") == is_result:
+            kind = "a result" if is_result else "an operand"
+            raise ValueError(f"{self.schema.name}'s {name!r} is {kind}; a kernel cannot declare it as {role!r}")
+        letters = field.letters(self.params)
+        missing = [letter for letter in letters if letter not in _VARYING_LETTERS and letter not in self.sizes]
+        if missing:
+            raise ValueError(f"{self.schema.name}'s {name!r} has dimensions {letters}; the kernel gives no size "
+                             f"for {missing} (sizes {dict(self.sizes)})")
+        shape = tuple(_VARYING_LETTERS.get(letter) or self.sizes[letter] for letter in letters)
+        return KernelOperand(name, role, dtype, shape, mode)
+
+
+def declaration(schema, request, sizes: Mapping[str, int], **params: Any) -> Declaration:
+    """The `Declaration` of `schema`'s buffers for a kernel serving `request`, whose
+    fields are the call's static parameters under the names the schema reads
+    (with_dbias, rhs_layout, block_scaled, ...); `params` adds those a request does not
+    carry (with_<operand>_index for an operand a kernel variant gathers)."""
+    fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
+    return Declaration(schema, {**fields, **params}, sizes)
 
 
 def by_name(plan: Sequence[KernelOperand], tensors, owner: str):

@@ -98,6 +98,17 @@ class Schema:
         extra = [letter for flag, letters in self.whole_when if params.get(flag) for letter in letters]
         return self.kept_whole + tuple(extra)
 
+    def field(self, name: str) -> Field:
+        """The operand or result named `name`."""
+        for f in self.operands + self.results:
+            if f.name == name:
+                return f
+        raise ValueError(f"{self.name} has no operand or result {name!r}; it has "
+                         f"{[f.name for f in self.operands + self.results]}")
+
+    def is_result(self, name: str) -> bool:
+        return any(f.name == name for f in self.results)
+
     def operand_fields(self, params: Mapping[str, Any]) -> tuple[Field, ...]:
         """The operands the primitive is bound with: the present ones, in order."""
         return tuple(f for f in self.operands if f.present(params))

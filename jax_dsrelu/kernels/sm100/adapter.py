@@ -51,11 +51,12 @@ from cudnn.gemm.cutedsl.grouped.moe_utils import MoEWeightMode
 from cutlass.cute.nvgpu import OperandMajorMode
 
 from jax_dsrelu.kernels import request as request_facts
-from jax_dsrelu.kernels.operands import M, KernelOperand, Rows, by_name
+from jax_dsrelu.kernels.operands import M, KernelOperand, Rows, by_name, declaration
 from jax_dsrelu.kernels.request import Request
 from jax_dsrelu.kernels.slot_reduction import SlotReduction
 from jax_dsrelu.kernels.sm100 import slots
 from jax_dsrelu.kernels.sm100.config import Sm100Config
+from jax_dsrelu.primitives.schema import GROUPED_GEMM_DSRELU
 
 _F32, _I32, _BF16 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(jnp.bfloat16)
 _SCALE = np.dtype(jnp.float8_e8m0fnu)
@@ -157,43 +158,45 @@ class Sm100Call:
             self.reduction = SlotReduction(num_experts=request.num_experts, tile_m=key.config.cta_tile_m)
 
     def operands(self) -> list[KernelOperand]:
-        """The call's buffers, inputs and accumulators before outputs, named as the
-        primitive and the sm90 kernel name them; the rows extent M is the padded row
-        count (`layout.py`), and grad_scale and weight_scale are MMA-tiled. The
+        """The call's buffers, inputs and accumulators before outputs: the primitive's
+        under its schema's names and shapes (`declare`), the rows extent M the padded row
+        count (`layout.py`), and the kernel's own: the scales MMA-tiled, the padded
+        segments and the slots. The
         accumulators are zero-filled by XLA and updated in place: dprob and dbias partials
         (deterministic: dprob_slots and dbias_slots, a slot per N-tile of each row and per
         CTA M-tile of each column; else dprob and dbias themselves, added by atomics, dbias
         in bfloat16) and amax."""
         r, config = self.request, self.config
         e, n, k = r.num_experts, r.n, r.k
+        declare = declaration(GROUPED_GEMM_DSRELU, r, dict(e=e, n=n, k=k))
         scale_atoms = 512 * (-(-k // 128))  # MMA-tiled scale bytes per 128 rows (layout.tile_scales)
         plan = [
-            KernelOperand("grad", "input", r.operand_dtype, (M, k)),
-            KernelOperand("weight", "input", r.operand_dtype, (e, n, k)),
-            KernelOperand("preact", "input", r.preact_dtype, (M, n)),
-            KernelOperand("grad_scale", "input", _SCALE, (Rows(per=128, times=scale_atoms),)),
-            KernelOperand("weight_scale", "input", _SCALE, (e * (-(-n // 128)) * scale_atoms,)),
+            declare("grad", "input", r.operand_dtype),
+            declare("weight", "input", r.operand_dtype),
+            declare("preact", "input", r.preact_dtype),
+            KernelOperand("grad_scale_tiled", "input", _SCALE, (Rows(per=128, times=scale_atoms),)),
+            KernelOperand("weight_scale_tiled", "input", _SCALE, (e * (-(-n // 128)) * scale_atoms,)),
             KernelOperand("padded_offsets", "input", _I32, (e,)),
         ]
         if self.deterministic:
             plan.append(KernelOperand("padded_sizes", "input", _I32, (e,)))
-        plan += [KernelOperand("alpha", "input", _F32, (e,)), KernelOperand("prob", "input", _F32, (M,))]
+        plan += [declare("alpha", "input", _F32), declare("prob", "input", _F32)]
         if self.deterministic:
             plan.append(KernelOperand("dprob_slots", "accumulate", _F32, (M, config.dprob_slots(n))))
         else:
-            plan.append(KernelOperand("dprob", "accumulate", _F32, (M,)))
+            plan.append(declare("dprob", "accumulate", _F32))
         if self.with_dbias:
             if self.deterministic:
                 plan.append(KernelOperand("dbias_slots", "accumulate", _BF16, (Rows(per=config.cta_tile_m), n)))
             else:
-                plan.append(KernelOperand("dbias", "accumulate", _BF16, (e, n)))
-        plan += [KernelOperand("amax", "accumulate", _F32, (e,)), KernelOperand("dh", "output", r.out_dtype, (M, n))]
+                plan.append(declare("dbias", "accumulate", _BF16))
+        plan += [declare("amax", "accumulate", _F32), declare("dh", "output", r.out_dtype)]
         if self.with_act:
-            plan.append(KernelOperand("act", "output", r.out_dtype, (M, n)))
+            plan.append(declare("act", "output", r.out_dtype))
         if self.deterministic:
-            plan.append(KernelOperand("dprob", "output", _F32, (M,)))
+            plan.append(declare("dprob", "output", _F32))
             if self.with_dbias:
-                plan.append(KernelOperand("dbias", "output", _F32, (e, n)))
+                plan.append(declare("dbias", "output", _F32))
         return plan
 
     @cute.jit
@@ -219,7 +222,7 @@ class Sm100Call:
             a=_with_unit_batch(t.grad),
             # Dense weights: the kernel sees B as (n, k, E) with k contiguous.
             b=cute.make_tensor(t.weight.iterator, cute.select(t.weight.layout, [1, 2, 0])),
-            sfb=t.weight_scale,
+            sfb=t.weight_scale_tiled,
             # n, k, b_stride_size and b_major_mode describe per-expert weight pointers
             # (cuDNN's discrete mode); dense weights carry them in b's layout.
             n=cutlass.Int32(0),
@@ -232,7 +235,7 @@ class Sm100Call:
             d=d_kernel,
             # Unquantized D needs only a second TMA descriptor here, never written through.
             d_col=d_kernel,
-            sfa=t.grad_scale,
+            sfa=t.grad_scale_tiled,
             sfd_row_tensor=None,
             sfd_col_tensor=None,
             amax_tensor=_column(t.amax, 1),

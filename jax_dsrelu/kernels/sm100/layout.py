@@ -52,8 +52,8 @@ class KernelOperands(NamedTuple):
     grad: jax.Array  # (M_pad, k) float8: grad rows in padded order
     weight: jax.Array  # (E, n, k) float8: weight, unchanged
     preact: jax.Array  # (M_pad, n): preact rows in padded order
-    grad_scale: jax.Array  # (M_pad / 128 * ceil(k / 128) * 512,) float8_e8m0fnu, MMA-tiled
-    weight_scale: jax.Array  # (E * ceil(n / 128) * ceil(k / 128) * 512,) float8_e8m0fnu, MMA-tiled
+    grad_scale_tiled: jax.Array  # (M_pad / 128 * ceil(k / 128) * 512,) float8_e8m0fnu: grad_scale, MMA-tiled
+    weight_scale_tiled: jax.Array  # (E * ceil(n / 128) * ceil(k / 128) * 512,) float8_e8m0fnu: weight_scale, MMA-tiled
     prob: jax.Array  # (M_pad,) float32
     alpha: jax.Array  # (E,) float32
     padded_offsets: jax.Array  # (E,) int32
@@ -131,8 +131,8 @@ def kernel_operands(
         grad=take_rows(grad, rows.source_rows, 0),
         weight=weight,
         preact=take_rows(preact, rows.source_rows, 0),
-        grad_scale=tile_scales(take_rows(_bits(grad_scale), rows.source_rows, _UNIT_SCALE_BITS)),
-        weight_scale=tile_scales(_bits(weight_scale)),
+        grad_scale_tiled=tile_scales(take_rows(_bits(grad_scale), rows.source_rows, _UNIT_SCALE_BITS)),
+        weight_scale_tiled=tile_scales(_bits(weight_scale)),
         prob=take_rows(prob.astype(jnp.float32), rows.source_rows, 0),
         alpha=alpha.astype(jnp.float32),
         padded_offsets=rows.padded_offsets,

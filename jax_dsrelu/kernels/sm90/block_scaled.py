@@ -17,7 +17,7 @@ import cutlass.cute as cute
 import numpy as np
 from cutlass import Float32, Int32
 
-from jax_dsrelu.kernels.operands import M, KernelOperand
+from jax_dsrelu.kernels.operands import KernelOperand
 from jax_dsrelu.kernels.sm90 import promoted_mainloop
 from jax_dsrelu.kernels.sm90.config import BLOCK
 
@@ -43,13 +43,13 @@ class BlockScaledMainloop:
 
     def operands(self) -> list[KernelOperand]:
         plan = super().operands()
-        k_blocks, n_blocks = -(-self.k // BLOCK), -(-self.n // BLOCK)
         after = next(i for i, o in enumerate(plan) if o.name == self.scales_after) + 1
-        plan[after:after] = [
-            KernelOperand(self.a_scale, "input", _F32, (M, k_blocks)),
-            KernelOperand(self.b_scale, "input", _F32, (self.num_experts, n_blocks, k_blocks)),
-        ]
+        plan[after:after] = [self.declare(self.a_scale, "input", _F32), self.declare(self.b_scale, "input", _F32)]
         return plan
+
+    def schema_sizes(self) -> dict[str, int]:
+        # The scales' p and q: the BLOCK-wide blocks of n and k.
+        return dict(super().schema_sizes(), p=-(-self.n // BLOCK), q=-(-self.k // BLOCK))
 
     def kernel_params(self, t) -> dict:
         return dict(super().kernel_params(t), a_scale=getattr(t, self.a_scale), b_scale=getattr(t, self.b_scale))

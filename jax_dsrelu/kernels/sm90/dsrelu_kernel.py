@@ -58,6 +58,7 @@ from jax_dsrelu.kernels.sm90 import fragment
 from jax_dsrelu.kernels.sm90.barriers import NamedBarrier
 from jax_dsrelu.kernels.sm90.config import TileConfig
 from jax_dsrelu.kernels.sm90.ragged_m import RaggedMGemmSm90
+from jax_dsrelu.primitives.schema import GROUPED_GEMM_DSRELU
 
 _ABS_MASK = 0x7FFFFFFF
 _F32 = np.dtype(np.float32)
@@ -105,26 +106,27 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
         before every output. deterministic=False: dprob and dbias are zero-filled and
         updated by atomics; deterministic=True: the GEMM writes their partials to slots
         (one writer each) and the slot reduction writes them whole."""
-        r, e, n, k = self.request, self.num_experts, self.n, self.k
+        r, e, n, declare = self.request, self.num_experts, self.n, self.declare
         plan = [
-            KernelOperand("grad", "input", r.operand_dtype, (M, k)),
+            declare("grad", "input", r.operand_dtype),
             # The kernel sees weight (E, n, k) as (n, k, E): a mode permutation, not a copy.
-            KernelOperand("weight", "input", r.operand_dtype, (e, n, k), mode=(1, 2, 0)),
-            KernelOperand("preact", "input", r.preact_dtype, (M, n)),
-            KernelOperand("prob", "input", _F32, (M,)),
-            KernelOperand("group_sizes", "input", _I32, (e,)),
-            KernelOperand("alpha", "input", _F32, (e,)),
+            declare("weight", "input", r.operand_dtype, mode=(1, 2, 0)),
+            declare("preact", "input", r.preact_dtype),
+            declare("prob", "input", _F32),
+            declare("group_sizes", "input", _I32),
+            declare("alpha", "input", _F32),
             # amax as int32 bits: the kernel's atomic max is on the bit pattern.
-            KernelOperand("amax", "accumulate", _I32, (e,)),
+            declare("amax", "accumulate", _I32),
         ]
-        reduced = [KernelOperand("dprob", "output" if self.deterministic else "accumulate", _F32, (M,))]
+        reduced_role = "output" if self.deterministic else "accumulate"
+        reduced = [declare("dprob", reduced_role, _F32)]
         if self.with_dbias:
-            reduced.append(KernelOperand("dbias", "output" if self.deterministic else "accumulate", _F32, (e, n)))
+            reduced.append(declare("dbias", reduced_role, _F32))
         if not self.deterministic:
             plan += reduced
-        plan.append(KernelOperand("dh", "output", r.out_dtype, (M, n)))
+        plan.append(declare("dh", "output", r.out_dtype))
         if self.with_act:
-            plan.append(KernelOperand("act", "output", r.out_dtype, (M, n)))
+            plan.append(declare("act", "output", r.out_dtype))
         if self.deterministic:
             plan += reduced
             plan.append(KernelOperand("dprob_slots", "output", _F32, (self.n_tiles, M)))
@@ -135,6 +137,11 @@ class GroupedGemmDsreluSm90(RaggedMGemmSm90):
 
     def stored_outputs(self) -> tuple[str, ...]:
         return ("dh", "act") if self.with_act else ("dh",)
+
+    primitive_schema = GROUPED_GEMM_DSRELU
+
+    def schema_sizes(self) -> dict[str, int]:
+        return dict(e=self.num_experts, n=self.n, k=self.k)
 
     # ------------------------------------------------------------------ host side
 

@@ -53,7 +53,7 @@ import numpy as np
 from cutlass import Boolean, Int32
 from cutlass.cute.nvgpu import cpasync
 
-from jax_dsrelu.kernels.operands import M, T, KernelOperand
+from jax_dsrelu.kernels.operands import KernelOperand
 
 _COPY_BITS = 128
 
@@ -140,16 +140,18 @@ class GatheredA:
         """The declared name of the gathered operand."""
         return self.operand_a if self.gathered == "a" else self.operand_b
 
+    def index_params(self) -> dict[str, bool]:
+        # The schema then gives the gathered operand its source's rows (T, ...).
+        return dict(super().index_params(), **{f"with_{self.gathered_name}_index": True})
+
     def operands(self) -> list[KernelOperand]:
-        """The variant's declaration with the gathered operand's rows (stored axis 0)
-        those of its source, T, and its row index (m,) int32 right after it."""
+        """The variant's declaration, the gathered operand's rows those of its source,
+        with its row index (m,) int32 right after it."""
         plan = []
         for operand in super().operands():
+            plan.append(operand)
             if operand.name == self.gathered_name:
-                plan.append(dataclasses.replace(operand, shape=(T, *operand.shape[1:])))
-                plan.append(KernelOperand(self.row_index, "input", _I32, (M,)))
-            else:
-                plan.append(operand)
+                plan.append(self.declare(self.row_index, "input", _I32))
         return plan
 
     # ------------------------------------------------------------------ host side

@@ -33,8 +33,9 @@ import cutlass.cute as cute
 import numpy as np
 from cutlass import Float32, Int32
 
-from jax_dsrelu.kernels.operands import M, T, KernelOperand
+from jax_dsrelu.kernels.operands import KernelOperand, declaration
 from jax_dsrelu.kernels.request import GatherSumRequest
+from jax_dsrelu.primitives.schema import GATHER_SUM
 from jax_dsrelu.kernels.sm90.gather_sum_config import THREADS, VECTOR_BYTES, token_lanes, vector_elements
 
 _I32 = np.dtype(np.int32)
@@ -55,12 +56,8 @@ class GatherSumSm90:
 
     def operands(self) -> list[KernelOperand]:
         """rows (m, n), index (T, slots) int32, out (T, n) float32."""
-        r = self.request
-        return [
-            KernelOperand("rows", "input", r.rows_dtype, (M, self.n)),
-            KernelOperand("index", "input", _I32, (T, self.slots)),
-            KernelOperand("out", "output", _F32, (T, self.n)),
-        ]
+        r, declare = self.request, declaration(GATHER_SUM, self.request, dict(n=self.n, s=self.slots))
+        return [declare("rows", "input", r.rows_dtype), declare("index", "input", _I32), declare("out", "output", _F32)]
 
     @cute.jit
     def __call__(self, stream: cuda.CUstream, rows: cute.Tensor, index: cute.Tensor, out: cute.Tensor):

@@ -20,6 +20,10 @@ short file of hooks:
 
     operands()             the declaration (`operands.KernelOperand`), in host order; the
                            call plans and the unpacking by name come from it
+    primitive_schema, schema_sizes(), index_params()
+                           the primitive's schema, the kernel's sizes of its dimension
+                           letters and the row indices it reads: `declare(name, role,
+                           dtype, mode)` makes the primitive's buffers from them
     operand_a, operand_b   the declared names of A and B; their majorness follows from
                            the declared mode order
     stored_outputs()       the declared outputs the epilogue stores by TMA, in order
@@ -108,7 +112,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_dsrelu.kernels.group_tables import build_expert_tables
-from jax_dsrelu.kernels.operands import KernelOperand, by_name
+from jax_dsrelu.kernels.operands import Declaration, KernelOperand, by_name, declaration
 from jax_dsrelu.kernels.sm90 import epilogue_store, mainloop
 from jax_dsrelu.kernels.sm90.epilogue_context import EpilogueContext, EpilogueInput, StoredOutput
 
@@ -182,7 +186,29 @@ class GemmSm90:
     # ------------------------------------------------------------- the declaration
 
     def operands(self) -> list[KernelOperand]:
+        """The host function's buffers, in its order: the primitive's from `declare`, and
+        the kernel's workspaces."""
         raise NotImplementedError(f"{type(self).__name__} declares no operands")
+
+    @property
+    def primitive_schema(self):
+        """The schema (`jax_dsrelu.primitives.schema`) of the primitive the kernel serves."""
+        raise NotImplementedError(f"{type(self).__name__} names no primitive schema")
+
+    def schema_sizes(self) -> dict[str, int]:
+        """The kernel's static sizes of the schema's dimension letters."""
+        raise NotImplementedError(f"{type(self).__name__} gives no sizes of its schema's dimensions")
+
+    def index_params(self) -> dict[str, bool]:
+        """The static parameters of the operands the kernel reads through a row index
+        (with_<operand>_index); none here."""
+        return {}
+
+    @property
+    def declare(self) -> Declaration:
+        """declare(name, role, dtype, mode): the primitive's buffer `name`, its shape from
+        the schema."""
+        return declaration(self.primitive_schema, self.request, self.schema_sizes(), **self.index_params())
 
     def operand(self, name: str) -> KernelOperand:
         return next(o for o in self.operands() if o.name == name)

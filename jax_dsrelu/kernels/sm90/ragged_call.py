@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from jax_dsrelu.ffi import cutlass_bridge
 from jax_dsrelu.kernels import operands as kernel_operands
-from jax_dsrelu.kernels.operands import ROWS, SOURCE_ROWS
+from jax_dsrelu.kernels.operands import ROWS
 from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest
 from jax_dsrelu.kernels.sm90 import config as sm90_config
 from jax_dsrelu.kernels.sm90.arch import ARCH, sm_count
@@ -141,7 +141,9 @@ def implementation(
         counts = {ROWS: num_rows}
         if gathered:
             given[f"{gathered}_index"] = given[f"{gathered}_index"].astype(jnp.int32)
-            counts[SOURCE_ROWS] = kernel_operands.source_rows(given[gathered], num_rows, gathered)
+            # The count the source's rows are declared with (the schema's letter for them).
+            source_count = kernel.operand(gathered).shape[0].of
+            counts[source_count] = kernel_operands.source_rows(given[gathered], num_rows, gathered)
         # The srelu epilogue reads prob and bias as float32 whatever their dtype.
         for name in ("prob", "bias"):
             if given.get(name) is not None:

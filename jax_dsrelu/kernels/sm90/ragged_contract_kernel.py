@@ -43,17 +43,17 @@ Constraints:
 import dataclasses
 from typing import Any
 
-import cutlass
 import cutlass.cute as cute
 import numpy as np
 from cutlass import Int32
 
-from jax_dsrelu.kernels.operands import M, KernelOperand
+from jax_dsrelu.kernels.operands import KernelOperand
 from jax_dsrelu.kernels.request import RaggedContractRequest
 from jax_dsrelu.kernels.sm90 import mainloop, schedule
 from jax_dsrelu.kernels.sm90.config import ContractConfig
 from jax_dsrelu.kernels.sm90.epilogue_context import EpilogueContext
 from jax_dsrelu.kernels.sm90.gemm_base import GemmSm90
+from jax_dsrelu.primitives.schema import RAGGED_CONTRACT
 
 _I32 = np.dtype(np.int32)
 
@@ -87,13 +87,18 @@ class RaggedContractSm90(GemmSm90):
     def operands(self) -> list[KernelOperand]:
         """lhs (m, a) and rhs (m, b), seen as (a, m) and (b, m): a and b contiguous, the
         MN-major case; group_sizes; out (E, a, b), seen as (a, b, E)."""
-        r = self.request
+        r, declare = self.request, self.declare
         return [
-            KernelOperand("lhs", "input", r.operand_dtype, (M, self.a), mode=(1, 0)),
-            KernelOperand("rhs", "input", r.operand_dtype, (M, self.b), mode=(1, 0)),
-            KernelOperand("group_sizes", "input", _I32, (self.num_experts,)),
-            KernelOperand("out", "output", r.out_dtype, (self.num_experts, self.a, self.b), mode=(1, 2, 0)),
+            declare("lhs", "input", r.operand_dtype, mode=(1, 0)),
+            declare("rhs", "input", r.operand_dtype, mode=(1, 0)),
+            declare("group_sizes", "input", _I32),
+            declare("out", "output", r.out_dtype, mode=(1, 2, 0)),
         ]
+
+    primitive_schema = RAGGED_CONTRACT
+
+    def schema_sizes(self) -> dict[str, int]:
+        return dict(e=self.num_experts, a=self.a, b=self.b)
 
     def stored_outputs(self) -> tuple[str, ...]:
         return ("out",)

@@ -38,18 +38,19 @@ import numpy as np
 from cutlass import Float32, Int32
 
 from jax_dsrelu.kernels import squared_relu
-from jax_dsrelu.kernels.operands import M, KernelOperand
+from jax_dsrelu.kernels.operands import KernelOperand
 from jax_dsrelu.kernels.request import RaggedMatmulRequest
 from jax_dsrelu.kernels.sm90 import fragment
 from jax_dsrelu.kernels.sm90.config import GemmConfig
 from jax_dsrelu.kernels.sm90.epilogue_context import EpilogueContext
 from jax_dsrelu.kernels.sm90.ragged_m import RaggedMGemmSm90
+from jax_dsrelu.primitives.schema import RAGGED_MATMUL, RAGGED_MATMUL_SRELU
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
 # How the kernel sees rhs, (n, k, E), whichever way it is stored: "kn" (E, k, n) has n
 # contiguous (N-major B), "nk" (E, n, k) has k contiguous (K-major B).
-_RHS_SHAPE_AND_MODES = {"kn": (("k", "n"), (2, 1, 0)), "nk": (("n", "k"), (1, 2, 0))}
+_RHS_MODES = {"kn": (2, 1, 0), "nk": (1, 2, 0)}
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -88,21 +89,25 @@ class RaggedGemmSm90(RaggedMGemmSm90):
     def operands(self) -> list[KernelOperand]:
         """lhs (m, k), rhs (E, k, n) or (E, n, k), group_sizes, [srelu: prob (m,) f32,
         [bias (E, n) f32]], out (m, n) (srelu: h), [srelu: act (m, n)]."""
-        r = self.request
-        extents = {"n": self.n, "k": self.k}
-        rhs_axes, rhs_mode = _RHS_SHAPE_AND_MODES[r.rhs_layout]
+        r, declare = self.request, self.declare
         plan = [
-            KernelOperand("lhs", "input", r.operand_dtype, (M, self.k)),
-            KernelOperand("rhs", "input", r.operand_dtype, (self.num_experts, *(extents[a] for a in rhs_axes)),
-                          mode=rhs_mode),
-            KernelOperand("group_sizes", "input", _I32, (self.num_experts,)),
+            declare("lhs", "input", r.operand_dtype),
+            declare("rhs", "input", r.operand_dtype, mode=_RHS_MODES[r.rhs_layout]),
+            declare("group_sizes", "input", _I32),
         ]
         if self.srelu:
-            plan.append(KernelOperand("prob", "input", _F32, (M,)))
+            plan.append(declare("prob", "input", _F32))
             if self.with_bias:
-                plan.append(KernelOperand("bias", "input", _F32, (self.num_experts, self.n)))
-        plan += [KernelOperand(name, "output", r.out_dtype, (M, self.n)) for name in self.stored_outputs()]
+                plan.append(declare("bias", "input", _F32))
+        plan += [declare(name, "output", r.out_dtype) for name in self.stored_outputs()]
         return plan
+
+    @property
+    def primitive_schema(self):
+        return RAGGED_MATMUL_SRELU if self.srelu else RAGGED_MATMUL
+
+    def schema_sizes(self) -> dict[str, int]:
+        return dict(e=self.num_experts, n=self.n, k=self.k)
 
     def stored_outputs(self) -> tuple[str, ...]:
         # The primitives' result names: ragged_matmul_srelu's h and act, ragged_matmul's out.
