@@ -212,6 +212,13 @@ def fp8_dsrelu(k, n, num_experts):
                    out_dtype=F32, with_dbias=True, with_act=True, deterministic=True, blockwise_scaled=True)
 
 
+def fp8_contract(num_experts, a, b):
+    from jax_dsrelu.quantization.schema import E4M3 as e4m3
+
+    return RaggedContractRequest(num_experts=num_experts, a=a, b=b, operand_dtype=e4m3, out_dtype=BF16,
+                                 block_scaled=True)
+
+
 def pinned_cases() -> list[Case]:
     """A few small kernels at configs named here (not chosen, so that a change of the
     tuning rules leaves them be), one per kernel and walk: the compile tier compares their
@@ -247,6 +254,10 @@ def pinned_cases() -> list[Case]:
              sm90_config.GemmConfig(tile_n=128, ab_stages=6, operand_bytes=1, **fp8_tiles)),
         Case("fp8/dsrelu/deterministic", fp8_dsrelu(528, 320, 8),
              sm90_config.TileConfig(tile_n=128, ab_stages=3, preact_stages=4, operand_bytes=1, **fp8_tiles)),
+        # The weight gradients' FP8 contraction, not yet run on a GPU.
+        Case("fp8/contract/whole_tile", fp8_contract(8, 528, 320),
+             sm90_config.ContractConfig(tile_n=128, ab_stages=6, store_stages=4, operand_bytes=1,
+                                        **dict(contract_tiles, tile_k=128))),
     ]
 
 

@@ -35,7 +35,7 @@ import jax_dsrelu
 from jax_dsrelu import MoEOptions
 from jax_dsrelu.kernels.registry import LayerBackends, layer_backends
 from jax_dsrelu.ops import quantized_expert_mlp as qmlp
-from jax_dsrelu.quantization import FP8_BLOCKWISE, MXFP8, blockwise, qdq
+from jax_dsrelu.quantization import FP8_BLOCKWISE, MXFP8, ragged
 from test_quantization_blockwise import oracle_quantize
 from test_quantization_ragged import per_expert_loop
 
@@ -228,10 +228,9 @@ def rolled_quantized_weight_scales(w, recipe):
     return values, jnp.roll(scales, 1, axis=-1)
 
 
-def straddling_groups(a, group_sizes, recipe):
-    """A quantizer bug: groups of 128 tokens from row 0, across the experts' boundaries."""
-    values, scales = blockwise.quantize_blockwise(a.T, recipe.activations)
-    return blockwise.dequantize_blockwise(values, scales, recipe.activations).T
+def straddling_row_groups(group_sizes, num_rows, rows_per_group):
+    """A grouping bug: groups of 128 tokens from row 0, across the experts' boundaries."""
+    return jnp.arange(num_rows, dtype=jnp.int32) // rows_per_group
 
 
 QUANTIZED_ROWS, QUANTIZED_WEIGHT = qmlp._quantized_rows, qmlp._quantized_weight
@@ -244,7 +243,7 @@ PLANTED = {
         [(qmlp, "_quantized_weight", rolled_quantized_weight_scales)],
         {"h", "y", "dh", "dprob", "db1", "dx"}),
     "groups along the tokens that straddle experts": (
-        [(qdq, "along_expert_rows", straddling_groups)], {"dw1", "dw2"}),
+        [(ragged, "row_groups", straddling_row_groups)], {"dw1", "dw2"}),
 }
 
 
@@ -412,7 +411,8 @@ def test_a_bad_precision_names_what_was_seen(precision, error, words):
 
 @pytest.mark.parametrize("backend", ["sm90", "sm100"])
 def test_a_kernel_backend_without_the_recipe_refuses_it(backend):
-    words = f"backend={backend!r} has no kernels for every GEMM at precision=FP8_BLOCKWISE yet: backend='xla' runs it"
+    words = (f"backend={backend!r} is not verified at precision=FP8_BLOCKWISE on every GEMM of a step: "
+             f"backend='xla' runs it")
     x, w1, w2, prob, _, _ = inputs()
     with pytest.raises(NotImplementedError, match=re.escape(words)):
         jax_dsrelu.moe_mlp(x, w1, w2, prob, SIZES, precision=RECIPE, backend=backend)
@@ -421,8 +421,8 @@ def test_a_kernel_backend_without_the_recipe_refuses_it(backend):
 
 
 def test_auto_takes_the_xla_path_for_a_precision_but_where_a_kernel_may_serve():
-    # The block-scaled ragged-M GEMMs and fused step stay "auto": resolved per call, a kernel where one serves.
-    assert layer_backends("auto", RECIPE) == LayerBackends(dsrelu="auto", matmul="auto", contract="xla", gather_sum="auto")
+    # Every block-scaled GEMM of the step stays "auto": resolved per call, a kernel where one serves.
+    assert layer_backends("auto", RECIPE) == LayerBackends(dsrelu="auto", matmul="auto", contract="auto", gather_sum="auto")
     assert layer_backends("xla", RECIPE) == LayerBackends(dsrelu="xla", matmul="xla", contract="xla", gather_sum="xla")
     assert layer_backends("auto") == LayerBackends(dsrelu="auto", matmul="auto", contract="auto", gather_sum="auto")
 

@@ -39,7 +39,7 @@ from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_sre
 M, K, N, E, T, SLOTS = 40, 24, 16, 5, 12, 3
 BF16, F32, I32 = np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.int32)
 KERNEL_CALL = re.compile(r"stablehlo\.custom_call @CuteDSLRT\w*\(.*?\) (?:\{.*\} )?: \((.*?)\) -> (.*)$", re.M)
-_MLIR_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int32": "i32"}
+_MLIR_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int32": "i32", "float8_e4m3fn": "f8E4M3FN"}
 
 
 def tensor_type(shape, dtype) -> str:
@@ -142,7 +142,7 @@ def cases():
         "ragged_contract": (
             (lambda x, h, g: ragged_contract(x, h, g, out_dtype=F32, backend="sm90"), (a["x"], a["h"], a["sizes"])),
             ragged_call.operands(RaggedContractRequest(num_experts=E, a=K, b=N, operand_dtype=BF16, out_dtype=F32)),
-            {ROWS: M}, schema.RAGGED_CONTRACT, dict(out_dtype=F32),
+            {ROWS: M}, schema.RAGGED_CONTRACT, dict(out_dtype=F32, block_scaled=False),
         ),
         "gather_sum": (
             (lambda r, i: gather_sum(r, i, backend="sm90"), (a["h"], a["index"])),

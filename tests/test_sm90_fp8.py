@@ -254,9 +254,13 @@ def config_for(request, overlap_promotion: bool):
 
 def prebuild_requests():
     """Every (request, config or None for the chosen one, outputs_in_place) the GPU tier
-    below runs, for the kernel cache."""
+    below runs through `ragged_call`, and the FP8 contraction's tier
+    (tests/test_sm90_fp8_contract.py), for the kernel cache."""
+    import test_sm90_fp8_contract
+
     built = {(request_for(GROUPINGS[name][0], variant), overlap) for name, variant, overlap in GPU_CASES}
-    return [(request, config_for(request, overlap), True) for request, overlap in sorted(built, key=repr)]
+    ours = [(request, config_for(request, overlap), True) for request, overlap in sorted(built, key=repr)]
+    return ours + test_sm90_fp8_contract.prebuild_requests()
 
 
 def prebuild_fused_requests():
@@ -321,10 +325,10 @@ def test_fp8_matmul_lowers_for_cuda_only_where_enabled():
 
 
 @pytest.mark.compile
-def test_moe_mlp_in_fp8_runs_four_gemms_on_the_fp8_kernels_once_enabled():
+def test_moe_mlp_in_fp8_runs_every_gemm_on_the_fp8_kernels_once_enabled():
     """The layer's precision path under backend="auto", lowered for a Hopper GPU: its up,
-    down, dx and fused dsReLU GEMMs are the FP8 kernels' custom calls where they are
-    enabled, and XLA's where they are not; the weight gradients are XLA's either way."""
+    down, dx, fused dsReLU, dW1 and dW2 GEMMs are the FP8 kernels' custom calls where they
+    are enabled, and XLA's where they are not."""
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     from unittest import mock
 
@@ -354,7 +358,7 @@ def test_moe_mlp_in_fp8_runs_four_gemms_on_the_fp8_kernels_once_enabled():
 
     assert fp8_calls(lowered()) == 0
     with backend.unverified_enabled("fp8"):
-        assert fp8_calls(lowered()) == 4
+        assert fp8_calls(lowered()) == 6
 
 
 # ---------------------------------------------------------------------------- GPU tier

@@ -58,20 +58,20 @@ def check_precision(name: str, precision) -> None:
     serves it, else on that path."""
     if precision is not None and name in KERNEL_BACKENDS:
         raise NotImplementedError(
-            f"backend={name!r} has no kernels for every GEMM at precision={precision.name} yet: backend='xla' runs "
-            f"it as quantize-dequantize arithmetic, and backend='auto' runs each GEMM on a kernel where one serves "
-            f"it, else on that path (docs/fp8.md)"
+            f"backend={name!r} is not verified at precision={precision.name} on every GEMM of a step: backend='xla' "
+            f"runs it as quantize-dequantize arithmetic, and backend='auto' runs each GEMM on a kernel where one "
+            f"serves it (sm90's FP8 kernels where {sm90.UNVERIFIED_VARIABLE}=fp8 enables them), else on that path "
+            f"(docs/fp8.md)"
         )
 
 
 def layer_backends(name: str, precision=None) -> LayerBackends:
     """Which backend serves each step of a layer whose user asked for `name`.
 
-    Under a precision (an FP8 recipe) the contractions go to "xla", the only backend with
-    the recipe's arithmetic for them so far, and the ragged-M GEMMs and the fused dsReLU
-    step to the name asked ("auto": the FP8 kernel where one serves, else XLA); a kernel
-    backend named explicitly is refused (`check_precision`): it would run half the step. The gather-and-sum reads no quantized operand and is chosen as
-    without a precision.
+    Under a precision (an FP8 recipe) every GEMM of the step is a block-scaled call that
+    goes to the name asked ("auto": the FP8 kernel where one serves, else XLA); a kernel
+    backend named explicitly is refused (`check_precision`). The gather-and-sum reads no
+    quantized operand and is chosen as without a precision.
 
     A kernel backend serves the kinds of request it has kernels for and lets "auto" pick
     for the rest: the sm100 backend has a kernel for the fused dsReLU backward only, so a
@@ -82,9 +82,9 @@ def layer_backends(name: str, precision=None) -> LayerBackends:
     """
     check_precision(name, precision)
     if precision is not None:
-        # The ragged-M GEMMs and the fused step are block-scaled calls that "auto" resolves
-        # per call: a kernel where one serves them (sm90's, once enabled), else XLA.
-        return LayerBackends(dsrelu=name, matmul=name, contract="xla", gather_sum=name)
+        # Block-scaled calls that "auto" resolves per call: a kernel where one serves them
+        # (sm90's, once enabled), else XLA.
+        return LayerBackends(dsrelu=name, matmul=name, contract=name, gather_sum=name)
     backend = KERNEL_BACKENDS.get(name)
 
     def for_kind(kind: type) -> str:

@@ -78,6 +78,13 @@ class RaggedContractRequest:
 
     Accumulation in float32; an expert with no rows gets zeros; rows owned by no expert
     are never read into a sum. implementation: (lhs=, rhs=, group_sizes=) -> {out}
+
+    block_scaled: lhs and rhs e4m3 under the FP8_BLOCKWISE recipe, quantized in groups of
+                  128 rows that restart at each expert (`quantization.ragged`), their
+                  float32 scales two more operands: lhs_scale= (G, a) and rhs_scale=
+                  (G, b), G = ceil(m / 128) + E, group g's scale of each column; each
+                  group's partial sum is multiplied by its two scales in float32 and
+                  added to the total.
     """
 
     num_experts: int
@@ -85,6 +92,7 @@ class RaggedContractRequest:
     b: int
     operand_dtype: np.dtype
     out_dtype: np.dtype
+    block_scaled: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

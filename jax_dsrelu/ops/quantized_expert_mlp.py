@@ -24,15 +24,16 @@ forward and again, the same values, in the backward; dh, dprob and db1 come from
 fused dsReLU step's float32 epilogue, and dh is quantized from float32. y and dx come out
 in the caller's dtype, dW1 and dW2 in the weights'.
 
-The ragged-M GEMMs (up, down, dx) and the fused dsReLU step take their operands
-quantized, values and scales (the block-scaled `ragged_matmul` and `grouped_gemm_dsrelu`,
-weights stored (E, N, K)): on the XLA backend their references dequantize them, the same
-arithmetic; under backend "auto" on a Hopper GPU the FP8 kernels serve them once enabled
-(`kernels/sm90/backend.py`). The weight gradients run on the XLA reference
-(`layer_backends`). On the XLA path every step has a fixed summation order and amax
-maxima are exact in any order, so every result is bitwise reproducible; the FP8 fused
-kernel sums dprob and db1 by atomics unless `deterministic=True`, as the 16-bit one does. The quantizing passes here are what the FP8
-kernels' epilogues will write instead.
+Every GEMM takes its operands quantized, values and scales: the ragged-M GEMMs (up,
+down, dx) and the fused dsReLU step as the block-scaled `ragged_matmul` and
+`grouped_gemm_dsrelu` (weights stored (E, N, K)), the weight gradients as the
+block-scaled `ragged_contract` (rows quantized in groups that restart at each expert). On
+the XLA backend their references dequantize them, the same arithmetic; under backend
+"auto" on a Hopper GPU the FP8 kernels serve them once enabled
+(`kernels/sm90/backend.py`). On the XLA path every step has a fixed summation order and
+amax maxima are exact in any order, so every result is bitwise reproducible; the FP8
+fused kernel sums dprob and db1 by atomics unless `deterministic=True`, as the 16-bit one
+does. The quantizing passes here are what the FP8 kernels' epilogues will write instead.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from jax_dsrelu.kernels.registry import LayerBackends
 from jax_dsrelu.primitives import dsrelu, validation
 from jax_dsrelu.primitives.ragged_contract import ragged_contract
 from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
-from jax_dsrelu.quantization import blockwise, qdq
+from jax_dsrelu.quantization import blockwise, qdq, ragged
 from jax_dsrelu.quantization.schema import Recipe
 
 
@@ -253,14 +254,15 @@ def gradient_gemms(
     if w1_dx is None:
         w1_dx = QuantizedWeight(*_quantized_weight(w1, recipe))
     drows = _block_scaled_matmul(fused.dh, w1_dx, group_sizes, recipe, backends, out_dtype=w1.dtype)
-    # K = each expert's rows: the rows as the experts own them, in expert order.
-    by_rows = lambda a: qdq.along_expert_rows(a, group_sizes, recipe)  # noqa: E731
-    dw1 = ragged_contract(
-        by_rows(_rows(rows, row_index)), by_rows(fused.dh), group_sizes, out_dtype=w1.dtype,
-        backend=backends.contract,
-    )
-    dw2 = ragged_contract(
-        by_rows(fused.act), by_rows(_rows(dy, dy_index)), group_sizes, out_dtype=w2.dtype,
-        backend=backends.contract,
-    )
+    dw1 = _block_scaled_contract(_rows(rows, row_index), fused.dh, group_sizes, recipe, backends, out_dtype=w1.dtype)
+    dw2 = _block_scaled_contract(fused.act, _rows(dy, dy_index), group_sizes, recipe, backends, out_dtype=w2.dtype)
     return drows, dw1, dw2
+
+
+def _block_scaled_contract(lhs, rhs, group_sizes, recipe: Recipe, backends: LayerBackends, *, out_dtype):
+    """lhs^T rhs per expert, K = each expert's rows (in expert order): both sides quantized
+    in groups of rows that restart at each expert, the block-scaled ragged contraction."""
+    (lhs, lhs_scale, _), (rhs, rhs_scale, _) = (
+        ragged.quantize_ragged_rows(side, group_sizes, recipe.activations) for side in (lhs, rhs))
+    return ragged_contract(lhs, rhs, group_sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype,
+                           backend=backends.contract)

@@ -11,6 +11,13 @@ contributes its rows' partial (E, a, b), and the partials are added in shard ord
 Either side may be gathered: with lhs_index (m,) int32, lhs is a source (T, a) and row i
 reads lhs[lhs_index[i]] (dW1 reading x through the routing), and likewise rhs with
 rhs_index (dW2 reading dy); see `jax_dsrelu.primitives.base`.
+
+Block-scaled operands (FP8_BLOCKWISE, the weight gradients of the FP8 recipe): lhs and
+rhs e4m3, quantized in groups of 128 rows that restart at each expert
+(`jax_dsrelu.quantization.ragged.quantize_ragged_rows`), with lhs_scale (G, a) and
+rhs_scale (G, b) float32, G = ceil(m / 128) + E; the math is the above on the values they
+represent. They are read in row order (no row index), and their rows are never split
+across devices, since the groups are numbered over all of them.
 """
 
 from __future__ import annotations
@@ -24,6 +31,11 @@ from jax_dsrelu.primitives import reference
 from jax_dsrelu.primitives.base import GroupedPrimitive
 from jax_dsrelu.kernels.request import RaggedContractRequest
 from jax_dsrelu.primitives.schema import RAGGED_CONTRACT
+from jax_dsrelu.quantization import ragged
+from jax_dsrelu.quantization.schema import FP8_BLOCKWISE
+
+ELEMENT = np.dtype(FP8_BLOCKWISE.activations.element)
+ROWS_PER_GROUP = FP8_BLOCKWISE.activations.block[1]
 
 
 def _request(named: Mapping[str, Any], params: Mapping[str, Any]) -> RaggedContractRequest:
@@ -34,10 +46,34 @@ def _request(named: Mapping[str, Any], params: Mapping[str, Any]) -> RaggedContr
         b=rhs.shape[1],
         operand_dtype=np.dtype(lhs.dtype),
         out_dtype=np.dtype(params["out_dtype"]),
+        block_scaled=bool(params["block_scaled"]),
     )
 
 
 ragged_contract_primitive = GroupedPrimitive(RAGGED_CONTRACT, reference.ragged_contract_reference, _request)
+
+
+def _check_block_scaled(lhs, rhs, group_sizes, lhs_scale, rhs_scale, lhs_index, rhs_index) -> bool:
+    """Whether the operands are block-scaled (both scales given, or neither), checked."""
+    if (lhs_scale is None) != (rhs_scale is None):
+        raise ValueError(
+            f"lhs_scale and rhs_scale come together (block-scaled operands) or not at all, got "
+            f"lhs_scale {'None' if lhs_scale is None else 'given'} and rhs_scale {'None' if rhs_scale is None else 'given'}"
+        )
+    if lhs_scale is None:
+        return False
+    if lhs_index is not None or rhs_index is not None:
+        raise ValueError("block-scaled operands are read in row order: lhs_index and rhs_index must be None with scales")
+    for name, x in (("lhs", lhs), ("rhs", rhs)):
+        if np.dtype(x.dtype) != ELEMENT:
+            raise TypeError(f"block-scaled {name} must be {ELEMENT.name}, got {name}.dtype={np.dtype(x.dtype).name}")
+    num_groups = ragged.max_groups(lhs.shape[0], group_sizes.shape[0], ROWS_PER_GROUP)
+    for name, scale, x in (("lhs_scale", lhs_scale, lhs), ("rhs_scale", rhs_scale, rhs)):
+        expected = (num_groups, x.shape[1])
+        if tuple(scale.shape) != expected or np.dtype(scale.dtype) != np.float32:
+            raise ValueError(f"{name} must be float32 of shape {expected} (ceil(m / {ROWS_PER_GROUP}) + E groups of "
+                             f"rows, by column), got {np.dtype(scale.dtype).name} {tuple(scale.shape)}")
+    return True
 
 
 def ragged_contract(
@@ -49,10 +85,16 @@ def ragged_contract(
     backend: str,
     lhs_index: jax.Array | None = None,  # (m,) int32: row i of lhs is lhs[lhs_index[i]]
     rhs_index: jax.Array | None = None,  # (m,) int32: row i of rhs is rhs[rhs_index[i]]
+    lhs_scale: jax.Array | None = None,  # (ceil(m / 128) + E, a) float32, FP8_BLOCKWISE operands
+    rhs_scale: jax.Array | None = None,  # (ceil(m / 128) + E, b) float32
 ) -> jax.Array:  # (E, a, b) out_dtype
-    """The per-expert contraction over rows; shapes and dtypes are the caller's to have checked."""
+    """The per-expert contraction over rows; shapes and dtypes of the 16-bit form are the
+    caller's to have checked, the block-scaled form's are checked here."""
+    block_scaled = _check_block_scaled(lhs, rhs, group_sizes, lhs_scale, rhs_scale, lhs_index, rhs_index)
     params = dict(
-        out_dtype=np.dtype(out_dtype), with_lhs_index=lhs_index is not None, with_rhs_index=rhs_index is not None
+        out_dtype=np.dtype(out_dtype), with_lhs_index=lhs_index is not None, with_rhs_index=rhs_index is not None,
+        block_scaled=block_scaled,
     )
-    named = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes, lhs_index=lhs_index, rhs_index=rhs_index)
+    named = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes, lhs_index=lhs_index, rhs_index=rhs_index,
+                 lhs_scale=lhs_scale, rhs_scale=rhs_scale)
     return ragged_contract_primitive.bind(named, backend=backend, **params)["out"]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_dsrelu import groups, jax_internals
-from jax_dsrelu.quantization import blockwise, mx
+from jax_dsrelu.quantization import blockwise, mx, ragged
 from jax_dsrelu.quantization.schema import FP8_BLOCKWISE
 
 
@@ -115,7 +115,13 @@ def ragged_matmul_srelu_reference(lhs, rhs, group_sizes, prob, bias=None, lhs_sc
     return dict(h=h, act=act)
 
 
-def ragged_contract_reference(lhs, rhs, group_sizes, *, out_dtype):
+def ragged_contract_reference(lhs, rhs, group_sizes, lhs_scale=None, rhs_scale=None, *, out_dtype, block_scaled):
+    del block_scaled  # the scales are None without it
+    if lhs_scale is not None:
+        # FP8_BLOCKWISE operands: dequantized to float32, each row by its group's scales.
+        row_group = ragged.row_groups(group_sizes, lhs.shape[0], FP8_BLOCKWISE.activations.block[1])
+        lhs = ragged.dequantize_ragged_rows(ragged.RaggedQuantized(lhs, lhs_scale, row_group))
+        rhs = ragged.dequantize_ragged_rows(ragged.RaggedQuantized(rhs, rhs_scale, row_group))
     sizes = groups.clamped_group_sizes(group_sizes, lhs.shape[0])
     return dict(out=per_expert_outer(lhs, rhs, sizes).astype(out_dtype))
 

@@ -280,12 +280,19 @@ RAGGED_CONTRACT = Schema(
         _CONTRACT_LHS,
         _CONTRACT_RHS,
         Field(GROUP_SIZES, "e"),
+        # FP8_BLOCKWISE operands (`jax_dsrelu.quantization.ragged`): a float32 scale per
+        # column and group of 128 rows, the groups restarting at each expert ("g" the
+        # groups, ceil(m / 128) + E).
+        Field("lhs_scale", "g a", present_if="block_scaled"),
+        Field("rhs_scale", "g b", present_if="block_scaled"),
         _CONTRACT_LHS_INDEX,
         _CONTRACT_RHS_INDEX,
     ),
     # Rows are the contracted dimension: split rows give per-shard partials to sum.
     results=(Field("out", "e a b", dtype="out_dtype", reduce="sum"),),
-    kept_whole=("e", SOURCE_ROWS, "u"),
+    kept_whole=("e", "g", SOURCE_ROWS, "u"),
+    # Block-scaled: the groups are numbered over all of the rows, which stay whole.
+    whole_when=(("block_scaled", (ROWS,)),),
 )
 
 GATHER_SUM = Schema(

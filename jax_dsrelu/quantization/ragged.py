@@ -53,6 +53,18 @@ def row_groups(group_sizes: jax.Array, num_rows: int, rows_per_group: int) -> ja
     return jnp.cumsum(opens.astype(jnp.int32)) - 1
 
 
+def padded_positions(group_sizes: jax.Array, num_rows: int, rows_per_group: int) -> jax.Array:
+    """(m,) int32: where row i lies in the layout that gives each group r rows of its own,
+    group g's rows from g * r on in row order (a partial group's other rows are left
+    empty), so that its r-row blocks are the groups: ceil(m / r) + E blocks at most. The
+    FP8 weight gradients' kernel reads its K-major copies in this layout."""
+    row_group = row_groups(group_sizes, num_rows, rows_per_group)
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    count = max_groups(num_rows, group_sizes.shape[0], rows_per_group)
+    first = jax.ops.segment_min(rows, row_group, count, indices_are_sorted=True)
+    return rows_per_group * row_group + rows - jnp.take(first, row_group)
+
+
 def max_groups(num_rows: int, num_experts: int, rows_per_group: int) -> int:
     """The most groups m rows of E experts make: ceil(m / r) over the rows, plus at most
     one partial group per expert (the unowned rows' partial group is covered by the

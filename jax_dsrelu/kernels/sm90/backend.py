@@ -44,7 +44,8 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 #                 one block of three and slower at two.
 #   "fp8"         the kernels on FP8_BLOCKWISE operands. The fused dsReLU kernel's
 #                 (`blockwise_dsrelu_kernel.py`) is compiled and lowered, not yet run on a
-#                 Hopper card. The ragged-M GEMM's (`blockwise_matmul_kernel.py`):
+#                 Hopper card, nor is the weight gradients' ragged contraction
+#                 (`blockwise_contract_kernel.py`). The ragged-M GEMM's (`blockwise_matmul_kernel.py`):
 #                 Run at e834a7c on an H200: its GPU tier passed (float64 and the recipe's
 #                 emulation, both promotion schedules), 1.3-1.5x faster than the bf16 GEMM
 #                 (bench_fp8_gemms.json); memcheck and racecheck not yet run over it, nor
@@ -119,6 +120,9 @@ def cannot_implement(request: AnyRequest) -> str | None:
             return f"the sm90 FP8 ragged GEMM is not verified on a Hopper card (set {UNVERIFIED_VARIABLE}=fp8 to use it)"
         return config.cannot_implement_gemm(request)
     if isinstance(request, RaggedContractRequest):
+        if request.block_scaled and not enabled("fp8"):
+            return (f"the sm90 FP8 ragged contraction is not verified on a Hopper card (set {UNVERIFIED_VARIABLE}=fp8 "
+                    f"to use it)")
         return config.cannot_implement_contract(request)
     if request.blockwise_scaled and not enabled("fp8"):
         return f"the sm90 FP8 fused kernel is not verified on a Hopper card (set {UNVERIFIED_VARIABLE}=fp8 to use it)"

@@ -158,15 +158,15 @@ def _blockwise_dsrelu_reason(request: Request) -> str | None:
     return _fp8_reason("fused kernel", request, _SIXTEEN_BIT + (np.dtype(np.float32),))
 
 
-def _fp8_reason(kernel: str, request, out_dtypes) -> str | None:
+def _fp8_reason(kernel: str, request, out_dtypes, extents=("n", "k")) -> str | None:
     """What every sm90 kernel on FP8_BLOCKWISE operands asks: e4m3 operands, 1 to
-    MAX_EXPERTS experts, n and k multiples of 16 (16-byte TMA rows of e4m3), an output
-    dtype of `out_dtypes`."""
+    MAX_EXPERTS experts, the request's `extents` multiples of 16 (16-byte TMA rows of
+    e4m3), an output dtype of `out_dtypes`."""
     if np.dtype(request.operand_dtype) != FP8:
         return f"FP8_BLOCKWISE operands (A and B) on sm90 are float8_e4m3fn, got {np.dtype(request.operand_dtype).name}"
     if request.num_experts < 1 or request.num_experts > MAX_EXPERTS:
         return f"the sm90 kernels take 1 to {MAX_EXPERTS} experts, got E={request.num_experts}"
-    for name, extent in (("n", request.n), ("k", request.k)):
+    for name, extent in ((name, getattr(request, name)) for name in extents):
         if extent < 16 or extent % 16:
             return f"the FP8 {kernel} needs {name} to be a positive multiple of 16 (16-byte TMA rows), got {name}={extent}"
     if np.dtype(request.out_dtype) not in out_dtypes:
@@ -425,8 +425,11 @@ def _blockwise_reason(request: RaggedMatmulRequest) -> str | None:
 
 def cannot_implement_contract(request: RaggedContractRequest) -> str | None:
     """Why the ragged contraction cannot serve `request`, or None when it can."""
+    out_dtypes = (np.dtype(np.float32),) + _SIXTEEN_BIT
+    if request.block_scaled:
+        return _fp8_reason("ragged contraction", request, out_dtypes, extents=("a", "b"))
     return _reason("ragged contraction", request.num_experts, request.operand_dtype, request.out_dtype,
-                   (np.dtype(np.float32),) + _SIXTEEN_BIT, a=request.a, b=request.b)
+                   out_dtypes, a=request.a, b=request.b)
 
 
 def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_COUNT) -> GemmConfig:
@@ -494,6 +497,12 @@ def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAU
     base = dict(tile_n=choose_tile_n(request.b), tile_k=tile_k, epi_n=_EPI_N, max_ctas=sm_count,
                 cluster_n=tuning.value("contract_cluster"),
                 a_fastest=tuning.value("contract_walk") and request.a < request.b)
+    if request.block_scaled:
+        # FP8: a k-tile is one group of 128 rows, whose scales it multiplies; N tiles of
+        # at most 128 columns, since each thread holds a scale per column of its
+        # accumulator beside the group's partial sum; alone, as the FP8 GEMM runs.
+        tile_k = BLOCK
+        base.update(tile_n=64 if request.b < BLOCK else BLOCK, tile_k=tile_k, operand_bytes=1, cluster_n=1)
     subtiles = base["tile_n"] // base["epi_n"]
 
     def fits(ab_stages, store_stages):

@@ -148,3 +148,48 @@ def mma_k_tiles_promoted(
         for v in cutlass.range_constexpr(cute.size(acc)):
             acc[v] = acc[v] + acc_block[v] * scales[fragment.row_half(v)]
     return read_state, release_state
+
+
+@cute.jit
+def mma_k_tiles_promoted_by_column(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,  # the float32 total
+    acc_block: cute.Tensor,  # one K block's partial sum, written by wgmma only
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    ab_pipeline: pipeline.PipelineTmaAsync,
+    read_state: pipeline.PipelineState,
+    release_state: pipeline.PipelineState,
+    k_tiles: Int32,
+    lhs_scale: cute.Tensor,  # (K blocks, rows of A) float32
+    rows: list,  # this thread's two rows of A (in bounds)
+    rhs_scale: cute.Tensor,  # (K blocks, rows of B) float32
+    columns: list,  # this thread's rows of B, one per column slot of its accumulator (in bounds)
+    first_block: Int32,  # the K block of the first k-tile
+):
+    """`mma_k_tiles_promoted` with a scale per row of A and per row of B (the tile's
+    columns) in each K block, as the weight gradients' operands are scaled along their
+    K, the tokens: acc[r, c] += acc_block[r, c] * (lhs_scale[b, row r] * rhs_scale[b,
+    column c]). The scales of a k-tile are loaded before its stage is waited for."""
+    k_blocks = cute.size(tCrA, mode=[2])
+    acc.fill(0.0)
+    for k_tile in range(k_tiles):
+        block = first_block + k_tile
+        row_scales = [Float32(lhs_scale[block, row]) for row in rows]
+        column_scales = [Float32(rhs_scale[block, column]) for column in columns]
+        ab_pipeline.consumer_wait(read_state)
+        # Orders the previous promotion's reads of acc_block before wgmma writes it again.
+        warpgroup.fence()
+        for k_block in cutlass.range_constexpr(k_blocks):
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, k_block != 0)
+            coord = (None, None, k_block, read_state.index)
+            cute.gemm(tiled_mma, acc_block, tCrA[coord], tCrB[coord], acc_block)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        ab_pipeline.consumer_release(release_state)
+        release_state.advance()
+        read_state.advance()
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            scale = row_scales[fragment.row_half(v)] * column_scales[fragment.column_slot(v)]
+            acc[v] = acc[v] + acc_block[v] * scale
+    return read_state, release_state

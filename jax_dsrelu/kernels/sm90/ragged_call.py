@@ -37,6 +37,7 @@ from jax_dsrelu.kernels import operands as kernel_operands
 from jax_dsrelu.kernels.operands import ROWS
 from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest
 from jax_dsrelu.kernels.sm90 import config as sm90_config
+from jax_dsrelu.kernels.sm90 import contract_layout
 from jax_dsrelu.kernels.sm90.arch import ARCH, sm_count
 from jax_dsrelu.kernels.sm90.mainloop import MAX_ROWS
 
@@ -56,6 +57,10 @@ def _kernel(request, config, gathered: str | None = None):
 
         return getattr(gathered_kernels, _GATHERED_KERNELS[type(request), gathered])(config, request)
     if isinstance(request, RaggedContractRequest):
+        if request.block_scaled:
+            from jax_dsrelu.kernels.sm90.blockwise_contract_kernel import BlockScaledContractSm90
+
+            return BlockScaledContractSm90(config, request)
         from jax_dsrelu.kernels.sm90.ragged_contract_kernel import RaggedContractSm90
 
         return RaggedContractSm90(config, request)
@@ -139,6 +144,12 @@ def implementation(
             # m = 0 is static: no rows, no expert owns any, nothing needs a kernel.
             return {o.name: jnp.zeros(o.shape_for({ROWS: 0}), o.dtype) for o in kernel.operands() if o.role == "output"}
         counts = {ROWS: num_rows}
+        if isinstance(request, RaggedContractRequest) and request.block_scaled:
+            # The kernel reads K-major copies whose rows are the groups' padded rows.
+            given.update(contract_layout.k_major_operands(given.pop("lhs"), given.pop("rhs"), given.pop("group_sizes")))
+            counts = {ROWS: contract_layout.padded_rows(num_rows, request.num_experts)}
+            if counts[ROWS] > MAX_ROWS:
+                raise NotImplementedError(f"backend='sm90' takes at most {MAX_ROWS} padded rows, got {counts[ROWS]}")
         if gathered:
             given[f"{gathered}_index"] = given[f"{gathered}_index"].astype(jnp.int32)
             # The count the source's rows are declared with (the schema's letter for them).

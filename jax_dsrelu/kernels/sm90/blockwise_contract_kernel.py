@@ -1,0 +1,100 @@
+"""The ragged contraction on FP8_BLOCKWISE operands, the FP8 recipe's weight gradients,
+for Hopper (sm_90a), in CuTe DSL.
+
+Math, over expert e's groups g of 128 rows (the groups restart at each expert,
+`quantization.ragged`):
+
+    out[e, i, j] = sum over g of (lhs_g[:, i] . rhs_g[:, j]) * lhs_scale[g, i] * rhs_scale[g, j]
+
+each group's partial sum of e4m3 products formed by wgmma over one k-tile and promoted
+to float32 before it is scaled and added, group after group
+(`promoted_mainloop.mma_k_tiles_promoted_by_column`); then stored as the 16-bit
+contraction stores it (`ragged_contract_kernel.py`), whose walk and epilogue it keeps.
+
+Operands: Hopper's FP8 wgmma reads both operands K-major, and the contraction's K is the
+rows, so the kernel reads K-major copies of lhs and rhs, (a, R) and (b, R), in which each
+group of rows has 128 of its own (`quantization.ragged.padded_positions`; a partial
+group's other rows are zeros), R = 128 G for the primitive's G groups. The call makes them
+from the primitive's row-major operands (`contract_layout.py`). An expert's padded size
+(`padded_sizes`) is then a multiple of 128 and its k-tiles are its groups: k-tile t of the
+expert starting at padded row r0 is group r0 / 128 + t, whose scales are the primitive's
+lhs_scale (G, a) and rhs_scale (G, b). Each thread loads, per k-tile, its two rows' scales
+and one scale per column slot of its accumulator (tile_n / 4 of them, a group's scales
+contiguous along b).
+
+Constraints (`config.cannot_implement_contract`): a and b multiples of 16 (16-byte TMA
+rows of e4m3), out float32 or 16-bit, 1 <= E <= 512.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import numpy as np
+from cutlass import Float32, Int32
+
+from jax_dsrelu.kernels.operands import M, KernelOperand, Rows
+from jax_dsrelu.kernels.request import RaggedContractRequest
+from jax_dsrelu.kernels.sm90 import promoted_mainloop
+from jax_dsrelu.kernels.sm90.config import BLOCK, ContractConfig
+from jax_dsrelu.kernels.sm90.ragged_contract_kernel import RaggedContractSm90
+
+_F32 = np.dtype(np.float32)
+_I32 = np.dtype(np.int32)
+
+
+class BlockScaledContractSm90(RaggedContractSm90):
+    """The 16-bit contraction's walk and epilogue over a mainloop promoting each group of
+    rows with its per-row and per-column scales."""
+
+    operand_a = "lhs_k_major"
+    operand_b = "rhs_k_major"
+
+    def __init__(self, config: ContractConfig, request: RaggedContractRequest):
+        if not request.block_scaled:
+            raise ValueError(f"{type(self).__name__} serves requests with block_scaled=True, got False")
+        if config.tile_k != BLOCK or config.tile_n > BLOCK:
+            raise ValueError(f"{type(self).__name__} needs tile_k={BLOCK} (one group of rows per k-tile) and "
+                             f"tile_n <= {BLOCK}, got tile_k={config.tile_k}, tile_n={config.tile_n}")
+        super().__init__(config, request)
+
+    def operands(self) -> list[KernelOperand]:
+        """lhs and rhs as K-major copies (a, R) and (b, R), the count R the padded rows;
+        the padded group sizes; the primitive's scales (G, a), (G, b), G = R / 128; out
+        (E, a, b), seen as (a, b, E)."""
+        r, declare = self.request, self.declare
+        return [
+            KernelOperand("lhs_k_major", "input", r.operand_dtype, (self.a, M)),
+            KernelOperand("rhs_k_major", "input", r.operand_dtype, (self.b, M)),
+            KernelOperand("padded_sizes", "input", _I32, (self.num_experts,)),
+            declare("lhs_scale", "input", _F32),
+            declare("rhs_scale", "input", _F32),
+            declare("out", "output", r.out_dtype, mode=(1, 2, 0)),
+        ]
+
+    def schema_sizes(self) -> dict:
+        # The groups: one per 128 of the padded rows.
+        return dict(super().schema_sizes(), g=Rows(per=BLOCK))
+
+    def kernel_params(self, t) -> dict:
+        return dict(group_sizes=t.padded_sizes, num_rows=cute.size(t.lhs_k_major, mode=[1]),
+                    lhs_scale=t.lhs_scale, rhs_scale=t.rhs_scale)
+
+    def mainloop(self, ctx, item, tile, read_state, release_state):
+        """The promoted mainloop with this thread's two rows of the a-block and its
+        columns of the b-block (a row or column past a or b reads row 0's scales: its
+        operand rows are zero-filled and it is never stored)."""
+        rows = []
+        for h in range(len(ctx.tile_row)):
+            row = tile.m_tile * self.tile_m + ctx.tile_row[h]
+            rows.append(Int32(cutlass.select_(row < self.a, row, Int32(0))))
+        columns = []
+        for slot in range(cute.size(ctx.acc) // 2):
+            # The first of the thread's values in column slot `slot` (fragment.column_slot).
+            column = tile.n_tile * self.tile_n + ctx.tCcAcc[slot % 2 + 4 * (slot // 2)][1]
+            columns.append(Int32(cutlass.select_(column < self.b, column, Int32(0))))
+        return promoted_mainloop.mma_k_tiles_promoted_by_column(
+            ctx.tiled_mma, ctx.acc, cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32), ctx.tCrA, ctx.tCrB,
+            ctx.ab_pipeline, read_state, release_state, self.k_tile_count(tile), ctx.params.lhs_scale, rows,
+            ctx.params.rhs_scale, columns, tile.first_row // BLOCK,
+        )
