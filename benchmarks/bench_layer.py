@@ -6,7 +6,8 @@ and the forward (4 m d f), by moe_mlp on backend xla and sm90 (sm90_det: determi
 user would write: dense_mlp (one expert's weights for every row, autodiff), batched_mlp (E equal batches), and the
 step's six GEMMs alone on cuBLAS, cublas_dense (the practical ceiling) and cublas_batched; precision.py states
 each. The sm90 results are checked against xla's before they are timed, and the step's kernels set against their
-rooflines (roofline.py).
+rooflines (roofline.py). By --variants, the FP8 step: moe_mlp at precision=FP8_BLOCKWISE on backend xla (xla_fp8,
+the reference) and on sm90's FP8 kernels (sm90_fp8), and cublas_fp8, the six GEMMs dense on e4m3 (XLA: cuBLASLt).
 
     python benchmarks/bench_layer.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_layer.py --prebuild
@@ -31,12 +32,16 @@ from bench_gemms import activation
 from harness import BF16, group_sizes_for, operand_shapes
 
 import jax_dsrelu
+from jax_dsrelu.kernels.sm90 import backend as sm90_backend
+from jax_dsrelu.quantization.schema import E4M3, FP8_BLOCKWISE
 
 VARIANTS = ("xla", "sm90", "sm90_det", "dense_mlp", "batched_mlp", "cublas_dense", "cublas_batched")
+FP8_VARIANTS = ("xla_fp8", "sm90_fp8", "cublas_fp8")
 # Variants that compute something else than moe_mlp: timed, not checked against it.
-BASELINES = ("dense_mlp", "batched_mlp", "cublas_dense", "cublas_batched")
+BASELINES = ("dense_mlp", "batched_mlp", "cublas_dense", "cublas_batched", "cublas_fp8")
 # The variants through moe_mlp, which a prebuild lowers (xla compiles no kernel, but tests the path).
-LAYER_VARIANTS = ("xla", "sm90", "sm90_det")
+LAYER_VARIANTS = ("xla", "sm90", "sm90_det", "xla_fp8", "sm90_fp8")
+REFERENCE = {"sm90": "xla", "sm90_det": "xla", "sm90_fp8": "xla_fp8"}  # what each of ours is checked against
 MODES = ("step", "forward")
 FLOPS_PER_MDF = {"step": 12.0, "forward": 4.0}
 GRADIENTS = ("x", "w1", "w2", "prob", "b1")  # moe_mlp's differentiable operands, in order
@@ -55,12 +60,24 @@ def make_operands(m, d, f, num_experts, seed, grouping="dirichlet") -> dict[str,
         group_sizes=jnp.asarray(group_sizes_for(grouping, m, num_experts, seed)),
         cotangent=normal((m, d)), act=normal((m, f)), dh=normal((m, f)))
     # The dense MLP's own weights, so no slice copy is timed with it.
-    return dict(operands, **{f"{name}_dense": jnp.array(operands[name][0]) for name in ("w1", "w2", "b1")})
+    operands.update({f"{name}_dense": jnp.array(operands[name][0]) for name in ("w1", "w2", "b1")})
+    # The dense FP8 GEMMs' (A, B) pairs, e4m3 and K-major as cuBLASLt's FP8 GEMM reads both.
+    x, act, dh, dy, w1, w2 = (operands[n] for n in ("x", "act", "dh", "cotangent", "w1_dense", "w2_dense"))
+    pairs = ((x, w1.T), (act, w2.T), (dy, w2), (dh, w1), (x.T, dh.T), (act.T, dy.T))
+    operands.update({f"fp8_{i}{side}": t.astype(E4M3) for i, pair in enumerate(pairs) for side, t in zip("ab", pair)})
+    return dict(operands, one=jnp.ones((), jnp.float32))
 
 
-def moe_mlp_with(backend, deterministic):
+def moe_mlp_with(backend, deterministic, precision=None):
     return lambda x, w1, w2, prob, b1, group_sizes: jax_dsrelu.moe_mlp(
-        x, w1, w2, prob, group_sizes, b1=b1, deterministic=deterministic, backend=backend)
+        x, w1, w2, prob, group_sizes, b1=b1, deterministic=deterministic, backend=backend, precision=precision)
+
+
+def fp8_gemms(*pairs):
+    """(A, B) pairs, then a per-tensor float32 scale: each A (M, K) B (N, K)^T of e4m3 operands, bf16 out."""
+    up = lambda t: t.astype(BF16) * pairs[-1].astype(BF16)  # noqa: E731
+    return tuple(jax.lax.dot_general(up(a), up(b), (((1,), (1,)), ((), ())), preferred_element_type=BF16)
+                 for a, b in zip(pairs[:-1:2], pairs[1:-1:2]))
 
 
 def dense_mlp(x, w1, w2, prob, b1):
@@ -103,13 +120,16 @@ def computation(variant, mode):
     if variant in ("cublas_dense", "cublas_batched"):
         weights = ("w1", "w2") if variant == "cublas_batched" else ("w1_dense", "w2_dense")
         return cublas_gemms(mode, variant == "cublas_batched"), ("x", *weights, "act", "dh", "cotangent")
+    if variant == "cublas_fp8":
+        return fp8_gemms, tuple(f"fp8_{i}{side}" for i in range(6 if mode == "step" else 2) for side in "ab") + ("one",)
     if variant == "dense_mlp":
         layer, names = dense_mlp, ("x", "w1_dense", "w2_dense", "prob", "b1_dense")
     elif variant == "batched_mlp":
         layer, names = batched_mlp, ("x", "w1", "w2", "prob", "b1")
     else:
-        names = ("x", "w1", "w2", "prob", "b1", "group_sizes")
-        layer = moe_mlp_with("xla" if variant == "xla" else "sm90", variant == "sm90_det")
+        names, fp8 = ("x", "w1", "w2", "prob", "b1", "group_sizes"), variant.endswith("_fp8")
+        backend = "xla" if variant.startswith("xla") else "auto" if fp8 else "sm90"  # sm90 refuses a precision
+        layer = moe_mlp_with(backend, variant == "sm90_det", FP8_BLOCKWISE if fp8 else None)
     if mode == "forward":
         return layer, names
     return jax.value_and_grad(loss_of(layer), argnums=tuple(range(5))), names + ("cotangent",)
@@ -135,11 +155,12 @@ def run_variant(variant, mode, operands, reference, reps, clock, flops) -> tuple
     fn, names = computation(variant, mode)
     if variant not in BASELINES:
         fn = functools.partial(lambda fn, *args: flatten(fn(*args), mode), fn)
-    ours = variant not in ("xla", *BASELINES)
-    entry, outputs = harness.measure(
-        fn, tuple(operands[name] for name in names), reps, clock,
-        check=functools.partial(compare, reference=reference) if ours and reference else None,
-        flops=flops, compiler_options=harness.CUBLAS_ONLY if variant.startswith("cublas") else None)
+    ours = variant in REFERENCE
+    with sm90_backend.unverified_enabled("fp8", on=variant == "sm90_fp8"):
+        entry, outputs = harness.measure(
+            fn, tuple(operands[name] for name in names), reps, clock,
+            check=functools.partial(compare, reference=reference) if ours and reference else None,
+            flops=flops, compiler_options=harness.CUBLAS_ONLY if variant.startswith("cublas") else None)
     if ours and reference is None:  # recorded rather than dropped
         entry["check"] = "not checked: the xla backend failed at this shape"
     return entry, outputs
@@ -149,20 +170,21 @@ def prebuild(shapes, variants, modes) -> None:
     """Lowers the selected moe_mlp variants' steps and forwards for cuda, building their kernels."""
     for shape, variant, mode in itertools.product(shapes, [v for v in variants if v in LAYER_VARIANTS], modes):
         fn, names = computation(variant, mode)
-        harness.lower_for_cuda(f"bench_layer {variant} {mode} {shape}", fn, *(operand_shapes(*shape)[n] for n in names))
+        with sm90_backend.unverified_enabled("fp8", on=variant == "sm90_fp8"):
+            harness.lower_for_cuda(f"bench_layer {variant} {mode} {shape}", fn, *(operand_shapes(*shape)[n] for n in names))
 
 
 def plot(rows, path, title):
     labels = [f"{r['shape']['m']},{r['shape']['d']}\n{r['shape']['f']},{r['shape']['E']}\n{r['grouping']}" for r in rows]
     panels = [(f"{mode} (TFLOP/s at {FLOPS_PER_MDF[mode]:.0f} m d f)", labels,
-               {v: [r["modes"][mode]["variants"].get(v, {}).get("tflops", 0.0) for r in rows] for v in VARIANTS})
+               {v: [r["modes"][mode]["variants"].get(v, {}).get("tflops", 0.0) for r in rows] for v in VARIANTS + FP8_VARIANTS})
               for mode in (rows[0]["modes"] if rows else ())]
     harness.plot_bars(panels, path, title, "TFLOP/s")
 
 
 def main(argv=None):
     options = harness.parse(harness.parser(__doc__.split("\n\n")[0], reps=10, variants=VARIANTS,
-                                           subsets=dict(modes=MODES)), argv)
+                                           optional_variants=FP8_VARIANTS, subsets=dict(modes=MODES)), argv)
     if options.prebuild:
         return prebuild(options.shapes, options.variants, options.modes)
 
@@ -176,13 +198,14 @@ def main(argv=None):
         row.update(group_sizes=np.asarray(operands["group_sizes"]).tolist(), modes={})
         owned = int(np.sum(row["group_sizes"]))  # m, but where token rounding cut rows
         for mode in options.modes:
-            flops, results, reference = FLOPS_PER_MDF[mode] * owned * d * f, {}, None
+            flops, results, references = FLOPS_PER_MDF[mode] * owned * d * f, {}, {}
             for variant in harness.reference_first(options.variants):
                 print(f"{shape} {mode} {variant}", flush=True)
                 done = FLOPS_PER_MDF[mode] * m * d * f if variant in BASELINES else flops  # they compute every row
-                results[variant], outputs = run_variant(variant, mode, operands, reference, options.reps, clock, done)
-                reference = outputs if variant == "xla" else reference
-            del reference
+                results[variant], outputs = run_variant(variant, mode, operands, references.get(REFERENCE.get(variant)),
+                                                        options.reps, clock, done)
+                references.update({variant: outputs} if variant in REFERENCE.values() else {})
+            del references
             row["modes"][mode] = dict(flops=flops, variants=results)
             if mode == "step":
                 row["modes"][mode]["roofline"] = roofline.roofline(shape, owned, row["modes"][mode], copy)

@@ -1,32 +1,7 @@
 #!/bin/bash
-# One batch of GPU work for the sm90 backend, run on the H200 from the repository root:
-#
+# One batch of GPU work for the sm90 backend, run on the GPU machine from the repository root:
 #   bash benchmarks/device_run.sh STAGES COMMIT
-#
-# STAGES is a comma-separated list of:
-#   tests     the GPU tier but the gathered kernels' (pytest -m gpu; TEST_FILES, TESTS_LIMIT 480 s)
-#   gathered_tests  tests/test_sm90_gathered.py (the kernels not yet verified), under its own limit
-#   check_gathered  benchmarks/check_gathered.py, CHECK_RUNS (20) runs
-#   examples  EXAMPLES (train_moe, expert_parallel), bf16, --deterministic, EXAMPLE_RUNS (2) agreeing
-#   lm        examples/train_lm.py's GPU command (LM_STEPS 2000), --deterministic, LM_RUNS (2) times;
-#             Flax and optax from the image or a carried lm_deps.tar.zst
-#   moe_block benchmarks/bench_moe_block.py (6-9 min; MOE_BLOCK_ARGS="--blocks ..." splits it),
-#             tokamax from a carried tokamax_deps.tar.zst
-#   gemms, fp8_gemms, layer  benchmarks/bench_gemms.py (3-5 min), bench_fp8_gemms.py, bench_layer.py (5-8)
-#   step_ab   benchmarks/step_ab.sh: STEP_AB_OLD's step (tree in .kernels/old_tree) beside COMMIT's,
-#             STEP_AB_ROUNDS (1), STEP_AB_SHAPES (default every shape)
-#   determinism_parallel  benchmarks/determinism_parallel.sh for PARALLEL_MODES ("warm"; "warm fresh"),
-#             PARALLEL_PROCESSES_<MODE> (4) processes, the caller's XLA_FLAGS; JSON PARALLEL_NAME_<mode>
-#   sweep_gemm, sweep_contract  benchmarks/sweep_configs.py (SWEEP_GEMM_ARGS, SWEEP_CONTRACT_ARGS)
-#   sanitize  boundary cases under memcheck and racecheck (SANITIZE_FILES, a regex of test files)
-#
-# Kernels come precompiled (benchmarks/prebuild_kernels.py, .kernels/ carried along). Logs and
-# records go to $OUT, named as benchmarks/results/ names them; tracebacks to $OUT/<script>.err.
-# Extra arguments: GEMMS_ARGS, FP8_GEMMS_ARGS, LAYER_ARGS, MOE_BLOCK_ARGS. A call runs at most 10
-# minutes and brings back at most 8 files, so it ends by packing $OUT into one archive:
-#
-#   source .gpu/activate.sh && timeout 560 bash benchmarks/device_run.sh STAGES COMMIT;
-#   tar -C "$OUT" -czf /tmp/out.tgz . && find "$OUT" -mindepth 1 -delete && mv /tmp/out.tgz "$OUT/device_output.tgz"
+# docs/performance.md ("One batch of device work") lists the stages, their variables and the call.
 set -o pipefail
 stages=",$1,"
 commit="$2"

@@ -48,6 +48,8 @@ from jax_dsrelu.moe.layer import MoEAux
 from jax_dsrelu.moe.options import MoEOptions
 from jax_dsrelu.moe.routing import update_expert_bias
 from jax_dsrelu.moe.weights import MoEWeights
+from jax_dsrelu.ops import quantized_expert_mlp
+from jax_dsrelu.ops.quantized_expert_mlp import QuantizedExpertWeights
 from jax_dsrelu.primitives import validation
 from jax_dsrelu.quantization.schema import Recipe
 
@@ -207,8 +209,20 @@ class MoE(nnx.Module):
             variable[...] = jnp.asarray(value, variable[...].dtype)
         return module
 
-    def __call__(self, x: jax.Array, *, return_aux: bool = False) -> jax.Array | tuple[jax.Array, MoEAux]:
-        """x (..., d_model) -> (..., d_model) in x.dtype; every leading axis is tokens."""
+    def quantize_weights(self) -> QuantizedExpertWeights:
+        """The routed experts' w1 and w2, in the compute dtype, quantized by the module's
+        precision: made once where the weights are updated and passed to every micro-step's
+        call (`quantized_weights=`), which then reads no weight in its GEMMs."""
+        if self.options.precision is None:
+            raise ValueError("quantize_weights needs a module built with precision= (an FP8 recipe), got None")
+        return quantized_expert_mlp.quantize_expert_weights(
+            self.w1[...].astype(self.dtype), self.w2[...].astype(self.dtype), self.options.precision)
+
+    def __call__(
+        self, x: jax.Array, *, return_aux: bool = False, quantized_weights: QuantizedExpertWeights | None = None
+    ) -> jax.Array | tuple[jax.Array, MoEAux]:
+        """x (..., d_model) -> (..., d_model) in x.dtype; every leading axis is tokens.
+        quantized_weights: `quantize_weights()`'s, read instead of quantizing w1 and w2 again."""
         validation.require_array("x", x, "(..., d_model)")
         if x.ndim < 1 or x.shape[-1] != self.d_model:
             raise ValueError(f"x.shape[-1] must equal d_model={self.d_model}, got x.shape={tuple(x.shape)}")
@@ -227,7 +241,8 @@ class MoE(nnx.Module):
             latent_out=compute(self.latent_out),
         )
         weights.check(tokens)
-        out = layer.apply(tokens, weights, self.options, return_aux)
+        quantized_expert_mlp.check_quantized_weights(quantized_weights, weights.w1, weights.w2, self.options.precision)
+        out = layer.apply(tokens, weights, self.options, return_aux, quantized_weights)
         if return_aux:
             out, aux = out
             return out.reshape(x.shape), aux

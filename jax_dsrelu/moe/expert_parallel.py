@@ -46,7 +46,8 @@ from jax_dsrelu.moe.layer import MoEAux
 from jax_dsrelu.moe.entry_points import UNSET, entry_point
 from jax_dsrelu.moe.options import MoEOptions
 from jax_dsrelu.moe.weights import MoEWeights
-from jax_dsrelu.ops import exchanged_experts
+from jax_dsrelu.ops import exchanged_experts, quantized_expert_mlp
+from jax_dsrelu.ops.quantized_expert_mlp import QuantizedExpertWeights
 from jax_dsrelu.primitives import validation
 from jax_dsrelu.quantization.schema import Recipe
 
@@ -81,6 +82,7 @@ def moe_layer_expert_parallel(
     backend: str = UNSET,
     precision: Recipe | None = UNSET,
     return_aux: bool = False,
+    quantized_weights: QuantizedExpertWeights | None = None,  # quantize_expert_weights(w1, w2, precision)
 ) -> jax.Array | tuple[jax.Array, MoEAux]:  # (T, d) x.dtype, split like x [, MoEAux]
     """The values of `moe_layer(x, router, w1, w2, ...)`, computed with experts split over
     `expert_axis` of `mesh` and tokens over `data_axis` (none, one or several mesh axes)
@@ -99,6 +101,8 @@ def moe_layer_expert_parallel(
     token, then the earlier slot. A dropped row adds nothing to its token's output, and
     neither its weight nor its token gets a gradient through it.
 
+    quantized_weights: as `moe_layer` takes them, all E experts' (split on E like w1 and w2).
+
     Token rounding (round_to) is refused: each token shard routes its own tokens, so
     rounding its counts would not round the rows each expert runs over all shards, and
     rounding the global counts needs every shard's scores before any row is sent.
@@ -113,6 +117,7 @@ def moe_layer_expert_parallel(
     weights.check(x)
     num_experts = weights.num_experts
     options.check_experts(num_experts)
+    quantized_expert_mlp.check_quantized_weights(quantized_weights, weights.w1, weights.w2, options.precision)
     if options.rounds:
         raise ValueError(
             f"round_to must be None or 1 under expert parallelism (each token shard routes its own tokens, so "
@@ -137,13 +142,16 @@ def moe_layer_expert_parallel(
         )
 
     tokens, weight_specs = P(token_axes), _weight_specs(weights, expert_axis)
+    # Quantized weights are per expert: each device takes its experts' blocks and scales.
+    quantized_specs = jax.tree.map(lambda _: P(expert_axis), quantized_weights)
     shard = functools.partial(_expert_parallel_shard, expert_axis=expert_axis, options=options)
     out, group_sizes, expert_prob, z_loss, dropped = jax.shard_map(
         shard,
         mesh=mesh,
-        in_specs=(tokens, weight_specs),
+        in_specs=(tokens, weight_specs, quantized_specs),
         out_specs=(tokens,) * 5,
-    )(_placed(x, mesh, tokens), jax.tree.map(lambda a, spec: _placed(a, mesh, spec), weights, weight_specs))
+    )(_placed(x, mesh, tokens), jax.tree.map(lambda a, spec: _placed(a, mesh, spec), weights, weight_specs),
+      jax.tree.map(lambda a, spec: _placed(a, mesh, spec), quantized_weights, quantized_specs))
     if not return_aux:
         return out
 
@@ -160,20 +168,21 @@ def moe_layer_expert_parallel(
     return out, MoEAux(load_balancing_loss, jnp.sum(z_loss) / token_shards, total_sizes, jnp.sum(dropped))
 
 
-def _expert_parallel_shard(x, weights: MoEWeights, *, expert_axis: str, options: MoEOptions):
+def _expert_parallel_shard(x, weights: MoEWeights, quantized, *, expert_axis: str, options: MoEOptions):
     """One device's part: its tokens in, their outputs and routing statistics out.
 
     `moe_layer`'s steps, with the routed experts of the devices that hold them
     (`exchanged_experts`) in place of `block_experts.routed_experts`. weights holds this
-    device's share of the experts (w1, w2 and b1) and every other weight whole.
+    device's share of the experts (w1, w2 and b1) and every other weight whole; quantized
+    (or None) its experts' quantized w1 and w2.
     """
     plan = layer.route_tokens(x, weights, options)
-    routed, dropped = _routed(x, weights, plan, expert_axis, options)
+    routed, dropped = _routed(x, weights, plan, expert_axis, options, quantized)
     out = layer.block_output(routed, x, weights, options)
     return out, plan.chosen_sizes[None], plan.expert_prob[None], plan.router_z_loss[None], dropped[None]
 
 
-def _routed(x, weights: MoEWeights, plan, expert_axis: str, options: MoEOptions):
+def _routed(x, weights: MoEWeights, plan, expert_axis: str, options: MoEOptions, quantized=None):
     """(T, l) float32 outputs of the routed experts, each token's rows run on the devices
     that hold their experts and summed; and how many rows the capacity dropped."""
     if x.shape[0] == 0:  # every shard is as long, so no device has a row to send or to run
@@ -199,6 +208,7 @@ def _routed(x, weights: MoEWeights, plan, expert_axis: str, options: MoEOptions)
         sends.slot_token, sends.slot_full, sends.token_slots,
         axis_name=expert_axis, drops=capacity < plan.order.shape[0], deterministic=options.deterministic,
         backends=registry.layer_backends(options.backend, options.precision), precision=options.precision,
+        quantized=None if quantized is None else lax.stop_gradient(quantized),
     )
     return routed, sends.dropped
 

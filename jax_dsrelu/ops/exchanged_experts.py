@@ -59,6 +59,7 @@ def exchanged_experts(
     deterministic: bool,
     backends: LayerBackends,
     precision: Recipe | None,  # None, or the FP8 recipe the experts' GEMMs read their operands by
+    quantized=None,  # with a precision: this device's w1 and w2 quantized already (QuantizedExpertWeights)
 ) -> jax.Array:  # (T, l) float32
     """out[t] = sum over token t's sent slots s of prob * relu(tokens[t] @ w1[e] + b1[e])**2 @ w2[e],
     e the slot's expert on the device it was sent to. Arguments are the caller's to have
@@ -66,7 +67,7 @@ def exchanged_experts(
     tokens, w1, w2, prob, b1 = jax_internals.vary_alike([tokens, w1, w2, prob, b1])
     static = (axis_name, drops, deterministic, backends, np.dtype(tokens.dtype), precision)
     return _exchanged(static, tokens, w1, w2, b1, prob, group_sizes, local_order, local_inverse, slot_token,
-                      slot_full, token_slots)
+                      slot_full, token_slots, quantized)
 
 
 def _exchange(a, axis_name):
@@ -88,11 +89,11 @@ def _sum_back(rows, local_inverse, token_slots, drops, axis_name, backend):
 
 
 def _forward(static, tokens, w1, w2, b1, prob, group_sizes, local_order, local_inverse, slot_token, slot_full,
-             token_slots):
+             token_slots, quantized):
     axis_name, drops, _, backends, _, precision = static
     got = _send(tokens.astype(w1.dtype), slot_token, slot_full, axis_name)
     y, h = expert_mlp.forward(
-        backends, got, w1, w2, prob, group_sizes, b1, row_index=local_order, precision=precision
+        backends, got, w1, w2, prob, group_sizes, b1, row_index=local_order, precision=precision, quantized=quantized
     )
     out = _sum_back(y, local_inverse, token_slots, drops, axis_name, backends.gather_sum)
     return out, (got, h)
@@ -104,22 +105,22 @@ def _exchanged(static, tokens, *rest):
 
 
 def _exchanged_fwd(static, tokens, w1, w2, b1, prob, group_sizes, local_order, local_inverse, slot_token,
-                   slot_full, token_slots):
+                   slot_full, token_slots, quantized):
     out, (got, h) = _forward(static, tokens, w1, w2, b1, prob, group_sizes, local_order, local_inverse,
-                             slot_token, slot_full, token_slots)
+                             slot_token, slot_full, token_slots, quantized)
     # Not the tokens: the backward reads the rows received instead.
     return out, (got, w1, w2, b1, prob, group_sizes, local_order, local_inverse, slot_token,
-                 slot_full, token_slots, h)
+                 slot_full, token_slots, h, quantized)
 
 
 def _exchanged_bwd(static, residuals, dout):
     axis_name, drops, deterministic, backends, tokens_dtype, precision = static
     (got, w1, w2, b1, prob, group_sizes, local_order, local_inverse, slot_token, slot_full,
-     token_slots, h) = residuals
+     token_slots, h, quantized) = residuals
     dy = _send(dout.astype(w1.dtype), slot_token, slot_full, axis_name)
     grads = expert_mlp.backward(
         deterministic, backends, got, w1, w2, prob, group_sizes, b1, h, dy,
-        row_index=local_order, dy_index=local_order, precision=precision,
+        row_index=local_order, dy_index=local_order, precision=precision, quantized=quantized,
     )
     summed = _sum_back(grads.rows, local_inverse, token_slots, drops, axis_name, backends.gather_sum)
     # Rounded to the rows' dtype first, as the gradient of rows cast from the tokens is.
@@ -129,7 +130,8 @@ def _exchanged_bwd(static, residuals, dout):
         for cotangent, primal in ((grads.w1, w1), (grads.w2, w2), (grads.prob, prob))
     )
     db1 = None if b1 is None else sharding.like_primal(grads.b1, b1)
-    return dtokens, dw1, dw2, db1, dprob, None, None, None, None, None, None
+    # The quantized weights are w1's and w2's: their gradients are w1's and w2's.
+    return dtokens, dw1, dw2, db1, dprob, None, None, None, None, None, None, jax.tree.map(jnp.zeros_like, quantized)
 
 
 _exchanged.defvjp(_exchanged_fwd, _exchanged_bwd)
