@@ -153,7 +153,8 @@ def test_gather_sum_threads_cover_a_row(n, dtype, lanes):
 
 
 def test_gathered_declarations_read_a_source_of_its_own_rows():
-    counts = {operands.ROWS: 10, operands.SOURCE_ROWS: 4}
+    # dW2's rhs, dy, has a source of its own (the schema's "u"), apart from x's tokens.
+    counts = {operands.ROWS: 10, operands.SOURCE_ROWS: 4, operands.OTHER_SOURCE_ROWS: 6}
 
     def plan(declared):
         return [(o.name, o.shape_for(counts), o.mode, o.operand.varying) for o in declared]
@@ -171,7 +172,7 @@ def test_gathered_declarations_read_a_source_of_its_own_rows():
         ("lhs", (4, 512), (1, 0), (0,)), ("lhs_index", (10,), None, (0,)), ("rhs", (10, 384), (1, 0), (0,)),
     ]
     assert plan(ragged_call.operands(contract_request(8, 512, 384), gathered="rhs"))[:3] == [
-        ("lhs", (10, 512), (1, 0), (0,)), ("rhs", (4, 384), (1, 0), (0,)), ("rhs_index", (10,), None, (0,)),
+        ("lhs", (10, 512), (1, 0), (0,)), ("rhs", (6, 384), (1, 0), (0,)), ("rhs_index", (10,), None, (0,)),
     ]
     # An extent of the source's rows needs their count.
     with pytest.raises(ValueError, match="count 't'"):
