@@ -12,9 +12,11 @@ an error, as is a continuation with nothing to continue. Code that is not meant 
 (shell commands, output, signatures) sits in a fence that names another language
 (```bash, ```text); a fence without a language is refused.
 
-Each block runs in its own process, with no XLA_FLAGS and no JAX_* variable: a block that
-needs 8 host devices makes them itself (`jax.config.update("jax_num_cpu_devices", 8)`
-before JAX computes anything), as a reader's script would.
+Each block runs in a fresh process after the blocks it continues, with no XLA_FLAGS and no
+JAX_* variable (a block that another continues from above runs within that one's run,
+ahead of it, rather than once more on its own): a block that needs 8 host devices makes
+them itself (`jax.config.update("jax_num_cpu_devices", 8)` before JAX computes anything),
+as a reader's script would.
 """
 
 from __future__ import annotations
@@ -165,8 +167,17 @@ def read_pages() -> tuple[dict[str, list[Block]], list[str]]:
     return pages, errors
 
 
+def runs(blocks: list[Block]) -> list[list[Block]]:
+    """The chains to run so that each block runs once after exactly the blocks it continues:
+    a chain that begins another (a block and what continues it from above) runs only as
+    part of the longer one, since each block of a run executes before any block after it."""
+    chains = [chain(blocks, b) for b in blocks]
+    return [c for c in chains if not any(len(o) > len(c) and o[:len(c)] == c for o in chains)]
+
+
 PAGES, PAGE_ERRORS = read_pages()
 BLOCKS = [b for blocks in PAGES.values() for b in blocks]
+RUNS = [run for blocks in PAGES.values() for run in runs(blocks)]
 
 
 def test_every_fence_names_its_language_and_every_continuation_an_earlier_block():
@@ -180,9 +191,14 @@ def test_the_pages_hold_python_to_run():
     assert any(b.continues for b in BLOCKS) and any(CPU_DEVICES.search(b.source) for b in BLOCKS)
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.id)
-def test_block_runs_in_a_fresh_interpreter(block):
-    run = chain(PAGES[block.name], block)
+def test_every_block_runs_after_exactly_the_blocks_it_continues():
+    for block in BLOCKS:
+        wanted = chain(PAGES[block.name], block)
+        assert any(run[:len(wanted)] == wanted for run in RUNS), block.id
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda run: "+".join(b.id for b in run))
+def test_blocks_run_in_a_fresh_interpreter(run):
     if missing := missing_packages(run):
         pytest.skip(f"imports {', '.join(missing)}, not installed here")
     needed = max((int(n) for b in run for n in CPU_DEVICES.findall(b.source)), default=1)
@@ -229,6 +245,8 @@ def test_a_page_is_split_into_blocks_and_chains():
     blocks = python_blocks(PAGE, "page.md")
     assert [(b.number, b.line, b.continues) for b in blocks] == [(1, 4, None), (2, 12, 1), (3, 17, None), (4, 21, 1)]
     assert [b.number for b in chain(blocks, blocks[3])] == [1, 4]
+    # Block 1 runs within block 2's run, before it: not on its own again.
+    assert [[b.number for b in run] for run in runs(blocks)] == [[1, 2], [3], [1, 4]]
     assert all(run_blocks(chain(blocks, b)).returncode == 0 for b in blocks[:3])
 
 
