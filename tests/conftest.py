@@ -11,8 +11,6 @@ import ctypes.util
 import functools
 import gc
 import os
-import shutil
-import tempfile
 
 # Eight host devices, so that sharded computations run on a CPU-only machine. It must be
 # set before JAX starts its CPU backend; unsharded tests simply use the first device.
@@ -24,28 +22,8 @@ os.environ["XLA_FLAGS"] = " ".join(
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-# One compilation cache for the run, made by the process that starts it and shared by its
-# pytest-xdist workers (which inherit the variable), removed when the run ends: the suite
-# compiles many programs more than once, in several modules (whose compiled programs
-# `release_compiled_programs` drops) and on each worker. XLA's programs are cached by JAX's
-# persistent cache (keyed by the program, its options and the backend: a hit is the same
-# executable), the CuTe DSL kernels lowered without keep=True by the library's disk cache.
-_CACHE_VARIABLE = "DSRELU_TEST_COMPILE_CACHE"
-_OWNS_CACHE = _CACHE_VARIABLE not in os.environ
-if _OWNS_CACHE:
-    os.environ[_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="jax-dsrelu-tests-")
-os.environ.setdefault("JAX_DSRELU_KERNEL_CACHE", os.path.join(os.environ[_CACHE_VARIABLE], "kernels"))
-
 import jax  # noqa: E402
 import pytest
-
-jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ[_CACHE_VARIABLE], "xla"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
-
-
-def pytest_unconfigure(config):
-    if _OWNS_CACHE:
-        shutil.rmtree(os.environ.pop(_CACHE_VARIABLE), ignore_errors=True)
 
 
 @functools.cache
