@@ -101,9 +101,9 @@ def parse(parser: argparse.ArgumentParser, argv, shapes=SHAPES):
     return options
 
 
-def reference_first(variants) -> list[str]:
-    """The XLA backend's variants first: the others are checked against their results."""
-    return sorted(variants, key=lambda v: not v.startswith("xla"))
+def reference_first(variants, references=("xla",)) -> list[str]:
+    """The `references` first: the others are checked against their results."""
+    return sorted(variants, key=lambda v: v not in references)
 
 
 def record_name(benchmark: str, label: str) -> str:

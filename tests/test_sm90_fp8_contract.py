@@ -106,13 +106,13 @@ def reference(lhs64, rhs64, sizes, num_experts):
     return ref, abs_dot
 
 
-def check_against(out, ref, abs_dot, sizes, what="float64"):
+def check_against(out, ref, abs_dot, sizes, num_rows, what="float64"):
     """Per entry: the FP8 accumulation within each group, the float32 promotion over the
     expert's groups, one rounding to the output dtype."""
     got = np.asarray(out, np.float64)
     assert np.isfinite(got).all(), "an output element was not written (NaN poison left)"
     unit, subnormal = _OUT_UNIT[np.dtype(out.dtype)]
-    group_counts = np.array([-(-(end - start) // GROUP) for start, end in expert_rows(sizes, 10**9)])[:, None, None]
+    group_counts = np.array([-(-(end - start) // GROUP) for start, end in expert_rows(sizes, num_rows)])[:, None, None]
     bound = (_FP8_GROUP_UNIT + (group_counts + 1) * _F32_UNIT) * abs_dot * (1 + unit) + unit * np.abs(ref) + subnormal
     excess = np.abs(got - ref) - bound
     assert (excess <= 0).all(), f"against {what}: worst excess {excess.max()} at {np.unravel_index(np.argmax(excess), excess.shape)}"
@@ -158,21 +158,23 @@ def test_xla_reference_and_the_kernels_plan_are_the_float64_product(name):
     num_experts = len(sizes)
     ref, abs_dot = reference(lhs64, rhs64, sizes, num_experts)
     out = ragged_contract(**named, out_dtype=out_dtype, backend="xla")
-    check_against(out, ref, abs_dot, sizes)
-    check_against(jnp.asarray(emulated_plan(named, num_experts), out_dtype), ref, abs_dot, sizes, "the plan")
+    m = lhs64.shape[0]
+    check_against(out, ref, abs_dot, sizes, m)
+    check_against(jnp.asarray(emulated_plan(named, num_experts), out_dtype), ref, abs_dot, sizes, m, "the plan")
 
 
 def test_the_bound_rejects_wrong_answers():
     named, (lhs64, rhs64), sizes, _ = operands("ragged_with_empty", seed=3)
     ref, abs_dot = reference(lhs64, rhs64, sizes, len(sizes))
     wrong_group = dict(named, rhs_scale=jnp.roll(named["rhs_scale"], 1, axis=0))  # each group the previous one's
+    # Expert 4 owns rows [701, 1801): its groups start at 701, 829, 957, ...
     dropped_group = ref.copy()
-    dropped_group[4] -= lhs64[1701:1829].T @ rhs64[1701:1829]  # expert 4's second group
+    dropped_group[4] -= lhs64[829:957].T @ rhs64[829:957]  # expert 4's second group
     other_expert = ref.copy()
-    other_expert[1] = lhs64[801:1901].T @ rhs64[801:1901]  # expert 4's rows for expert 1
+    other_expert[1] = lhs64[701:1801].T @ rhs64[701:1801]  # expert 4's rows for expert 1
     for wrong in (emulated_plan(wrong_group, len(sizes)), dropped_group, other_expert):
         with pytest.raises(AssertionError):
-            check_against(jnp.asarray(wrong, F32), ref, abs_dot, sizes)
+            check_against(jnp.asarray(wrong, F32), ref, abs_dot, sizes, lhs64.shape[0])
 
 
 def test_block_scaled_contractions_are_refused_by_name():
@@ -278,7 +280,7 @@ def test_fp8_contraction_matches_float64_and_the_plan(hopper, name):
         filled = {"out": jnp.full((len(sizes), request.a, request.b), jnp.nan, out_dtype)}
         results = [jax.jit(lambda o: run(**o, filled=filled))(named)["out"] for _ in range(3)]
     ref, abs_dot = reference(lhs64, rhs64, sizes, len(sizes))
-    check_against(results[0], ref, abs_dot, sizes)
-    check_against(results[0], emulated_plan(named, len(sizes)), abs_dot, sizes, "the emulated plan")
+    check_against(results[0], ref, abs_dot, sizes, lhs64.shape[0])
+    check_against(results[0], emulated_plan(named, len(sizes)), abs_dot, sizes, lhs64.shape[0], "the emulated plan")
     for again in results[1:]:
         assert np.array_equal(np.asarray(results[0]), np.asarray(again))

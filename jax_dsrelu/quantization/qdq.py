@@ -1,16 +1,17 @@
 """What the XLA path of a recipe reads quantized and dequantized, and a weight's blocks.
 
     along_expert_rows(a, sizes) activations (rows, n) whose K is the rows of each expert
-                                (the weight gradients): the activation blocks along the
+                                (the weight gradients'): the activation blocks along the
                                 rows, restarting at each expert (`quantization.ragged`),
-                                dequantized to float32 for the XLA contraction
+                                dequantized to float32, as the block-scaled contraction's
+                                XLA reference reads them
     square_blocks(w, recipe)    w, once the recipe's weight blocks are known to be square:
                                 blocks that start at 0 on both axes are the same blocks
                                 read either way, so one quantization of a weight serves a
                                 GEMM that reads w and one that reads it transposed
 
-The other GEMMs take their operands quantized (values and scales) and dequantize them in
-their XLA references (`jax_dsrelu.ops.quantized_expert_mlp`).
+The GEMMs of `jax_dsrelu.ops.quantized_expert_mlp` take their operands quantized (values
+and scales) and dequantize them in their XLA references.
 """
 
 from __future__ import annotations

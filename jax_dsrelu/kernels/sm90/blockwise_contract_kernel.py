@@ -80,6 +80,26 @@ class BlockScaledContractSm90(RaggedContractSm90):
         return dict(group_sizes=t.padded_sizes, num_rows=cute.size(t.lhs_k_major, mode=[1]),
                     lhs_scale=t.lhs_scale, rhs_scale=t.rhs_scale)
 
+    # The copies are read as they are: every expert's rows are whole groups of 128 there, so
+    # no TMA box needs clipping at an expert's end, and the 16-bit kernel's ragged view,
+    # whose extra strides along a contiguous mode are not multiples of 16 bytes, cannot
+    # describe them to TMA.
+
+    def a_view(self, tensor: cute.Tensor) -> cute.Tensor:
+        return tensor
+
+    def b_view(self, tensor: cute.Tensor) -> cute.Tensor:
+        return tensor
+
+    def a_tiles(self, mA: cute.Tensor, tile, params) -> cute.Tensor:
+        """(tile_m, tile_k, k-tiles) of the a-block, from the expert's first padded row."""
+        return cute.local_tile(cute.domain_offset((0, tile.first_row), mA), (self.tile_m, self.tile_k),
+                               (tile.m_tile, None))
+
+    def b_tiles(self, mB: cute.Tensor, tile, params) -> cute.Tensor:
+        return cute.local_tile(cute.domain_offset((0, tile.first_row), mB), (self.tile_n, self.tile_k),
+                               (tile.n_tile, None))
+
     def mainloop(self, ctx, item, tile, read_state, release_state):
         """The promoted mainloop with this thread's two rows of the a-block and its
         columns of the b-block (a row or column past a or b reads row 0's scales: its

@@ -8,8 +8,10 @@ kernels declare for their buffers (`jax_dsrelu.kernels.request` documents each c
     RaggedMatmulRequest, epilogue "srelu": (lhs=, rhs=, group_sizes=, prob=, [bias=]) -> {h, act}
     RaggedMatmulRequest, block_scaled:     the same, with lhs_scale= and rhs_scale= (FP8)
     RaggedContractRequest:                 (lhs=, rhs=, group_sizes=) -> {out}
+    RaggedContractRequest, block_scaled:   the same, with lhs_scale= and rhs_scale= (FP8), the
+                                           kernel reading K-major copies (`contract_layout.py`)
 
-Both also take `lhs_index=` (m,) int32, and the contraction `rhs_index=`: that operand is
+Both (16-bit) also take `lhs_index=` (m,) int32, and the contraction `rhs_index=`: that operand is
 then a source (T, ...) whose rows source[index] the kernel reads itself
 (`gathered_kernels.py`, alone rather than in cluster pairs), with no (m, ...) copy of
 them. Given both indices, the contraction reads lhs through its index and rhs's rows are
