@@ -101,8 +101,7 @@ for kernel in gemm contract; do
 done
 
 if selected sanitize; then
-  # Boundary cases of every kernel, under memcheck and racecheck: negative sizes, one row,
-  # sums past m, an expert of exactly one tile, alone and in cluster pairs; many experts.
+  # Every kernel's boundary cases under memcheck and racecheck (sizes < 0, one row, past m, one tile, pairs, many E).
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   for check in \
       "memcheck|tests/test_sm90_gemms.py|(contraction_matches and bfloat16 and (many_experts or experts_512)) or (each_contraction_config and a_fastest)" \
@@ -113,12 +112,13 @@ if selected sanitize; then
       "racecheck|tests/test_sm90.py|(test_matches_float64_contract and bf16 and one_row) or (clusters_of_each_size and one_row and 2)" \
       "memcheck|tests/test_sm90_gathered.py|not nano_widths and (gathered_matmul or gathered_dsrelu or (gathered_contraction and f32) or (gather_sum_is and bf16))" \
       "racecheck|tests/test_sm90_gathered.py|(one_token or ragged_with_empty) and (up_srelu_bias or (gathered_dsrelu and True) or (gathered_contraction and f32 and both)) or (gather_sum_is and bf16)" \
-      "memcheck|tests/test_sm90_fp8.py|past_m or fewer_rows or narrow_n or short_of_m" \
-      "racecheck|tests/test_sm90_fp8.py|past_m-srelu or fewer_rows"; do
+      "memcheck|tests/test_sm90_fp8.py tests/test_sm90_fp8_contract.py|past_m or fewer_rows or narrow_n or short_of_m" \
+      "racecheck|tests/test_sm90_fp8.py tests/test_sm90_fp8_contract.py|past_m-srelu or fewer_rows"; do
     IFS="|" read -r tool file selection <<<"$check"
     [[ $file =~ ${SANITIZE_FILES:-.} ]] || continue
-    timeout 120 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -rs \
-      -p no:cacheprovider -m gpu "$file" -k "$selection" 2>&1 | tail -6 | tee -a "$log"
+    # $file: one test file or several, space-separated.
+    timeout 180 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -rs \
+      -p no:cacheprovider -m gpu $file -k "$selection" 2>&1 | tail -6 | tee -a "$log"
     echo "$tool $file exit $?" | tee -a "$log"
   done
 fi
