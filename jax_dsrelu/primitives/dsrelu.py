@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from jax_dsrelu.kernels import request as request_facts
+from jax_dsrelu.primitives import validation
 from jax_dsrelu.primitives.base import GroupedPrimitive
 from jax_dsrelu.primitives.reference import grouped_gemm_dsrelu_reference
 from jax_dsrelu.primitives.schema import GROUPED_GEMM_DSRELU
@@ -61,13 +62,9 @@ def bind(
     """Operands by schema name (grad_scale and weight_scale None unless MXFP8,
     grad_block_scale and weight_block_scale None unless FP8_BLOCKWISE; grad_index None
     unless grad is read through it)."""
-    for grad_side, weight_side in (("grad_scale", "weight_scale"), ("grad_block_scale", "weight_block_scale")):
-        if (operands.get(grad_side) is None) != (operands.get(weight_side) is None):
-            raise ValueError(f"{grad_side} and {weight_side} come together or not at all, got "
-                             f"{grad_side} {'None' if operands.get(grad_side) is None else 'given'} and "
-                             f"{weight_side} {'None' if operands.get(weight_side) is None else 'given'}")
-    block_scaled = operands.get("grad_scale") is not None
-    blockwise_scaled = operands.get("grad_block_scale") is not None
+    block_scaled, blockwise_scaled = (
+        validation.together(grad_side, operands.get(grad_side), weight_side, operands.get(weight_side))
+        for grad_side, weight_side in (("grad_scale", "weight_scale"), ("grad_block_scale", "weight_block_scale")))
     gathered = operands.get("grad_index") is not None
     if (block_scaled or blockwise_scaled) and gathered:
         raise NotImplementedError(

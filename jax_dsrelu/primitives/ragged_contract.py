@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from jax_dsrelu.primitives import reference
+from jax_dsrelu.primitives import reference, validation
 from jax_dsrelu.primitives.base import GroupedPrimitive
 from jax_dsrelu.kernels.request import RaggedContractRequest
 from jax_dsrelu.primitives.schema import RAGGED_CONTRACT
@@ -55,12 +55,7 @@ ragged_contract_primitive = GroupedPrimitive(RAGGED_CONTRACT, reference.ragged_c
 
 def _check_block_scaled(lhs, rhs, group_sizes, lhs_scale, rhs_scale, lhs_index, rhs_index) -> bool:
     """Whether the operands are block-scaled (both scales given, or neither), checked."""
-    if (lhs_scale is None) != (rhs_scale is None):
-        raise ValueError(
-            f"lhs_scale and rhs_scale come together (block-scaled operands) or not at all, got "
-            f"lhs_scale {'None' if lhs_scale is None else 'given'} and rhs_scale {'None' if rhs_scale is None else 'given'}"
-        )
-    if lhs_scale is None:
+    if not validation.together("lhs_scale", lhs_scale, "rhs_scale", rhs_scale):
         return False
     if lhs_index is not None or rhs_index is not None:
         raise ValueError("block-scaled operands are read in row order: lhs_index and rhs_index must be None with scales")

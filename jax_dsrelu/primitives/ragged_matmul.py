@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dsrelu.primitives import reference
+from jax_dsrelu.primitives import reference, validation
 from jax_dsrelu.primitives.base import GroupedPrimitive
 from jax_dsrelu.kernels.request import RaggedMatmulRequest
 from jax_dsrelu.primitives.schema import RAGGED_MATMUL, RAGGED_MATMUL_SRELU
@@ -76,12 +76,7 @@ def _check_layout(rhs_layout: str) -> None:
 
 def _block_scaled(lhs_scale, rhs_scale, rhs_layout: str, lhs_index) -> bool:
     """Whether the call's operands are block-scaled: both scales given, or neither."""
-    if (lhs_scale is None) != (rhs_scale is None):
-        raise ValueError(
-            f"lhs_scale and rhs_scale come together (block-scaled operands) or not at all, got "
-            f"lhs_scale {'None' if lhs_scale is None else 'given'} and rhs_scale {'None' if rhs_scale is None else 'given'}"
-        )
-    if lhs_scale is None:
+    if not validation.together("lhs_scale", lhs_scale, "rhs_scale", rhs_scale):
         return False
     if rhs_layout != "nk":
         raise ValueError(f"block-scaled operands need rhs stored (E, n, k), rhs_layout 'nk', got {rhs_layout!r}")

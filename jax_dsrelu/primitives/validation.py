@@ -55,6 +55,16 @@ def _is_complex(dtype: Any) -> bool:
         return False
 
 
+def together(first: str, first_value: Any, second: str, second_value: Any) -> bool:
+    """Whether both of two operands that come together (a pair of scales) are given; a
+    ValueError naming them when only one is."""
+    if (first_value is None) != (second_value is None):
+        state = lambda value: "None" if value is None else "given"  # noqa: E731
+        raise ValueError(f"{first} and {second} come together or not at all, got {first} {state(first_value)} "
+                         f"and {second} {state(second_value)}")
+    return first_value is not None
+
+
 def require_bool(name: str, value: Any) -> None:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a Python bool, got {value!r} ({type(value).__name__})")

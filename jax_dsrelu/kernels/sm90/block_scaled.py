@@ -24,6 +24,16 @@ from jax_dsrelu.kernels.sm90.config import BLOCK
 _F32 = np.dtype(np.float32)
 
 
+def check_block_scaled(kernel: str, config, request, scaled_flag: str) -> None:
+    """What every FP8_BLOCKWISE kernel asks: a request whose `scaled_flag` is set, k-tiles
+    of one scale block along K and N tiles of at most one."""
+    if not getattr(request, scaled_flag):
+        raise ValueError(f"{kernel} serves requests with {scaled_flag}=True, got False")
+    if config.tile_k != BLOCK or config.tile_n > BLOCK:
+        raise ValueError(f"{kernel} needs tile_k={BLOCK} and tile_n <= {BLOCK} (one scale block per k-tile), "
+                         f"got tile_k={config.tile_k}, tile_n={config.tile_n}")
+
+
 class BlockScaledMainloop:
     """Mixin (before the 16-bit kernel class): the scale operands, after `scales_after`
     in the declaration, and the promoted mainloop."""
@@ -34,11 +44,7 @@ class BlockScaledMainloop:
     scales_after = "group_sizes"
 
     def __init__(self, config, request):
-        if not getattr(request, self.scaled_flag):
-            raise ValueError(f"{type(self).__name__} serves requests with {self.scaled_flag}=True, got False")
-        if config.tile_k != BLOCK or config.tile_n > BLOCK:
-            raise ValueError(f"{type(self).__name__} needs tile_k={BLOCK} and tile_n <= {BLOCK} (one scale per "
-                             f"k-tile), got tile_k={config.tile_k}, tile_n={config.tile_n}")
+        check_block_scaled(type(self).__name__, config, request, self.scaled_flag)
         super().__init__(config, request)
 
     def operands(self) -> list[KernelOperand]:

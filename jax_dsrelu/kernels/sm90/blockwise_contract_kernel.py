@@ -36,6 +36,7 @@ from cutlass import Float32, Int32
 from jax_dsrelu.kernels.operands import M, KernelOperand, Rows
 from jax_dsrelu.kernels.request import RaggedContractRequest
 from jax_dsrelu.kernels.sm90 import promoted_mainloop
+from jax_dsrelu.kernels.sm90.block_scaled import check_block_scaled
 from jax_dsrelu.kernels.sm90.config import BLOCK, ContractConfig
 from jax_dsrelu.kernels.sm90.ragged_contract_kernel import RaggedContractSm90
 
@@ -51,11 +52,8 @@ class BlockScaledContractSm90(RaggedContractSm90):
     operand_b = "rhs_k_major"
 
     def __init__(self, config: ContractConfig, request: RaggedContractRequest):
-        if not request.block_scaled:
-            raise ValueError(f"{type(self).__name__} serves requests with block_scaled=True, got False")
-        if config.tile_k != BLOCK or config.tile_n > BLOCK:
-            raise ValueError(f"{type(self).__name__} needs tile_k={BLOCK} (one group of rows per k-tile) and "
-                             f"tile_n <= {BLOCK}, got tile_k={config.tile_k}, tile_n={config.tile_n}")
+        # A k-tile is one group of rows; a thread holds a scale per column of its tile.
+        check_block_scaled(type(self).__name__, config, request, "block_scaled")
         super().__init__(config, request)
 
     def operands(self) -> list[KernelOperand]:

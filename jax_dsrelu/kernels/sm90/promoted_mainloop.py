@@ -125,28 +125,36 @@ def mma_k_tiles_promoted(
 ):
     """acc = sum over the tile's k-tiles of (A B^T over the k-tile) times its scales
     (acc = 0 for none). Returns (read_state, release_state), each advanced k_tiles times.
-    Written out rather than with `_issue_block` and `_promote`: their order of the state
-    advances gives other PTX than the code that passed its GPU tier (tests/ptx_digests.json)."""
-    k_blocks = cute.size(tCrA, mode=[2])
+    Not with `_issue_block` and `_promote`: their order of the state advances gives other
+    PTX than the code that passed its GPU tier (tests/ptx_digests.json)."""
     acc.fill(0.0)
     for k_tile in range(k_tiles):
         row_scales = [Float32(lhs_scale[row, k_tile]) for row in rows]
         block_scale = Float32(rhs_scale[expert, n_block, k_tile])
-        ab_pipeline.consumer_wait(read_state)
-        # Orders the previous promotion's reads of acc_block before wgmma writes it again.
-        warpgroup.fence()
-        for k_block in cutlass.range_constexpr(k_blocks):
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, k_block != 0)
-            coord = (None, None, k_block, read_state.index)
-            cute.gemm(tiled_mma, acc_block, tCrA[coord], tCrB[coord], acc_block)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        ab_pipeline.consumer_release(release_state)
-        release_state.advance()
-        read_state.advance()
+        read_state, release_state = _landed_block(tiled_mma, acc_block, tCrA, tCrB, ab_pipeline, read_state,
+                                                  release_state)
         scales = [scale * block_scale for scale in row_scales]
         for v in cutlass.range_constexpr(cute.size(acc)):
             acc[v] = acc[v] + acc_block[v] * scales[fragment.row_half(v)]
+    return read_state, release_state
+
+
+@cute.jit
+def _landed_block(tiled_mma, acc_block, tCrA, tCrB, ab_pipeline, read_state, release_state):
+    """The next k-tile's wgmma batch into a fresh `acc_block`, waited for, its stage
+    released: one batch in flight, then the states advanced (release first)."""
+    ab_pipeline.consumer_wait(read_state)
+    # Orders the previous promotion's reads of acc_block before wgmma writes it again.
+    warpgroup.fence()
+    for k_block in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, k_block != 0)
+        coord = (None, None, k_block, read_state.index)
+        cute.gemm(tiled_mma, acc_block, tCrA[coord], tCrB[coord], acc_block)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+    ab_pipeline.consumer_release(release_state)
+    release_state.advance()
+    read_state.advance()
     return read_state, release_state
 
 
@@ -171,24 +179,13 @@ def mma_k_tiles_promoted_by_column(
     columns) in each K block, as the weight gradients' operands are scaled along their
     K, the tokens: acc[r, c] += acc_block[r, c] * (lhs_scale[b, row r] * rhs_scale[b,
     column c]). The scales of a k-tile are loaded before its stage is waited for."""
-    k_blocks = cute.size(tCrA, mode=[2])
     acc.fill(0.0)
     for k_tile in range(k_tiles):
         block = first_block + k_tile
         row_scales = [Float32(lhs_scale[block, row]) for row in rows]
         column_scales = [Float32(rhs_scale[block, column]) for column in columns]
-        ab_pipeline.consumer_wait(read_state)
-        # Orders the previous promotion's reads of acc_block before wgmma writes it again.
-        warpgroup.fence()
-        for k_block in cutlass.range_constexpr(k_blocks):
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, k_block != 0)
-            coord = (None, None, k_block, read_state.index)
-            cute.gemm(tiled_mma, acc_block, tCrA[coord], tCrB[coord], acc_block)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        ab_pipeline.consumer_release(release_state)
-        release_state.advance()
-        read_state.advance()
+        read_state, release_state = _landed_block(tiled_mma, acc_block, tCrA, tCrB, ab_pipeline, read_state,
+                                                  release_state)
         for v in cutlass.range_constexpr(cute.size(acc)):
             scale = row_scales[fragment.row_half(v)] * column_scales[fragment.column_slot(v)]
             acc[v] = acc[v] + acc_block[v] * scale
