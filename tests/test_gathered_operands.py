@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 import jax_dsrelu
 from jax_dsrelu.kernels import registry
 from jax_dsrelu.kernels.request import RaggedContractRequest, RaggedMatmulRequest, Request
-from jax_dsrelu.primitives import dsrelu, schema
+from jax_dsrelu import primitive_schema as schema
+from jax_dsrelu.primitives import dsrelu
 from jax_dsrelu.primitives.ragged_contract import ragged_contract
 from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
 

@@ -31,7 +31,8 @@ from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
 from jax_dsrelu.kernels.sm90 import dsrelu_call, gather_sum_call, ragged_call  # noqa: E402
 from jax_dsrelu.kernels.sm90.arch import sm_count  # noqa: E402
 from jax_dsrelu.kernels.sm90.dsrelu_kernel import GroupedGemmDsreluSm90  # noqa: E402
-from jax_dsrelu.primitives import dsrelu, schema  # noqa: E402
+from jax_dsrelu import primitive_schema as schema  # noqa: E402
+from jax_dsrelu.primitives import dsrelu  # noqa: E402
 from jax_dsrelu.primitives.gather_sum import gather_sum  # noqa: E402
 from jax_dsrelu.primitives.ragged_contract import ragged_contract  # noqa: E402
 from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_dsrelu.primitives import schema
+from jax_dsrelu import primitive_schema as schema
 
 
 def test_optional_results_and_operands_follow_their_flags():

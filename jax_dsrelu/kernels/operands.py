@@ -113,7 +113,7 @@ class KernelOperand:
         return last if self.mode is None else self.mode.index(last)
 
 
-# The schema's letters that vary from call to call (`jax_dsrelu.primitives.schema`), as
+# The schema's letters that vary from call to call (`jax_dsrelu.primitive_schema`), as
 # kernel extents.
 _VARYING_LETTERS = {ROWS: M, SOURCE_ROWS: T, OTHER_SOURCE_ROWS: U}
 
@@ -121,7 +121,7 @@ _VARYING_LETTERS = {ROWS: M, SOURCE_ROWS: T, OTHER_SOURCE_ROWS: U}
 @dataclasses.dataclass(frozen=True)
 class Declaration:
     """A primitive's buffers as one kernel stores them, each made from the primitive's
-    schema: `schema` (a `jax_dsrelu.primitives.schema.Schema`), the call's static
+    schema: `schema` (a `jax_dsrelu.primitive_schema.Schema`), the call's static
     `params` (which buffers are present, a layout parameter, which operands are read
     through a row index) and the kernel's static `sizes` of the schema's other letters.
 

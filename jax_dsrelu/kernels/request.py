@@ -137,7 +137,7 @@ class KernelBackend(Protocol):
 
     def implementation(self, request: AnyRequest) -> Callable[..., Mapping[str, jax.Array]]:
         """A function of the primitive's operands by keyword, named as the primitive's
-        schema names them (`jax_dsrelu.primitives.schema`), returning its results by those
+        schema names them (`jax_dsrelu.primitive_schema`), returning its results by those
         names, for lowering; it takes the row index of each operand named by
         `gathers_rows` (`lhs_index=...`), where a call gives one. Other names among its
         results (workspaces) are ignored."""

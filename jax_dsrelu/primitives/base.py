@@ -46,7 +46,7 @@ from jax.interpreters import batching, mlir
 from jax_dsrelu import jax_internals
 from jax_dsrelu.kernels import registry
 from jax_dsrelu.primitives import sharding
-from jax_dsrelu.primitives.schema import GROUP_SIZES, Schema
+from jax_dsrelu.primitive_schema import GROUP_SIZES, Schema
 
 # (operand avals by the schema's names, absent ones None; static params) -> the request.
 RequestBuilder = Callable[[Mapping[str, Any], Mapping[str, Any]], Any]

@@ -26,7 +26,7 @@ from jax_dsrelu.kernels import request as request_facts
 from jax_dsrelu.primitives import validation
 from jax_dsrelu.primitives.base import GroupedPrimitive
 from jax_dsrelu.primitives.reference import grouped_gemm_dsrelu_reference
-from jax_dsrelu.primitives.schema import GROUPED_GEMM_DSRELU
+from jax_dsrelu.primitive_schema import GROUPED_GEMM_DSRELU
 
 
 def _reference(*, with_dbias, with_act, out_dtype, deterministic, block_scaled, blockwise_scaled, **operands):

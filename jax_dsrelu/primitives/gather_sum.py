@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax_dsrelu.kernels.request import GatherSumRequest, gather_sum_request
 from jax_dsrelu.primitives import reference
 from jax_dsrelu.primitives.base import GroupedPrimitive
-from jax_dsrelu.primitives.schema import GATHER_SUM
+from jax_dsrelu.primitive_schema import GATHER_SUM
 
 
 def _request(named: Mapping[str, Any], params: Mapping[str, Any]) -> GatherSumRequest:

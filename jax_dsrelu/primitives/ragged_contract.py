@@ -30,7 +30,7 @@ import numpy as np
 from jax_dsrelu.primitives import reference, validation
 from jax_dsrelu.primitives.base import GroupedPrimitive
 from jax_dsrelu.kernels.request import RaggedContractRequest
-from jax_dsrelu.primitives.schema import RAGGED_CONTRACT
+from jax_dsrelu.primitive_schema import RAGGED_CONTRACT
 from jax_dsrelu.quantization import ragged
 from jax_dsrelu.quantization.schema import FP8_BLOCKWISE
 

@@ -38,7 +38,7 @@ import numpy as np
 from jax_dsrelu.primitives import reference, validation
 from jax_dsrelu.primitives.base import GroupedPrimitive
 from jax_dsrelu.kernels.request import RaggedMatmulRequest
-from jax_dsrelu.primitives.schema import RAGGED_MATMUL, RAGGED_MATMUL_SRELU
+from jax_dsrelu.primitive_schema import RAGGED_MATMUL, RAGGED_MATMUL_SRELU
 
 RHS_LAYOUTS = ("kn", "nk")
 

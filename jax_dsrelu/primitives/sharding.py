@@ -1,6 +1,6 @@
 """How the library's primitives partition under `jax.jit` with sharded operands.
 
-Each primitive's `jax_dsrelu.primitives.schema.Schema` names the dimensions of its operands and
+Each primitive's `jax_dsrelu.primitive_schema.Schema` names the dimensions of its operands and
 results; the rules below read nothing else, so every primitive partitions the same way:
 
 - rows (m) sharded over any mesh axes (data parallel): each device runs its rows with
@@ -44,7 +44,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jax_dsrelu import groups
-from jax_dsrelu.primitives.schema import GROUP_SIZES, ROWS, Schema
+from jax_dsrelu.primitive_schema import GROUP_SIZES, ROWS, Schema
 
 # (operand avals, static params) -> the function computing the results on one device.
 LocalImplementation = Callable[[Sequence[Any], Mapping[str, Any]], Callable[..., Sequence[jax.Array]]]

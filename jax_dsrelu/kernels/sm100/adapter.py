@@ -56,7 +56,7 @@ from jax_dsrelu.kernels.request import Request
 from jax_dsrelu.kernels.slot_reduction import SlotReduction
 from jax_dsrelu.kernels.sm100 import slots
 from jax_dsrelu.kernels.sm100.config import Sm100Config
-from jax_dsrelu.primitives.schema import GROUPED_GEMM_DSRELU
+from jax_dsrelu.primitive_schema import GROUPED_GEMM_DSRELU
 
 _F32, _I32, _BF16 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(jnp.bfloat16)
 _SCALE = np.dtype(jnp.float8_e8m0fnu)

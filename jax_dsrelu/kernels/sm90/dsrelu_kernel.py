@@ -58,7 +58,7 @@ from jax_dsrelu.kernels.sm90 import fragment
 from jax_dsrelu.kernels.sm90.barriers import NamedBarrier
 from jax_dsrelu.kernels.sm90.config import TileConfig
 from jax_dsrelu.kernels.sm90.ragged_m import RaggedMGemmSm90
-from jax_dsrelu.primitives.schema import GROUPED_GEMM_DSRELU
+from jax_dsrelu.primitive_schema import GROUPED_GEMM_DSRELU
 
 _ABS_MASK = 0x7FFFFFFF
 _F32 = np.dtype(np.float32)

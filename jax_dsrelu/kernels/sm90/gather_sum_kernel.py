@@ -35,7 +35,7 @@ from cutlass import Float32, Int32
 
 from jax_dsrelu.kernels.operands import KernelOperand, declaration
 from jax_dsrelu.kernels.request import GatherSumRequest
-from jax_dsrelu.primitives.schema import GATHER_SUM
+from jax_dsrelu.primitive_schema import GATHER_SUM
 from jax_dsrelu.kernels.sm90.gather_sum_config import THREADS, VECTOR_BYTES, token_lanes, vector_elements
 
 _I32 = np.dtype(np.int32)

@@ -192,7 +192,7 @@ class GemmSm90:
 
     @property
     def primitive_schema(self):
-        """The schema (`jax_dsrelu.primitives.schema`) of the primitive the kernel serves."""
+        """The schema (`jax_dsrelu.primitive_schema`) of the primitive the kernel serves."""
         raise NotImplementedError(f"{type(self).__name__} names no primitive schema")
 
     def schema_sizes(self) -> dict[str, int]:

@@ -53,7 +53,7 @@ from jax_dsrelu.kernels.sm90 import mainloop, schedule
 from jax_dsrelu.kernels.sm90.config import ContractConfig
 from jax_dsrelu.kernels.sm90.epilogue_context import EpilogueContext
 from jax_dsrelu.kernels.sm90.gemm_base import GemmSm90
-from jax_dsrelu.primitives.schema import RAGGED_CONTRACT
+from jax_dsrelu.primitive_schema import RAGGED_CONTRACT
 
 _I32 = np.dtype(np.int32)
 

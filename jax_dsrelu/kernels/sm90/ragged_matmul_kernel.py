@@ -44,7 +44,7 @@ from jax_dsrelu.kernels.sm90 import fragment
 from jax_dsrelu.kernels.sm90.config import GemmConfig
 from jax_dsrelu.kernels.sm90.epilogue_context import EpilogueContext
 from jax_dsrelu.kernels.sm90.ragged_m import RaggedMGemmSm90
-from jax_dsrelu.primitives.schema import RAGGED_MATMUL, RAGGED_MATMUL_SRELU
+from jax_dsrelu.primitive_schema import RAGGED_MATMUL, RAGGED_MATMUL_SRELU
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
