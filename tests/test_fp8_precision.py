@@ -577,24 +577,31 @@ def test_a_precision_step_with_the_expert_width_split_over_devices_is_the_one_de
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_moe_layer_takes_quantized_weights_made_once():
-    tokens, d, f, num_experts = 96, 160, 200, 4
-    keys = jax.random.split(jax.random.key(7), 5)
+def bfloat16_layer(tokens, num_experts, seed, d=160, f=200):
+    """(x, router, w1, w2, dy) of a bfloat16 layer whose widths have partial 128-blocks."""
+    keys = jax.random.split(jax.random.key(seed), 5)
     x = jax.random.normal(keys[0], (tokens, d), jnp.bfloat16)
     router = jax.random.normal(keys[1], (d, num_experts), jnp.float32)
     w1 = (jax.random.normal(keys[2], (num_experts, d, f)) / d**0.5).astype(jnp.bfloat16)
     w2 = (jax.random.normal(keys[3], (num_experts, f, d)) / f**0.5).astype(jnp.bfloat16)
-    dy = jax.random.normal(keys[4], (tokens, d), jnp.float32)
+    return x, router, w1, w2, jax.random.normal(keys[4], (tokens, d), jnp.float32)
+
+
+def assert_same_bits(a, b):
+    for left, right in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(left), np.asarray(right))
+
+
+def test_moe_layer_takes_quantized_weights_made_once():
+    x, router, w1, w2, dy = bfloat16_layer(96, 4, seed=7)
 
     def loss(x, router, w1, w2, quantized):
         out = jax_dsrelu.moe_layer(x, router, w1, w2, top_k=2, precision=RECIPE, quantized_weights=quantized)
         return jnp.sum(out.astype(jnp.float32) * dy)
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
-    without = step(x, router, w1, w2, None)
-    reused = step(x, router, w1, w2, jax_dsrelu.quantize_expert_weights(w1, w2, RECIPE))
-    for a, b in zip(jax.tree.leaves(without), jax.tree.leaves(reused)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_same_bits(step(x, router, w1, w2, None),
+                     step(x, router, w1, w2, jax_dsrelu.quantize_expert_weights(w1, w2, RECIPE)))
     with pytest.raises(ValueError, match="quantized_weights needs precision="):
         jax_dsrelu.moe_layer(x, router, w1, w2, quantized_weights=jax_dsrelu.quantize_expert_weights(w1, w2, RECIPE))
 
@@ -604,13 +611,7 @@ def test_the_expert_parallel_layer_takes_quantized_weights_made_once():
     # scales, with the bits and gradients of quantizing in the step.
     from jax.sharding import AxisType
 
-    tokens, d, f, num_experts = 64, 160, 200, 8
-    keys = jax.random.split(jax.random.key(9), 5)
-    x = jax.random.normal(keys[0], (tokens, d), jnp.bfloat16)
-    router = jax.random.normal(keys[1], (d, num_experts), jnp.float32)
-    w1 = (jax.random.normal(keys[2], (num_experts, d, f)) / d**0.5).astype(jnp.bfloat16)
-    w2 = (jax.random.normal(keys[3], (num_experts, f, d)) / f**0.5).astype(jnp.bfloat16)
-    dy = jax.random.normal(keys[4], (tokens, d), jnp.float32)
+    x, router, w1, w2, dy = bfloat16_layer(64, 8, seed=9)
     mesh = jax.make_mesh((4,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
 
     def loss(x, router, w1, w2, quantized):
@@ -620,9 +621,7 @@ def test_the_expert_parallel_layer_takes_quantized_weights_made_once():
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
     without = step(x, router, w1, w2, None)
-    reused = step(x, router, w1, w2, jax_dsrelu.quantize_expert_weights(w1, w2, RECIPE))
-    for a, b in zip(jax.tree.leaves(without), jax.tree.leaves(reused)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_same_bits(without, step(x, router, w1, w2, jax_dsrelu.quantize_expert_weights(w1, w2, RECIPE)))
     # They are read, not quantized again: another w1's give another output.
     other = step(x, router, w1, w2, jax_dsrelu.quantize_expert_weights(2 * w1, w2, RECIPE))
     assert not np.array_equal(np.asarray(other[0]), np.asarray(without[0]))
@@ -642,7 +641,6 @@ def test_the_flax_module_takes_its_weights_quantized_once():
     call = nnx.jit(lambda module, x, q: module(x, quantized_weights=q))
     np.testing.assert_array_equal(call(module, x, quantized), call(module, x, None))
     grad = nnx.jit(nnx.grad(lambda module, q: jnp.sum(module(x, quantized_weights=q).astype(jnp.float32) ** 2)))
-    for a, b in zip(jax.tree.leaves(grad(module, quantized)), jax.tree.leaves(grad(module, None))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_same_bits(grad(module, quantized), grad(module, None))
     with pytest.raises(ValueError, match="quantize_weights needs a module built with precision="):
         MoE(DM, FF, NE, top_k=TOP_K, rngs=nnx.Rngs(0)).quantize_weights()
