@@ -50,7 +50,7 @@ GRADIENTS = ("x", "w1", "w2", "prob", "b1")  # moe_mlp's differentiable operands
 TOLERANCE = 2e-2
 
 
-def make_operands(m, d, f, num_experts, seed, grouping="dirichlet") -> dict[str, jax.Array]:
+def make_operands(m, d, f, num_experts, seed, grouping="dirichlet", fp8=False) -> dict[str, jax.Array]:
     keys = iter(jax.random.split(jax.random.key(seed), 8))
     normal = lambda shape, scale=1.0: (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(BF16)  # noqa: E731
     operands = dict(
@@ -61,9 +61,9 @@ def make_operands(m, d, f, num_experts, seed, grouping="dirichlet") -> dict[str,
         cotangent=normal((m, d)), act=normal((m, f)), dh=normal((m, f)))
     # The dense MLP's own weights, so no slice copy is timed with it.
     operands.update({f"{name}_dense": jnp.array(operands[name][0]) for name in ("w1", "w2", "b1")})
-    # The dense FP8 GEMMs' (A, B) pairs, e4m3 and K-major as cuBLASLt's FP8 GEMM reads both.
+    # With fp8, the dense FP8 GEMMs' (A, B) pairs, e4m3 and K-major as cuBLASLt's FP8 GEMM reads both.
     x, act, dh, dy, w1, w2 = (operands[n] for n in ("x", "act", "dh", "cotangent", "w1_dense", "w2_dense"))
-    pairs = ((x, w1.T), (act, w2.T), (dy, w2), (dh, w1), (x.T, dh.T), (act.T, dy.T))
+    pairs = ((x, w1.T), (act, w2.T), (dy, w2), (dh, w1), (x.T, dh.T), (act.T, dy.T)) if fp8 else ()
     operands.update({f"fp8_{i}{side}": t.astype(E4M3) for i, pair in enumerate(pairs) for side, t in zip("ab", pair)})
     return dict(operands, one=jnp.ones((), jnp.float32))
 
@@ -194,7 +194,7 @@ def main(argv=None):
         """Fills `row` with every mode's variants, saving after each, and the step's rooflines."""
         if not copy:  # once per run, beside the kernels it is the ceiling of
             copy.update(roofline.copy_rate(clock, options.reps, 1 << 20 if options.cpu else roofline.COPY_BYTES))
-        (m, d, f, _), operands = shape, make_operands(*shape, options.seed, grouping)
+        (m, d, f, _), operands = shape, make_operands(*shape, options.seed, grouping, "cublas_fp8" in options.variants)
         row.update(group_sizes=np.asarray(operands["group_sizes"]).tolist(), modes={})
         owned = int(np.sum(row["group_sizes"]))  # m, but where token rounding cut rows
         for mode in options.modes:
