@@ -52,7 +52,7 @@ def dots(fn, *args) -> list[tuple[tuple[str, ...], str]]:
 
 @pytest.mark.parametrize("variant", bench_layer.BASELINES)
 def test_the_layer_baselines_run_six_bf16_gemms_in_the_step(variant):
-    operands = bench_layer.make_operands(*SHAPE, seed=0)
+    operands = bench_layer.make_operands(*SHAPE, seed=0, fp8=variant == "cublas_fp8")
     for mode, count in (("step", 6), ("forward", 2)):
         fn, names = bench_layer.computation(variant, mode)
         assert dots(fn, *(operands[name] for name in names)) == [(("bfloat16", "bfloat16"), "bfloat16")] * count
