@@ -64,10 +64,10 @@ fi
 if selected lm; then
   for run in $(seq "${LM_RUNS:-2}"); do
     PYTHONPATH="$(carried lm_deps.tar.zst "import flax, optax")" timeout 300 python3 examples/train_lm.py \
-      --dtype bfloat16 --backend sm90 --d-model 512 --layers 4 --experts 8 --d-ff 1024 --seq-len 256 --batch 64 \
-      --steps ${LM_STEPS:-2000} --deterministic --plot "$OUT/train_lm_gpu.png" > "$OUT/train_lm_gpu_$run.log" 2>&1
+      --dtype bfloat16 --backend ${LM_BACKEND:-sm90} --d-model 512 --layers 4 --experts 8 --d-ff 1024 --seq-len 256 --batch 64 \
+      --steps ${LM_STEPS:-2000} --deterministic $LM_ARGS --plot "$OUT/train_lm_gpu$LM_LABEL.png" > "$OUT/train_lm_gpu${LM_LABEL}_$run.log" 2>&1
     echo "lm run $run exit $?" | tee -a "$log"
-    tail -12 "$OUT/train_lm_gpu_$run.log" | tee -a "$log"
+    tail -12 "$OUT/train_lm_gpu${LM_LABEL}_$run.log" | tee -a "$log"
   done
 fi
 

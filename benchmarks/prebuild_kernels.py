@@ -1,7 +1,6 @@
 """Compiles, on a machine without a GPU, every sm90 kernel the GPU runs need, into the disk cache named by
 JAX_DSRELU_KERNEL_CACHE that the GPU machine reads instead of compiling. Kernels the GPU tests and sweep_configs.py
-call directly are compiled by request; everything that goes through the library (the benchmarks, process_digests.py,
-the examples, the GPU tests' layers) is lowered for cuda at the shapes it runs (harness.lower_for_cuda).
+call directly are compiled by request; what goes through the library is lowered for cuda at its shapes (harness).
 
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/prebuild_kernels.py --jobs 2
 """
@@ -82,17 +81,18 @@ def lower_moe_block_tests():
 
 
 def lower_language_model():
-    """Lowers for cuda the gradients of the layer examples/train_lm.py's MoE module calls at its
-    GPU command's shapes (the module is a thin wrapper over moe_layer: the same static facts
-    give the same kernels, without needing Flax here)."""
+    """Lowers for cuda the gradients of moe_layer as examples/train_lm.py's MoE module (a thin wrapper,
+    so the same kernels without Flax) calls it at its GPU command's shapes, in bf16 and with --fp8."""
     s, f32, bf16, e = jax.ShapeDtypeStruct, jnp.float32, jnp.bfloat16, LM_EXPERTS
     shapes = (s((LM_TOKENS, LM_D_MODEL), f32), s((LM_D_MODEL, e), f32), s((e, LM_D_MODEL, LM_D_FF), bf16),
               s((e, LM_D_FF, LM_D_MODEL), bf16), s((e, LM_D_FF), f32))
-    for deterministic in (False, True):
-        loss = lambda x, router, w1, w2, b1, deterministic=deterministic: jnp.sum(jax_dsrelu.moe_layer(  # noqa: E731
-            x, router, w1, w2, b1=b1, top_k=TOP_K, deterministic=deterministic).astype(f32))
-        harness.lower_for_cuda(f"examples/train_lm.py layer deterministic={deterministic}",
-                               jax.grad(loss, argnums=tuple(range(5))), *shapes)
+    for deterministic, precision in itertools.product((False, True), (None, jax_dsrelu.quantization.FP8_BLOCKWISE)):
+        loss = lambda x, router, w1, w2, b1, deterministic=deterministic, precision=precision: jnp.sum(  # noqa: E731
+            jax_dsrelu.moe_layer(x, router, w1, w2, b1=b1, top_k=TOP_K, deterministic=deterministic,
+                                 precision=precision).astype(f32))
+        with sm90_backend.unverified_enabled("fp8"):  # --fp8 runs with JAX_DSRELU_SM90_UNVERIFIED=fp8 until verified
+            harness.lower_for_cuda(f"examples/train_lm.py layer deterministic={deterministic} precision={getattr(precision, "name", None)}",
+                                   jax.grad(loss, argnums=tuple(range(5))), *shapes)
 
 
 def _layer_tests():
