@@ -91,8 +91,8 @@ def lower_language_model():
             jax_dsrelu.moe_layer(x, router, w1, w2, b1=b1, top_k=TOP_K, deterministic=deterministic,
                                  precision=precision).astype(f32))
         with sm90_backend.unverified_enabled("fp8"):  # --fp8 runs with JAX_DSRELU_SM90_UNVERIFIED=fp8 until verified
-            harness.lower_for_cuda(f"examples/train_lm.py layer deterministic={deterministic} precision={getattr(precision, "name", None)}",
-                                   jax.grad(loss, argnums=tuple(range(5))), *shapes)
+            harness.lower_for_cuda(f"examples/train_lm.py layer deterministic={deterministic} precision="
+                                   f"{getattr(precision, 'name', None)}", jax.grad(loss, argnums=tuple(range(5))), *shapes)
 
 
 def _layer_tests():
