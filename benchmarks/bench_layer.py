@@ -207,8 +207,8 @@ def main(argv=None):
                 references.update({variant: outputs} if variant in REFERENCE.values() else {})
             del references
             row["modes"][mode] = dict(flops=flops, variants=results)
-            if mode == "step":
-                row["modes"][mode]["roofline"] = roofline.roofline(shape, owned, row["modes"][mode], copy)
+            row["modes"][mode].update({key: roofline.roofline(shape, owned, row["modes"][mode], copy, *of) for key, of in
+                                       roofline.STEPS.items() if mode == "step" and of[0] in options.variants})
             save()
 
     harness.run(options, measure_row, plot, "modes", benchmark="bench_layer",

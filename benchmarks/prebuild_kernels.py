@@ -87,9 +87,8 @@ def lower_language_model():
     shapes = (s((LM_TOKENS, LM_D_MODEL), f32), s((LM_D_MODEL, e), f32), s((e, LM_D_MODEL, LM_D_FF), bf16),
               s((e, LM_D_FF, LM_D_MODEL), bf16), s((e, LM_D_FF), f32))
     for deterministic, precision in itertools.product((False, True), (None, jax_dsrelu.quantization.FP8_BLOCKWISE)):
-        loss = lambda x, router, w1, w2, b1, deterministic=deterministic, precision=precision: jnp.sum(  # noqa: E731
-            jax_dsrelu.moe_layer(x, router, w1, w2, b1=b1, top_k=TOP_K, deterministic=deterministic,
-                                 precision=precision).astype(f32))
+        loss = lambda *operands, options=dict(deterministic=deterministic, precision=precision): jnp.sum(  # noqa: E731
+            jax_dsrelu.moe_layer(*operands[:4], b1=operands[4], top_k=TOP_K, **options).astype(f32))
         with sm90_backend.unverified_enabled("fp8"):  # --fp8 runs with JAX_DSRELU_SM90_UNVERIFIED=fp8 until verified
             harness.lower_for_cuda(f"examples/train_lm.py layer deterministic={deterministic} precision="
                                    f"{getattr(precision, 'name', None)}", jax.grad(loss, argnums=tuple(range(5))), *shapes)

@@ -249,3 +249,29 @@ def test_the_roofline_sets_each_kernel_against_the_runs_own_rates():
     with pytest.raises(ValueError, match="fourth"):
         roofline.gemm_of_launches(kernels + [["RaggedGemmSm90", 0.5]])
     assert "unavailable" in roofline.roofline(shape, m, dict(variants=dict(sm90=step["variants"]["sm90"])), copy)
+
+
+def test_the_fp8_roofline_counts_e4m3_operands_their_scales_and_the_quantizing():
+    import roofline
+
+    m, d, f, num_experts = shape = (1024, 256, 512, 8)
+    names = ["BlockScaledRaggedGemmSm90", "BlockScaledDsreluSm90", "BlockScaledRaggedGemmSm90", "BlockScaledRaggedGemmSm90",
+             "BlockScaledContractSm90", "BlockScaledContractSm90"]
+    step = dict(variants=dict(sm90_fp8=dict(ms=3.1, kernels=[[name, 0.5] for name in names]), cublas_fp8=dict(ms=0.6)))
+    copy = dict(tb_per_s=1.0)
+    result = roofline.roofline(shape, m, step, copy, "sm90_fp8", "cublas_fp8", 1)
+    down = result["kernels"][2]
+    # act e4m3 with a float32 scale per 128 of f, w2 e4m3 with one per 128 x 128, y bf16.
+    assert down["gemm"] == "down/dx"
+    assert np.isclose(down["bytes"], (1 + 4 / 128) * m * f + (1 + 4 / 128**2) * num_experts * d * f + 2 * m * d)
+    bf16 = roofline.step_bytes(m, d, f, num_experts)
+    assert bf16["quantize"] == 0 and down["bytes"] < bf16["down/dx"]
+    # The quantizing moves bytes only, and its floor is part of the step's; the FP8 rate sets the FLOPs' floor.
+    quantize = roofline.step_bytes(m, d, f, num_experts, 1)["quantize"]
+    assert np.isclose(result["step"]["quantize_roofline_ms"], 1e3 * quantize / 1e12)
+    floors = {k["gemm"]: k["roofline_ms"] for k in result["kernels"]}
+    assert np.isclose(result["step"]["roofline_ms"], floors["up"] + floors["dsrelu"] + 2 * floors["down/dx"]
+                      + 2 * floors["dw1/dw2"] + result["step"]["quantize_roofline_ms"])
+    assert np.isclose(result["dense_tflops"], 12 * m * d * f / 0.6e-3 / 1e12)
+    assert np.isclose(result["step"]["outside_gemms_ms"], 0.1)
+    assert "unavailable" in roofline.roofline(shape, m, step, copy)  # the bf16 variants were not timed
