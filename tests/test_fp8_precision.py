@@ -35,6 +35,7 @@ import jax_dsrelu
 from jax_dsrelu import MoEOptions
 from jax_dsrelu.kernels.registry import LayerBackends, layer_backends
 from jax_dsrelu.ops import quantized_expert_mlp as qmlp
+from jax_dsrelu.ops.expert_operands import Experts
 from jax_dsrelu.quantization import FP8_BLOCKWISE, MXFP8, ragged
 from test_quantization_blockwise import oracle_quantize
 from test_quantization_ragged import per_expert_loop
@@ -145,13 +146,13 @@ def run_stages(x, w1, w2, prob, b1, dy):
     """The path's stages, each under jit: the forward, the fused dsReLU step, the GEMMs
     that read its dh and act."""
     sizes = jnp.asarray(SIZES, jnp.int32)
-    forward = jax.jit(lambda *a: qmlp.forward(RECIPE, BACKENDS, *a))
-    y, h = forward(x, w1, w2, prob, sizes, b1)
+    experts = Experts(x, w1, w2, prob, sizes, b1)
+    y, h = jax.jit(lambda e: qmlp.forward(RECIPE, BACKENDS, e))(experts)
     epilogue = jax.jit(lambda *a: qmlp.epilogue(RECIPE, True, BACKENDS, *a), static_argnums=3)
     fused = epilogue(qmlp.QuantizedWeight(*qmlp._quantized_weight(w2, RECIPE)), prob, sizes, True,
                      h, dy)
     gemms = jax.jit(lambda *a: qmlp.gradient_gemms(RECIPE, BACKENDS, *a))
-    drows, dw1, dw2 = gemms(x, w1, w2, sizes, fused, dy)
+    drows, dw1, dw2 = gemms(experts, fused, dy)
     return dict(y=y, h=h, dh=fused.dh, act=fused.act, dprob=fused.dprob, db1=fused.dbias, dx=drows, dw1=dw1,
                 dw2=dw2)
 

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax_dsrelu import jax_internals
 from jax_dsrelu.kernels.registry import LayerBackends
 from jax_dsrelu.ops import expert_mlp
+from jax_dsrelu.ops.expert_operands import Experts
 from jax_dsrelu.primitives import sharding
 from jax_dsrelu.primitives.gather_sum import gather_sum
 from jax_dsrelu.quantization.schema import Recipe
@@ -74,10 +75,8 @@ def _slots(inverse, top_k):
 
 def _routed_forward(static, backends, tokens, w1, w2, b1, prob, group_sizes, order, inverse, quantized):
     top_k, precision = static
-    y, h = expert_mlp.forward(
-        backends, tokens.astype(w1.dtype), w1, w2, prob, group_sizes, b1, row_index=order // top_k,
-        precision=precision, quantized=quantized,
-    )
+    experts = Experts(tokens.astype(w1.dtype), w1, w2, prob, group_sizes, b1, row_index=order // top_k)
+    y, h = expert_mlp.forward(backends, experts, precision, quantized)
     return gather_sum(y, _slots(inverse, top_k), backend=backends.gather_sum), h
 
 
@@ -100,10 +99,9 @@ def _routed_bwd(static, deterministic, backends, residuals, dout):
     row_token = order // top_k
     # Each row's gradient is its token's, in the rows' dtype: read through row_token.
     dy = dout.astype(w1.dtype)
-    grads = expert_mlp.backward(
-        deterministic, backends, tokens.astype(w1.dtype), w1, w2, prob, group_sizes, b1, h, dy,
-        row_index=row_token, dy_index=row_token, precision=precision, quantized=quantized,
-    )
+    experts = Experts(tokens.astype(w1.dtype), w1, w2, prob, group_sizes, b1, row_index=row_token)
+    grads = expert_mlp.backward(deterministic, backends, experts, h, dy, dy_index=row_token, precision=precision,
+                                quantized=quantized)
     summed = gather_sum(grads.rows, _slots(inverse, top_k), backend=backends.gather_sum)
     # Rounded to the rows' dtype first, as the gradient of rows cast from the tokens is.
     dtokens = summed.astype(w1.dtype).astype(tokens.dtype)
@@ -131,34 +129,29 @@ def shared_expert(
     return _shared(deterministic, backends, precision, x, w1, w2)
 
 
-def _one_expert(x, w1, w2):
-    """moe_mlp's operands for one expert owning every row with weight 1."""
+def _one_expert(x, w1, w2) -> Experts:
+    """moe_mlp's operands for one expert owning every row with weight 1, no bias."""
     num_tokens = x.shape[0]
-    return (
-        x.astype(w1.dtype), w1[None], w2[None], jnp.ones((num_tokens,), jnp.float32),
-        jnp.full((1,), num_tokens, jnp.int32),
-    )
+    return Experts(x.astype(w1.dtype), w1[None], w2[None], jnp.ones((num_tokens,), jnp.float32),
+                   jnp.full((1,), num_tokens, jnp.int32), None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _shared(deterministic, backends, precision, x, w1, w2):
     del deterministic
-    return expert_mlp.forward(backends, *_one_expert(x, w1, w2), None, precision=precision)[0]
+    return expert_mlp.forward(backends, _one_expert(x, w1, w2), precision)[0]
 
 
 def _shared_fwd(deterministic, backends, precision, x, w1, w2):
     del deterministic
-    y, h = expert_mlp.forward(backends, *_one_expert(x, w1, w2), None, precision=precision)
+    y, h = expert_mlp.forward(backends, _one_expert(x, w1, w2), precision)
     return y, (x, w1, w2, h)
 
 
 def _shared_bwd(deterministic, backends, precision, residuals, dy):
     x, w1, w2, h = residuals
-    rows, experts_w1, experts_w2, prob, group_sizes = _one_expert(x, w1, w2)
-    grads = expert_mlp.backward(
-        deterministic, backends, rows, experts_w1, experts_w2, prob, group_sizes, None, h, dy.astype(w1.dtype),
-        precision=precision,
-    )
+    grads = expert_mlp.backward(deterministic, backends, _one_expert(x, w1, w2), h, dy.astype(w1.dtype),
+                                precision=precision)
     dx = grads.rows.astype(x.dtype)
     return tuple(
         sharding.like_primal(cotangent, primal)

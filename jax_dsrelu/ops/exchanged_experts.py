@@ -36,6 +36,7 @@ from jax import lax
 from jax_dsrelu import jax_internals
 from jax_dsrelu.kernels.registry import LayerBackends
 from jax_dsrelu.ops import expert_mlp
+from jax_dsrelu.ops.expert_operands import Experts
 from jax_dsrelu.primitives import sharding
 from jax_dsrelu.primitives.gather_sum import gather_sum
 from jax_dsrelu.quantization.schema import Recipe
@@ -92,9 +93,7 @@ def _forward(static, tokens, w1, w2, b1, prob, group_sizes, local_order, local_i
              token_slots, quantized):
     axis_name, drops, _, backends, _, precision = static
     got = _send(tokens.astype(w1.dtype), slot_token, slot_full, axis_name)
-    y, h = expert_mlp.forward(
-        backends, got, w1, w2, prob, group_sizes, b1, row_index=local_order, precision=precision, quantized=quantized
-    )
+    y, h = expert_mlp.forward(backends, Experts(got, w1, w2, prob, group_sizes, b1, local_order), precision, quantized)
     out = _sum_back(y, local_inverse, token_slots, drops, axis_name, backends.gather_sum)
     return out, (got, h)
 
@@ -118,10 +117,8 @@ def _exchanged_bwd(static, residuals, dout):
     (got, w1, w2, b1, prob, group_sizes, local_order, local_inverse, slot_token, slot_full,
      token_slots, h, quantized) = residuals
     dy = _send(dout.astype(w1.dtype), slot_token, slot_full, axis_name)
-    grads = expert_mlp.backward(
-        deterministic, backends, got, w1, w2, prob, group_sizes, b1, h, dy,
-        row_index=local_order, dy_index=local_order, precision=precision, quantized=quantized,
-    )
+    grads = expert_mlp.backward(deterministic, backends, Experts(got, w1, w2, prob, group_sizes, b1, local_order), h,
+                                dy, dy_index=local_order, precision=precision, quantized=quantized)
     summed = _sum_back(grads.rows, local_inverse, token_slots, drops, axis_name, backends.gather_sum)
     # Rounded to the rows' dtype first, as the gradient of rows cast from the tokens is.
     dtokens = summed.astype(w1.dtype).astype(tokens_dtype)

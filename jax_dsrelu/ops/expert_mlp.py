@@ -21,38 +21,21 @@ backend that loads rows through the index makes no (m, l) copy of the source.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
 from jax_dsrelu.kernels.registry import LayerBackends
 from jax_dsrelu.ops import quantized_expert_mlp
+from jax_dsrelu.ops.expert_operands import Experts, Gradients
 from jax_dsrelu.primitives import dsrelu
 from jax_dsrelu.primitives.ragged_contract import ragged_contract
 from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
 from jax_dsrelu.quantization.schema import Recipe
 
 
-class Gradients(NamedTuple):
-    """What `backward` returns: the rows' gradient and the parameters'."""
-
-    rows: jax.Array  # (m, l) in w1.dtype, in row order (not summed by token)
-    w1: jax.Array  # (E, l, f) w1.dtype
-    w2: jax.Array  # (E, f, l) w2.dtype
-    prob: jax.Array  # (m,) prob.dtype
-    b1: jax.Array | None  # (E, f) b1.dtype
-
-
 def forward(
     backends: LayerBackends,
-    rows: jax.Array,  # (m, l) in w1.dtype, or its source (T, l) with row_index
-    w1: jax.Array,  # (E, l, f)
-    w2: jax.Array,  # (E, f, l)
-    prob: jax.Array,  # (m,)
-    group_sizes: jax.Array,  # (E,) int32
-    b1: jax.Array | None,  # (E, f)
-    row_index: jax.Array | None = None,  # (m,) int32: row i is rows[row_index[i]]
+    experts: Experts,
     precision: Recipe | None = None,  # None: in w1.dtype; a recipe: its quantized operands
     quantized=None,  # with a recipe: w1 and w2 quantized already (QuantizedExpertWeights)
 ) -> tuple[jax.Array, jax.Array]:  # y (m, l), h (m, f), both in w1.dtype
@@ -61,8 +44,8 @@ def forward(
     The up-projection makes the activation in the same call, from the rounded h.
     """
     if precision is not None:
-        return quantized_expert_mlp.forward(precision, backends, rows, w1, w2, prob, group_sizes, b1, row_index,
-                                            quantized)
+        return quantized_expert_mlp.forward(precision, backends, experts, quantized)
+    rows, w1, w2, prob, group_sizes, b1, row_index = experts
     dtype = w1.dtype
     h, act = ragged_matmul_srelu(
         rows, w1, group_sizes, prob, b1, rhs_layout="kn", out_dtype=dtype, backend=backends.matmul,
@@ -75,24 +58,17 @@ def forward(
 def backward(
     deterministic: bool,
     backends: LayerBackends,
-    rows: jax.Array,  # (m, l) in w1.dtype, or its source (T, l) with row_index
-    w1: jax.Array,  # (E, l, f)
-    w2: jax.Array,  # (E, f, l)
-    prob: jax.Array,  # (m,)
-    group_sizes: jax.Array,  # (E,) int32
-    b1: jax.Array | None,  # (E, f)
+    experts: Experts,
     h: jax.Array,  # (m, f) the forward's pre-activation
     dy: jax.Array,  # (m, l) in w1.dtype, or its source (U, l) with dy_index
-    row_index: jax.Array | None = None,  # (m,) int32: row i is rows[row_index[i]]
     dy_index: jax.Array | None = None,  # (m,) int32: row i of dy is dy[dy_index[i]]
     precision: Recipe | None = None,  # as for forward
     quantized=None,  # as for forward
 ) -> Gradients:
+    """The gradients of forward's y against the cotangent dy."""
     if precision is not None:
-        return Gradients(*quantized_expert_mlp.backward(
-            precision, deterministic, backends, rows, w1, w2, prob, group_sizes, b1, h, dy, row_index, dy_index,
-            quantized,
-        ))
+        return quantized_expert_mlp.backward(precision, deterministic, backends, experts, h, dy, dy_index, quantized)
+    rows, w1, w2, prob, group_sizes, b1, row_index = experts
     dtype = w1.dtype
     num_experts = w1.shape[0]
     # No MXFP8 scales: the layer's operands are bf16 or fp16.

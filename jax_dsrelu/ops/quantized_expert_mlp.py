@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dsrelu.kernels.registry import LayerBackends
+from jax_dsrelu.ops.expert_operands import Experts, Gradients
 from jax_dsrelu.primitives import dsrelu, validation
 from jax_dsrelu.primitives.ragged_contract import ragged_contract
 from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
@@ -74,16 +75,11 @@ def _rows(source: jax.Array, index: jax.Array | None) -> jax.Array:
 def forward(
     recipe: Recipe,
     backends: LayerBackends,
-    rows: jax.Array,  # (m, l) in w1.dtype, or its source (T, l) with row_index
-    w1: jax.Array,  # (E, l, f)
-    w2: jax.Array,  # (E, f, l)
-    prob: jax.Array,  # (m,)
-    group_sizes: jax.Array,  # (E,) int32
-    b1: jax.Array | None,  # (E, f)
-    row_index: jax.Array | None = None,  # (m,) int32: row i is rows[row_index[i]]
+    experts: Experts,
     quantized: QuantizedExpertWeights | None = None,  # w1 and w2 quantized already
 ) -> tuple[jax.Array, jax.Array]:  # y (m, l), h (m, f), both in w1.dtype
     """(y, h), as `expert_mlp.forward` returns them, on quantized operands."""
+    rows, w1, w2, prob, group_sizes, b1, row_index = experts
     dtype = w1.dtype
     weights = quantized if quantized is not None else quantize_expert_weights(w1, w2, recipe)
     # Blocks along d are within a row, so quantizing the source rows and reading them
@@ -214,43 +210,33 @@ def backward(
     recipe: Recipe,
     deterministic: bool,
     backends: LayerBackends,
-    rows: jax.Array,  # (m, l) in w1.dtype, or its source (T, l) with row_index
-    w1: jax.Array,  # (E, l, f)
-    w2: jax.Array,  # (E, f, l)
-    prob: jax.Array,  # (m,)
-    group_sizes: jax.Array,  # (E,) int32
-    b1: jax.Array | None,  # (E, f)
+    experts: Experts,
     h: jax.Array,  # (m, f) the forward's pre-activation
     dy: jax.Array,  # (m, l) in w1.dtype, or its source (U, l) with dy_index
-    row_index: jax.Array | None = None,
     dy_index: jax.Array | None = None,
     quantized: QuantizedExpertWeights | None = None,  # w1 and w2 quantized already
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """(drows, dw1, dw2, dprob, db1), the fields of `expert_mlp.Gradients`, on quantized
-    operands: `epilogue`, then the GEMMs that read its dh and act (`gradient_gemms`)."""
-    weights = quantized if quantized is not None else quantize_expert_weights(w1, w2, recipe)
-    fused = epilogue(recipe, deterministic, backends, weights.w2_dsrelu, prob, group_sizes, b1 is not None, h, dy,
-                     dy_index)
-    drows, dw1, dw2 = gradient_gemms(recipe, backends, rows, w1, w2, group_sizes, fused, dy, row_index, dy_index,
-                                     weights.w1_dx)
-    db1 = None if b1 is None else fused.dbias.astype(b1.dtype)
-    return drows, dw1, dw2, fused.dprob.astype(prob.dtype), db1
+) -> Gradients:
+    """`expert_mlp.backward`'s gradients on quantized operands: `epilogue`, then the GEMMs
+    that read its dh and act (`gradient_gemms`)."""
+    weights = quantized if quantized is not None else quantize_expert_weights(experts.w1, experts.w2, recipe)
+    fused = epilogue(recipe, deterministic, backends, weights.w2_dsrelu, experts.prob, experts.group_sizes,
+                     experts.b1 is not None, h, dy, dy_index)
+    drows, dw1, dw2 = gradient_gemms(recipe, backends, experts, fused, dy, dy_index, weights.w1_dx)
+    db1 = None if experts.b1 is None else fused.dbias.astype(experts.b1.dtype)
+    return Gradients(drows, dw1, dw2, fused.dprob.astype(experts.prob.dtype), db1)
 
 
 def gradient_gemms(
     recipe: Recipe,
     backends: LayerBackends,
-    rows: jax.Array,
-    w1: jax.Array,
-    w2: jax.Array,
-    group_sizes: jax.Array,
+    experts: Experts,
     fused: Epilogue,
     dy: jax.Array,
-    row_index: jax.Array | None = None,
     dy_index: jax.Array | None = None,
     w1_dx: QuantizedWeight | None = None,  # w1 quantized as dx reads it (made here without)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # drows (m, l) w1.dtype, dw1 (E, l, f), dw2 (E, f, l)
     """dx = dh w1^T, dW1 = x^T dh and dW2 = act^T dy, each on its operands quantized along its K."""
+    rows, w1, w2, _, group_sizes, _, row_index = experts
     if w1_dx is None:
         w1_dx = QuantizedWeight(*_quantized_weight(w1, recipe))
     drows = _block_scaled_matmul(fused.dh, w1_dx, group_sizes, recipe, backends, out_dtype=w1.dtype)
