@@ -96,15 +96,22 @@ def ragged_matmul(
     lhs_index: jax.Array | None = None,  # (m,) int32: row i of the GEMM is lhs[lhs_index[i]]
     lhs_scale: jax.Array | None = None,  # (m, ceil(k / 128)) float32, FP8_BLOCKWISE operands
     rhs_scale: jax.Array | None = None,  # (E, ceil(n / 128), ceil(k / 128)) float32
-) -> jax.Array:  # (m, n) out_dtype
-    """The plain ragged matmul; shapes and dtypes are the caller's to have checked."""
+    epilogue: Mapping[str, Any] | None = None,  # the squared-ReLU epilogue's operands (ragged_matmul_srelu)
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # out (m, n) out_dtype; with the epilogue (h, act), each so
+    """The plain ragged matmul, or with `epilogue` {prob, bias} the squared-ReLU one (which
+    `ragged_matmul_srelu` names); shapes and dtypes are the caller's to have checked."""
     _check_layout(rhs_layout)
-    block_scaled = _block_scaled(lhs_scale, rhs_scale, rhs_layout, lhs_index)
     params = dict(rhs_layout=rhs_layout, out_dtype=np.dtype(out_dtype), with_lhs_index=lhs_index is not None,
-                  block_scaled=block_scaled)
+                  block_scaled=_block_scaled(lhs_scale, rhs_scale, rhs_layout, lhs_index))
     named = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes, lhs_index=lhs_index, lhs_scale=lhs_scale,
                  rhs_scale=rhs_scale)
-    return ragged_matmul_primitive.bind(named, backend=backend, **params)["out"]
+    if epilogue is None:
+        return ragged_matmul_primitive.bind(named, backend=backend, **params)["out"]
+    prob, bias = epilogue["prob"], epilogue["bias"]
+    # The kernel's epilogue reads prob and bias as float32 whatever their dtype.
+    named.update(prob=prob.astype(jnp.float32), bias=None if bias is None else bias.astype(jnp.float32))
+    results = ragged_matmul_srelu_primitive.bind(named, backend=backend, with_bias=bias is not None, **params)
+    return results["h"], results["act"]
 
 
 def ragged_matmul_srelu(
@@ -113,31 +120,7 @@ def ragged_matmul_srelu(
     group_sizes: jax.Array,  # (E,) int
     prob: jax.Array,  # (m,)
     bias: jax.Array | None,  # (E, n)
-    *,
-    rhs_layout: str,
-    out_dtype: Any,
-    backend: str,
-    lhs_index: jax.Array | None = None,  # (m,) int32: row i of the GEMM is lhs[lhs_index[i]]
-    lhs_scale: jax.Array | None = None,  # (m, ceil(k / 128)) float32, FP8_BLOCKWISE operands
-    rhs_scale: jax.Array | None = None,  # (E, ceil(n / 128), ceil(k / 128)) float32
+    **gemm,  # ragged_matmul's keywords
 ) -> tuple[jax.Array, jax.Array]:  # h, act: (m, n) out_dtype
     """The ragged matmul with the squared-ReLU forward epilogue."""
-    _check_layout(rhs_layout)
-    block_scaled = _block_scaled(lhs_scale, rhs_scale, rhs_layout, lhs_index)
-    params = dict(
-        rhs_layout=rhs_layout, out_dtype=np.dtype(out_dtype), with_bias=bias is not None,
-        with_lhs_index=lhs_index is not None, block_scaled=block_scaled,
-    )
-    named = dict(
-        lhs=lhs,
-        lhs_index=lhs_index,
-        rhs=rhs,
-        group_sizes=group_sizes,
-        # The kernel's epilogue reads prob and bias as float32 whatever their dtype.
-        prob=prob.astype(jnp.float32),
-        bias=None if bias is None else bias.astype(jnp.float32),
-        lhs_scale=lhs_scale,
-        rhs_scale=rhs_scale,
-    )
-    results = ragged_matmul_srelu_primitive.bind(named, backend=backend, **params)
-    return results["h"], results["act"]
+    return ragged_matmul(lhs, rhs, group_sizes, epilogue=dict(prob=prob, bias=bias), **gemm)
