@@ -75,10 +75,7 @@ class BlockScaledMainloop:
         if getattr(self.config, "overlap_promotion", False):  # GemmConfig only
             blocks = [cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32) for _ in range(2)]
             return promoted_mainloop.mma_k_tiles_promoted_overlapped(
-                ctx.tiled_mma, ctx.acc, blocks, ctx.tCrA, ctx.tCrB, ctx.ab_pipeline, read_state, release_state,
-                self.k_tiles, *scales,
-            )
+                ctx, blocks, read_state, release_state, self.k_tiles, *scales)
         return promoted_mainloop.mma_k_tiles_promoted(
-            ctx.tiled_mma, ctx.acc, cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32), ctx.tCrA, ctx.tCrB,
-            ctx.ab_pipeline, read_state, release_state, self.k_tile_count(tile), *scales,
-        )
+            ctx, cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32), read_state, release_state, self.k_tile_count(tile),
+            *scales)

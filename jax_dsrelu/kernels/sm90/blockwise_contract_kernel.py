@@ -112,7 +112,5 @@ class BlockScaledContractSm90(RaggedContractSm90):
             column = tile.n_tile * self.tile_n + ctx.tCcAcc[slot % 2 + 4 * (slot // 2)][1]
             columns.append(Int32(cutlass.select_(column < self.b, column, Int32(0))))
         return promoted_mainloop.mma_k_tiles_promoted_by_column(
-            ctx.tiled_mma, ctx.acc, cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32), ctx.tCrA, ctx.tCrB,
-            ctx.ab_pipeline, read_state, release_state, self.k_tile_count(tile), ctx.params.lhs_scale, rows,
-            ctx.params.rhs_scale, columns, tile.first_row // BLOCK,
-        )
+            ctx, cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32), read_state, release_state, self.k_tile_count(tile),
+            ctx.params.lhs_scale, rows, ctx.params.rhs_scale, columns, tile.first_row // BLOCK)

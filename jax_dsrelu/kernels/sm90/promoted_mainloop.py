@@ -29,12 +29,8 @@ from jax_dsrelu.kernels.sm90 import fragment
 
 @cute.jit
 def mma_k_tiles_promoted_overlapped(
-    tiled_mma: cute.TiledMma,
-    acc: cute.Tensor,
+    ctx,  # the consumer's context: its tiled_mma, acc (the float32 total), tCrA, tCrB and ab_pipeline
     acc_blocks: list,  # two partial-sum buffers, written by wgmma only, used in turn
-    tCrA: cute.Tensor,
-    tCrB: cute.Tensor,
-    ab_pipeline: pipeline.PipelineTmaAsync,
     read_state: pipeline.PipelineState,
     release_state: pipeline.PipelineState,
     k_tiles: cutlass.Constexpr,
@@ -50,46 +46,46 @@ def mma_k_tiles_promoted_overlapped(
     K), and the k-tiles are unrolled: a buffer is a set of registers, chosen at trace
     time, and the wgmma's accumulate flag may not be set inside a run-time loop whose
     wgmma after it reads the flag."""
-    acc.fill(0.0)
+    ctx.acc.fill(0.0)
     if cutlass.const_expr(k_tiles > 0):
-        read_state = _issue_block(tiled_mma, acc_blocks[0], tCrA, tCrB, ab_pipeline, read_state)
+        read_state = _issue_block(ctx, acc_blocks[0], read_state)
         for k_tile in cutlass.range_constexpr(1, k_tiles):
             read_state, release_state = _issue_and_promote(
-                tiled_mma, acc, acc_blocks[k_tile % 2], acc_blocks[(k_tile - 1) % 2], tCrA, tCrB, ab_pipeline,
-                read_state, release_state, k_tile - 1, lhs_scale, rows, rhs_scale, expert, n_block)
+                ctx, acc_blocks[k_tile % 2], acc_blocks[(k_tile - 1) % 2], read_state, release_state, k_tile - 1,
+                lhs_scale, rows, rhs_scale, expert, n_block)
         scales = _block_scales(lhs_scale, rows, rhs_scale, expert, n_block, k_tiles - 1)
         warpgroup.wait_group(0)
-        ab_pipeline.consumer_release(release_state)
+        ctx.ab_pipeline.consumer_release(release_state)
         release_state.advance()
-        _promote(acc, acc_blocks[(k_tiles - 1) % 2], scales)
+        _promote(ctx.acc, acc_blocks[(k_tiles - 1) % 2], scales)
     return read_state, release_state
 
 
 @cute.jit
-def _issue_block(tiled_mma, acc_block, tCrA, tCrB, ab_pipeline, read_state):
+def _issue_block(ctx, acc_block, read_state):
     """The next k-tile's wgmma batch into a fresh `acc_block`, once its stage has landed."""
-    ab_pipeline.consumer_wait(read_state)
+    ctx.ab_pipeline.consumer_wait(read_state)
     warpgroup.fence()
-    for k_block in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, k_block != 0)
+    for k_block in cutlass.range_constexpr(cute.size(ctx.tCrA, mode=[2])):
+        ctx.tiled_mma.set(warpgroup.Field.ACCUMULATE, k_block != 0)
         coord = (None, None, k_block, read_state.index)
-        cute.gemm(tiled_mma, acc_block, tCrA[coord], tCrB[coord], acc_block)
+        cute.gemm(ctx.tiled_mma, acc_block, ctx.tCrA[coord], ctx.tCrB[coord], acc_block)
     warpgroup.commit_group()
     read_state.advance()
     return read_state
 
 
 @cute.jit
-def _issue_and_promote(tiled_mma, acc, issued, promoted, tCrA, tCrB, ab_pipeline, read_state, release_state,
-                       promoted_tile: cutlass.Constexpr, lhs_scale, rows, rhs_scale, expert, n_block):
+def _issue_and_promote(ctx, issued, promoted, read_state, release_state, promoted_tile: cutlass.Constexpr,
+                       lhs_scale, rows, rhs_scale, expert, n_block):
     """Issues the next k-tile into `issued`, then promotes k-tile `promoted_tile` from
     `promoted` once its batch has landed, and releases its stage."""
     scales = _block_scales(lhs_scale, rows, rhs_scale, expert, n_block, promoted_tile)
-    read_state = _issue_block(tiled_mma, issued, tCrA, tCrB, ab_pipeline, read_state)
+    read_state = _issue_block(ctx, issued, read_state)
     warpgroup.wait_group(1)
-    ab_pipeline.consumer_release(release_state)
+    ctx.ab_pipeline.consumer_release(release_state)
     release_state.advance()
-    _promote(acc, promoted, scales)
+    _promote(ctx.acc, promoted, scales)
     return read_state, release_state
 
 
@@ -108,12 +104,8 @@ def _promote(acc, acc_block, scales):
 
 @cute.jit
 def mma_k_tiles_promoted(
-    tiled_mma: cute.TiledMma,
-    acc: cute.Tensor,  # the float32 total
+    ctx,  # the consumer's context: its tiled_mma, acc (the float32 total), tCrA, tCrB and ab_pipeline
     acc_block: cute.Tensor,  # one K block's partial sum, written by wgmma only
-    tCrA: cute.Tensor,
-    tCrB: cute.Tensor,
-    ab_pipeline: pipeline.PipelineTmaAsync,
     read_state: pipeline.PipelineState,
     release_state: pipeline.PipelineState,
     k_tiles: Int32,
@@ -127,12 +119,12 @@ def mma_k_tiles_promoted(
     (acc = 0 for none). Returns (read_state, release_state), each advanced k_tiles times.
     Not with `_issue_block` and `_promote`: their order of the state advances gives other
     PTX than the code that passed its GPU tier (tests/ptx_digests.json)."""
+    acc = ctx.acc
     acc.fill(0.0)
     for k_tile in range(k_tiles):
         row_scales = [Float32(lhs_scale[row, k_tile]) for row in rows]
         block_scale = Float32(rhs_scale[expert, n_block, k_tile])
-        read_state, release_state = _landed_block(tiled_mma, acc_block, tCrA, tCrB, ab_pipeline, read_state,
-                                                  release_state)
+        read_state, release_state = _landed_block(ctx, acc_block, read_state, release_state)
         scales = [scale * block_scale for scale in row_scales]
         for v in cutlass.range_constexpr(cute.size(acc)):
             acc[v] = acc[v] + acc_block[v] * scales[fragment.row_half(v)]
@@ -140,19 +132,19 @@ def mma_k_tiles_promoted(
 
 
 @cute.jit
-def _landed_block(tiled_mma, acc_block, tCrA, tCrB, ab_pipeline, read_state, release_state):
+def _landed_block(ctx, acc_block, read_state, release_state):
     """The next k-tile's wgmma batch into a fresh `acc_block`, waited for, its stage
     released: one batch in flight, then the states advanced (release first)."""
-    ab_pipeline.consumer_wait(read_state)
+    ctx.ab_pipeline.consumer_wait(read_state)
     # Orders the previous promotion's reads of acc_block before wgmma writes it again.
     warpgroup.fence()
-    for k_block in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, k_block != 0)
+    for k_block in cutlass.range_constexpr(cute.size(ctx.tCrA, mode=[2])):
+        ctx.tiled_mma.set(warpgroup.Field.ACCUMULATE, k_block != 0)
         coord = (None, None, k_block, read_state.index)
-        cute.gemm(tiled_mma, acc_block, tCrA[coord], tCrB[coord], acc_block)
+        cute.gemm(ctx.tiled_mma, acc_block, ctx.tCrA[coord], ctx.tCrB[coord], acc_block)
     warpgroup.commit_group()
     warpgroup.wait_group(0)
-    ab_pipeline.consumer_release(release_state)
+    ctx.ab_pipeline.consumer_release(release_state)
     release_state.advance()
     read_state.advance()
     return read_state, release_state
@@ -160,12 +152,8 @@ def _landed_block(tiled_mma, acc_block, tCrA, tCrB, ab_pipeline, read_state, rel
 
 @cute.jit
 def mma_k_tiles_promoted_by_column(
-    tiled_mma: cute.TiledMma,
-    acc: cute.Tensor,  # the float32 total
+    ctx,  # the consumer's context: its tiled_mma, acc (the float32 total), tCrA, tCrB and ab_pipeline
     acc_block: cute.Tensor,  # one K block's partial sum, written by wgmma only
-    tCrA: cute.Tensor,
-    tCrB: cute.Tensor,
-    ab_pipeline: pipeline.PipelineTmaAsync,
     read_state: pipeline.PipelineState,
     release_state: pipeline.PipelineState,
     k_tiles: Int32,
@@ -179,13 +167,13 @@ def mma_k_tiles_promoted_by_column(
     columns) in each K block, as the weight gradients' operands are scaled along their
     K, the tokens: acc[r, c] += acc_block[r, c] * (lhs_scale[b, row r] * rhs_scale[b,
     column c]). The scales of a k-tile are loaded before its stage is waited for."""
+    acc = ctx.acc
     acc.fill(0.0)
     for k_tile in range(k_tiles):
         block = first_block + k_tile
         row_scales = [Float32(lhs_scale[block, row]) for row in rows]
         column_scales = [Float32(rhs_scale[block, column]) for column in columns]
-        read_state, release_state = _landed_block(tiled_mma, acc_block, tCrA, tCrB, ab_pipeline, read_state,
-                                                  release_state)
+        read_state, release_state = _landed_block(ctx, acc_block, read_state, release_state)
         for v in cutlass.range_constexpr(cute.size(acc)):
             scale = row_scales[fragment.row_half(v)] * column_scales[fragment.column_slot(v)]
             acc[v] = acc[v] + acc_block[v] * scale
