@@ -62,8 +62,7 @@ def cell(entry: dict | None) -> str:
 
 def over(numerator: dict | None, denominator: dict | None) -> float | None:
     """numerator's time over denominator's, where both were timed."""
-    timed = numerator and denominator and "ms" in numerator and "ms" in denominator
-    return numerator["ms"] / denominator["ms"] if timed else None
+    return numerator["ms"] / denominator["ms"] if numerator and denominator and "ms" in numerator and "ms" in denominator else None
 
 
 def ratio(numerator: dict | None, denominator: dict | None) -> str:
@@ -132,23 +131,22 @@ def render_layer(runs: Runs) -> str:
     return "\n".join(lines)
 
 
-def render_roofline(runs: Runs) -> str:
-    """The sm90 step's kernels against their rooflines (benchmarks/roofline.py)."""
+def render_roofline(runs: Runs, key: str = "roofline", ours: str = "sm90", rate: str = "bf16") -> str:
+    """Our step's kernels (`ours`, the record's `key`) against their rooflines (benchmarks/roofline.py)."""
     body = []
     for row in runs[0][1]["shapes"]:
-        if "kernels" not in (found := row["modes"].get("step", {}).get("roofline", {})):
+        if "kernels" not in (found := row["modes"].get("step", {}).get(key, {})):
             continue
         # Records of 6942f08 name the GEMMs a launch may be "down|dx", which a table cell cannot hold.
         kernels = "; ".join(f"{k['gemm'].replace('|', '/')} {k['ms']:.3f} / {k['roofline_ms']:.3f} = {k['ratio']:.2f}x ({k['bound']})"
                             for k in found["kernels"])
-        step = found["step"]
+        step, copy = found["step"], f"{found['copy_tb_per_s']:.2f} TB/s"
         body.append([row_label(row), f"{found['dense_tflops']:.0f}", f"{step['ms']:.3f} ms", f"{step['roofline_ms']:.3f} ms",
                      f"{step['ratio']:.2f}x", kernels])
-        copy = f"{found['copy_tb_per_s']:.2f} TB/s"
-    return "\n".join([provenance(runs, "the sm90 step (default mode), each kernel against max(its FLOPs at the dense "
-                                  "bf16 cuBLAS rate, its least bytes at a copy's rate), both rates timed in the same run"),
+    return "\n".join([provenance(runs, f"the {ours} step (default mode), each kernel against max(its FLOPs at the dense "
+                                  f"{rate} cuBLAS rate, its least bytes at a copy's rate), both rates timed in the same run"),
                       f"The copy's rate in this run: {copy}." if body else "No roofline in this record.", "",
-                      *table(["shape (m, d, f, E), groups", "dense bf16 cuBLAS TFLOP/s", "sm90 step",
+                      *table(["shape (m, d, f, E), groups", f"dense {rate} cuBLAS TFLOP/s", f"{ours} step",
                               "its kernels' rooflines", "ratio", "each kernel: ms / roofline ms (bound by)"], body)])
 
 
@@ -339,6 +337,8 @@ TABLES: list[tuple[str, str, tuple[str, ...], Callable[[Runs], str]]] = [
     ("docs/gemm-performance.md", "gemms_quack", ("bench_gemms_quack.json",), render_gemms),
     ("docs/performance.md", "moe_block", ("bench_moe_block.json",), render_moe_block),
     ("docs/fp8.md", "fp8_gemms", ("bench_fp8_gemms.json",), render_fp8_gemms),
+    ("docs/fp8.md", "layer_fp8", ("bench_layer_fp8.json",), render_layer),
+    ("docs/fp8.md", "roofline_fp8", ("bench_layer_fp8.json",), lambda runs: render_roofline(runs, "roofline_fp8", "sm90_fp8", "FP8")),
     ("docs/sm90.md", "tuning", (), render_tuning),
     ("docs/determinism.md", "determinism", ("determinism_parallel_warm.json", "determinism_parallel_fresh.json"),
      render_determinism),

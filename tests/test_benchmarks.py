@@ -5,6 +5,7 @@ plumbing test asks for the wall clock, and benchmarks/results holds current reco
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 import subprocess
 import sys
@@ -275,3 +276,26 @@ def test_the_fp8_roofline_counts_e4m3_operands_their_scales_and_the_quantizing()
     assert np.isclose(result["dense_tflops"], 12 * m * d * f / 0.6e-3 / 1e12)
     assert np.isclose(result["step"]["outside_gemms_ms"], 0.1)
     assert "unavailable" in roofline.roofline(shape, m, step, copy)  # the bf16 variants were not timed
+
+
+def test_the_fp8_step_record_renders_its_layer_and_roofline_tables(tmp_path):
+    import readme_table
+    import roofline
+
+    m, d, f, num_experts = shape = (1024, 256, 512, 8)
+    names = ["BlockScaledRaggedGemmSm90", "BlockScaledDsreluSm90", "BlockScaledRaggedGemmSm90", "BlockScaledRaggedGemmSm90",
+             "BlockScaledContractSm90", "BlockScaledContractSm90"]
+    variants = dict(sm90=dict(ms=4.0, tflops=100.0), sm90_fp8=dict(ms=3.1, tflops=130.0, kernels=[[n, 0.4] for n in names]),
+                    cublas_fp8=dict(ms=0.6, tflops=600.0))
+    step = dict(flops=12.0 * m * d * f, variants=variants)
+    step["roofline_fp8"] = roofline.roofline(shape, m, step, dict(tb_per_s=3.0), "sm90_fp8", "cublas_fp8", 1)
+    record = dict(device="NVIDIA H200", jax="0.11.2", command="python3 benchmarks/bench_layer.py --label fp8",
+                  commit="abc1234", timing="CUPTI", flops="12 m d f", benchmark="bench_layer",
+                  precision={v: "stated" for v in variants},
+                  shapes=[dict(shape=dict(m=m, d=d, f=f, E=num_experts), grouping="dirichlet", modes=dict(step=step))])
+    (tmp_path / "bench_layer_fp8.json").write_text(json.dumps(record))
+    text = (ROOT / "docs" / "fp8.md").read_text()
+    updated = readme_table.updated_document(text, "docs/fp8.md", tmp_path)
+    assert "No record yet" not in updated and "dense FP8 cuBLAS TFLOP/s" in updated, updated
+    assert "sm90 / sm90 FP8" in updated and "1.29x" in updated  # 4.0 / 3.1: the bf16 step over the FP8 one
+    assert f"{step['roofline_fp8']['step']['ratio']:.2f}x" in updated
