@@ -298,4 +298,5 @@ def test_the_fp8_step_record_renders_its_layer_and_roofline_tables(tmp_path):
     updated = readme_table.updated_document(text, "docs/fp8.md", tmp_path)
     assert "No record yet" not in updated and "dense FP8 cuBLAS TFLOP/s" in updated, updated
     assert "sm90 / sm90 FP8" in updated and "1.29x" in updated  # 4.0 / 3.1: the bf16 step over the FP8 one
-    assert f"{step['roofline_fp8']['step']['ratio']:.2f}x" in updated
+    found = step["roofline_fp8"]["step"]
+    assert f"{found['ratio']:.2f}x" in updated and f"{found['outside_gemms_ms']:.3f} ms" in updated
