@@ -62,15 +62,23 @@ def mma_k_tiles_promoted_overlapped(
 
 
 @cute.jit
-def _issue_block(ctx, acc_block, read_state):
-    """The next k-tile's wgmma batch into a fresh `acc_block`, once its stage has landed."""
+def _wgmma_batch(ctx, acc_block, read_state):
+    """The k-tile of read_state's stage into a fresh `acc_block`: once the stage has
+    landed, its wgmma batch issued and committed (not waited for)."""
     ctx.ab_pipeline.consumer_wait(read_state)
+    # Orders the previous promotion's reads of acc_block before wgmma writes it again.
     warpgroup.fence()
     for k_block in cutlass.range_constexpr(cute.size(ctx.tCrA, mode=[2])):
         ctx.tiled_mma.set(warpgroup.Field.ACCUMULATE, k_block != 0)
         coord = (None, None, k_block, read_state.index)
         cute.gemm(ctx.tiled_mma, acc_block, ctx.tCrA[coord], ctx.tCrB[coord], acc_block)
     warpgroup.commit_group()
+
+
+@cute.jit
+def _issue_block(ctx, acc_block, read_state):
+    """The next k-tile's wgmma batch into a fresh `acc_block`, once its stage has landed."""
+    _wgmma_batch(ctx, acc_block, read_state)
     read_state.advance()
     return read_state
 
@@ -135,14 +143,7 @@ def mma_k_tiles_promoted(
 def _landed_block(ctx, acc_block, read_state, release_state):
     """The next k-tile's wgmma batch into a fresh `acc_block`, waited for, its stage
     released: one batch in flight, then the states advanced (release first)."""
-    ctx.ab_pipeline.consumer_wait(read_state)
-    # Orders the previous promotion's reads of acc_block before wgmma writes it again.
-    warpgroup.fence()
-    for k_block in cutlass.range_constexpr(cute.size(ctx.tCrA, mode=[2])):
-        ctx.tiled_mma.set(warpgroup.Field.ACCUMULATE, k_block != 0)
-        coord = (None, None, k_block, read_state.index)
-        cute.gemm(ctx.tiled_mma, acc_block, ctx.tCrA[coord], ctx.tCrB[coord], acc_block)
-    warpgroup.commit_group()
+    _wgmma_batch(ctx, acc_block, read_state)
     warpgroup.wait_group(0)
     ctx.ab_pipeline.consumer_release(release_state)
     release_state.advance()
