@@ -378,6 +378,30 @@ def test_the_e4m3_bound_catches_a_scale_from_the_neighbouring_block(monkeypatch)
     assert max(ratios.values()) > 1, ratios
 
 
+# XLA:GPU folds a chain of float conversions x -> e4m3 -> float32 into x -> float32
+# (`quantization/stored.py`): a conversion whose operand is an 8-bit float would let it drop
+# the rounding the recipe is. Every dequantizing read goes through the values' bits instead,
+# a table of the 256 patterns' values (the one conversion from 8-bit floats left, of shape 256).
+_FP8_CONVERSION = re.compile(r"stablehlo\.convert %\S+ : \(tensor<(?!256xf8)[^>]*xf8E\w+>\) -> ")
+
+
+def fp8_conversions(fn, *args) -> list[str]:
+    return _FP8_CONVERSION.findall(jax.jit(fn).lower(*args).as_text())
+
+
+def test_no_fp8_value_is_read_by_a_float_conversion_on_the_xla_path():
+    x, w1, w2, prob, b1, dy = (jnp.asarray(a) for a in inputs(seed=4))
+    sizes = jnp.asarray(SIZES, jnp.int32)
+
+    def loss(x, w1, w2, prob, b1):
+        y = jax_dsrelu.moe_mlp(x, w1, w2, prob, sizes, b1=b1, precision=RECIPE, backend="xla")
+        return jnp.sum(y * dy)
+
+    assert fp8_conversions(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)), x, w1, w2, prob, b1) == []
+    # The search finds the conversion where one is written.
+    assert len(fp8_conversions(lambda x: x.astype(jnp.float8_e4m3fn).astype(jnp.float32), x)) == 1
+
+
 # --- Reproducibility, the option's checks, the layers that carry it ---
 
 

@@ -92,3 +92,24 @@ def test_moe_mlp_xla_gradients_are_bitwise_stable():
         )
     )
     assert distinct_results(grad_fn, x, w1, w2, prob, b1, runs=10) == 1
+
+
+def test_fp8_quantizing_keeps_its_rounding_inside_one_program():
+    """XLA:GPU folds x -> e4m3 -> float32 conversion chains (`quantization/stored.py`):
+    quantizing and dequantizing in one program must give the bits of the two apart, the
+    values stored between them, as on the CPU."""
+    from jax_dsrelu.quantization import FP8_BLOCKWISE, blockwise, ragged
+
+    x = jax.random.normal(jax.random.key(7), (1024, 640), jnp.float32) * 3
+    sizes = jnp.asarray([300, 0, 500, 224], jnp.int32)
+    scaling = FP8_BLOCKWISE.activations
+    quantize_blocks = lambda x: blockwise.quantize_blockwise(x, scaling)  # noqa: E731
+    dequantize_blocks = lambda q: blockwise.dequantize_blockwise(*q, scaling)  # noqa: E731
+    quantize_rows = lambda x: ragged.quantize_ragged_rows(x, sizes, scaling)  # noqa: E731
+    for quantize, dequantize in ((quantize_blocks, dequantize_blocks), (quantize_rows, ragged.dequantize_ragged_rows)):
+        together = jax.jit(lambda x: dequantize(quantize(x)))(x)
+        apart = jax.jit(dequantize)(jax.jit(quantize)(x))
+        on_cpu = jax.jit(lambda x: dequantize(quantize(x)), device=jax.devices("cpu")[0])(x)
+        np.testing.assert_array_equal(np.asarray(together).view(np.uint32), np.asarray(apart).view(np.uint32))
+        np.testing.assert_array_equal(np.asarray(together).view(np.uint32), np.asarray(on_cpu).view(np.uint32))
+        assert not np.array_equal(np.asarray(together), np.asarray(x))  # the rounding is there to keep

@@ -40,11 +40,11 @@ from kernel_cases import dirichlet_sizes  # noqa: E402
 BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(np.float32)
 GROUP = FP8_BLOCKWISE.activations.block[1]
-# As tests/test_sm90_fp8.py derives them: Hopper's FP8 wgmma rounds a group's sum of
-# |products| at most 8 times at 2^-13 (4 wgmma of k = 32 per group of 128 rows), the
+# As tests/test_sm90_fp8.py derives them: Hopper's FP8 wgmma truncates a group's sum of
+# |products| at most 16 times at 2^-13 (a step per 16 products of the group's 128 rows), the
 # promotion adds the groups in float32 (2^-23 each, twice the unit roundoff for margin),
 # then one rounding to the output (2^-24 float32, 2^-8 bfloat16) and its subnormal step.
-_FP8_GROUP_UNIT = 8 * 2.0**-13
+_FP8_GROUP_UNIT = 16 * 2.0**-13
 _F32_UNIT = 2.0**-23
 _OUT_UNIT = {F32: (2.0**-24, 2.0**-149), BF16: (2.0**-8, 2.0**-133)}
 

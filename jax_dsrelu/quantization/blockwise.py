@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_dsrelu.quantization import stored
 from jax_dsrelu.quantization.schema import BlockScaling
 
 INPUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
@@ -100,5 +101,5 @@ def dequantize_blockwise(values: jax.Array, scales: jax.Array, scaling: BlockSca
     expected = scaling.scale_shape(values.shape)
     if scales.shape != expected:
         raise ValueError(f"scales.shape must be {expected} for values.shape={values.shape}, got {scales.shape}")
-    blocks = _blocks(values.astype(jnp.float32), scaling.block) * scales[..., None, None]
+    blocks = _blocks(stored.to_float32(values), scaling.block) * scales[..., None, None]
     return _unblock(blocks, values.shape).astype(dtype)

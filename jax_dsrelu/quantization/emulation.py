@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_dsrelu.quantization import stored
 from jax_dsrelu.quantization.schema import Recipe
 
 
@@ -43,8 +44,8 @@ def blockwise_matmul(
         if scales.shape != expected:
             raise ValueError(f"{name}.shape must be {expected} for a {a.shape} and w {w.shape}, got {scales.shape}")
     pad = blocks * interval - k
-    a_blocks = jnp.pad(a.astype(jnp.float32), ((0, 0), (0, pad))).reshape(m, blocks, interval)
-    w_blocks = jnp.pad(w.astype(jnp.float32), ((0, pad), (0, 0))).reshape(blocks, interval, n)
+    a_blocks = jnp.pad(stored.to_float32(a), ((0, 0), (0, pad))).reshape(m, blocks, interval)
+    w_blocks = jnp.pad(stored.to_float32(w), ((0, pad), (0, 0))).reshape(blocks, interval, n)
     partials = jnp.einsum("mbk,bkn->bmn", a_blocks, w_blocks, precision=jax.lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32)
     w_columns = jnp.repeat(w_scales, interval, axis=1)[:, :n]  # (blocks, N)

@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_dsrelu.quantization import stored
+
 BLOCK_SIZE = 32
 SCALE_DTYPE = np.dtype(jnp.float8_e8m0fnu)
 _SCALE_NAN_BITS = 0xFF
@@ -161,4 +163,4 @@ def dequantize_mx(
     factor_a, factor_b = _power_of_two(low), _power_of_two(exponent - low)
     factor_a = jnp.where(scale_bits == _SCALE_NAN_BITS, jnp.nan, factor_a)
     repeat = lambda f: jnp.repeat(f, BLOCK_SIZE, axis=axis)
-    return (values.astype(jnp.float32) * repeat(factor_a) * repeat(factor_b)).astype(dtype)
+    return (stored.to_float32(values) * repeat(factor_a) * repeat(factor_b)).astype(dtype)

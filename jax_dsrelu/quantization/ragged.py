@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dsrelu import groups
-from jax_dsrelu.quantization import blockwise
+from jax_dsrelu.quantization import blockwise, stored
 from jax_dsrelu.quantization.schema import BlockScaling
 
 
@@ -106,4 +106,4 @@ def quantize_ragged_rows(
 def dequantize_ragged_rows(quantized: RaggedQuantized, dtype=jnp.float32) -> jax.Array:
     """values * their group's scale, in float32, cast to dtype: (m, n)."""
     values, scales, row_group = quantized
-    return (values.astype(jnp.float32) * jnp.take(scales, row_group, axis=0)).astype(dtype)
+    return (stored.to_float32(values) * jnp.take(scales, row_group, axis=0)).astype(dtype)
