@@ -150,6 +150,26 @@ def test_padded_positions_give_each_group_its_own_128_rows():
     expected = [0, 1, 2] + list(range(128, 258)) + [384, 385, 386, 387, 388] + [512, 513]
     assert positions.tolist() == expected
     assert positions.max() < GROUP * ragged.max_groups(140, 4, GROUP)
+    # The layout's places, each holding the row that lands there, 140 (none) where empty.
+    sources = np.asarray(ragged.padded_sources(jnp.asarray(sizes, jnp.int32), 140, GROUP))
+    assert sources.shape == (GROUP * ragged.max_groups(140, 4, GROUP),)
+    assert (sources[positions] == np.arange(140)).all()
+    assert (np.delete(sources, positions) == 140).all()
+
+
+def test_the_fp8_weight_gradients_operands_are_made_without_a_scatter():
+    """A scatter of every element into its group (a max, or a move into the padded layout)
+    contends on the GPU's atomics; the quantizer and the K-major copies gather instead."""
+    from jax_dsrelu.kernels.sm90 import contract_layout
+
+    named, _, sizes, _ = operands("ragged_with_empty")
+    rows = jax.random.normal(jax.random.key(0), named["lhs"].shape, jnp.float32)
+    quantize = lambda x, g: ragged.quantize_ragged_rows(x, g, FP8_BLOCKWISE.activations)  # noqa: E731
+    for fn, args in ((quantize, (rows, named["group_sizes"])),
+                     (contract_layout.k_major_operands, (named["lhs"], named["rhs"], named["group_sizes"]))):
+        assert "scatter" not in jax.jit(fn).lower(*args).as_text()
+    # The search finds one where one is written.
+    assert "scatter" in jax.jit(lambda x: jnp.zeros_like(x).at[jnp.array([0])].max(x[:1])).lower(rows).as_text()
 
 
 @pytest.mark.parametrize("name", [name for name in GROUPINGS if name not in ("experts_256", "nano_widths")])

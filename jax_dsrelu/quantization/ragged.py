@@ -53,16 +53,32 @@ def row_groups(group_sizes: jax.Array, num_rows: int, rows_per_group: int) -> ja
     return jnp.cumsum(opens.astype(jnp.int32)) - 1
 
 
+def group_first_rows(row_group: jax.Array, count: int) -> jax.Array:
+    """(count + 1,) int32: the first row of each group, m for a number no group takes (and
+    at the end): groups hold consecutive rows in row order, so group g's rows are
+    [first[g], first[g + 1]). A binary search of the sorted row_group, not a scatter."""
+    return jnp.searchsorted(row_group, jnp.arange(count + 1, dtype=row_group.dtype), side="left").astype(jnp.int32)
+
+
 def padded_positions(group_sizes: jax.Array, num_rows: int, rows_per_group: int) -> jax.Array:
     """(m,) int32: where row i lies in the layout that gives each group r rows of its own,
     group g's rows from g * r on in row order (a partial group's other rows are left
-    empty), so that its r-row blocks are the groups: ceil(m / r) + E blocks at most. The
-    FP8 weight gradients' kernel reads its K-major copies in this layout."""
+    empty), so that its r-row blocks are the groups: ceil(m / r) + E blocks at most."""
     row_group = row_groups(group_sizes, num_rows, rows_per_group)
-    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    first = group_first_rows(row_group, max_groups(num_rows, group_sizes.shape[0], rows_per_group))
+    return rows_per_group * row_group + jnp.arange(num_rows, dtype=jnp.int32) - jnp.take(first, row_group)
+
+
+def padded_sources(group_sizes: jax.Array, num_rows: int, rows_per_group: int) -> jax.Array:
+    """(G r,) int32, G = `max_groups`: the row each place of that layout holds, m where it
+    is empty. Gathering rows through it builds the layout (the FP8 weight gradients'
+    kernel reads its K-major copies in it) and lines each group up as one r-row block;
+    every place is written once, by a gather, with no scatter."""
     count = max_groups(num_rows, group_sizes.shape[0], rows_per_group)
-    first = jax.ops.segment_min(rows, row_group, count, indices_are_sorted=True)
-    return rows_per_group * row_group + rows - jnp.take(first, row_group)
+    first = group_first_rows(row_groups(group_sizes, num_rows, rows_per_group), count)
+    offset = jnp.arange(rows_per_group, dtype=jnp.int32)
+    rows = first[:-1, None] + offset
+    return jnp.where(offset < (first[1:] - first[:-1])[:, None], rows, num_rows).reshape(-1)
 
 
 def max_groups(num_rows: int, num_experts: int, rows_per_group: int) -> int:
@@ -91,14 +107,19 @@ def quantize_ragged_rows(
     num_rows, rows_per_group = x.shape[0], scaling.block[1]
     row_group = row_groups(group_sizes, num_rows, rows_per_group)
     count = max_groups(num_rows, group_sizes.shape[0], rows_per_group)
+    # Each group lined up as one r-row block (empty places 0), so its maxima are a dense
+    # reduction: a scatter-max of every element into its group's row contends 128 ways on
+    # the GPU's atomics. Maxima are exact in any order.
+    if num_rows == 0:  # every place empty (jnp.take refuses an empty axis)
+        blocks = jnp.zeros((count, rows_per_group, x.shape[1]), jnp.float32)
+    else:
+        blocks = jnp.take(x, padded_sources(group_sizes, num_rows, rows_per_group), axis=0, mode="fill",
+                          fill_value=0).reshape(count, rows_per_group, x.shape[1]).astype(jnp.float32)
+    finite = jnp.isfinite(blocks)
+    amax = jnp.max(jnp.where(finite, jnp.abs(blocks), 0.0), axis=1)
+    special = jnp.any(~finite, axis=1)
     x = x.astype(jnp.float32)
-    finite = jnp.isfinite(x)
-    # Maxima of nonnegative values and of flags: exact in any order, so the scatter that
-    # forms them gives the same bits whatever order it runs in.
-    amax = jax.ops.segment_max(jnp.where(finite, jnp.abs(x), 0.0), row_group, count, indices_are_sorted=True)
-    special = jax.ops.segment_max((~finite).astype(jnp.int32), row_group, count, indices_are_sorted=True) > 0
-    # A number no group takes has no rows: its maximum is the empty one, -inf.
-    scales = blockwise.scales_from_amax(jnp.maximum(amax, 0.0), special, scaling.element)
+    scales = blockwise.scales_from_amax(amax, special, scaling.element)
     values = blockwise.scaled_values(x, jnp.take(scales, row_group, axis=0), scaling.element)
     return RaggedQuantized(values, scales, row_group)
 

@@ -13,7 +13,7 @@ contraction stores it (`ragged_contract_kernel.py`), whose walk and epilogue it 
 
 Operands: Hopper's FP8 wgmma reads both operands K-major, and the contraction's K is the
 rows, so the kernel reads K-major copies of lhs and rhs, (a, R) and (b, R), in which each
-group of rows has 128 of its own (`quantization.ragged.padded_positions`; a partial
+group of rows has 128 of its own (`quantization.ragged.padded_sources`; a partial
 group's other rows are zeros), R = 128 G for the primitive's G groups. The call makes them
 from the primitive's row-major operands (`contract_layout.py`). An expert's padded size
 (`padded_sizes`) is then a multiple of 128 and its k-tiles are its groups: k-tile t of the

@@ -2,8 +2,8 @@
 (`blockwise_contract_kernel.py`): K-major copies of the row-major block-scaled lhs (m, a)
 and rhs (m, b), in which each group of 128 rows has 128 rows of its own.
 
-Row i goes to padded row `quantization.ragged.padded_positions` (its group's 128 rows,
-in order); the rows a partial group leaves are zeros, which add nothing to any sum. Each
+Padded row p holds row `quantization.ragged.padded_sources`[p] (each group's 128 rows, in
+order, gathered); the rows a partial group leaves are zeros, which add nothing to any sum. Each
 expert's padded size is its size rounded up to 128, so its k-tiles are its groups and the
 scales the primitive was given index them as they are. Rows owned by no expert are
 copied too, past every expert's rows, where no expert reads them.
@@ -27,16 +27,13 @@ def padded_rows(num_rows: int, num_experts: int) -> int:
 
 def k_major_operands(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> dict[str, jax.Array]:
     """{lhs_k_major (a, R), rhs_k_major (b, R), padded_sizes (E,) int32} for the kernel."""
-    num_rows, num_experts = lhs.shape[0], group_sizes.shape[0]
-    positions = ragged.padded_positions(group_sizes, num_rows, BLOCK)
-    total = padded_rows(num_rows, num_experts)
+    num_rows = lhs.shape[0]
+    sources = ragged.padded_sources(group_sizes, num_rows, BLOCK)
 
     def k_major(x: jax.Array) -> jax.Array:
-        # Moved as bytes: the copy is a permutation of e4m3 values, and unique indices
-        # in increasing order make the scatter a plain copy.
+        # Moved as bytes: the copy is a gather of e4m3 rows, empty places 0.
         bits = lax.bitcast_convert_type(x, jnp.uint8)
-        padded = jnp.zeros((total, x.shape[1]), jnp.uint8).at[positions].set(
-            bits, unique_indices=True, indices_are_sorted=True)
+        padded = jnp.take(bits, sources, axis=0, mode="fill", fill_value=0)
         return lax.bitcast_convert_type(padded.T, x.dtype)
 
     sizes = groups.clamped_group_sizes(group_sizes, num_rows)
