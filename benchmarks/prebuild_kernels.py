@@ -67,8 +67,9 @@ def lower_determinism_tests():
     import test_determinism_gpu as t
 
     t.ragged_dot_value_and_grads("sm90").trace(*harness.shapes_of(t.ragged_dot_inputs(0))).lower(lowering_platforms=("cuda",))
-    for deterministic in (False, True):
-        t.layer_grads(deterministic).trace(*harness.shapes_of(t.layer_inputs(0))).lower(lowering_platforms=("cuda",))
+    for deterministic, precision in itertools.product((False, True), t.PRECISIONS):
+        with sm90_backend.unverified_enabled("fp8", on=precision is not None):
+            t.layer_grads(deterministic, precision).trace(*harness.shapes_of(t.layer_inputs(0))).lower(lowering_platforms=("cuda",))
 
 
 def lower_moe_block_tests():
@@ -90,8 +91,7 @@ def lower_language_model():
         loss = lambda *operands, options=dict(deterministic=deterministic, precision=precision): jnp.sum(  # noqa: E731
             jax_dsrelu.moe_layer(*operands[:4], b1=operands[4], top_k=TOP_K, **options).astype(f32))
         with sm90_backend.unverified_enabled("fp8"):  # --fp8 runs with JAX_DSRELU_SM90_UNVERIFIED=fp8 until verified
-            harness.lower_for_cuda(f"examples/train_lm.py layer deterministic={deterministic} precision="
-                                   f"{getattr(precision, 'name', None)}", jax.grad(loss, argnums=tuple(range(5))), *shapes)
+            harness.lower_for_cuda(f"train_lm.py layer {deterministic} {precision}", jax.grad(loss, argnums=tuple(range(5))), *shapes)
 
 
 def _layer_tests():
