@@ -66,10 +66,11 @@ def lower_determinism_tests():
     """Lowers for cuda what tests/test_determinism_gpu.py runs."""
     import test_determinism_gpu as t
 
-    t.ragged_dot_value_and_grads("sm90").trace(*harness.shapes_of(t.ragged_dot_inputs(0))).lower(lowering_platforms=("cuda",))
+    harness.lower_for_cuda("determinism test ragged_dot", t.ragged_dot_value_and_grads("sm90"), *harness.shapes_of(t.ragged_dot_inputs(0)))
     for deterministic, precision in itertools.product((False, True), t.PRECISIONS):
         with sm90_backend.unverified_enabled("fp8", on=precision is not None):
-            t.layer_grads(deterministic, precision).trace(*harness.shapes_of(t.layer_inputs(0))).lower(lowering_platforms=("cuda",))
+            harness.lower_for_cuda(f"determinism test {deterministic} fp8={precision is not None}",
+                                   t.layer_grads(deterministic, precision), *harness.shapes_of(t.layer_inputs(0)))
 
 
 def lower_moe_block_tests():
@@ -77,8 +78,7 @@ def lower_moe_block_tests():
     import test_moe_block_gpu as t
 
     for deterministic in (False, True):
-        harness.lower_for_cuda(f"tests moe block deterministic={deterministic}", t.block_grads(deterministic),
-                               *harness.shapes_of(t.block_inputs(0)))
+        harness.lower_for_cuda(f"moe block test {deterministic}", t.block_grads(deterministic), *harness.shapes_of(t.block_inputs(0)))
 
 
 def lower_language_model():
@@ -91,7 +91,7 @@ def lower_language_model():
         loss = lambda *operands, options=dict(deterministic=deterministic, precision=precision): jnp.sum(  # noqa: E731
             jax_dsrelu.moe_layer(*operands[:4], b1=operands[4], top_k=TOP_K, **options).astype(f32))
         with sm90_backend.unverified_enabled("fp8"):  # --fp8 runs with JAX_DSRELU_SM90_UNVERIFIED=fp8 until verified
-            harness.lower_for_cuda(f"train_lm.py layer {deterministic} {precision}", jax.grad(loss, argnums=tuple(range(5))), *shapes)
+            harness.lower_for_cuda(f"train_lm.py {deterministic} fp8={precision is not None}", jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *shapes)
 
 
 def _layer_tests():

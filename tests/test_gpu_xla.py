@@ -109,7 +109,7 @@ def test_fp8_quantizing_keeps_its_rounding_inside_one_program():
     for quantize, dequantize in ((quantize_blocks, dequantize_blocks), (quantize_rows, ragged.dequantize_ragged_rows)):
         together = jax.jit(lambda x: dequantize(quantize(x)))(x)
         apart = jax.jit(dequantize)(jax.jit(quantize)(x))
-        on_cpu = jax.jit(lambda x: dequantize(quantize(x)), device=jax.devices("cpu")[0])(x)
+        on_cpu = jax.jit(lambda x: dequantize(quantize(x)))(jax.device_put(x, jax.devices("cpu")[0]))
         np.testing.assert_array_equal(np.asarray(together).view(np.uint32), np.asarray(apart).view(np.uint32))
         np.testing.assert_array_equal(np.asarray(together).view(np.uint32), np.asarray(on_cpu).view(np.uint32))
         assert not np.array_equal(np.asarray(together), np.asarray(x))  # the rounding is there to keep

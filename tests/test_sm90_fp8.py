@@ -44,7 +44,7 @@ BLOCK = FP8_BLOCKWISE.promotion
 # each wgmma's 32 products exactly (2 steps per wgmma, 8 per K block of 4 wgmma) is too
 # few: the FP8 contraction's GPU tier exceeded that bound on an H100 (ragged_with_empty, in
 # the expert of 129 rows; benchmarks/results/device_checks.log, fd9549f). The bound allows a
-# step per 16 products, 16 per K block. The promotion then adds the blocks in float32 on the CUDA cores
+# step per 8 products, 16 per K block. The promotion then adds the blocks in float32 on the CUDA cores
 # (2^-23, twice float32's unit roundoff, for margin). The GPU tier holds the kernels to it,
 # and the CPU tests show it still rejects a wrong scale, a dropped block or another
 # expert's rows.

@@ -41,7 +41,7 @@ BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(np.float32)
 GROUP = FP8_BLOCKWISE.activations.block[1]
 # As tests/test_sm90_fp8.py derives them: Hopper's FP8 wgmma truncates a group's sum of
-# |products| at most 16 times at 2^-13 (a step per 16 products of the group's 128 rows), the
+# |products| at most 16 times at 2^-13 (a step per 8 products of the group's 128 rows), the
 # promotion adds the groups in float32 (2^-23 each, twice the unit roundoff for margin),
 # then one rounding to the output (2^-24 float32, 2^-8 bfloat16) and its subnormal step.
 _FP8_GROUP_UNIT = 16 * 2.0**-13
