@@ -20,6 +20,7 @@ group, 1 to 256 experts; the same bits on every run.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 # Before anything imports CuTe DSL: on a machine without a GPU it cannot detect one.
@@ -249,6 +250,41 @@ def test_fp8_contraction_compiles_for_sm90a(shape, out_dtype, monkeypatch):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("shape, out_dtype", [((128, 1856, 2688), BF16), ((8, 4096, 2048), F32), ((4, 384, 48), F32)],
+                         ids=str)
+def test_fp8_contraction_with_the_promotion_overlapped_compiles_for_sm90a(shape, out_dtype):
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    import ptxas
+
+    from jax_dsrelu.kernels.sm90 import backend, ragged_call
+
+    request = request_for(shape, out_dtype)
+    with backend.unverified_enabled("fp8"):
+        compiled = ragged_call.compile_kernel(request, overlapped_config(request), keep=True)
+    # Two batches in flight: each promotion waits for all but the newest.
+    assert "wgmma.wait_group.sync.aligned \t1;" in compiled.ptx
+    ptxas.check_assembly(compiled.ptx)
+
+
+def test_a_column_slots_offset_is_its_values_column_in_the_fragment():
+    """The overlapped promotion makes a column's index from the thread's first column and
+    `fragment.column_offset`: value v = c + 2 h + 4 j lies at column 8 j + c past it."""
+    from jax_dsrelu.kernels.sm90 import fragment
+
+    for value in range(64):
+        assert fragment.column_offset(fragment.column_slot(value)) == 8 * (value // 4) + value % 2
+
+
+def test_the_overlapped_promotion_is_refused_where_it_spills():
+    from jax_dsrelu.kernels.sm90 import ragged_call
+
+    chosen = ragged_call.choose_config(request_for((8, 4096, 2048), F32))
+    assert chosen.tile_n == 128 and not chosen.overlap_promotion  # the rules keep the waited promotion
+    with pytest.raises(ValueError, match="overlap_promotion=True needs tile_n at most 64, got tile_n=128"):
+        dataclasses.replace(chosen, overlap_promotion=True)
+
+
+@pytest.mark.compile
 def test_fp8_contraction_lowers_for_cuda_only_where_enabled():
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     from test_operand_binding import unbound_buffers
@@ -280,23 +316,42 @@ def hopper():
         pytest.skip(f"the sm90 kernels run on compute capability 9.0; this GPU has {capability}")
 
 
-def prebuild_requests():
-    """Every (request, chosen config, outputs_in_place) the GPU tier runs, for the kernel cache."""
+def overlapped_config(request):
+    """The chosen config with each group's promotion beside the next group's wgmma, at the
+    widest tile that takes it (`ContractConfig`: tile_n 64, a buffer per subtile)."""
     from jax_dsrelu.kernels.sm90 import ragged_call
 
-    requests = {request_for(grouping(name)[0], grouping(name)[3]) for name in GROUPINGS}
-    return [(request, ragged_call.choose_config(request), True) for request in sorted(requests, key=repr)]
+    chosen = ragged_call.choose_config(request)
+    return dataclasses.replace(chosen, overlap_promotion=True, tile_n=64, store_stages=min(chosen.store_stages, 2))
+
+
+# Groupings whose experts have odd and even counts of groups (1, 2, many): the overlapped
+# promotion's pairs and tails.
+OVERLAPPED = ["ragged_with_empty", "past_m", "fewer_rows_than_a_group", "narrow_b", "nano_widths"]
+GPU_CASES = [(name, False) for name in GROUPINGS] + [(name, True) for name in OVERLAPPED]
+
+
+def config_of(request, overlapped: bool):
+    from jax_dsrelu.kernels.sm90 import ragged_call
+
+    return overlapped_config(request) if overlapped else ragged_call.choose_config(request)
+
+
+def prebuild_requests():
+    """Every (request, config, outputs_in_place) the GPU tier runs, for the kernel cache."""
+    requests = {(request_for(grouping(name)[0], grouping(name)[3]), overlapped) for name, overlapped in GPU_CASES}
+    return [(request, config_of(request, overlapped), True) for request, overlapped in sorted(requests, key=repr)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", list(GROUPINGS))
-def test_fp8_contraction_matches_float64_and_the_plan(hopper, name):
+@pytest.mark.parametrize("name, overlapped", GPU_CASES, ids=[n + ("-overlapped" if o else "") for n, o in GPU_CASES])
+def test_fp8_contraction_matches_float64_and_the_plan(hopper, name, overlapped):
     from jax_dsrelu.kernels.sm90 import backend, ragged_call
 
     named, (lhs64, rhs64), sizes, out_dtype = operands(name)
     request = request_for(grouping(name)[0], out_dtype)
     with backend.unverified_enabled("fp8"):
-        run = ragged_call.implementation(request, outputs_in_place=True)
+        run = ragged_call.implementation(request, config_of(request, overlapped), outputs_in_place=True)
         filled = {"out": jnp.full((len(sizes), request.a, request.b), jnp.nan, out_dtype)}
         results = [jax.jit(lambda o: run(**o, filled=filled))(named)["out"] for _ in range(3)]
     ref, abs_dot = reference(lhs64, rhs64, sizes, len(sizes))

@@ -100,12 +100,19 @@ class BlockScaledContractSm90(RaggedContractSm90):
 
     def mainloop(self, ctx, item, tile, read_state, release_state):
         """The promoted mainloop with this thread's two rows of the a-block and its
-        columns of the b-block (a row or column past a or b reads row 0's scales: its
-        operand rows are zero-filled and it is never stored)."""
+        columns of the b-block (a row or column past a or b reads row 0's scales, or with
+        the overlapped promotion a column past b reads column b - 1's: its operand rows
+        are zero-filled and it is never stored)."""
         rows = []
         for h in range(len(ctx.tile_row)):
             row = tile.m_tile * self.tile_m + ctx.tile_row[h]
             rows.append(Int32(cutlass.select_(row < self.a, row, Int32(0))))
+        if self.config.overlap_promotion:
+            blocks = [cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32) for _ in range(2)]
+            first_column = tile.n_tile * self.tile_n + ctx.tCcAcc[0][1]
+            return promoted_mainloop.mma_k_tiles_promoted_by_column_overlapped(
+                ctx, blocks, read_state, release_state, self.k_tile_count(tile), ctx.params.lhs_scale, rows,
+                ctx.params.rhs_scale, first_column, Int32(self.b - 1), tile.first_row // BLOCK)
         columns = []
         for slot in range(cute.size(ctx.acc) // 2):
             # The first of the thread's values in column slot `slot` (fragment.column_slot).

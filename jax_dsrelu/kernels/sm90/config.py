@@ -362,12 +362,21 @@ class ContractConfig(KernelTiles):
     """The ragged contraction's configuration (`ragged_contract_kernel.py`): the family's,
     tile_k expert rows per stage, at most a buffer per subtile; an expert's output tiles
     walked a-block fastest (the CTAs in flight share a b-block of rhs) where a_fastest,
-    else b-block fastest (they share an a-block of lhs)."""
+    else b-block fastest (they share an a-block of lhs); for block-scaled FP8 operands,
+    whether each group's promotion runs beside the next group's wgmma
+    (`promoted_mainloop.mma_k_tiles_promoted_by_column_overlapped`)."""
 
     a_fastest: bool = False
+    overlap_promotion: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.overlap_promotion and self.operand_bytes != 1:
+            raise ValueError("overlap_promotion=True is for block-scaled FP8 operands (operand_bytes=1)")
+        if self.overlap_promotion and self.tile_n > 64:
+            # Two partial-sum buffers and the total take 3 x tile_n / 2 registers a thread
+            # beside a scale per column: at tile_n = 128 ptxas spills.
+            raise ValueError(f"overlap_promotion=True needs tile_n at most 64, got tile_n={self.tile_n}")
         if self.store_stages > self.subtiles:
             raise ValueError(
                 f"store_stages must be at most the tile's {self.subtiles} subtiles (a buffer per "

@@ -17,3 +17,8 @@ def row_half(value: int) -> int:
 def column_slot(value: int) -> int:
     """Which of the thread's columns value `value` lies in (c + 2 j): both rows share it."""
     return value % 2 + 2 * (value // 4)
+
+
+def column_offset(slot: int) -> int:
+    """Column slot `slot`'s column, less the thread's first (slot 0's): 8 j + c."""
+    return 8 * (slot // 2) + slot % 2

@@ -68,10 +68,17 @@ def _wgmma_batch(ctx, acc_block, read_state):
     ctx.ab_pipeline.consumer_wait(read_state)
     # Orders the previous promotion's reads of acc_block before wgmma writes it again.
     warpgroup.fence()
+    # Each `set` makes a new value of the MMA atom from the last one; the batch hands back
+    # the atom as it found it, so that a batch issued in one loop or branch leaves no value
+    # of its own for a batch in another (values must dominate their uses), and every batch
+    # sets the accumulate flag of each of its wgmma itself. (`_trait.value` is CuTe DSL's
+    # atom state at the pinned version.)
+    atom = ctx.tiled_mma._trait.value
     for k_block in cutlass.range_constexpr(cute.size(ctx.tCrA, mode=[2])):
         ctx.tiled_mma.set(warpgroup.Field.ACCUMULATE, k_block != 0)
         coord = (None, None, k_block, read_state.index)
         cute.gemm(ctx.tiled_mma, acc_block, ctx.tCrA[coord], ctx.tCrB[coord], acc_block)
+    ctx.tiled_mma._trait.value = atom
     warpgroup.commit_group()
 
 
@@ -179,3 +186,88 @@ def mma_k_tiles_promoted_by_column(
             scale = row_scales[fragment.row_half(v)] * column_scales[fragment.column_slot(v)]
             acc[v] = acc[v] + acc_block[v] * scale
     return read_state, release_state
+
+
+@cute.jit
+def mma_k_tiles_promoted_by_column_overlapped(
+    ctx,  # the consumer's context: its tiled_mma, acc (the float32 total), tCrA, tCrB and ab_pipeline
+    acc_blocks: list,  # two partial-sum buffers, written by wgmma only, used in turn
+    read_state: pipeline.PipelineState,
+    release_state: pipeline.PipelineState,
+    k_tiles: Int32,
+    lhs_scale: cute.Tensor,  # (K blocks, rows of A) float32
+    rows: list,  # this thread's two rows of A (in bounds)
+    rhs_scale: cute.Tensor,  # (K blocks, rows of B) float32
+    first_column: Int32,  # this thread's first row of B (its column slot 0, `fragment.column_offset`)
+    last_column: Int32,  # the last row of B: a column past it reads its scales (never stored)
+    first_block: Int32,  # the K block of the first k-tile
+):
+    """`mma_k_tiles_promoted_by_column` with the promotion of k-tile t beside the wgmma
+    batch of k-tile t + 1, as `mma_k_tiles_promoted_overlapped` does for a static K: here
+    K (an expert's groups) is known at run time only, so the k-tiles go by pairs, the
+    first of a pair into acc_blocks[1] and the second into acc_blocks[0] (each buffer a
+    set of registers, chosen at trace time), and a tail of one or two k-tiles follows.
+    The two buffers and the total take 3 x tile_n / 2 registers a thread, so no list of
+    column indices or scales is held across the loop: a column's scale is loaded where its
+    values are promoted, from an index made there (`ContractConfig` allows tile_n 64)."""
+    ctx.acc.fill(0.0)
+    columns = (first_column, last_column)
+    if k_tiles > 0:
+        read_state = _issue_block(ctx, acc_blocks[0], read_state)
+        # k-tile 0 is in flight in acc_blocks[0]; each pair issues 2p + 1 and 2p + 2.
+        for pair in range((k_tiles - 1) // 2):
+            tile = 2 * pair + 1
+            read_state, release_state = _issue_and_promote_by_column(
+                ctx, acc_blocks[1], acc_blocks[0], read_state, release_state, lhs_scale, rows, rhs_scale, columns,
+                first_block + tile - 1)
+            read_state, release_state = _issue_and_promote_by_column(
+                ctx, acc_blocks[0], acc_blocks[1], read_state, release_state, lhs_scale, rows, rhs_scale, columns,
+                first_block + tile)
+        last = first_block + k_tiles - 1
+        if (k_tiles - 1) % 2 == 1:  # k-tile k_tiles - 1 not issued yet: into acc_blocks[1]
+            read_state, release_state = _issue_and_promote_by_column(
+                ctx, acc_blocks[1], acc_blocks[0], read_state, release_state, lhs_scale, rows, rhs_scale, columns,
+                last - 1)
+            release_state = _promote_last_by_column(ctx, acc_blocks[1], release_state, lhs_scale, rows, rhs_scale,
+                                                    columns, last)
+        else:
+            release_state = _promote_last_by_column(ctx, acc_blocks[0], release_state, lhs_scale, rows, rhs_scale,
+                                                    columns, last)
+    return read_state, release_state
+
+
+@cute.jit
+def _issue_and_promote_by_column(ctx, issued, promoted, read_state, release_state, lhs_scale, rows, rhs_scale,
+                                 columns, promoted_block):
+    """Issues the next k-tile into `issued`, then promotes K block `promoted_block` from
+    `promoted` once its batch has landed (wait_group(1)), and releases its stage."""
+    read_state = _issue_block(ctx, issued, read_state)
+    warpgroup.wait_group(1)
+    ctx.ab_pipeline.consumer_release(release_state)
+    release_state.advance()
+    _promote_loading_column_scales(ctx.acc, promoted, lhs_scale, rows, rhs_scale, columns, promoted_block)
+    return read_state, release_state
+
+
+@cute.jit
+def _promote_last_by_column(ctx, acc_block, release_state, lhs_scale, rows, rhs_scale, columns, block):
+    """The last k-tile: waited for (wait_group(0)), its stage released, promoted."""
+    warpgroup.wait_group(0)
+    ctx.ab_pipeline.consumer_release(release_state)
+    release_state.advance()
+    _promote_loading_column_scales(ctx.acc, acc_block, lhs_scale, rows, rhs_scale, columns, block)
+    return release_state
+
+
+@cute.jit
+def _promote_loading_column_scales(acc, acc_block, lhs_scale, rows, rhs_scale, columns, block):
+    """acc += acc_block * (row scale * column scale), the scales of K block `block`, each
+    column's index and scale made where its two values are promoted."""
+    first_column, last_column = columns
+    row_scales = [Float32(lhs_scale[block, row]) for row in rows]
+    for slot in cutlass.range_constexpr(cute.size(acc) // 2):
+        column = cutlass.min(first_column + fragment.column_offset(slot), last_column)
+        column_scale = Float32(rhs_scale[block, column])
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            if cutlass.const_expr(fragment.column_slot(v) == slot):
+                acc[v] = acc[v] + acc_block[v] * (row_scales[fragment.row_half(v)] * column_scale)
