@@ -261,6 +261,8 @@ def test_fp8_contraction_with_the_promotion_overlapped_compiles_for_sm90a(shape,
     request = request_for(shape, out_dtype)
     with backend.unverified_enabled("fp8"):
         compiled = ragged_call.compile_kernel(request, overlapped_config(request), keep=True)
+    assert "wgmma.mma_async.sync.aligned.m64n" in compiled.ptx and ".f32.e4m3.e4m3" in compiled.ptx
+    assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     # Two batches in flight: each promotion waits for all but the newest.
     assert "wgmma.wait_group.sync.aligned \t1;" in compiled.ptx
     ptxas.check_assembly(compiled.ptx)
@@ -276,9 +278,9 @@ def test_a_column_slots_offset_is_its_values_column_in_the_fragment():
 
 
 def test_the_overlapped_promotion_is_refused_where_it_spills():
-    from jax_dsrelu.kernels.sm90 import ragged_call
+    from jax_dsrelu.kernels.sm90 import config
 
-    chosen = ragged_call.choose_config(request_for((8, 4096, 2048), F32))
+    chosen = config.choose_contract_config(request_for((8, 4096, 2048), F32))
     assert chosen.tile_n == 128 and not chosen.overlap_promotion  # the rules keep the waited promotion
     with pytest.raises(ValueError, match="overlap_promotion=True needs tile_n at most 64, got tile_n=128"):
         dataclasses.replace(chosen, overlap_promotion=True)

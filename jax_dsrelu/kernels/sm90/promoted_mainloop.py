@@ -9,11 +9,14 @@ float32 total, value by value, times the block's two scales:
 
     acc[r, c] += acc_block[r, c] * (lhs_scale[row r, block] * rhs_scale[expert, n block, block])
 
-the order `quantization.emulation.blockwise_matmul` writes, the kernels' oracle. The
-batch is waited for before the promotion reads it, so one batch of a warpgroup is in
-flight at a time; the other consumer warpgroup's batch keeps the tensor cores busy
-meanwhile. A stage is released as soon as its batch has landed. The scales of a k-tile
-are loaded before its stage is waited for, so their latency hides behind the wait.
+the order `quantization.emulation.blockwise_matmul` writes, the kernels' oracle. In the
+waited mainloops (`mma_k_tiles_promoted`, `mma_k_tiles_promoted_by_column`) the batch is
+waited for before the promotion reads it, so one batch of a warpgroup is in flight at a
+time; the other consumer warpgroup's batch keeps the tensor cores busy meanwhile, and the
+scales of a k-tile are loaded before its stage is waited for, so their latency hides
+behind the wait. The overlapped ones (`*_overlapped`) promote k-tile t while the batch of
+k-tile t + 1 runs, in a second partial-sum buffer. A stage is released as soon as its
+batch has landed.
 """
 
 from __future__ import annotations
