@@ -268,10 +268,9 @@ def prebuild_requests():
 
 def prebuild_fused_requests():
     """The fused kernel's (request, config) of every case of its GPU tier, for the cache."""
-    from jax_dsrelu.kernels.sm90 import config
-
-    requests = {dsrelu_request(DSRELU_GROUPINGS[name][0], deterministic) for name, deterministic in DSRELU_GPU_CASES}
-    return [(request, config.choose_config(request)) for request in sorted(requests, key=repr)]
+    built = {(dsrelu_request(DSRELU_GROUPINGS[name][0], deterministic), overlap)
+             for name, deterministic, overlap in DSRELU_GPU_CASES}
+    return [(request, fused_config(request, overlap)) for request, overlap in sorted(built, key=repr)]
 
 
 @pytest.mark.compile
@@ -430,7 +429,19 @@ DSRELU_GROUPINGS = {
     "past_m": ((8, 320, 528), 2000, [900, 800, 700, 0, 0, 0, 0, 5]),
     "nano_widths": ((16, 1856, 2688), 5000, None),
 }
-DSRELU_GPU_CASES = [(name, deterministic) for name in DSRELU_GROUPINGS for deterministic in (False, True)]
+# (name, deterministic, overlap_promotion): the promotion beside the next wgmma batch too,
+# which the rules do not choose for the fused kernel until it has run.
+DSRELU_GPU_CASES = [(name, deterministic, False) for name in DSRELU_GROUPINGS for deterministic in (False, True)] + [
+    (name, deterministic, True) for name in ("ragged_with_empty", "nano_widths") for deterministic in (False, True)]
+
+
+def fused_config(request, overlap_promotion: bool):
+    """The chosen config, or with the overlapped promotion at the widest tile that takes it
+    (`TileConfig`: tile_n 64)."""
+    from jax_dsrelu.kernels.sm90 import config
+
+    chosen = config.choose_config(request)
+    return dataclasses.replace(chosen, overlap_promotion=True, tile_n=64) if overlap_promotion else chosen
 
 
 def dsrelu_request(shape, deterministic, out_dtype=np.dtype(np.float32)):
@@ -542,12 +553,39 @@ def test_fp8_fused_kernel_compiles_for_sm90a(shape, deterministic):
     ptxas.check_assembly(compiled.ptx)
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("shape", [(8, 2048, 4096), (128, 1856, 2688), (4, 64, 384)], ids=str)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_fp8_fused_kernel_with_the_promotion_overlapped_compiles_for_sm90a(shape, deterministic):
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    import ptxas
+
+    from jax_dsrelu.kernels.sm90 import backend, dsrelu_call
+
+    request = dsrelu_request(shape, deterministic)
+    with backend.unverified_enabled("fp8"):
+        compiled = dsrelu_call.compile_kernel(request, fused_config(request, True), keep=True)
+    assert ".f32.e4m3.e4m3" in compiled.ptx
+    assert compiled.ptx.count("wgmma.commit_group") == -(-shape[2] // BLOCK)  # the k-tiles unrolled
+    ptxas.check_assembly(compiled.ptx)
+
+
+def test_the_fused_kernels_overlapped_promotion_is_refused_where_it_spills():
+    from jax_dsrelu.kernels.sm90 import config
+
+    chosen = config.choose_config(dsrelu_request((128, 1856, 2688), False))
+    assert chosen.tile_n == 128 and not chosen.overlap_promotion  # the rules keep the waited promotion
+    with pytest.raises(ValueError, match="overlap_promotion=True needs tile_n at most 64, got tile_n=128"):
+        dataclasses.replace(chosen, overlap_promotion=True)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, deterministic", DSRELU_GPU_CASES, ids=[f"{n}-{d}" for n, d in DSRELU_GPU_CASES])
-def test_fp8_fused_kernel_matches_float64(hopper, name, deterministic):
+@pytest.mark.parametrize("name, deterministic, overlap", DSRELU_GPU_CASES,
+                         ids=[f"{n}-{d}" + ("-overlapped" if o else "") for n, d, o in DSRELU_GPU_CASES])
+def test_fp8_fused_kernel_matches_float64(hopper, name, deterministic, overlap):
     from jax_dsrelu.kernels.sm90 import backend
 
-    from jax_dsrelu.kernels.sm90 import config, dsrelu_call
+    from jax_dsrelu.kernels.sm90 import dsrelu_call
 
     (num_experts, n, k), m, sizes, operands, (grad64, weight64), preact, prob = dsrelu_case(name)
     request = dsrelu_request((num_experts, n, k), deterministic)
@@ -557,10 +595,10 @@ def test_fp8_fused_kernel_matches_float64(hopper, name, deterministic):
                  alpha=jnp.ones((num_experts,), jnp.float32))
     with backend.unverified_enabled("fp8"):
         # Every output the kernel writes whole NaN-filled first (the accumulated ones start at 0).
-        run = dsrelu_call.implementation(request, outputs_in_place=True)
+        config = fused_config(request, overlap)
+        run = dsrelu_call.implementation(request, config, outputs_in_place=True)
         filled = {o.name: jnp.full(o.shape_for(m), jnp.nan, o.dtype)
-                  for o in dsrelu_call.operands(request, config.choose_config(request))
-                  if o.role == "output"}
+                  for o in dsrelu_call.operands(request, config) if o.role == "output"}
         call = jax.jit(lambda o: run(**o, filled=filled))
         results, again = call(named), call(named)
     check_fused(results, grad64, weight64, preact, prob, sizes, k)

@@ -72,7 +72,7 @@ class BlockScaledMainloop:
             rows.append(Int32(cutlass.select_(row < num_rows, row, Int32(0))))
         n_block = (tile.n_tile * self.tile_n) // BLOCK
         scales = (ctx.params.a_scale, rows, ctx.params.b_scale, tile.expert, n_block)
-        if getattr(self.config, "overlap_promotion", False):  # a GemmConfig's (the fused kernel's has none)
+        if self.config.overlap_promotion:
             blocks = [cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32) for _ in range(2)]
             return promoted_mainloop.mma_k_tiles_promoted_overlapped(
                 ctx, blocks, read_state, release_state, self.k_tiles, *scales)

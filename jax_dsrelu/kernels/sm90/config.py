@@ -125,10 +125,22 @@ class KernelTiles:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TileConfig(KernelTiles):
     """The fused dsReLU kernel's configuration: the family's, with preact_stages preact
-    subtiles in flight."""
+    subtiles in flight; for block-scaled FP8 operands, whether each K block's promotion
+    runs beside the next block's wgmma (`promoted_mainloop.mma_k_tiles_promoted_overlapped`,
+    as the ragged-M GEMM's `GemmConfig.overlap_promotion`)."""
 
     preact_stages: int
+    overlap_promotion: bool = False
     counts: ClassVar[tuple[str, ...]] = KernelTiles.counts + ("preact_stages",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.overlap_promotion and self.operand_bytes != 1:
+            raise ValueError("overlap_promotion=True is for block-scaled FP8 operands (operand_bytes=1)")
+        if self.overlap_promotion and self.tile_n > 64:
+            # Two partial-sum buffers and the total beside what the fused epilogue keeps
+            # live across the mainloop: at tile_n = 128 ptxas spills.
+            raise ValueError(f"overlap_promotion=True needs tile_n at most 64, got tile_n={self.tile_n}")
 
     def smem_bytes(self, num_experts: int, with_act: bool, with_dbias: bool, out_bytes: int = 2) -> int:
         """Shared memory the kernel allocates for this config (16-bit preact, outputs of
