@@ -1,10 +1,10 @@
 #!/bin/bash
 # Two commits' moe_mlp steps on one GPU, rounds alternating the commits, so that the spread
 # between machines (a few percent between H200s) cannot pass for a change:
-#
 #   bash benchmarks/step_ab.sh OLD_TREE OLD_COMMIT NEW_COMMIT [ROUNDS]
 #
-# STEP_AB_SHAPES (bench_layer.py's --shapes) narrows the run. OLD_TREE holds the older
+# STEP_AB_SHAPES (bench_layer.py's --shapes) narrows the run, STEP_AB_VARIANTS (sm90,sm90_det
+# unless set: sm90_fp8 for the FP8 step) picks the variants. OLD_TREE holds the older
 # commit's jax_dsrelu, benchmarks and tests (git archive OLD_COMMIT ... | tar -x -C OLD_TREE);
 # the working tree is NEW_COMMIT; both commits' kernels come from the carried cache
 # (prebuild_kernels.py --only bench_layer in each tree: the keys digest each tree's sources).
@@ -23,7 +23,7 @@ for round in $(seq 1 "$rounds"); do
     mkdir -p "$OUT/$commit-$round"
     (cd "$tree" && PYTHONPATH="$tree:$tree/tests:$tree/benchmarks${base:+:$base}" \
       timeout 100 python3 benchmarks/bench_layer.py --commit "$commit" --out "$OUT/$commit-$round" \
-        --modes step --variants sm90,sm90_det --reps 5 --shapes "$shapes" \
+        --modes step --variants "${STEP_AB_VARIANTS:-sm90,sm90_det}" --reps 5 --shapes "$shapes" \
         > "$OUT/$commit-$round/layer.log" 2> "$OUT/$commit-$round/layer.err")
     echo "$commit round $round exit $?"
     for f in "$OUT/$commit-$round"/bench_layer.json*; do cp "$f" "$OUT/bench_layer_step_ab_${side}_r$round${f##*/bench_layer}"; done
