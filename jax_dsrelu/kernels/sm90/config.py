@@ -122,6 +122,19 @@ class KernelTiles:
         return self.store_stages * self.tile_m * self.epi_n * out_bytes
 
 
+def _check_overlap_promotion(config: KernelTiles, widest_tile_n: int | None = None) -> None:
+    """What a config's overlap_promotion asks: block-scaled FP8 operands and, where the
+    kernel keeps more live across its mainloop than two partial-sum buffers and the total
+    (the fused kernel's epilogue state, the contraction's scale per column), an N tile of
+    at most widest_tile_n: at tile_n = 128 ptxas spills there."""
+    if not config.overlap_promotion:
+        return
+    if config.operand_bytes != 1:
+        raise ValueError("overlap_promotion=True is for block-scaled FP8 operands (operand_bytes=1)")
+    if widest_tile_n is not None and config.tile_n > widest_tile_n:
+        raise ValueError(f"overlap_promotion=True needs tile_n at most {widest_tile_n}, got tile_n={config.tile_n}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TileConfig(KernelTiles):
     """The fused dsReLU kernel's configuration: the family's, with preact_stages preact
@@ -135,12 +148,7 @@ class TileConfig(KernelTiles):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.overlap_promotion and self.operand_bytes != 1:
-            raise ValueError("overlap_promotion=True is for block-scaled FP8 operands (operand_bytes=1)")
-        if self.overlap_promotion and self.tile_n > 64:
-            # Two partial-sum buffers and the total beside what the fused epilogue keeps
-            # live across the mainloop: at tile_n = 128 ptxas spills.
-            raise ValueError(f"overlap_promotion=True needs tile_n at most 64, got tile_n={self.tile_n}")
+        _check_overlap_promotion(self, widest_tile_n=64)
 
     def smem_bytes(self, num_experts: int, with_act: bool, with_dbias: bool, out_bytes: int = 2) -> int:
         """Shared memory the kernel allocates for this config (16-bit preact, outputs of
@@ -341,8 +349,7 @@ class GemmConfig(KernelTiles):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.overlap_promotion and self.operand_bytes != 1:
-            raise ValueError("overlap_promotion=True is for block-scaled FP8 operands (operand_bytes=1)")
+        _check_overlap_promotion(self)
 
     def smem_bytes(self, num_experts: int, outputs: int) -> int:
         """Shared memory for this config with `outputs` 16-bit output tensors."""
@@ -383,12 +390,7 @@ class ContractConfig(KernelTiles):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.overlap_promotion and self.operand_bytes != 1:
-            raise ValueError("overlap_promotion=True is for block-scaled FP8 operands (operand_bytes=1)")
-        if self.overlap_promotion and self.tile_n > 64:
-            # Two partial-sum buffers and the total take 3 x tile_n / 2 registers a thread
-            # beside a scale per column: at tile_n = 128 ptxas spills.
-            raise ValueError(f"overlap_promotion=True needs tile_n at most 64, got tile_n={self.tile_n}")
+        _check_overlap_promotion(self, widest_tile_n=64)
         if self.store_stages > self.subtiles:
             raise ValueError(
                 f"store_stages must be at most the tile's {self.subtiles} subtiles (a buffer per "
