@@ -69,16 +69,26 @@ def padded_positions(group_sizes: jax.Array, num_rows: int, rows_per_group: int)
     return rows_per_group * row_group + jnp.arange(num_rows, dtype=jnp.int32) - jnp.take(first, row_group)
 
 
-def padded_sources(group_sizes: jax.Array, num_rows: int, rows_per_group: int) -> jax.Array:
+def padded_sources(group_sizes: jax.Array, num_rows: int, rows_per_group: int,
+                   row_group: jax.Array | None = None) -> jax.Array:
     """(G r,) int32, G = `max_groups`: the row each place of that layout holds, m where it
-    is empty. Gathering rows through it builds the layout (the FP8 weight gradients'
-    kernel reads its K-major copies in it) and lines each group up as one r-row block;
-    every place is written once, by a gather, with no scatter."""
-    count = max_groups(num_rows, group_sizes.shape[0], rows_per_group)
-    first = group_first_rows(row_groups(group_sizes, num_rows, rows_per_group), count)
+    is empty (row_group: `row_groups`' answer, where the caller has it). Gathering rows
+    through it (`gather_padded`) builds the layout (the FP8 weight gradients' kernel reads
+    its K-major copies in it) and lines each group up as one r-row block; every place is
+    written once, by a gather, with no scatter."""
+    if row_group is None:
+        row_group = row_groups(group_sizes, num_rows, rows_per_group)
+    first = group_first_rows(row_group, max_groups(num_rows, group_sizes.shape[0], rows_per_group))
     offset = jnp.arange(rows_per_group, dtype=jnp.int32)
     rows = first[:-1, None] + offset
     return jnp.where(offset < (first[1:] - first[:-1])[:, None], rows, num_rows).reshape(-1)
+
+
+def gather_padded(x: jax.Array, sources: jax.Array) -> jax.Array:
+    """x's rows at the places of the padded layout (`padded_sources`), zeros where empty."""
+    if x.shape[0] == 0:  # every place empty (jnp.take refuses an empty axis)
+        return jnp.zeros((sources.shape[0], *x.shape[1:]), x.dtype)
+    return jnp.take(x, sources, axis=0, mode="fill", fill_value=0)
 
 
 def max_groups(num_rows: int, num_experts: int, rows_per_group: int) -> int:
@@ -110,11 +120,8 @@ def quantize_ragged_rows(
     # Each group lined up as one r-row block (empty places 0), so its maxima are a dense
     # reduction: a scatter-max of every element into its group's row contends 128 ways on
     # the GPU's atomics. Maxima are exact in any order.
-    if num_rows == 0:  # every place empty (jnp.take refuses an empty axis)
-        blocks = jnp.zeros((count, rows_per_group, x.shape[1]), jnp.float32)
-    else:
-        blocks = jnp.take(x, padded_sources(group_sizes, num_rows, rows_per_group), axis=0, mode="fill",
-                          fill_value=0).reshape(count, rows_per_group, x.shape[1]).astype(jnp.float32)
+    sources = padded_sources(group_sizes, num_rows, rows_per_group, row_group)
+    blocks = gather_padded(x, sources).reshape(count, rows_per_group, x.shape[1]).astype(jnp.float32)
     finite = jnp.isfinite(blocks)
     amax = jnp.max(jnp.where(finite, jnp.abs(blocks), 0.0), axis=1)
     special = jnp.any(~finite, axis=1)

@@ -32,11 +32,7 @@ def k_major_operands(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> 
 
     def k_major(x: jax.Array) -> jax.Array:
         # Moved as bytes: the copy is a gather of e4m3 rows, empty places 0.
-        bits = lax.bitcast_convert_type(x, jnp.uint8)
-        if num_rows == 0:  # every place empty (jnp.take refuses an empty axis)
-            padded = jnp.zeros((sources.shape[0], x.shape[1]), jnp.uint8)
-        else:
-            padded = jnp.take(bits, sources, axis=0, mode="fill", fill_value=0)
+        padded = ragged.gather_padded(lax.bitcast_convert_type(x, jnp.uint8), sources)
         return lax.bitcast_convert_type(padded.T, x.dtype)
 
     sizes = groups.clamped_group_sizes(group_sizes, num_rows)
