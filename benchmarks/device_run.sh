@@ -45,8 +45,7 @@ if [[ -n $GPU_TEST_WORKERS ]]; then
   gpu_tests="env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n $GPU_TEST_WORKERS"
 fi
 selected gathered_tests && run gathered_tests 200 $gpu_tests --durations=5 tests/test_sm90_gathered.py
-selected tests && run tests "${TESTS_LIMIT:-480}" $gpu_tests --durations=8 --ignore=tests/test_sm90_gathered.py \
-  ${TEST_FILES:-tests/}
+selected tests && run tests "${TESTS_LIMIT:-480}" $gpu_tests --durations=8 --ignore=tests/test_sm90_gathered.py ${TEST_FILES:-tests/}
 selected check_gathered && run check_gathered 240 python3 benchmarks/check_gathered.py --commit "$commit" \
   --out "$OUT" --runs "${CHECK_RUNS:-20}"
 
@@ -75,6 +74,8 @@ selected moe_block && PYTHONPATH="$(carried tokamax_deps.tar.zst "import tokamax
   python3 benchmarks/bench_moe_block.py --commit "$commit" --out "$OUT" $MOE_BLOCK_ARGS
 selected gemms && run bench_gemms 540 python3 benchmarks/bench_gemms.py --commit "$commit" --out "$OUT" $GEMMS_ARGS
 selected fp8_gemms && run bench_fp8_gemms 300 python3 benchmarks/bench_fp8_gemms.py --commit "$commit" --out "$OUT" $FP8_GEMMS_ARGS
+# ncu's sections for the step's kernels named by NCU_KERNELS (a regex), PROFILE_ARGS bench_layer's arguments.
+selected profile && run profile 400 ncu -k "regex:${NCU_KERNELS:-ContractSm90|DsreluSm90}" -c "${NCU_COUNT:-6}" --csv --page details --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --log-file "$OUT/ncu.csv" python3 benchmarks/bench_layer.py --commit "$commit" --out "$OUT/profile" $PROFILE_ARGS
 selected layer && run bench_layer 560 python3 benchmarks/bench_layer.py --commit "$commit" --out "$OUT" $LAYER_ARGS
 selected step_ab && run step_ab 400 bash benchmarks/step_ab.sh .kernels/old_tree "${STEP_AB_OLD:?}" "$commit" \
   "${STEP_AB_ROUNDS:-1}"
@@ -101,7 +102,8 @@ for kernel in gemm contract; do
 done
 
 if selected sanitize; then
-  # Every kernel's boundary cases under memcheck and racecheck (sizes < 0, one row, past m, one tile, pairs, many E).
+  # Every kernel's boundary cases under memcheck and racecheck (sizes < 0, one row, past m, one tile, pairs,
+  # many E); a check's test files space-separated.
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   for check in \
       "memcheck|tests/test_sm90_gemms.py|(contraction_matches and bfloat16 and (many_experts or experts_512)) or (each_contraction_config and a_fastest)" \
@@ -116,7 +118,6 @@ if selected sanitize; then
       "racecheck|tests/test_sm90_fp8.py tests/test_sm90_fp8_contract.py|past_m-srelu or fewer_rows"; do
     IFS="|" read -r tool file selection <<<"$check"
     [[ $file =~ ${SANITIZE_FILES:-.} ]] || continue
-    # $file: one test file or several, space-separated.
     timeout 180 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -rs \
       -p no:cacheprovider -m gpu $file -k "$selection" 2>&1 | tail -6 | tee -a "$log"
     echo "$tool $file exit $?" | tee -a "$log"

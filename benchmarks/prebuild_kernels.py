@@ -1,6 +1,5 @@
-"""Compiles, on a machine without a GPU, every sm90 kernel the GPU runs need, into the disk cache named by
-JAX_DSRELU_KERNEL_CACHE that the GPU machine reads instead of compiling. Kernels the GPU tests and sweep_configs.py
-call directly are compiled by request; what goes through the library is lowered for cuda at its shapes (harness).
+"""Compiles without a GPU, into the disk cache JAX_DSRELU_KERNEL_CACHE names, every sm90 kernel the GPU runs need: those
+the tests and sweep_configs.py call directly by request, the rest by lowering the library for cuda at its shapes.
 
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/prebuild_kernels.py --jobs 2
 """
