@@ -294,8 +294,8 @@ def test_the_fp8_step_record_renders_its_layer_and_roofline_tables(tmp_path):
                   precision={v: "stated" for v in variants},
                   shapes=[dict(shape=dict(m=m, d=d, f=f, E=num_experts), grouping="dirichlet", modes=dict(step=step))])
     (tmp_path / "bench_layer_fp8.json").write_text(json.dumps(record))
-    text = (ROOT / "docs" / "fp8.md").read_text()
-    updated = readme_table.updated_document(text, "docs/fp8.md", tmp_path)
+    text = (ROOT / "docs" / "fp8-kernels.md").read_text()
+    updated = readme_table.updated_document(text, "docs/fp8-kernels.md", tmp_path)
     assert "No record yet" not in updated and "dense FP8 cuBLAS TFLOP/s" in updated, updated
     assert "sm90 / sm90 FP8" in updated and "1.29x" in updated  # 4.0 / 3.1: the bf16 step over the FP8 one
     found = step["roofline_fp8"]["step"]
