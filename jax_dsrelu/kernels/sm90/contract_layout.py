@@ -31,13 +31,8 @@ def k_major_operands(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> 
     sources = ragged.padded_sources(group_sizes, num_rows, BLOCK)
 
     def k_major(x: jax.Array) -> jax.Array:
-        # Moved as bytes: a gather of e4m3 rows (empty places 0), then a transpose of its
-        # result. The barrier keeps the two apart: fused, XLA:GPU wrote the transposed copy
-        # from the quantizer's inputs in one loop reading them across rows and carried the
-        # transposed layout into the quantizer's maxima (those fusions took 3.9 of the FP8
-        # step's 7.4 ms at (16384, 4096, 2048, 8) on an H100); apart, the gather reads and
-        # writes whole rows and the transpose is XLA's tiled one.
-        padded = lax.optimization_barrier(ragged.gather_padded(lax.bitcast_convert_type(x, jnp.uint8), sources))
+        # Moved as bytes: the copy is a gather of e4m3 rows, empty places 0.
+        padded = ragged.gather_padded(lax.bitcast_convert_type(x, jnp.uint8), sources)
         return lax.bitcast_convert_type(padded.T, x.dtype)
 
     sizes = groups.clamped_group_sizes(group_sizes, num_rows)
