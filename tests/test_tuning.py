@@ -118,7 +118,7 @@ def chosen_now(shape, gemm) -> str:
 def test_the_rules_pick_today_the_first_config_of_every_row_that_timed_it():
     checked = 0
     for decision, row in ROWS:
-        if row.gemm == "up+down+dx":  # a step's kernels together: no one config
+        if row.gemm in ("up+down+dx", "dw1+dw2"):  # a step's kernels together: no one config
             continue
         configs = [timing.config for timing in row.timings]
         now = chosen_now(row.shape, row.gemm)
@@ -154,7 +154,8 @@ def recorded(row: tuning.Evidence, timing: tuning.Timing) -> tuple[str, float]:
     if "gemms" in step:  # bench_fp8_gemms.py: one variant's time
         return timing.config, step["gemms"][row.gemm]["variants"][timing.entry]["ms"]
     # a layer step of bench_layer.py: the launches of one kernel class
-    kernels = step["modes"]["step"]["variants"]["sm90"]["kernels"]
+    variants = step["modes"]["step"]["variants"]
+    kernels = variants["sm90" if "sm90" in variants else "sm90_fp8"]["kernels"]
     return timing.config, sum(ms for name, ms in kernels if timing.entry in name)
 
 

@@ -327,9 +327,10 @@ def _blockwise_dsrelu_config(request: Request, facts, sm_count: int) -> TileConf
     """The FP8 fused kernel's configuration: the FP8 GEMM's k-tiles of one scale block and
     N tiles of at most one (`_blockwise_gemm_config`), the preact ring of the bf16
     kernel's decision, as many operand stages as fit beside it; alone."""
-    base = dict(tile_n=64 if request.n < BLOCK else BLOCK, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1,
+    overlap = tuning.value("fp8_fused_overlap_promotion")  # at tile_n 64 only (TileConfig)
+    base = dict(tile_n=64 if request.n < BLOCK or overlap else BLOCK, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1,
                 preact_stages=_DSRELU_PREACT_STAGES, store_stages=tuning.value("fused_store_stages"), cluster_n=1,
-                max_ctas=sm_count)
+                max_ctas=sm_count, overlap_promotion=overlap)
     stages = most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2)
     config = TileConfig(ab_stages=stages, **base)
     config.check_fits(*facts)
@@ -524,8 +525,10 @@ def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAU
         # FP8: a k-tile is one group of 128 rows, whose scales it multiplies; N tiles of
         # at most 128 columns, since each thread holds a scale per column of its
         # accumulator beside the group's partial sum; alone, as the FP8 GEMM runs.
-        tile_k = BLOCK
-        base.update(tile_n=64 if request.b < BLOCK else BLOCK, tile_k=tile_k, operand_bytes=1, cluster_n=1)
+        # Each group's promotion between the wgmma batches (decision `fp8_contract_overlap_promotion`).
+        tile_k, overlap = BLOCK, tuning.value("fp8_contract_overlap_promotion")
+        base.update(tile_n=64 if request.b < BLOCK or overlap else BLOCK, tile_k=tile_k, operand_bytes=1, cluster_n=1,
+                    overlap_promotion=overlap)
     subtiles = base["tile_n"] // base["epi_n"]
 
     def fits(ab_stages, store_stages):

@@ -38,7 +38,7 @@ class Timing:
 @dataclasses.dataclass(frozen=True)
 class Evidence:
     shape: tuple[int, int, int, int]  # (m, d, f, E) of the layer
-    gemm: str  # up, down, dx, dsrelu, dw1 or dw2; up+down+dx: the step's ragged-M GEMMs together
+    gemm: str  # up, down, dx, dsrelu, dw1 or dw2; up+down+dx, dw1+dw2: a step's launches of them together
     record: str | None  # path under benchmarks/results/ of every timing without its own
     timings: tuple[Timing, ...]  # the rules' pick first
     exception: str = ""  # why the pick trails the fastest by more than the accepted loss
@@ -76,6 +76,11 @@ def describe(fields: dict[str, Any], contraction: bool) -> str:
     if contraction:
         text += " a-fastest" if fields.get("a_fastest") else " b-fastest"
     return text
+
+
+# The FP8 step's A/B of the promotion's schedule (tuning_records.json.gz keeps both).
+_FP8_AB_OLD = "bench_layer_step_ab_447b2b8_447b2b8_r1.json"
+_FP8_AB_NEW = "bench_layer_step_ab_447b2b8_17848d6_r1.json"
 
 
 DECISIONS: tuple[Decision, ...] = (
@@ -626,6 +631,31 @@ DECISIONS: tuple[Decision, ...] = (
         E((49152, 2688, 1856, 128), "down", "bench_fp8_gemms_e834a7c.json",
           T("128x128 k128 ab6 st2 overlapped", 0.5427, "sm90_fp8_overlap"),
           T("128x128 k128 ab6 st2", 0.6009, "sm90_fp8")),
+        )),
+    # The FP8 contraction's and fused kernel's promotion, from two commits' FP8 layer steps on one H100
+    # (`benchmarks/step_ab.sh`, STEP_AB_VARIANTS=sm90_fp8): 447b2b8 promotes between the batches at 128
+    # columns, 17848d6 beside the next batch at 64 (at 128 ptxas spills).
+    Decision("fp8_contract_overlap_promotion", False, 0.0,
+             "The FP8 weight gradients' kernel promotes each group of rows between the wgmma batches, at "
+             "128-column tiles: promoted beside the next batch it needs 64-column tiles, which read each "
+             "operand tile twice as often, and took 30-37% longer at both shapes measured.", (
+        E((16384, 4096, 2048, 8), "dw1+dw2", None,
+          T("447b2b8: between the batches, 128x128", 1.2067, "BlockScaledContractSm90", _FP8_AB_OLD),
+          T("17848d6: beside the next batch, 128x64", 1.6500, "BlockScaledContractSm90", _FP8_AB_NEW)),
+        E((49152, 2688, 1856, 128), "dw1+dw2", None,
+          T("447b2b8: between the batches, 128x128", 3.0664, "BlockScaledContractSm90", _FP8_AB_OLD),
+          T("17848d6: beside the next batch, 128x64", 3.9877, "BlockScaledContractSm90", _FP8_AB_NEW)),
+        )),
+    Decision("fp8_fused_overlap_promotion", False, 0.0,
+             "The FP8 fused dsReLU kernel promotes each K block between the wgmma batches, at 128-column "
+             "tiles: beside the next batch it needs 64-column tiles (at 128 its epilogue's live registers "
+             "spill), and took 14-19% longer at both shapes measured.", (
+        E((16384, 4096, 2048, 8), "dsrelu", None,
+          T("447b2b8: between the batches, 128x128", 0.3780, "BlockScaledDsreluSm90", _FP8_AB_OLD),
+          T("17848d6: beside the next batch, 128x64", 0.4315, "BlockScaledDsreluSm90", _FP8_AB_NEW)),
+        E((49152, 2688, 1856, 128), "dsrelu", None,
+          T("447b2b8: between the batches, 128x128", 0.9118, "BlockScaledDsreluSm90", _FP8_AB_OLD),
+          T("17848d6: beside the next batch, 128x64", 1.0836, "BlockScaledDsreluSm90", _FP8_AB_NEW)),
         )),
 )
 _BY_NAME = {decision.name: decision for decision in DECISIONS}
