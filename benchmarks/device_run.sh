@@ -97,13 +97,11 @@ fi
 
 for kernel in gemm contract; do
   extra="SWEEP_${kernel^^}_ARGS"
-  selected sweep_$kernel && run sweep_$kernel 300 python3 benchmarks/sweep_configs.py --kernel $kernel \
-    --commit "$commit" --out "$OUT" ${!extra}
+  selected sweep_$kernel && run sweep_$kernel 300 python3 benchmarks/sweep_configs.py --kernel $kernel --commit "$commit" --out "$OUT" ${!extra}
 done
 
 if selected sanitize; then
-  # Every kernel's boundary cases under memcheck and racecheck (sizes < 0, one row, past m, one tile, pairs,
-  # many E); a check's test files space-separated.
+  # Every kernel's boundary cases under memcheck and racecheck (sizes < 0, one row, past m, one tile, pairs, many E).
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   for check in \
       "memcheck|tests/test_sm90_gemms.py|(contraction_matches and bfloat16 and (many_experts or experts_512)) or (each_contraction_config and a_fastest)" \
@@ -114,8 +112,10 @@ if selected sanitize; then
       "racecheck|tests/test_sm90.py|(test_matches_float64_contract and bf16 and one_row) or (clusters_of_each_size and one_row and 2)" \
       "memcheck|tests/test_sm90_gathered.py|not nano_widths and (gathered_matmul or gathered_dsrelu or (gathered_contraction and f32) or (gather_sum_is and bf16))" \
       "racecheck|tests/test_sm90_gathered.py|(one_token or ragged_with_empty) and (up_srelu_bias or (gathered_dsrelu and True) or (gathered_contraction and f32 and both)) or (gather_sum_is and bf16)" \
-      "memcheck|tests/test_sm90_fp8.py tests/test_sm90_fp8_contract.py|past_m or fewer_rows or narrow_n or short_of_m" \
-      "racecheck|tests/test_sm90_fp8.py tests/test_sm90_fp8_contract.py|past_m-srelu or fewer_rows"; do
+      "memcheck|tests/test_sm90_fp8.py|((matmul and (past_m-plain or fewer_rows)) or (fused and short_of_m-True)) and not overlapped" \
+      "memcheck|tests/test_sm90_fp8_contract.py|matches_float64 and (past_m or fewer_rows) and not overlapped" \
+      "racecheck|tests/test_sm90_fp8.py|past_m-srelu or (fused and past_m-True)" \
+      "racecheck|tests/test_sm90_fp8_contract.py|matches_float64 and fewer_rows and not overlapped"; do
     IFS="|" read -r tool file selection <<<"$check"
     [[ $file =~ ${SANITIZE_FILES:-.} ]] || continue
     timeout 180 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -rs \
