@@ -51,7 +51,7 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 #                 run), the layer at FP8 gave one digest in 20 deterministic runs, and the
 #                 layer's step on them is within its check against the XLA path but 3.1x
 #                 (16384x4096x2048x8) to 3.6x (Nano) slower than the bf16 step (1f73ae2): XLA's
-#                 quantizing passes around the kernels take two thirds of it. Still to run:
+#                 quantizing passes around the kernels take 68-73% of it. Still to run:
 #                 memcheck and racecheck to the end, deterministic mode across processes, a
 #                 step faster than the bf16 one.
 UNVERIFIED_KINDS = ("gathered", "gather_sum", "fp8")

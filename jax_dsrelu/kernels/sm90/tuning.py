@@ -638,7 +638,7 @@ DECISIONS: tuple[Decision, ...] = (
     Decision("fp8_contract_overlap_promotion", False, 0.0,
              "The FP8 weight gradients' kernel promotes each group of rows between the wgmma batches, at "
              "128-column tiles: promoted beside the next batch it needs 64-column tiles, which read each "
-             "operand tile twice as often, and took 30-37% longer at both shapes measured.", (
+             "operand tile twice as often, and took 29-37% longer at both shapes measured (two rounds).", (
         E((16384, 4096, 2048, 8), "dw1+dw2", None,
           T("447b2b8: between the batches, 128x128", 1.2067, "BlockScaledContractSm90", _FP8_AB_OLD),
           T("17848d6: beside the next batch, 128x64", 1.6500, "BlockScaledContractSm90", _FP8_AB_NEW)),
@@ -649,7 +649,7 @@ DECISIONS: tuple[Decision, ...] = (
     Decision("fp8_fused_overlap_promotion", False, 0.0,
              "The FP8 fused dsReLU kernel promotes each K block between the wgmma batches, at 128-column "
              "tiles: beside the next batch it needs 64-column tiles (at 128 its epilogue's live registers "
-             "spill), and took 14-19% longer at both shapes measured.", (
+             "spill), and took 12-19% longer at both shapes measured (two rounds).", (
         E((16384, 4096, 2048, 8), "dsrelu", None,
           T("447b2b8: between the batches, 128x128", 0.3780, "BlockScaledDsreluSm90", _FP8_AB_OLD),
           T("17848d6: beside the next batch, 128x64", 0.4315, "BlockScaledDsreluSm90", _FP8_AB_NEW)),
