@@ -27,8 +27,7 @@ run() {
   echo "$name exit $status" | tee -a "$log"
   return $status
 }
-# carried ARCHIVE IMPORT: PYTHONPATH, with ARCHIVE's packages (unpacked under /tmp) where
-# the image's python3 cannot run IMPORT and the archive was carried along.
+# carried ARCHIVE IMPORT: PYTHONPATH, plus ARCHIVE's packages (unpacked under /tmp) where python3 cannot IMPORT.
 carried() {
   if python3 -c "$2" 2>/dev/null || [[ ! -f $1 ]]; then
     echo "$PYTHONPATH"

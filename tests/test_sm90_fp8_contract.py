@@ -21,6 +21,7 @@ group, 1 to 256 experts; the same bits on every run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 # Before anything imports CuTe DSL: on a machine without a GPU it cannot detect one.
@@ -306,6 +307,54 @@ def test_fp8_contraction_lowers_for_cuda_only_where_enabled():
     assert unbound_buffers(plan, counts, text) == []
 
 
+# The K-major copy's kernel (`k_major_copy_kernel.py`, the unverified kind "fp8_k_major"):
+# every grouping of the GPU tier with rows, at both operands' widths.
+COPY_CASES = [name for name in GROUPINGS if GROUPINGS[name][1] > 0]
+
+
+def copy_kernels():
+    """(n, E) of every copy the GPU tier makes."""
+    return sorted({(width, grouping(name)[0][0]) for name in COPY_CASES for width in grouping(name)[0][1:]})
+
+
+def prebuild_copy_jobs():
+    from jax_dsrelu.kernels.sm90 import contract_layout
+
+    return [functools.partial(contract_layout.compile_copy_kernel, *built) for built in copy_kernels()]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("n, num_experts", [(4096, 8), (1856, 128), (48, 4)], ids=str)
+def test_the_k_major_copy_kernel_compiles_for_sm90a(n, num_experts):
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    import ptxas
+
+    from jax_dsrelu.kernels.sm90 import contract_layout
+
+    ptx = contract_layout.compile_copy_kernel(n, num_experts, keep=True).ptx
+    # 16-byte loads of the rows and stores of the columns' groups; byte reads of the tile.
+    for instruction in ("ld.global.v4.b32", "st.shared.v4.b32", "st.global.v4.b32", "ld.shared.b8"):
+        assert instruction in ptx, instruction
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    ptxas.check_assembly(ptx)
+
+
+@pytest.mark.compile
+def test_the_k_major_copies_are_custom_calls_only_where_enabled():
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    from jax_dsrelu.kernels.sm90 import backend
+
+    named, _, _, out_dtype = operands("ragged_with_empty")
+    shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in named.items()}
+
+    def custom_calls(*kinds):
+        call = jax.jit(lambda o: ragged_contract(**o, out_dtype=out_dtype, backend="sm90"))
+        with backend.unverified_enabled(*kinds):
+            return call.trace(shapes).lower(lowering_platforms=("cuda",)).as_text().count("stablehlo.custom_call")
+
+    assert (custom_calls("fp8"), custom_calls("fp8", "fp8_k_major")) == (1, 3)
+
+
 # ---------------------------------------------------------------------------- GPU tier
 
 
@@ -361,3 +410,23 @@ def test_fp8_contraction_matches_float64_and_the_plan(hopper, name, overlapped):
     check_against(results[0], emulated_plan(named, len(sizes)), abs_dot, sizes, lhs64.shape[0], "the emulated plan")
     for again in results[1:]:
         assert np.array_equal(np.asarray(results[0]), np.asarray(again))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", COPY_CASES)
+def test_the_k_major_copy_kernel_is_xlas_copy_bit_for_bit(hopper, name):
+    from jax_dsrelu.kernels.sm90 import backend, contract_layout
+
+    named, _, _, _ = operands(name)
+    args = (named["lhs"], named["rhs"], named["group_sizes"])
+    # A fresh function per mode: the switch is read when the call is traced.
+    by_xla = jax.jit(lambda *a: contract_layout.k_major_operands(*a))(*args)
+    with backend.unverified_enabled("fp8_k_major"):
+        by_kernel = [jax.jit(lambda *a: contract_layout.k_major_operands(*a))(*args) for _ in range(2)]
+    # Bytes compared: e4m3 NaNs are values too. Two runs alike: each byte written once.
+    as_bytes = lambda x: np.asarray(x).view(np.uint8) if np.asarray(x).dtype.itemsize == 1 else np.asarray(x)  # noqa: E731
+    for copy in by_kernel:
+        assert copy.keys() == by_xla.keys()
+        for key, expected in by_xla.items():
+            got, want = as_bytes(copy[key]), as_bytes(expected)
+            assert got.shape == want.shape and np.array_equal(got, want), (key, np.argwhere(got != want)[:5])

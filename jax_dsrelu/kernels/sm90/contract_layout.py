@@ -7,15 +7,24 @@ order, gathered); the rows a partial group leaves are zeros, which add nothing t
 expert's padded size is its size rounded up to 128, so its k-tiles are its groups and the
 scales the primitive was given index them as they are. Rows owned by no expert are
 copied too, past every expert's rows, where no expert reads them.
+
+Two ways make the copies, the same bytes: XLA's gather and transpose, and, where the
+unverified kind "fp8_k_major" is enabled (`backend.enabled`), one custom call per operand
+(`k_major_copy_kernel.py`), since XLA:GPU writes the transposed gather in one loop whose
+threads read across rows (docs/fp8-kernels.md).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jax_dsrelu import groups
+from jax_dsrelu.kernels.sm90 import backend
+from jax_dsrelu.kernels.sm90.arch import ARCH
 from jax_dsrelu.kernels.sm90.config import BLOCK
 from jax_dsrelu.quantization import ragged
 
@@ -26,15 +35,57 @@ def padded_rows(num_rows: int, num_experts: int) -> int:
 
 
 def k_major_operands(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> dict[str, jax.Array]:
-    """{lhs_k_major (a, R), rhs_k_major (b, R), padded_sizes (E,) int32} for the kernel."""
-    num_rows = lhs.shape[0]
-    sources = ragged.padded_sources(group_sizes, num_rows, BLOCK)
+    """{lhs_k_major (a, R), rhs_k_major (b, R), padded_sizes (E,) int32} for the kernel
+    (m > 0 rows)."""
+    num_rows, num_experts = lhs.shape[0], group_sizes.shape[0]
+    row_group = ragged.row_groups(group_sizes, num_rows, BLOCK)
+    if backend.enabled("fp8_k_major"):
+        first_rows = ragged.group_first_rows(row_group, ragged.max_groups(num_rows, num_experts, BLOCK))
+        copy = functools.partial(_copied_by_kernel, first_rows=first_rows, num_experts=num_experts)
+    else:
+        copy = functools.partial(_copied_by_xla, sources=ragged.padded_sources(group_sizes, num_rows, BLOCK, row_group))
 
     def k_major(x: jax.Array) -> jax.Array:
-        # Moved as bytes: the copy is a gather of e4m3 rows, empty places 0.
-        padded = ragged.gather_padded(lax.bitcast_convert_type(x, jnp.uint8), sources)
-        return lax.bitcast_convert_type(padded.T, x.dtype)
+        # Moved as bytes.
+        return lax.bitcast_convert_type(copy(lax.bitcast_convert_type(x, jnp.uint8)), x.dtype)
 
     sizes = groups.clamped_group_sizes(group_sizes, num_rows)
     padded_sizes = (-(-sizes // BLOCK) * BLOCK).astype(jnp.int32)
     return dict(lhs_k_major=k_major(lhs), rhs_k_major=k_major(rhs), padded_sizes=padded_sizes)
+
+
+def _copied_by_xla(values: jax.Array, sources: jax.Array) -> jax.Array:
+    """A gather of rows (empty places 0), transposed."""
+    return ragged.gather_padded(values, sources).T
+
+
+@functools.cache
+def copy_kernel(n: int, num_experts: int):
+    """The copy's kernel for an operand of width n (`k_major_copy_kernel.py`)."""
+    from jax_dsrelu.kernels.sm90.k_major_copy_kernel import KMajorCopySm90  # CuTe DSL: the 'gpu' extra
+
+    return KMajorCopySm90(n, num_experts)
+
+
+def _compile_key(n: int, num_experts: int):
+    return ("jax_dsrelu.sm90_k_major_copy", n, num_experts)
+
+
+def compile_copy_kernel(n: int, num_experts: int, *, keep: bool = False):
+    """The copy's object code (compiled now, or found in the cache); keep=True also
+    returns its PTX and cubin."""
+    from jax_dsrelu.kernels import operands as kernel_operands  # CuTe DSL: the 'gpu' extra
+
+    kernel = copy_kernel(n, num_experts)
+    return kernel_operands.compile_kernel(kernel, _compile_key(n, num_experts), kernel.operands(), arch=ARCH, keep=keep)
+
+
+def _copied_by_kernel(values: jax.Array, first_rows: jax.Array, num_experts: int) -> jax.Array:
+    """The copy as one custom call, from the groups' first rows."""
+    from jax_dsrelu.kernels import operands as kernel_operands  # CuTe DSL: the 'gpu' extra
+
+    num_rows, n = values.shape
+    kernel = copy_kernel(n, num_experts)
+    return kernel_operands.call(kernel, _compile_key(n, num_experts), kernel.operands(),
+                                dict(values=values, first_rows=first_rows.astype(jnp.int32)), {kernel_operands.ROWS: num_rows},
+                                arch=ARCH)["k_major"].reshape(n, -1)

@@ -1,0 +1,104 @@
+"""The FP8 weight gradients' K-major copy for Hopper (sm_90a), in CuTe DSL: a quantized
+operand's rows gathered into the groups' padded layout and transposed, bytes only.
+
+Math, with values (m, n) the e4m3 bits of a block-scaled operand, first_rows (G + 1,) the
+first row of each group of `quantization.ragged` (`ragged.group_first_rows`) and
+R = 128 G:
+
+    k_major[c, 128 g + i] = values[first_rows[g] + i, c]   for i < first_rows[g + 1] - first_rows[g]
+                            0                               for the other i < 128
+
+the layout `contract_layout.py` makes (`ragged.padded_sources`), which the contraction's
+kernel reads K-major (`blockwise_contract_kernel.py`). XLA:GPU writes it in one loop
+fusion whose threads read across rows (docs/fp8-kernels.md, the step's record); here a
+CTA of 128 threads takes one group and 128 columns: thread i copies the group's row i
+into a shared-memory tile (16-byte loads; zeros past the group's rows), then thread j
+writes column j's 128 bytes of the group (16-byte stores). Every byte of k_major is
+written once, by one thread, so the copy is the same on every run.
+
+The tile's rows are 144 bytes apart: the first phase's 16-byte stores of eight
+neighbouring threads (rows i to i + 7) then fall on distinct banks, and the second
+phase's byte loads of a warp (one row, 32 neighbouring columns) on eight banks, one
+wavefront.
+
+Constraints (`contract_layout.cannot_copy`): n a positive multiple of 16 (16-byte rows of
+e4m3, as TMA asks of the contraction's operands), 1 <= E, m > 0 (no rows, no copy).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import numpy as np
+
+from jax_dsrelu.kernels.operands import M, KernelOperand, Rows
+
+BLOCK = 128  # rows of a group, columns of a CTA, threads of a CTA
+VECTOR = 16  # bytes per load and store
+_PITCH = BLOCK + VECTOR  # the shared tile's row pitch in bytes (module doc)
+_U8 = np.dtype(np.uint8)
+_I32 = np.dtype(np.int32)
+
+
+class KMajorCopySm90:
+    """The copy for one static configuration: the operand's width n and E experts."""
+
+    def __init__(self, n: int, num_experts: int):
+        self.n = n
+        self.num_experts = num_experts
+
+    def operands(self) -> list[KernelOperand]:
+        """values (m, n) uint8, first_rows (G + 1,) int32, k_major (n, G, 128) uint8 (the
+        (n, 128 G) copy, its groups a mode of their own so that every group's 128 bytes
+        start at a multiple of 128 the compiler can see), G = ceil(m / 128) + E
+        (`ragged.max_groups`)."""
+        groups = Rows(per=BLOCK, plus=self.num_experts)
+        return [
+            KernelOperand("values", "input", _U8, (M, self.n)),
+            KernelOperand("first_rows", "input", _I32, (Rows(per=BLOCK, plus=self.num_experts + 1),)),
+            KernelOperand("k_major", "output", _U8, (self.n, groups, BLOCK)),
+        ]
+
+    @cute.jit
+    def __call__(self, stream: cuda.CUstream, values: cute.Tensor, first_rows: cute.Tensor, k_major: cute.Tensor):
+        groups = cute.size(first_rows, mode=[0]) - 1
+
+        @cute.struct
+        class Storage:
+            tile: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK * _PITCH], 16]
+
+        self.storage = Storage
+        column_blocks = (self.n + BLOCK - 1) // BLOCK
+        self.kernel(values, first_rows, k_major).launch(grid=[groups, column_blocks, 1], block=[BLOCK, 1, 1],
+                                                        stream=stream)
+
+    @cute.kernel
+    def kernel(self, values: cute.Tensor, first_rows: cute.Tensor, k_major: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        group, column_block, _ = cute.arch.block_idx()
+        storage = cutlass.memory.SmemAllocator().allocate(self.storage)
+        tile = storage.tile.get_tensor(cute.make_layout((BLOCK, BLOCK), stride=(_PITCH, 1)))
+        copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint8, num_bits_per_copy=8 * VECTOR)
+        chunk = cute.make_rmem_tensor(cute.make_layout(VECTOR), cutlass.Uint8)
+        first_column = column_block * BLOCK
+        first = first_rows[group]
+        rows = cutlass.min(first_rows[group + 1], cute.size(values, mode=[0])) - first
+        # (vector, chunks) views: chunk c of a row is its bytes [16 c, 16 c + 16).
+        value_chunks = cute.logical_divide(values, (None, VECTOR))
+        tile_chunks = cute.logical_divide(tile, (None, VECTOR))
+        # The group's row tidx into the tile, zeros past its rows and past n.
+        for v in cutlass.range_constexpr(BLOCK // VECTOR):
+            chunk.fill(0)
+            if tidx < rows and first_column + v * VECTOR < self.n:
+                cute.copy(copy, value_chunks[first + tidx, (None, first_column // VECTOR + v)], chunk)
+            cute.copy(copy, chunk, tile_chunks[tidx, (None, v)])
+        cute.arch.sync_threads()
+        # Column first_column + tidx of the tile, the group's 128 padded rows of it.
+        column = first_column + tidx
+        if column < self.n:
+            out_chunks = cute.logical_divide(k_major[column, group, None], VECTOR)
+            for v in cutlass.range_constexpr(BLOCK // VECTOR):
+                for k in cutlass.range_constexpr(VECTOR):
+                    chunk[k] = tile[v * VECTOR + k, tidx]
+                cute.copy(copy, chunk, out_chunks[None, v])
