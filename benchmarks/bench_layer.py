@@ -6,8 +6,8 @@ and the forward (4 m d f), by moe_mlp on backend xla and sm90 (sm90_det: determi
 user would write: dense_mlp (one expert's weights for every row, autodiff), batched_mlp (E equal batches), and the
 step's six GEMMs alone on cuBLAS, cublas_dense (the practical ceiling) and cublas_batched; precision.py states
 each. The sm90 results are checked against xla's before they are timed, and the step's kernels set against their
-rooflines (roofline.py). By --variants, the FP8 step: moe_mlp at precision=FP8_BLOCKWISE on backend xla (xla_fp8,
-the reference) and on sm90's FP8 kernels (sm90_fp8), and cublas_fp8, the six GEMMs dense on e4m3 (XLA: cuBLASLt).
+rooflines (roofline.py). By --variants, the FP8 step: moe_mlp at precision=FP8_BLOCKWISE on xla (xla_fp8, the reference),
+on sm90's FP8 kernels (sm90_fp8; sm90_fp8_copy: K-major copies by kernel too), cublas_fp8: six e4m3 GEMMs (cuBLASLt).
 
     python benchmarks/bench_layer.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_layer.py --prebuild
@@ -36,12 +36,13 @@ from jax_dsrelu.kernels.sm90 import backend as sm90_backend
 from jax_dsrelu.quantization.schema import E4M3, FP8_BLOCKWISE
 
 VARIANTS = ("xla", "sm90", "sm90_det", "dense_mlp", "batched_mlp", "cublas_dense", "cublas_batched")
-FP8_VARIANTS = ("xla_fp8", "sm90_fp8", "cublas_fp8")
+FP8_VARIANTS = ("xla_fp8", "sm90_fp8", "sm90_fp8_copy", "cublas_fp8")
 # Variants that compute something else than moe_mlp: timed, not checked against it.
 BASELINES = ("dense_mlp", "batched_mlp", "cublas_dense", "cublas_batched", "cublas_fp8")
 # The variants through moe_mlp, which a prebuild lowers (xla compiles no kernel, but tests the path).
-LAYER_VARIANTS = ("xla", "sm90", "sm90_det", "xla_fp8", "sm90_fp8")
-REFERENCE = {"sm90": "xla", "sm90_det": "xla", "sm90_fp8": "xla_fp8"}  # what each of ours is checked against
+LAYER_VARIANTS = ("xla", "sm90", "sm90_det", "xla_fp8", "sm90_fp8", "sm90_fp8_copy")
+REFERENCE = {"sm90": "xla", "sm90_det": "xla", "sm90_fp8": "xla_fp8", "sm90_fp8_copy": "xla_fp8"}  # each one's check
+UNVERIFIED = {"sm90_fp8": ("fp8",), "sm90_fp8_copy": ("fp8", "fp8_k_major")}  # the unverified kernel kinds each runs
 MODES = ("step", "forward")
 FLOPS_PER_MDF = {"step": 12.0, "forward": 4.0}
 GRADIENTS = ("x", "w1", "w2", "prob", "b1")  # moe_mlp's differentiable operands, in order
@@ -127,7 +128,7 @@ def computation(variant, mode):
     elif variant == "batched_mlp":
         layer, names = batched_mlp, ("x", "w1", "w2", "prob", "b1")
     else:
-        names, fp8 = ("x", "w1", "w2", "prob", "b1", "group_sizes"), variant.endswith("_fp8")
+        names, fp8 = ("x", "w1", "w2", "prob", "b1", "group_sizes"), "_fp8" in variant
         backend = "xla" if variant.startswith("xla") else "auto" if fp8 else "sm90"  # sm90 refuses a precision
         layer = moe_mlp_with(backend, variant == "sm90_det", FP8_BLOCKWISE if fp8 else None)
     if mode == "forward":
@@ -156,7 +157,7 @@ def run_variant(variant, mode, operands, reference, reps, clock, flops) -> tuple
     if variant not in BASELINES:
         fn = functools.partial(lambda fn, *args: flatten(fn(*args), mode), fn)
     ours = variant in REFERENCE
-    with sm90_backend.unverified_enabled("fp8", on=variant == "sm90_fp8"):
+    with sm90_backend.unverified_enabled(*UNVERIFIED.get(variant, ()), on=variant in UNVERIFIED):
         entry, outputs = harness.measure(
             fn, tuple(operands[name] for name in names), reps, clock,
             check=functools.partial(compare, reference=reference) if ours and reference else None,
@@ -170,7 +171,7 @@ def prebuild(shapes, variants, modes) -> None:
     """Lowers the selected moe_mlp variants' steps and forwards for cuda, building their kernels."""
     for shape, variant, mode in itertools.product(shapes, [v for v in variants if v in LAYER_VARIANTS], modes):
         fn, names = computation(variant, mode)
-        with sm90_backend.unverified_enabled("fp8", on=variant == "sm90_fp8"):
+        with sm90_backend.unverified_enabled(*UNVERIFIED.get(variant, ()), on=variant in UNVERIFIED):
             harness.lower_for_cuda(f"bench_layer {variant} {mode} {shape}", fn, *(operand_shapes(*shape)[n] for n in names))
 
 

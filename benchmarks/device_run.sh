@@ -11,9 +11,7 @@ export JAX_DSRELU_KERNEL_CACHE="$PWD/.kernels/cache"
 export PYTHONUNBUFFERED=1
 log="$OUT/run.log"
 # The kernel cache compresses about 20x, and a call carries at most 64 MiB.
-if [[ -f .kernels.tar.zst ]]; then
-  .gpu/zstd -dc .kernels.tar.zst | tar -xf -
-fi
+[[ -f .kernels.tar.zst ]] && { .gpu/zstd -dc .kernels.tar.zst | tar -xf -; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee -a "$log"
 
 selected() { [[ $stages == *,$1,* ]]; }
