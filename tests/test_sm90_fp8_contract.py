@@ -307,20 +307,33 @@ def test_fp8_contraction_lowers_for_cuda_only_where_enabled():
     assert unbound_buffers(plan, counts, text) == []
 
 
-# The K-major copy's kernel (`k_major_copy_kernel.py`, the unverified kind "fp8_k_major"):
-# every grouping of the GPU tier with rows, at both operands' widths.
-COPY_CASES = [name for name in GROUPINGS if GROUPINGS[name][1] > 0]
+# The K-major copy's kernel (`k_major_copy_kernel.py`, the unverified kind "fp8_k_major"), on
+# random bytes (every e4m3 bit pattern, NaNs included): (m, n, group sizes), with empty,
+# negative and unowned groups, sums past m, fewer rows than a group, widths that are not
+# multiples of 128, and 512 experts.
+COPY_CASES = {
+    "ragged_with_empty": (1000, 384, [300, 0, 129, 1, 570]),
+    "negative_and_past_m": (700, 48, [-5, 300, 0, 500, 128]),
+    "unowned_rows": (900, 272, [100, 200, 3]),
+    "fewer_rows_than_a_group": (37, 160, [10, 27]),
+    "one_expert": (1500, 2688, [1500]),
+    "nano_widths": (5000, 1856, None),
+    "experts_512": (20000, 128, None),
+}
 
 
-def copy_kernels():
-    """(n, E) of every copy the GPU tier makes."""
-    return sorted({(width, grouping(name)[0][0]) for name in COPY_CASES for width in grouping(name)[0][1:]})
+def copy_case(name):
+    m, n, sizes = COPY_CASES[name]
+    experts = {"nano_widths": 16, "experts_512": 512}.get(name)
+    return m, n, dirichlet_sizes(m, experts, seed=3) if sizes is None else sizes
 
 
 def prebuild_copy_jobs():
+    """The copies the GPU tier runs (in place, into a poisoned buffer), for the kernel cache."""
     from jax_dsrelu.kernels.sm90 import contract_layout
 
-    return [functools.partial(contract_layout.compile_copy_kernel, *built) for built in copy_kernels()]
+    built = sorted({(copy_case(name)[1], len(copy_case(name)[2])) for name in COPY_CASES})
+    return [functools.partial(contract_layout.compile_copy_kernel, *case, outputs_in_place=True) for case in built]
 
 
 @pytest.mark.compile
@@ -413,20 +426,48 @@ def test_fp8_contraction_matches_float64_and_the_plan(hopper, name, overlapped):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", COPY_CASES)
-def test_the_k_major_copy_kernel_is_xlas_copy_bit_for_bit(hopper, name):
-    from jax_dsrelu.kernels.sm90 import backend, contract_layout
+@pytest.mark.parametrize("name", sorted(COPY_CASES))
+def test_the_k_major_copy_kernel_is_xlas_copy_byte_for_byte(hopper, name):
+    from jax_dsrelu.kernels.sm90 import contract_layout
 
-    named, _, _, _ = operands(name)
-    args = (named["lhs"], named["rhs"], named["group_sizes"])
-    # A fresh function per mode: the switch is read when the call is traced.
-    by_xla = jax.jit(lambda *a: contract_layout.k_major_operands(*a))(*args)
-    with backend.unverified_enabled("fp8_k_major"):
-        by_kernel = [jax.jit(lambda *a: contract_layout.k_major_operands(*a))(*args) for _ in range(2)]
-    # Bytes compared: e4m3 NaNs are values too. Two runs alike: each byte written once.
-    as_bytes = lambda x: np.asarray(x).view(np.uint8) if np.asarray(x).dtype.itemsize == 1 else np.asarray(x)  # noqa: E731
-    for copy in by_kernel:
-        assert copy.keys() == by_xla.keys()
-        for key, expected in by_xla.items():
-            got, want = as_bytes(copy[key]), as_bytes(expected)
-            assert got.shape == want.shape and np.array_equal(got, want), (key, np.argwhere(got != want)[:5])
+    m, n, sizes = copy_case(name)
+    values = jnp.asarray(np.random.default_rng(7).integers(0, 256, (m, n), dtype=np.uint8))
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    count = ragged.max_groups(m, len(sizes), 128)
+    want = np.asarray(jax.jit(contract_layout.copy_by_xla)(values, ragged.padded_sources(group_sizes, m, 128)))
+    first_rows = ragged.group_first_rows(ragged.row_groups(group_sizes, m, 128), count)
+    copy = jax.jit(lambda v, f, p: contract_layout.copy_by_kernel(v, f, len(sizes), filled=p))
+    # Into buffers poisoned two ways: a byte the kernel does not write keeps the poison.
+    for poison in (0xA5, 0x5A):
+        got = np.asarray(copy(values, first_rows, jnp.full((n, count, 128), poison, jnp.uint8)))
+        assert got.shape == want.shape and np.array_equal(got, want), np.argwhere(got != want)[:5]
+
+
+@pytest.mark.parametrize("name", sorted(COPY_CASES))
+def test_the_copy_kernels_arithmetic_is_xlas_copy(name):
+    """The kernel's formula (`k_major_copy_kernel.py`: group g's rows [first_rows[g],
+    min(first_rows[g + 1], m)) into columns 128 g on, zeros after) in numpy, against XLA's
+    copy: the GPU tier above then only has to show the kernel computes its formula."""
+    from jax_dsrelu.kernels.sm90 import contract_layout
+
+    m, n, sizes = copy_case(name)
+    values = np.random.default_rng(7).integers(0, 256, (m, n), dtype=np.uint8)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    count = ragged.max_groups(m, len(sizes), 128)
+    first_rows = np.asarray(ragged.group_first_rows(ragged.row_groups(group_sizes, m, 128), count))
+    emulated = np.zeros((n, count, 128), np.uint8)
+    for group in range(count):
+        rows = min(first_rows[group + 1], m) - first_rows[group]
+        assert 0 <= rows <= 128
+        emulated[:, group, :rows] = values[first_rows[group]:first_rows[group] + rows].T
+    want = contract_layout.copy_by_xla(jnp.asarray(values), ragged.padded_sources(group_sizes, m, 128))
+    assert np.array_equal(emulated.reshape(n, -1), np.asarray(want))
+
+
+def test_the_copy_kernel_refuses_what_it_cannot_copy():
+    from jax_dsrelu.kernels.sm90 import contract_layout
+
+    first_rows = jnp.zeros((3,), jnp.int32)
+    for shape in ((0, 64), (10, 40)):
+        with pytest.raises(ValueError, match=r"m > 0 rows of n a multiple of 16 bytes, got values.shape="):
+            contract_layout.copy_by_kernel(jnp.zeros(shape, jnp.uint8), first_rows, 1)

@@ -41,9 +41,9 @@ def k_major_operands(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> 
     row_group = ragged.row_groups(group_sizes, num_rows, BLOCK)
     if backend.enabled("fp8_k_major"):
         first_rows = ragged.group_first_rows(row_group, ragged.max_groups(num_rows, num_experts, BLOCK))
-        copy = functools.partial(_copied_by_kernel, first_rows=first_rows, num_experts=num_experts)
+        copy = functools.partial(copy_by_kernel, first_rows=first_rows, num_experts=num_experts)
     else:
-        copy = functools.partial(_copied_by_xla, sources=ragged.padded_sources(group_sizes, num_rows, BLOCK, row_group))
+        copy = functools.partial(copy_by_xla, sources=ragged.padded_sources(group_sizes, num_rows, BLOCK, row_group))
 
     def k_major(x: jax.Array) -> jax.Array:
         # Moved as bytes.
@@ -54,8 +54,9 @@ def k_major_operands(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> 
     return dict(lhs_k_major=k_major(lhs), rhs_k_major=k_major(rhs), padded_sizes=padded_sizes)
 
 
-def _copied_by_xla(values: jax.Array, sources: jax.Array) -> jax.Array:
-    """A gather of rows (empty places 0), transposed."""
+def copy_by_xla(values: jax.Array, sources: jax.Array) -> jax.Array:
+    """The copy by XLA: a gather of rows through `ragged.padded_sources` (empty places 0),
+    transposed."""
     return ragged.gather_padded(values, sources).T
 
 
@@ -67,25 +68,32 @@ def copy_kernel(n: int, num_experts: int):
     return KMajorCopySm90(n, num_experts)
 
 
-def _compile_key(n: int, num_experts: int):
-    return ("jax_dsrelu.sm90_k_major_copy", n, num_experts)
+def _compile_key(n: int, outputs_in_place: bool):
+    # E sizes only run-time extents: one object code serves every expert count.
+    return ("jax_dsrelu.sm90_k_major_copy", n, outputs_in_place)
 
 
-def compile_copy_kernel(n: int, num_experts: int, *, keep: bool = False):
+def compile_copy_kernel(n: int, num_experts: int, *, outputs_in_place: bool = False, keep: bool = False):
     """The copy's object code (compiled now, or found in the cache); keep=True also
     returns its PTX and cubin."""
     from jax_dsrelu.kernels import operands as kernel_operands  # CuTe DSL: the 'gpu' extra
 
     kernel = copy_kernel(n, num_experts)
-    return kernel_operands.compile_kernel(kernel, _compile_key(n, num_experts), kernel.operands(), arch=ARCH, keep=keep)
+    return kernel_operands.compile_kernel(kernel, _compile_key(n, outputs_in_place), kernel.operands(), arch=ARCH,
+                                          outputs_in_place=outputs_in_place, keep=keep)
 
 
-def _copied_by_kernel(values: jax.Array, first_rows: jax.Array, num_experts: int) -> jax.Array:
-    """The copy as one custom call, from the groups' first rows."""
+def copy_by_kernel(values: jax.Array, first_rows: jax.Array, num_experts: int, filled: jax.Array | None = None):
+    """The copy as one custom call from the groups' first rows (`ragged.group_first_rows`),
+    for m > 0 rows of n a multiple of 16 bytes; with `filled` ((n, G, 128) uint8) the
+    kernel writes into that buffer (the tests poison it first)."""
+    num_rows, n = values.shape
+    if num_rows == 0 or n % 16:
+        raise ValueError(f"the K-major copy kernel takes m > 0 rows of n a multiple of 16 bytes, got "
+                         f"values.shape={tuple(values.shape)}")
     from jax_dsrelu.kernels import operands as kernel_operands  # CuTe DSL: the 'gpu' extra
 
-    num_rows, n = values.shape
-    kernel = copy_kernel(n, num_experts)
-    return kernel_operands.call(kernel, _compile_key(n, num_experts), kernel.operands(),
-                                dict(values=values, first_rows=first_rows.astype(jnp.int32)), {kernel_operands.ROWS: num_rows},
-                                arch=ARCH)["k_major"].reshape(n, -1)
+    kernel, in_place = copy_kernel(n, num_experts), filled is not None
+    given = dict(values=values, first_rows=first_rows.astype(jnp.int32), **({"k_major": filled} if in_place else {}))
+    return kernel_operands.call(kernel, _compile_key(n, in_place), kernel.operands(), given,
+                                {kernel_operands.ROWS: num_rows}, arch=ARCH, outputs_in_place=in_place)["k_major"].reshape(n, -1)

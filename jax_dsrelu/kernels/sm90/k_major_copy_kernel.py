@@ -21,8 +21,9 @@ neighbouring threads (rows i to i + 7) then fall on distinct banks, and the seco
 phase's byte loads of a warp (one row, 32 neighbouring columns) on eight banks, one
 wavefront.
 
-Constraints (`contract_layout.cannot_copy`): n a positive multiple of 16 (16-byte rows of
-e4m3, as TMA asks of the contraction's operands), 1 <= E, m > 0 (no rows, no copy).
+Constraints (`contract_layout.copy_by_kernel` refuses the rest): n a positive multiple of
+16 (16-byte rows of e4m3, as TMA asks of the contraction's operands), m > 0 (no rows, no
+copy).
 """
 
 from __future__ import annotations
