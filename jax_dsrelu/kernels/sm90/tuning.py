@@ -78,9 +78,15 @@ def describe(fields: dict[str, Any], contraction: bool) -> str:
     return text
 
 
-# The FP8 step's A/B of the promotion's schedule (tuning_records.json.gz keeps both).
-_FP8_AB_OLD = "bench_layer_step_ab_447b2b8_447b2b8_r1.json"
-_FP8_AB_NEW = "bench_layer_step_ab_447b2b8_17848d6_r1.json"
+def _fp8_promotion_ab(gemm: str, kernel: str, times: dict) -> tuple[Evidence, ...]:
+    """The FP8 step's A/B of the promotion's schedule (tuning_records.json.gz keeps both
+    sides): per shape, `kernel`'s ms promoted between the batches at 128 columns (447b2b8)
+    and beside the next batch at 64 (17848d6)."""
+    return tuple(E(shape, gemm, None,
+                   T("447b2b8: between the batches, 128x128", waited, kernel, "bench_layer_step_ab_447b2b8_447b2b8_r1.json"),
+                   T("17848d6: beside the next batch, 128x64", overlapped, kernel,
+                     "bench_layer_step_ab_447b2b8_17848d6_r1.json"))
+                 for shape, (waited, overlapped) in times.items())
 
 
 DECISIONS: tuple[Decision, ...] = (
@@ -638,25 +644,15 @@ DECISIONS: tuple[Decision, ...] = (
     Decision("fp8_contract_overlap_promotion", False, 0.0,
              "The FP8 weight gradients' kernel promotes each group of rows between the wgmma batches, at "
              "128-column tiles: promoted beside the next batch it needs 64-column tiles, which read each "
-             "operand tile twice as often, and took 29-37% longer at both shapes measured (two rounds).", (
-        E((16384, 4096, 2048, 8), "dw1+dw2", None,
-          T("447b2b8: between the batches, 128x128", 1.2067, "BlockScaledContractSm90", _FP8_AB_OLD),
-          T("17848d6: beside the next batch, 128x64", 1.6500, "BlockScaledContractSm90", _FP8_AB_NEW)),
-        E((49152, 2688, 1856, 128), "dw1+dw2", None,
-          T("447b2b8: between the batches, 128x128", 3.0664, "BlockScaledContractSm90", _FP8_AB_OLD),
-          T("17848d6: beside the next batch, 128x64", 3.9877, "BlockScaledContractSm90", _FP8_AB_NEW)),
-        )),
+             "operand tile twice as often, and took 29-37% longer at both shapes measured (two rounds).",
+             _fp8_promotion_ab("dw1+dw2", "BlockScaledContractSm90",
+                               {(16384, 4096, 2048, 8): (1.2067, 1.6500), (49152, 2688, 1856, 128): (3.0664, 3.9877)})),
     Decision("fp8_fused_overlap_promotion", False, 0.0,
              "The FP8 fused dsReLU kernel promotes each K block between the wgmma batches, at 128-column "
              "tiles: beside the next batch it needs 64-column tiles (at 128 its epilogue's live registers "
-             "spill), and took 12-19% longer at both shapes measured (two rounds).", (
-        E((16384, 4096, 2048, 8), "dsrelu", None,
-          T("447b2b8: between the batches, 128x128", 0.3780, "BlockScaledDsreluSm90", _FP8_AB_OLD),
-          T("17848d6: beside the next batch, 128x64", 0.4315, "BlockScaledDsreluSm90", _FP8_AB_NEW)),
-        E((49152, 2688, 1856, 128), "dsrelu", None,
-          T("447b2b8: between the batches, 128x128", 0.9118, "BlockScaledDsreluSm90", _FP8_AB_OLD),
-          T("17848d6: beside the next batch, 128x64", 1.0836, "BlockScaledDsreluSm90", _FP8_AB_NEW)),
-        )),
+             "spill), and took 12-19% longer at both shapes measured (two rounds).",
+             _fp8_promotion_ab("dsrelu", "BlockScaledDsreluSm90",
+                               {(16384, 4096, 2048, 8): (0.3780, 0.4315), (49152, 2688, 1856, 128): (0.9118, 1.0836)})),
 )
 _BY_NAME = {decision.name: decision for decision in DECISIONS}
 
