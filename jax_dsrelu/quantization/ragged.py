@@ -60,19 +60,12 @@ def group_first_rows(row_group: jax.Array, count: int) -> jax.Array:
     return jnp.searchsorted(row_group, jnp.arange(count + 1, dtype=row_group.dtype), side="left").astype(jnp.int32)
 
 
-def padded_positions(group_sizes: jax.Array, num_rows: int, rows_per_group: int) -> jax.Array:
-    """(m,) int32: where row i lies in the layout that gives each group r rows of its own,
-    group g's rows from g * r on in row order (a partial group's other rows are left
-    empty), so that its r-row blocks are the groups: ceil(m / r) + E blocks at most."""
-    row_group = row_groups(group_sizes, num_rows, rows_per_group)
-    first = group_first_rows(row_group, max_groups(num_rows, group_sizes.shape[0], rows_per_group))
-    return rows_per_group * row_group + jnp.arange(num_rows, dtype=jnp.int32) - jnp.take(first, row_group)
-
-
 def padded_sources(group_sizes: jax.Array, num_rows: int, rows_per_group: int,
                    row_group: jax.Array | None = None) -> jax.Array:
-    """(G r,) int32, G = `max_groups`: the row each place of that layout holds, m where it
-    is empty (row_group: `row_groups`' answer, where the caller has it). Gathering rows
+    """(G r,) int32, G = `max_groups`: the row each place holds in the layout that gives
+    each group r places of its own, group g's rows from g * r on in row order (a partial
+    group's other places left empty), m where a place is empty (row_group: `row_groups`'
+    answer, where the caller has it). Gathering rows
     through it (`gather_padded`) builds the layout (the FP8 weight gradients' kernel reads
     its K-major copies in it) and lines each group up as one r-row block; every place is
     written once, by a gather, with no scatter."""
