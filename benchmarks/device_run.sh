@@ -96,7 +96,6 @@ for kernel in gemm contract; do
   extra="SWEEP_${kernel^^}_ARGS"
   selected sweep_$kernel && run sweep_$kernel 300 python3 benchmarks/sweep_configs.py --kernel $kernel --commit "$commit" --out "$OUT" ${!extra}
 done
-
 if selected sanitize; then
   # Every kernel's boundary cases under memcheck and racecheck (sizes < 0, one row, past m, one tile, pairs, many E).
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -112,7 +111,8 @@ if selected sanitize; then
       "memcheck|tests/test_sm90_fp8.py|((matmul and (past_m-plain or fewer_rows)) or (fused and short_of_m-True)) and not overlapped" \
       "memcheck|tests/test_sm90_fp8_contract.py|matches_float64 and (past_m or fewer_rows) and not overlapped" \
       "racecheck|tests/test_sm90_fp8.py|past_m-srelu or (fused and past_m-True)" \
-      "racecheck|tests/test_sm90_fp8_contract.py|matches_float64 and fewer_rows and not overlapped"; do
+      "racecheck|tests/test_sm90_fp8_contract.py|(matches_float64 and fewer_rows and not overlapped) or (k_major_copy_kernel and fewer)" \
+      "memcheck|tests/test_sm90_fp8_contract.py|k_major_copy_kernel"; do
     IFS="|" read -r tool file selection <<<"$check"
     [[ $file =~ ${SANITIZE_FILES:-.} ]] || continue
     timeout 180 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m pytest -q -rs \
