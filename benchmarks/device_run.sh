@@ -97,9 +97,8 @@ for kernel in gemm contract; do
   selected sweep_$kernel && run sweep_$kernel 300 python3 benchmarks/sweep_configs.py --kernel $kernel --commit "$commit" --out "$OUT" ${!extra}
 done
 if selected sanitize; then
-  # Every kernel's boundary cases under memcheck and racecheck (sizes < 0, one row, past m, one tile, pairs, many E).
-  # XLA's autotuning runs every candidate under the tool; SANITIZE_KERNELS (a name's part) limits it to ours. Output
-  # goes to a file, not a pipe, which stays open while a timed-out tool's children live: the call hung on it.
+  # Boundary cases (sizes < 0, one row, past m, one tile, pairs, many E) under memcheck and racecheck: no XLA autotuning,
+  # kernels whose names hold SANITIZE_KERNELS only if set, into a file (a pipe outlived a timeout and hung the call).
   export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_autotune_level=0 $XLA_FLAGS"
   for check in \
       "memcheck|tests/test_sm90_gemms.py|(contraction_matches and bfloat16 and (many_experts or experts_512)) or (each_contraction_config and a_fastest)" \
