@@ -3,12 +3,10 @@
 #   bash benchmarks/device_run.sh STAGES COMMIT
 # docs/performance.md ("One batch of device work") lists the stages, their variables and the call.
 set -o pipefail
-stages=",$1,"
-commit="$2"
+stages=",$1," commit="$2"
 source .gpu/activate.sh
 export PYTHONPATH="$PWD:$PWD/tests:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
-export JAX_DSRELU_KERNEL_CACHE="$PWD/.kernels/cache"
-export PYTHONUNBUFFERED=1
+export JAX_DSRELU_KERNEL_CACHE="$PWD/.kernels/cache" PYTHONUNBUFFERED=1
 log="$OUT/run.log"
 # The kernel cache compresses about 20x, and a call carries at most 64 MiB.
 [[ -f .kernels.tar.zst ]] && { .gpu/zstd -dc .kernels.tar.zst | tar -xf -; }
@@ -97,8 +95,8 @@ for kernel in gemm contract; do
   selected sweep_$kernel && run sweep_$kernel 300 python3 benchmarks/sweep_configs.py --kernel $kernel --commit "$commit" --out "$OUT" ${!extra}
 done
 if selected sanitize; then
-  # Boundary cases (sizes < 0, one row, past m, one tile, pairs, many E) under memcheck and racecheck: no XLA autotuning,
-  # kernels whose names hold SANITIZE_KERNELS only if set, into a file (a pipe outlived a timeout and hung the call).
+  # Boundary cases (sizes < 0, one row, past m, one tile, pairs, many E) under memcheck and racecheck, a process each (the
+  # tool crashed on several at FP8), no XLA autotuning, kernels named by SANITIZE_KERNELS (a part) only, into a file.
   export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_autotune_level=0 $XLA_FLAGS"
   for check in \
       "memcheck|tests/test_sm90_gemms.py|(contraction_matches and bfloat16 and (many_experts or experts_512)) or (each_contraction_config and a_fastest)" \
@@ -116,8 +114,10 @@ if selected sanitize; then
       "racecheck|tests/test_sm90_fp8_contract.py|(matches_float64 and fewer_rows and not overlapped) or (k_major_copy_kernel and fewer)"; do
     IFS="|" read -r tool file selection <<<"$check"
     [[ $file =~ ${SANITIZE_FILES:-.} ]] || continue
-    timeout -k 10 "${SANITIZE_LIMIT:-180}" compute-sanitizer --tool "$tool" --print-limit 20 ${SANITIZE_KERNELS:+--kernel-name kns=$SANITIZE_KERNELS} \
-      python3 -m pytest -q -rs -p no:cacheprovider -m gpu $file -k "$selection" >> "$OUT/sanitize.out" 2>&1
-    echo "$tool $file exit $?: $(tail -6 "$OUT/sanitize.out")" | tee -a "$log"
+    python3 -m pytest -q --collect-only -p no:cacheprovider -m gpu $file -k "$selection" | grep :: | while read -r test; do
+      timeout -k 10 "${SANITIZE_LIMIT:-180}" compute-sanitizer --tool "$tool" --print-limit 20 ${SANITIZE_KERNELS:+--kernel-name \
+        kns=$SANITIZE_KERNELS} python3 -m pytest -q -rs -p no:cacheprovider "$test" >> "$OUT/sanitize.out" 2>&1
+      echo "$tool $test exit $?: $(tail -2 "$OUT/sanitize.out" | tr '\n' ' ')" | tee -a "$log"
+    done
   done
 fi
