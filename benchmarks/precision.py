@@ -25,7 +25,7 @@ BY_BENCHMARK = {
         "cublas_dense": f"{BF16_GEMM}, each GEMM on cuBLAS (Triton GEMM fusion off)",
         "cublas_batched": "as cublas_dense, batched over E equal batches",
         "xla_fp8": "FP8_BLOCKWISE e4m3 operands and float32 scales, dequantized, float32 GEMMs", "sm90_fp8": "FP8_BLOCKWISE:"
-        " e4m3, float32 scales, float32 promotion every 128 of K", "sm90_fp8_copy": "as sm90_fp8", "cublas_fp8": "dense e4m3, per-tensor scales (cuBLASLt)",
+        " e4m3, float32 scales, float32 promotion every 128 of K", "cublas_fp8": "dense e4m3, per-tensor scales (cuBLASLt)",
     },
     "bench_moe_block": {
         "auto": f"experts {BF16_GEMM} and epilogue; router float32", "auto_det": "as auto",

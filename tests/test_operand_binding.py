@@ -47,11 +47,12 @@ def tensor_type(shape, dtype) -> str:
     return "tensor<" + "".join(f"{extent}x" for extent in shape) + _MLIR_DTYPES[np.dtype(dtype).name] + ">"
 
 
-def bound_types(text: str) -> tuple[list[str], list[str]]:
-    """(operand types, result types) of the one kernel custom call in a lowered module."""
+def bound_types(text: str, call: int | None = None) -> tuple[list[str], list[str]]:
+    """(operand types, result types) of the one kernel custom call in a lowered module, or
+    of the call-th where a module holds several."""
     calls = KERNEL_CALL.findall(text)
-    assert len(calls) == 1, f"expected one kernel call, found {len(calls)}"
-    operands, results = calls[0]
+    assert call is not None or len(calls) == 1, f"expected one kernel call, found {len(calls)}"
+    operands, results = calls[call or 0]
     return re.findall(r"tensor<[^>]*>", operands), re.findall(r"tensor<[^>]*>", results)
 
 
@@ -62,11 +63,11 @@ def declared_types(plan, counts) -> tuple[list[str], list[str]]:
             [tensor_type(o.shape_for(counts), o.dtype) for o in outputs])
 
 
-def unbound_buffers(plan, counts, text: str) -> list[str]:
-    """The declared buffers that the custom call does not bind in their place (by index,
-    name, declared type and the type bound there)."""
+def unbound_buffers(plan, counts, text: str, call: int | None = None) -> list[str]:
+    """The declared buffers that the custom call (`bound_types`' call) does not bind in
+    their place (by index, name, declared type and the type bound there)."""
     declared_in, declared_out = declared_types(plan, counts)
-    bound_in, bound_out = bound_types(text)
+    bound_in, bound_out = bound_types(text, call)
     inputs, outputs, _ = kernel_operands.call_layout(plan, outputs_in_place=False)
     wrong = [f"input {i} {o.name}: declared {d}, bound {b}"
              for i, (o, d, b) in enumerate(zip(inputs, declared_in, bound_in)) if d != b]
