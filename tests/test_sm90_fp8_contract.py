@@ -438,8 +438,6 @@ def test_the_copy_kernels_arithmetic_is_xlas_copy(name):
     """The kernel's formula (`k_major_copy_kernel.py`: group g's rows [first_rows[g],
     min(first_rows[g + 1], m)) into columns 128 g on, zeros after) in numpy, against XLA's
     copy: the GPU tier above then only has to show the kernel computes its formula."""
-    from jax_dsrelu.kernels.sm90 import contract_layout
-
     m, n, sizes = copy_case(name)
     values = np.random.default_rng(7).integers(0, 256, (m, n), dtype=np.uint8)
     group_sizes = jnp.asarray(sizes, jnp.int32)
