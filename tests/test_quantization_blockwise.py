@@ -55,13 +55,22 @@ def ragged_magnitudes(rng, shape, block_cols=128):
     return (x * factor).astype(np.float32)
 
 
+def wide_magnitudes(rng, shape):
+    """Values spread over 2^-20 to 2^20 within every block: most of a block's values land
+    among e4m3's subnormals, where x / scale and x * (1 / scale), which a compiler may put
+    in its place, round apart (an ulp in about one value in a hundred)."""
+    return (rng.standard_normal(shape) * np.exp2(rng.uniform(-20, 20, shape))).astype(np.float32)
+
+
 @pytest.mark.parametrize("operand", ["activations", "weights"])
-@pytest.mark.parametrize("shape", [(5, 300), (130, 256), (2, 129, 131), (1, 1)])
-def test_quantize_matches_the_oracle_bit_for_bit(operand, shape):
+@pytest.mark.parametrize("shape", [(5, 300), (130, 256), (2, 129, 131), (1, 1), (3, 256, 384)])
+@pytest.mark.parametrize("magnitudes, dtype", [(ragged_magnitudes, jnp.float32), (wide_magnitudes, jnp.float32),
+                                               (wide_magnitudes, jnp.bfloat16)], ids=["ragged", "wide", "wide-bf16"])
+def test_quantize_matches_the_oracle_bit_for_bit(operand, shape, magnitudes, dtype):
     scaling = getattr(RECIPE, operand)
     rng = np.random.default_rng(sum(shape))
-    x = ragged_magnitudes(rng, shape)
-    values, scales = blockwise.quantize_blockwise(jnp.asarray(x), scaling)
+    x = np.asarray(jnp.asarray(magnitudes(rng, shape), dtype).astype(jnp.float32))  # what the quantizer is given
+    values, scales = blockwise.quantize_blockwise(jnp.asarray(x, dtype), scaling)
     expected_values, expected_scales = oracle_quantize(x, scaling.block)
     assert values.dtype == jnp.float8_e4m3fn and scales.dtype == jnp.float32
     assert scales.shape == scaling.scale_shape(shape)

@@ -58,16 +58,20 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_matches_a_loop_over_the_experts_bit_for_bit(case):
+@pytest.mark.parametrize("wide", [False, True], ids=["", "wide-bf16"])
+def test_matches_a_loop_over_the_experts_bit_for_bit(case, wide):
     sizes, num_rows = CASES[case]
     n = 200
     rng = np.random.default_rng(num_rows)
     x = expert_magnitudes(rng, sizes, num_rows, n)
-    quantized = jax.jit(ragged.quantize_ragged_rows, static_argnums=2)(jnp.asarray(x), jnp.asarray(sizes), SCALING)
+    dtype = jnp.bfloat16 if wide else jnp.float32
+    if wide:  # bf16 values over 2^-20 to 2^20 in each group: most land among e4m3's subnormals
+        x = np.asarray(jnp.asarray(x * np.exp2(rng.uniform(-20, 20, x.shape)), dtype).astype(jnp.float32))
+    quantized = jax.jit(ragged.quantize_ragged_rows, static_argnums=2)(jnp.asarray(x, dtype), jnp.asarray(sizes), SCALING)
     expected, segment_scales = per_expert_loop(x, sizes)
     np.testing.assert_array_equal(np.asarray(ragged.dequantize_ragged_rows(quantized)), expected)
     along_rows = jax.jit(qdq.along_expert_rows, static_argnums=2)
-    np.testing.assert_array_equal(np.asarray(along_rows(jnp.asarray(x), jnp.asarray(sizes), RECIPE)), expected)
+    np.testing.assert_array_equal(np.asarray(along_rows(jnp.asarray(x, dtype), jnp.asarray(sizes), RECIPE)), expected)
     # The scales, group by group, in row order.
     scales = np.asarray(quantized.scales)
     groups = np.concatenate(segment_scales, axis=1).T  # (groups, n)
