@@ -20,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_dsrelu import groups
@@ -87,3 +88,48 @@ def copy_by_kernel(values: jax.Array, first_rows: jax.Array, num_experts: int, f
     given = dict(values=values, first_rows=first_rows.astype(jnp.int32), **({"k_major": filled} if in_place else {}))
     return kernel_operands.call(kernel, _compile_key(n, in_place), kernel.operands(), given,
                                 {kernel_operands.ROWS: num_rows}, arch=ARCH, outputs_in_place=in_place)["k_major"].reshape(n, -1)
+
+
+@functools.cache
+def quantize_kernel(n: int, num_experts: int, dtype):
+    """The quantizing copy's kernel for an operand of width n and dtype
+    (`k_major_quantize_kernel.py`)."""
+    from jax_dsrelu.kernels.sm90.k_major_quantize_kernel import KMajorQuantizeSm90  # CuTe DSL: the 'gpu' extra
+
+    return KMajorQuantizeSm90(n, num_experts, dtype)
+
+
+def _quantize_key(n: int, dtype, outputs_in_place: bool):
+    # E sizes only run-time extents: one object code serves every expert count.
+    return ("jax_dsrelu.sm90_k_major_quantize", n, np.dtype(dtype).name, outputs_in_place)
+
+
+def compile_quantize_kernel(n: int, num_experts: int, dtype, *, outputs_in_place: bool = False, keep: bool = False):
+    """The quantizing copy's object code (compiled now, or found in the cache); keep=True
+    also returns its PTX and cubin."""
+    from jax_dsrelu.kernels import operands as kernel_operands  # CuTe DSL: the 'gpu' extra
+
+    kernel = quantize_kernel(n, num_experts, np.dtype(dtype))
+    return kernel_operands.compile_kernel(kernel, _quantize_key(n, dtype, outputs_in_place), kernel.operands(),
+                                          arch=ARCH, outputs_in_place=outputs_in_place, keep=keep)
+
+
+def quantize_by_kernel(x: jax.Array, first_rows: jax.Array, num_experts: int,
+                       filled: dict[str, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
+    """(k_major (n, G * 128) e4m3, scales (G, n) float32): x (m, n) quantized in the groups
+    of rows `first_rows` starts (`ragged.group_first_rows`) and copied K-major, as
+    `ragged.quantize_ragged_rows` and `copy_by_kernel` make them, in one custom call; for
+    m > 0 rows of n a positive multiple of 16. With `filled` ({"k_major": (n, G, 128),
+    "scales": (G, n)}) the kernel writes into those buffers (the tests poison them first)."""
+    num_rows, n = x.shape
+    if num_rows == 0 or n % 16 or n == 0:
+        raise ValueError(f"the K-major quantizer takes m > 0 rows of n a positive multiple of 16, got "
+                         f"x.shape={tuple(x.shape)}")
+    from jax_dsrelu.kernels import operands as kernel_operands  # CuTe DSL: the 'gpu' extra
+
+    dtype = np.dtype(x.dtype)
+    kernel, in_place = quantize_kernel(n, num_experts, dtype), filled is not None
+    given = dict(x=x, first_rows=first_rows.astype(jnp.int32), **(filled or {}))
+    out = kernel_operands.call(kernel, _quantize_key(n, dtype, in_place), kernel.operands(), given,
+                               {kernel_operands.ROWS: num_rows}, arch=ARCH, outputs_in_place=in_place)
+    return out["k_major"].reshape(n, -1), out["scales"]

@@ -1,0 +1,190 @@
+"""The FP8 weight gradients' operands quantized straight into their K-major copies, for
+Hopper (sm_90a), in CuTe DSL: `quantization.ragged.quantize_ragged_rows` and the K-major
+copy (`k_major_copy_kernel.py`) in one pass over a 16- or 32-bit operand.
+
+Math, with x (m, n) bfloat16, float16 or float32, first_rows (G + 1,) the first row of
+each group of `quantization.ragged` (`ragged.group_first_rows`), rows_g =
+min(first_rows[g + 1], m) - first_rows[g] and X_g = x[first_rows[g] : first_rows[g] + rows_g]:
+
+    amax[g, c]   = max over i < rows_g of |X_g[i, c]| where finite, else 0
+    scales[g, c] = the recipe's scale of amax (`quantization.blockwise`: amax / 448 by a
+                   product, at least float32's smallest normal, 1 where amax is 0, NaN
+                   where X_g[:, c] holds a NaN or an infinity)
+    k_major[c, g, i] = e4m3(X_g[i, c] / scales[g, c])   for i < rows_g (round to nearest
+                   even, saturated to +-448; NaN where the scale is)
+                       0                                 for the other i < 128
+
+which is `quantize_ragged_rows`' scales and the copy of its values into the padded
+layout, byte for byte but for the sign of a NaN (an e4m3 NaN is 0x7F or 0xFF alike).
+A CTA of 128 threads takes one group and 64 columns: thread i converts the group's row i
+to float32 into a shared tile (16-byte loads; zeros past the group's rows and past n);
+then threads c and c + 64 take column c's first and second 64 rows, each its maximum,
+exchanged through shared memory (a maximum is exact in any order); then each quantizes
+its 64 rows and stores their 64 bytes (16-byte stores), and thread c the scale. Every
+output byte is written once, by one thread: the same bits on every run.
+
+The tile's rows are 68 float32 apart (272 bytes): the first phase's 16-byte stores of
+eight neighbouring threads (rows i to i + 7) fall on distinct banks, and the second
+phase's loads of a warp (one row, 32 neighbouring columns) on 32, one wavefront. It
+holds 34.8 KB, under the 48 KB a launch gets without asking.
+
+The division is IEEE's (div.rn.f32), the conversion `cvt.rn.satfinite.e4m3x2.f32`:
+saturating is the recipe's clamp to +-448 (x / scale exceeds 448 by an ulp at most,
+and rounds to 448 either way), and a NaN converts to a NaN.
+
+Constraints (`contract_layout.quantize_by_kernel` refuses the rest): n a positive
+multiple of 16, m > 0.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import numpy as np
+from cutlass import Float32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from jax_dsrelu.kernels.operands import M, KernelOperand, Rows
+
+BLOCK = 128  # rows of a group, threads of a CTA
+COLUMNS = 64  # columns of a CTA
+PARTS = BLOCK // COLUMNS  # threads per column in the second phase, each taking BLOCK // PARTS rows
+VECTOR_BYTES = 16  # bytes per global load and store
+_PITCH = COLUMNS + 4  # the tile's row pitch in float32 (module doc)
+# The recipe's constants as float32 values (`blockwise.scales_from_amax`), held in Python floats.
+_RECIPROCAL = float(np.float32(1.0 / 448.0))  # 1 / e4m3's largest finite value, rounded to float32
+_SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_ELEMENT_TYPES = {np.dtype("bfloat16"): cutlass.BFloat16, np.dtype(np.float16): cutlass.Float16,
+                  np.dtype(np.float32): cutlass.Float32}
+_I32 = np.dtype(np.int32)
+_F32 = np.dtype(np.float32)
+_E4M3 = np.dtype("float8_e4m3fn")
+
+
+@dsl_user_op
+def _e4m3x2(low: Float32, high: Float32, *, loc=None, ip=None) -> cutlass.Uint16:
+    """Two float32 values as e4m3 bytes, low in the low byte: round to nearest even,
+    saturated, NaN kept (PTX puts its first source in the high byte)."""
+    packed = llvm.inline_asm(T.i16(), [Float32(high).ir_value(loc=loc, ip=ip), Float32(low).ir_value(loc=loc, ip=ip)],
+                             "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f", has_side_effects=False,
+                             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return cutlass.Uint16(packed)
+
+
+class KMajorQuantizeSm90:
+    """The pass for one static configuration: the operand's width n, E experts and its dtype."""
+
+    def __init__(self, n: int, num_experts: int, dtype):
+        dtype = np.dtype(dtype)
+        if dtype not in _ELEMENT_TYPES:
+            raise TypeError(f"the K-major quantizer takes bfloat16, float16 or float32 rows, got {dtype.name}")
+        self.n, self.num_experts, self.dtype = n, num_experts, dtype
+        self.element = _ELEMENT_TYPES[dtype]
+        self.per_load = VECTOR_BYTES // dtype.itemsize  # elements of a 16-byte load
+
+    def operands(self) -> list[KernelOperand]:
+        """x (m, n), first_rows (G + 1,) int32, k_major (n, G, 128) e4m3 (the (n, 128 G)
+        copy, each group's 128 bytes a mode of their own, as the copy kernel writes it),
+        scales (G, n) float32; G = ceil(m / 128) + E (`ragged.max_groups`)."""
+        groups = Rows(per=BLOCK, plus=self.num_experts)
+        return [
+            KernelOperand("x", "input", self.dtype, (M, self.n)),
+            KernelOperand("first_rows", "input", _I32, (Rows(per=BLOCK, plus=self.num_experts + 1),)),
+            KernelOperand("k_major", "output", _E4M3, (self.n, groups, BLOCK)),
+            KernelOperand("scales", "output", _F32, (groups, self.n)),
+        ]
+
+    @cute.jit
+    def __call__(self, stream: cuda.CUstream, x: cute.Tensor, first_rows: cute.Tensor, k_major: cute.Tensor,
+                 scales: cute.Tensor):
+        groups = cute.size(first_rows, mode=[0]) - 1
+
+        @cute.struct
+        class Storage:
+            tile: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK * _PITCH], 16]
+            # Each part's maximum and whether it saw a NaN or an infinity, by column.
+            amax: cute.struct.MemRange[Float32, PARTS * COLUMNS]
+            special: cute.struct.MemRange[cutlass.Int32, PARTS * COLUMNS]
+
+        self.storage = Storage
+        column_blocks = (self.n + COLUMNS - 1) // COLUMNS
+        self.kernel(x, first_rows, k_major, scales).launch(grid=[groups, column_blocks, 1], block=[BLOCK, 1, 1],
+                                                           stream=stream)
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, first_rows: cute.Tensor, k_major: cute.Tensor, scales: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        group, column_block, _ = cute.arch.block_idx()
+        storage = cutlass.memory.SmemAllocator().allocate(self.storage)
+        tile = storage.tile.get_tensor(cute.make_layout((BLOCK, COLUMNS), stride=(_PITCH, 1)))
+        part_amax = storage.amax.get_tensor(cute.make_layout((PARTS, COLUMNS), stride=(COLUMNS, 1)))
+        part_special = storage.special.get_tensor(cute.make_layout((PARTS, COLUMNS), stride=(COLUMNS, 1)))
+        first_column = column_block * COLUMNS
+        first = first_rows[group]
+        rows = cutlass.min(first_rows[group + 1], cute.size(x, mode=[0])) - first
+
+        # Phase 1: the group's row tidx, as float32, into the tile; zeros past its rows and n.
+        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.element, num_bits_per_copy=8 * VECTOR_BYTES)
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=8 * VECTOR_BYTES)
+        loaded = cute.make_rmem_tensor(cute.make_layout(self.per_load), self.element)
+        widened = cute.make_rmem_tensor(cute.make_layout(self.per_load), Float32)
+        x_chunks = cute.logical_divide(x, (None, self.per_load))
+        tile_quads = cute.logical_divide(tile, (None, 4))  # 16-byte pieces of a float32 row
+        for v in cutlass.range_constexpr(COLUMNS // self.per_load):
+            loaded.fill(0)
+            if tidx < rows and first_column + v * self.per_load < self.n:
+                cute.copy(load, x_chunks[first + tidx, (None, first_column // self.per_load + v)], loaded)
+            widened.store(loaded.load().to(Float32))
+            widened_quads = cute.logical_divide(widened, 4)
+            for q in cutlass.range_constexpr(self.per_load // 4):
+                cute.copy(store, widened_quads[None, q], tile_quads[tidx, (None, v * (self.per_load // 4) + q)])
+        cute.arch.sync_threads()
+
+        # Phase 2: thread (part, column) takes rows [part * 64, part * 64 + 64) of its column.
+        column = tidx % COLUMNS
+        part = tidx // COLUMNS
+        part_rows = BLOCK // PARTS
+        amax = Float32(0.0)
+        special = cutlass.Int32(0)
+        for r in cutlass.range(part_rows, unroll_full=True):
+            value = tile[part * part_rows + r, column]
+            finite = cute.math.absf(value) <= Float32(_FLOAT32_MAX)  # False for NaN and infinities
+            if finite:
+                amax = cute.arch.fmax(amax, cute.math.absf(value))
+            else:
+                special = cutlass.Int32(1)
+        part_amax[part, column] = amax
+        part_special[part, column] = special
+        cute.arch.sync_threads()
+        for p in cutlass.range_constexpr(PARTS):
+            amax = cute.arch.fmax(amax, part_amax[p, column])
+            special = special | part_special[p, column]
+        # The recipe's scale (`blockwise.scales_from_amax`), one product and a floor.
+        scale = Float32(1.0)
+        if amax > Float32(0.0):
+            scale = cute.arch.fmax(amax * Float32(_RECIPROCAL), Float32(_SMALLEST_NORMAL))
+        if special != 0:
+            scale = Float32(float("nan"))
+        global_column = first_column + column
+        if global_column < self.n:
+            if part == 0:
+                scales[group, global_column] = scale
+            # Its rows' bytes, 16 at a time; zeros past the group's rows.
+            packed = cute.make_rmem_tensor(cute.make_layout(VECTOR_BYTES // 2), cutlass.Uint16)
+            out_chunks = cute.logical_divide(k_major[global_column, group, None], VECTOR_BYTES)
+            write = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint16, num_bits_per_copy=8 * VECTOR_BYTES)
+            for v in cutlass.range_constexpr(part_rows // VECTOR_BYTES):
+                for k in cutlass.range_constexpr(VECTOR_BYTES // 2):
+                    row = part * part_rows + v * VECTOR_BYTES + 2 * k
+                    low = tile[row, column] / scale
+                    high = tile[row + 1, column] / scale
+                    if row >= rows:
+                        low = Float32(0.0)
+                    if row + 1 >= rows:
+                        high = Float32(0.0)
+                    packed[k] = _e4m3x2(low, high)
+                cute.copy(write, packed, cute.recast_tensor(out_chunks[None, part * (part_rows // VECTOR_BYTES) + v],
+                                                            cutlass.Uint16))
