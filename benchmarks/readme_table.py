@@ -28,7 +28,7 @@ HEADERS = {
     "pallas": "Pallas", "quack": "QuACK", "tokamax": "tokamax ragged_dot", "dense_mlp": "dense bf16 MLP",
     "batched_mlp": "batched bf16 MLP", "gemms_cublas": "its GEMMs alone, bf16 cuBLAS", "cublas_dense": "dense bf16 cuBLAS",
     "cublas_batched": "batched bf16 cuBLAS", "gathered": "library, auto with gathered loads (sm90, not yet in auto)",
-    "gathered_det": "the same, deterministic", "sm90_fp8": "sm90 FP8", "sm90_fp8_copy": "sm90 FP8, kernel copies", "quantize": "quantizing the rows",
+    "gathered_det": "the same, deterministic", "sm90_fp8": "sm90 FP8", "sm90_fp8_copy": "sm90 FP8, kernel copies", "sm90_fp8_quantize": "sm90 FP8, dW quantized by kernel", "quantize": "quantizing the rows",
     "cublas_fp8": "dense FP8 cuBLASLt (XLA)", "torch_fp8": "dense FP8 torch._scaled_mm", "cublas_bf16": "dense bf16 cuBLAS"}
 # Our kernels' classes in the mangled CuTe DSL names of a breakdown; the gathered ones first,
 # since a name holds the first class it matches (GatheredRaggedGemmSm90 holds RaggedGemmSm90).

@@ -291,8 +291,8 @@ RAGGED_CONTRACT = Schema(
     # Rows are the contracted dimension: split rows give per-shard partials to sum.
     results=(Field("out", "e a b", dtype="out_dtype", reduce="sum"),),
     kept_whole=("e", "g", SOURCE_ROWS, "u"),
-    # Block-scaled: the groups are numbered over all of the rows, which stay whole.
-    whole_when=(("block_scaled", (ROWS,)),),
+    # Block-scaled or quantized here: the groups are numbered over all of the rows, which stay whole.
+    whole_when=(("block_scaled", (ROWS,)), ("quantize", (ROWS,))),
 )
 
 GATHER_SUM = Schema(

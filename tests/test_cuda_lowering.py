@@ -45,7 +45,8 @@ def reference_of(request):
             blockwise_scaled=request.blockwise_scaled,
         )
     if isinstance(request, RaggedContractRequest):
-        return ragged_contract_primitive.reference, dict(out_dtype=request.out_dtype, block_scaled=request.block_scaled)
+        return ragged_contract_primitive.reference, dict(out_dtype=request.out_dtype, block_scaled=request.block_scaled,
+                                                         quantize=False)
     params = dict(rhs_layout=request.rhs_layout, out_dtype=request.out_dtype, block_scaled=request.block_scaled)
     if request.epilogue == "srelu":
         return ragged_matmul_srelu_primitive.reference, dict(params, with_bias=request.with_bias)

@@ -144,7 +144,7 @@ def cases():
         "ragged_contract": (
             (lambda x, h, g: ragged_contract(x, h, g, out_dtype=F32, backend="sm90"), (a["x"], a["h"], a["sizes"])),
             ragged_call.operands(RaggedContractRequest(num_experts=E, a=K, b=N, operand_dtype=BF16, out_dtype=F32)),
-            {ROWS: M}, schema.RAGGED_CONTRACT, dict(out_dtype=F32, block_scaled=False),
+            {ROWS: M}, schema.RAGGED_CONTRACT, dict(out_dtype=F32, block_scaled=False, quantize=False),
         ),
         "gather_sum": (
             (lambda r, i: gather_sum(r, i, backend="sm90"), (a["h"], a["index"])),

@@ -257,13 +257,14 @@ def config_for(request, overlap_promotion: bool):
 
 def prebuild_requests():
     """Every (request, config or None for the chosen one, outputs_in_place) the GPU tier
-    below runs through `ragged_call`, and the FP8 contraction's tier
-    (tests/test_sm90_fp8_contract.py), for the kernel cache."""
+    below runs through `ragged_call`, and the FP8 contraction's tiers
+    (tests/test_sm90_fp8_contract.py, tests/test_sm90_fp8_quantize.py), for the kernel cache."""
     import test_sm90_fp8_contract
+    import test_sm90_fp8_quantize
 
     built = {(request_for(GROUPINGS[name][0], variant), overlap) for name, variant, overlap in GPU_CASES}
     ours = [(request, config_for(request, overlap), True) for request, overlap in sorted(built, key=repr)]
-    return ours + test_sm90_fp8_contract.prebuild_requests()
+    return ours + test_sm90_fp8_contract.prebuild_requests() + test_sm90_fp8_quantize.prebuild_contract_requests()
 
 
 def prebuild_fused_requests():

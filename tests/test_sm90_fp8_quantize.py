@@ -1,6 +1,8 @@
 """The FP8 weight gradients' operands quantized straight into their K-major copies
 (`kernels/sm90/k_major_quantize_kernel.py`, through `contract_layout.quantize_by_kernel`):
-`quantization.ragged.quantize_ragged_rows` and the K-major copy in one pass.
+`quantization.ragged.quantize_ragged_rows` and the K-major copy in one pass; and
+`ragged_contract(..., precision=FP8_BLOCKWISE)`, the contraction that quantizes its own
+operands, which calls it where the unverified kind "fp8_quantize" is enabled.
 
 CPU: the kernel's formula (its module doc) in NumPy against XLA's quantizer and copy, on
 values that reach e4m3's subnormals, with NaNs and infinities planted; refusals. Compile
@@ -25,9 +27,11 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from jax_dsrelu.primitives.ragged_contract import ragged_contract  # noqa: E402
 from jax_dsrelu.quantization import ragged  # noqa: E402
 from jax_dsrelu.quantization.schema import FP8_BLOCKWISE  # noqa: E402
-from test_sm90_fp8_contract import COPY_CASES, copy_case, xla_copy  # noqa: E402
+from test_sm90_fp8_contract import (COPY_CASES, check_against, copy_case, grouping, reference,  # noqa: E402
+                                    xla_copy)
 
 GROUP = FP8_BLOCKWISE.activations.block[1]
 DTYPES = {"bf16": np.dtype(jnp.bfloat16), "f32": np.dtype(np.float32)}
@@ -115,6 +119,80 @@ def test_the_quantizing_copy_refuses_what_it_cannot_take():
         KMajorQuantizeSm90(64, 1, np.int8)
 
 
+def unquantized(name, seed=0):
+    """(lhs (m, a) bfloat16, rhs (m, b) float32, group sizes, out dtype) of a contraction
+    case (`test_sm90_fp8_contract.GROUPINGS`): dW1's x and dh, rows whose magnitudes span
+    2^-6 to 2^6 from row to row."""
+    (_, a, b), m, sizes, out_dtype = grouping(name)
+    rng = np.random.default_rng(seed)
+    lhs, rhs = (rng.standard_normal((m, w)) * np.exp2(rng.uniform(-6, 6, (m, 1))) for w in (a, b))
+    return jnp.asarray(lhs, jnp.bfloat16), jnp.asarray(rhs, jnp.float32), sizes, out_dtype
+
+
+def test_quantized_here_is_the_block_scaled_form_of_xlas_quantizer():
+    lhs, rhs, sizes, out_dtype = unquantized("ragged_with_empty")
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    here = jax.jit(lambda l, r, g: ragged_contract(l, r, g, precision=FP8_BLOCKWISE, out_dtype=out_dtype,
+                                                   backend="xla"))(lhs, rhs, group_sizes)
+    (lq, ls, _), (rq, rs, _) = (ragged.quantize_ragged_rows(x, group_sizes, FP8_BLOCKWISE.activations) for x in (lhs, rhs))
+    given = ragged_contract(lq, rq, group_sizes, lhs_scale=ls, rhs_scale=rs, out_dtype=out_dtype, backend="xla")
+    np.testing.assert_array_equal(np.asarray(here), np.asarray(given))
+
+
+def test_quantized_here_keeps_the_rows_whole_under_sharding():
+    # The groups are numbered over all of the rows, as for block-scaled operands.
+    from jax_dsrelu.primitive_schema import RAGGED_CONTRACT, ROWS
+
+    assert ROWS in RAGGED_CONTRACT.whole(dict(quantize=True, block_scaled=False))
+    assert ROWS not in RAGGED_CONTRACT.whole(dict(quantize=False, block_scaled=False))
+
+
+def test_quantized_here_refuses_scales_indices_and_quantized_operands():
+    lhs, rhs, sizes, out_dtype = unquantized("short_of_m")
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    call = functools.partial(ragged_contract, out_dtype=out_dtype, backend="xla", precision=FP8_BLOCKWISE)
+    scales = jnp.ones((ragged.max_groups(lhs.shape[0], len(sizes), GROUP), lhs.shape[1]), jnp.float32)
+    with pytest.raises(ValueError, match=r"precision=FP8_BLOCKWISE quantizes lhs and rhs, read in row order: "
+                                         r"\['lhs_scale', 'rhs_scale'\] must be None"):
+        call(lhs, rhs, group_sizes, lhs_scale=scales, rhs_scale=scales)
+    with pytest.raises(ValueError, match=r"\['lhs_index'\] must be None"):
+        call(lhs, rhs, group_sizes, lhs_index=jnp.zeros((lhs.shape[0],), jnp.int32))
+    with pytest.raises(TypeError, match=r"lhs must be float32, bfloat16 or float16 \(it is quantized here\), "
+                                        r"got lhs.dtype=float8_e4m3fn"):
+        call(lhs.astype(jnp.float8_e4m3fn), rhs, group_sizes)
+    with pytest.raises(TypeError, match="precision must be None or jax_dsrelu.quantization.FP8_BLOCKWISE"):
+        ragged_contract(lhs, rhs, group_sizes, out_dtype=out_dtype, backend="xla", precision="fp8")
+
+
+@pytest.mark.compile
+def test_quantized_here_lowers_to_xlas_quantizer_or_the_quantizing_copies():
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    from test_operand_binding import bound_types, unbound_buffers
+
+    from jax_dsrelu.kernels.operands import ROWS
+    from jax_dsrelu.kernels.sm90 import backend, contract_layout, ragged_call
+    from test_sm90_fp8_contract import request_for
+
+    lhs, rhs, sizes, out_dtype = unquantized("ragged_with_empty")
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (lhs, rhs, jnp.asarray(sizes, jnp.int32))]
+    plan = ragged_call.operands(request_for((len(sizes), lhs.shape[1], rhs.shape[1]), out_dtype))
+    counts = {ROWS: contract_layout.padded_rows(lhs.shape[0], len(sizes))}
+    first_inputs = {}
+    for kinds in (("fp8",), ("fp8", "fp8_quantize")):
+        # A function of its own for each: jit keeps what it traced.
+        call = jax.jit(lambda l, r, g: ragged_contract(l, r, g, precision=FP8_BLOCKWISE, out_dtype=out_dtype,
+                                                       backend="sm90"))
+        with backend.unverified_enabled(*kinds):
+            text = call.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+        # Two copies or two quantizing copies, then the contraction, which reads their results.
+        assert text.count("custom_call @CuteDSLRT") == 3 and unbound_buffers(plan, counts, text, call=-1) == []
+        first_inputs[kinds] = [bound_types(text, call)[0][0] for call in (0, 1)]
+    # The copies move XLA's quantized values as bytes; the quantizing copies read lhs and rhs themselves.
+    assert first_inputs[("fp8",)] == [f"tensor<{lhs.shape[0]}x{w}xui8>" for w in (lhs.shape[1], rhs.shape[1])]
+    assert first_inputs[("fp8", "fp8_quantize")] == [f"tensor<{lhs.shape[0]}x{lhs.shape[1]}xbf16>",
+                                                     f"tensor<{rhs.shape[0]}x{rhs.shape[1]}xf32>"]
+
+
 def prebuild_copy_jobs():
     """The passes the GPU tier runs (in place, into poisoned buffers), for the kernel cache."""
     from jax_dsrelu.kernels.sm90 import contract_layout
@@ -195,3 +273,39 @@ def test_the_quantizing_copy_is_xlas_quantizer_and_copy(hopper, name, dtype):
         got = np.asarray(jax.lax.bitcast_convert_type(k_major, jnp.uint8))
         assert got.shape == want_k_major.shape and same_bytes_but_nan_sign(got, want_k_major)
         np.testing.assert_array_equal(np.asarray(scales), want_scales)
+
+
+QUANTIZED_HERE = ["ragged_with_empty", "past_m", "fewer_rows_than_a_group", "narrow_b", "nano_widths"]
+
+
+def prebuild_contract_requests():
+    """The contraction kernels the quantized-here GPU tier runs, for the kernel cache (the
+    quantizing copies are `prebuild_copy_jobs`')."""
+    from jax_dsrelu.kernels.sm90 import ragged_call
+    from test_sm90_fp8_contract import request_for
+
+    requests = {request_for(grouping(name)[0], grouping(name)[3]) for name in QUANTIZED_HERE}
+    return [(request, ragged_call.choose_config(request), False) for request in sorted(requests, key=repr)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", QUANTIZED_HERE)
+def test_quantized_here_by_the_kernel_gives_the_bits_of_xlas_quantizer(hopper, name):
+    """The contraction on operands quantized by the quantizing copies and on XLA's quantizer
+    and the copy kernel: the same e4m3 bytes and scales, so the same bits out; and within
+    the FP8 bound of float64."""
+    from jax_dsrelu.kernels.sm90 import backend
+
+    lhs, rhs, sizes, out_dtype = unquantized(name)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    results = {}
+    for kinds in (("fp8",), ("fp8", "fp8_quantize")):
+        with backend.unverified_enabled(*kinds):
+            call = jax.jit(lambda l, r, g: ragged_contract(l, r, g, precision=FP8_BLOCKWISE, out_dtype=out_dtype,
+                                                           backend="sm90"))
+            results[kinds] = np.asarray(call(lhs, rhs, group_sizes))
+    np.testing.assert_array_equal(results[("fp8", "fp8_quantize")], results[("fp8",)])
+    lhs64, rhs64 = (np.asarray(ragged.dequantize_ragged_rows(ragged.quantize_ragged_rows(
+        x, group_sizes, FP8_BLOCKWISE.activations)), np.float64) for x in (lhs, rhs))
+    ref, abs_dot = reference(lhs64, rhs64, sizes, len(sizes))
+    check_against(results[("fp8", "fp8_quantize")], ref, abs_dot, sizes, lhs.shape[0])

@@ -85,6 +85,10 @@ class RaggedContractRequest:
                   (G, b), G = ceil(m / 128) + E, group g's scale of each column; each
                   group's partial sum is multiplied by its two scales in float32 and
                   added to the total.
+    quantized_from: (lhs dtype, rhs dtype), 16- or 32-bit floats, where the call gives
+                  lhs and rhs unquantized and no scales: the implementation quantizes
+                  them by that recipe first (`quantization.ragged.quantize_ragged_rows`),
+                  then contracts as block_scaled (which is then True, operand_dtype e4m3).
     """
 
     num_experts: int
@@ -93,6 +97,7 @@ class RaggedContractRequest:
     operand_dtype: np.dtype
     out_dtype: np.dtype
     block_scaled: bool = False
+    quantized_from: tuple[np.dtype, np.dtype] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

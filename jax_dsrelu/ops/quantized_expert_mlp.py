@@ -49,7 +49,7 @@ from jax_dsrelu.ops.expert_operands import Experts, Gradients
 from jax_dsrelu.primitives import dsrelu, validation
 from jax_dsrelu.primitives.ragged_contract import ragged_contract
 from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
-from jax_dsrelu.quantization import blockwise, qdq, ragged
+from jax_dsrelu.quantization import blockwise, qdq
 from jax_dsrelu.quantization.schema import Recipe
 
 
@@ -247,8 +247,6 @@ def gradient_gemms(
 
 def _block_scaled_contract(lhs, rhs, group_sizes, recipe: Recipe, backends: LayerBackends, *, out_dtype):
     """lhs^T rhs per expert, K = each expert's rows (in expert order): both sides quantized
-    in groups of rows that restart at each expert, the block-scaled ragged contraction."""
-    (lhs, lhs_scale, _), (rhs, rhs_scale, _) = (
-        ragged.quantize_ragged_rows(side, group_sizes, recipe.activations) for side in (lhs, rhs))
-    return ragged_contract(lhs, rhs, group_sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype,
-                           backend=backends.contract)
+    in groups of rows that restart at each expert, by the contraction itself (which reads
+    the quantized values alone, so a kernel may write them in the layout it reads)."""
+    return ragged_contract(lhs, rhs, group_sizes, precision=recipe, out_dtype=out_dtype, backend=backends.contract)

@@ -18,6 +18,12 @@ rhs e4m3, quantized in groups of 128 rows that restart at each expert
 rhs_scale (G, b) float32, G = ceil(m / 128) + E; the math is the above on the values they
 represent. They are read in row order (no row index), and their rows are never split
 across devices, since the groups are numbered over all of them.
+
+Quantized here (precision=FP8_BLOCKWISE): lhs and rhs 16- or 32-bit floats, no scales;
+each side is quantized as above first (`quantize_ragged_rows`), then contracted as
+block-scaled operands. The quantized values are read by the contraction alone, so a
+kernel may quantize them straight into the layout it reads (sm90:
+`kernels/sm90/k_major_quantize_kernel.py`).
 """
 
 from __future__ import annotations
@@ -32,21 +38,24 @@ from jax_dsrelu.primitives.base import GroupedPrimitive
 from jax_dsrelu.kernels.request import RaggedContractRequest
 from jax_dsrelu.primitive_schema import RAGGED_CONTRACT
 from jax_dsrelu.quantization import ragged
-from jax_dsrelu.quantization.schema import FP8_BLOCKWISE
+from jax_dsrelu.quantization.schema import FP8_BLOCKWISE, Recipe
 
 ELEMENT = np.dtype(FP8_BLOCKWISE.activations.element)
 ROWS_PER_GROUP = FP8_BLOCKWISE.activations.block[1]
+QUANTIZED_DTYPES = (np.dtype(np.float32), np.dtype("bfloat16"), np.dtype(np.float16))
 
 
 def _request(named: Mapping[str, Any], params: Mapping[str, Any]) -> RaggedContractRequest:
     lhs, rhs, group_sizes = named["lhs"], named["rhs"], named["group_sizes"]
+    quantize = bool(params["quantize"])
     return RaggedContractRequest(
         num_experts=group_sizes.shape[0],
         a=lhs.shape[1],
         b=rhs.shape[1],
-        operand_dtype=np.dtype(lhs.dtype),
+        operand_dtype=ELEMENT if quantize else np.dtype(lhs.dtype),
         out_dtype=np.dtype(params["out_dtype"]),
-        block_scaled=bool(params["block_scaled"]),
+        block_scaled=bool(params["block_scaled"]) or quantize,
+        quantized_from=(np.dtype(lhs.dtype), np.dtype(rhs.dtype)) if quantize else None,
     )
 
 
@@ -71,6 +80,22 @@ def _check_block_scaled(lhs, rhs, group_sizes, lhs_scale, rhs_scale, lhs_index, 
     return True
 
 
+def _check_quantized_here(precision, lhs, rhs, lhs_scale, rhs_scale, lhs_index, rhs_index) -> bool:
+    """Whether the call asks for its operands quantized here (a precision given), checked."""
+    if validation.precision(precision) is None:
+        return False
+    given = [name for name, x in (("lhs_scale", lhs_scale), ("rhs_scale", rhs_scale), ("lhs_index", lhs_index),
+                                  ("rhs_index", rhs_index)) if x is not None]
+    if given:
+        raise ValueError(f"precision={precision.name} quantizes lhs and rhs, read in row order: {given} must be None "
+                         f"with it")
+    for name, x in (("lhs", lhs), ("rhs", rhs)):
+        if np.dtype(x.dtype) not in QUANTIZED_DTYPES:
+            raise TypeError(f"with precision={precision.name}, {name} must be float32, bfloat16 or float16 (it is "
+                            f"quantized here), got {name}.dtype={np.dtype(x.dtype).name}")
+    return True
+
+
 def ragged_contract(
     lhs: jax.Array,  # (m, a), or (T, a) with lhs_index
     rhs: jax.Array,  # (m, b), or (U, b) with rhs_index
@@ -82,13 +107,15 @@ def ragged_contract(
     rhs_index: jax.Array | None = None,  # (m,) int32: row i of rhs is rhs[rhs_index[i]]
     lhs_scale: jax.Array | None = None,  # (ceil(m / 128) + E, a) float32, FP8_BLOCKWISE operands
     rhs_scale: jax.Array | None = None,  # (ceil(m / 128) + E, b) float32
+    precision: Recipe | None = None,  # FP8_BLOCKWISE: lhs and rhs quantized here (module doc)
 ) -> jax.Array:  # (E, a, b) out_dtype
     """The per-expert contraction over rows; shapes and dtypes of the 16-bit form are the
-    caller's to have checked, the block-scaled form's are checked here."""
+    caller's to have checked, the block-scaled and quantized-here forms' are checked here."""
+    quantize = _check_quantized_here(precision, lhs, rhs, lhs_scale, rhs_scale, lhs_index, rhs_index)
     block_scaled = _check_block_scaled(lhs, rhs, group_sizes, lhs_scale, rhs_scale, lhs_index, rhs_index)
     params = dict(
         out_dtype=np.dtype(out_dtype), with_lhs_index=lhs_index is not None, with_rhs_index=rhs_index is not None,
-        block_scaled=block_scaled,
+        block_scaled=block_scaled, quantize=quantize,
     )
     named = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes, lhs_index=lhs_index, rhs_index=rhs_index,
                  lhs_scale=lhs_scale, rhs_scale=rhs_scale)

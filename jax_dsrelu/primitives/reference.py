@@ -115,8 +115,13 @@ def ragged_matmul_srelu_reference(lhs, rhs, group_sizes, prob, bias=None, lhs_sc
     return dict(h=h, act=act)
 
 
-def ragged_contract_reference(lhs, rhs, group_sizes, lhs_scale=None, rhs_scale=None, *, out_dtype, block_scaled):
+def ragged_contract_reference(lhs, rhs, group_sizes, lhs_scale=None, rhs_scale=None, *, out_dtype, block_scaled,
+                              quantize):
     del block_scaled  # the scales are None without it
+    if quantize:
+        # FP8_BLOCKWISE quantizing of both sides first, in groups of rows restarting at each expert.
+        (lhs, lhs_scale, _), (rhs, rhs_scale, _) = (
+            ragged.quantize_ragged_rows(side, group_sizes, FP8_BLOCKWISE.activations) for side in (lhs, rhs))
     if lhs_scale is not None:
         # FP8_BLOCKWISE operands: dequantized to float32, each row by its group's scales.
         row_group = ragged.row_groups(group_sizes, lhs.shape[0], FP8_BLOCKWISE.activations.block[1])

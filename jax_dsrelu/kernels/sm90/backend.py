@@ -58,7 +58,11 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 #                 crashed (exit 139) on the contraction's fewer-rows case, which passed alone
 #                 before. Still to run: deterministic mode across processes, a step faster
 #                 than the bf16 one.
-UNVERIFIED_KINDS = ("gathered", "gather_sum", "fp8")
+#   "fp8_quantize" the FP8 weight gradients' operands quantized straight into their
+#                 K-major copies (`k_major_quantize_kernel.py`), for `ragged_contract`
+#                 quantizing its operands itself, instead of XLA's quantizer and the copy
+#                 kernel: compiled for sm_90a, never run.
+UNVERIFIED_KINDS = ("gathered", "gather_sum", "fp8", "fp8_quantize")
 # The operands of each request kind that the "gathered" kernels read through an index.
 _GATHERED_OPERANDS = {
     Request: frozenset({"grad"}),

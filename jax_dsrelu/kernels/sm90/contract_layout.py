@@ -24,9 +24,11 @@ import numpy as np
 from jax import lax
 
 from jax_dsrelu import groups
+from jax_dsrelu.kernels.sm90 import backend
 from jax_dsrelu.kernels.sm90.arch import ARCH
 from jax_dsrelu.kernels.sm90.config import BLOCK
 from jax_dsrelu.quantization import ragged
+from jax_dsrelu.quantization.schema import FP8_BLOCKWISE
 
 
 def padded_rows(num_rows: int, num_experts: int) -> int:
@@ -37,18 +39,40 @@ def padded_rows(num_rows: int, num_experts: int) -> int:
 def k_major_operands(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> dict[str, jax.Array]:
     """{lhs_k_major (a, R), rhs_k_major (b, R), padded_sizes (E,) int32} for the kernel
     (m > 0 rows)."""
-    num_rows, num_experts = lhs.shape[0], group_sizes.shape[0]
-    row_group = ragged.row_groups(group_sizes, num_rows, BLOCK)
-    first_rows = ragged.group_first_rows(row_group, ragged.max_groups(num_rows, num_experts, BLOCK))
-    copy = functools.partial(copy_by_kernel, first_rows=first_rows, num_experts=num_experts)
+    first_rows, padded_sizes = _groups(group_sizes, lhs.shape[0])
+    copy = functools.partial(copy_by_kernel, first_rows=first_rows, num_experts=group_sizes.shape[0])
 
     def k_major(x: jax.Array) -> jax.Array:
         # Moved as bytes.
         return lax.bitcast_convert_type(copy(lax.bitcast_convert_type(x, jnp.uint8)), x.dtype)
 
-    sizes = groups.clamped_group_sizes(group_sizes, num_rows)
-    padded_sizes = (-(-sizes // BLOCK) * BLOCK).astype(jnp.int32)
     return dict(lhs_k_major=k_major(lhs), rhs_k_major=k_major(rhs), padded_sizes=padded_sizes)
+
+
+def quantized_k_major_operands(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> dict[str, jax.Array]:
+    """`k_major_operands` of lhs (m, a) and rhs (m, b) unquantized (16- or 32-bit), with
+    lhs_scale (G, a) and rhs_scale (G, b): each side quantized in the groups of
+    `ragged.quantize_ragged_rows` straight into its copy by one custom call
+    (`k_major_quantize_kernel.py`) where the unverified kind "fp8_quantize" is enabled,
+    else by XLA's quantizer and then the copy kernel (m > 0 rows)."""
+    if not backend.enabled("fp8_quantize"):
+        quantized = [ragged.quantize_ragged_rows(side, group_sizes, FP8_BLOCKWISE.activations) for side in (lhs, rhs)]
+        layout = k_major_operands(quantized[0].values, quantized[1].values, group_sizes)
+        return dict(layout, lhs_scale=quantized[0].scales, rhs_scale=quantized[1].scales)
+    first_rows, padded_sizes = _groups(group_sizes, lhs.shape[0])
+    (lhs_k_major, lhs_scale), (rhs_k_major, rhs_scale) = (
+        quantize_by_kernel(side, first_rows, group_sizes.shape[0]) for side in (lhs, rhs))
+    return dict(lhs_k_major=lhs_k_major, rhs_k_major=rhs_k_major, padded_sizes=padded_sizes, lhs_scale=lhs_scale,
+                rhs_scale=rhs_scale)
+
+
+def _groups(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """(first_rows (G + 1,) of the groups of 128 rows (`ragged.group_first_rows`), each
+    expert's rows rounded up to whole groups (E,) int32)."""
+    row_group = ragged.row_groups(group_sizes, num_rows, BLOCK)
+    first_rows = ragged.group_first_rows(row_group, ragged.max_groups(num_rows, group_sizes.shape[0], BLOCK))
+    sizes = groups.clamped_group_sizes(group_sizes, num_rows)
+    return first_rows, (-(-sizes // BLOCK) * BLOCK).astype(jnp.int32)
 
 
 @functools.cache

@@ -10,6 +10,8 @@ kernels declare for their buffers (`jax_dsrelu.kernels.request` documents each c
     RaggedContractRequest:                 (lhs=, rhs=, group_sizes=) -> {out}
     RaggedContractRequest, block_scaled:   the same, with lhs_scale= and rhs_scale= (FP8), the
                                            kernel reading K-major copies (`contract_layout.py`)
+    RaggedContractRequest, quantized_from: (lhs=, rhs=, group_sizes=) unquantized -> {out}: quantized
+                                           into those copies first, then the block-scaled kernel
 
 Both (16-bit) also take `lhs_index=` (m,) int32, and the contraction `rhs_index=`: that operand is
 then a source (T, ...) whose rows source[index] the kernel reads itself
@@ -79,7 +81,16 @@ def operands(request, config=None, *, gathered: str | None = None) -> list[kerne
     """The kernel's declared operands for this request and config (the chosen one by
     default): `RaggedGemmSm90.operands`, `RaggedContractSm90.operands`, or with the
     operand `gathered` ("lhs", "rhs") read through its row index their gathered variants'."""
+    request = kernel_request(request)
     return _kernel(request, config or choose_config(request, gathered=gathered), gathered).operands()
+
+
+def kernel_request(request):
+    """The request the GEMM kernel serves: a contraction quantized here is the block-scaled
+    one once its operands are quantized (one kernel, one compile, for both)."""
+    if isinstance(request, RaggedContractRequest) and request.quantized_from is not None:
+        return dataclasses.replace(request, quantized_from=None)
+    return request
 
 
 def choose_config(request, *, gathered: str | None = None):
@@ -103,6 +114,7 @@ def compile_kernel(
     """The object code `implementation` runs for this request (compiled now, or found in
     the cache), with the operand `gathered` read through its row index where given.
     keep=True also returns its PTX and cubin."""
+    request = kernel_request(request)
     config = config or choose_config(request, gathered=gathered)
     kernel = _kernel(request, config, gathered)
     return kernel_operands.compile_kernel(
@@ -121,6 +133,8 @@ def implementation(
     overwrites in place (aliased in and out) and returns. Tests fill them with NaN to
     show that the kernel writes every element. `config`, where given, serves the call
     without a row index; with one, the gathered kernel takes it alone (cluster_n = 1)."""
+    quantized_here = isinstance(request, RaggedContractRequest) and request.quantized_from is not None
+    request = kernel_request(request)
     reason = (
         sm90_config.cannot_implement_contract(request)
         if isinstance(request, RaggedContractRequest)
@@ -148,7 +162,8 @@ def implementation(
         counts = {ROWS: num_rows}
         if isinstance(request, RaggedContractRequest) and request.block_scaled:
             # The kernel reads K-major copies whose rows are the groups' padded rows.
-            given.update(contract_layout.k_major_operands(given.pop("lhs"), given.pop("rhs"), given.pop("group_sizes")))
+            layout = contract_layout.quantized_k_major_operands if quantized_here else contract_layout.k_major_operands
+            given.update(layout(given.pop("lhs"), given.pop("rhs"), given.pop("group_sizes")))
             counts = {ROWS: contract_layout.padded_rows(num_rows, request.num_experts)}
             if counts[ROWS] > MAX_ROWS:
                 raise NotImplementedError(f"backend='sm90' takes at most {MAX_ROWS} padded rows, got {counts[ROWS]}")
