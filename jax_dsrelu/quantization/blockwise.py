@@ -19,8 +19,11 @@ so the block's values are value * scale. Special cases:
   overflow off as a plausible number), as `quantize_mx` does.
 
 Every step is an IEEE operation on float32 (a max, a division, a rounding conversion), so
-the scales and values are bitwise the same on every run and platform; XLA:CPU flushes
-float32 subnormals, which a bf16 or float32 activation of a trained model does not hold.
+the scales and values are bitwise the same on every run, and the scales on every platform;
+XLA:CPU flushes float32 subnormals, which a bf16 or float32 activation of a trained model
+does not hold. XLA:GPU divides float32 with div.full.f32, within an ulp of IEEE's quotient
+(openxla/xla#37181), so on a GPU a value near a rounding boundary of e4m3 can land a step
+away from the CPU's; the sm90 quantizing kernel divides as IEEE asks.
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ min(first_rows[g + 1], m) - first_rows[g] and X_g = x[first_rows[g] : first_rows
                        0                                 for the other i < 128
 
 which is `quantize_ragged_rows`' scales and the copy of its values into the padded
-layout, byte for byte but for the sign of a NaN (an e4m3 NaN is 0x7F or 0xFF alike).
+layout, byte for byte but for the sign of a NaN (an e4m3 NaN is 0x7F or 0xFF alike),
+where XLA divides as IEEE asks (XLA:CPU); XLA:GPU's float32 division (div.full.f32) can
+put a quotient an ulp off, and a value a step of e4m3 away (`quantization.blockwise`).
 A CTA of 128 threads takes one group and 64 columns: thread i converts the group's row i
 to float32 into a shared tile (16-byte loads; zeros past the group's rows and past n);
 then threads c and c + 64 take column c's first and second 64 rows, each its maximum,
