@@ -23,7 +23,9 @@ Quantized here (precision=FP8_BLOCKWISE): lhs and rhs 16- or 32-bit floats, no s
 each side is quantized as above first (`quantize_ragged_rows`), then contracted as
 block-scaled operands. The quantized values are read by the contraction alone, so a
 kernel may quantize them straight into the layout it reads (sm90:
-`kernels/sm90/k_major_quantize_kernel.py`).
+`kernels/sm90/k_major_quantize_kernel.py`). Its rows stay whole across devices too, so
+under row-sharded jit the 16- or 32-bit rows are gathered where the block-scaled form
+gathers 8-bit ones.
 """
 
 from __future__ import annotations

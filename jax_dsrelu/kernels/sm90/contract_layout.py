@@ -143,7 +143,9 @@ def quantize_by_kernel(x: jax.Array, first_rows: jax.Array, num_experts: int,
     """(k_major (n, G * 128) e4m3, scales (G, n) float32): x (m, n) quantized in the groups
     of rows `first_rows` starts (`ragged.group_first_rows`) and copied K-major, as
     `ragged.quantize_ragged_rows` and `copy_by_kernel` make them, in one custom call; for
-    m > 0 rows of n a positive multiple of 16. With `filled` ({"k_major": (n, G, 128),
+    m > 0 rows of n a positive multiple of 16. The kernel trusts first_rows to be
+    `group_first_rows`' answer (non-decreasing from 0, at most 128 rows a group): it reads
+    rows first_rows[g] to min(first_rows[g + 1], m) of each group g. With `filled` ({"k_major": (n, G, 128),
     "scales": (G, n)}) the kernel writes into those buffers (the tests poison them first)."""
     num_rows, n = x.shape
     if num_rows == 0 or n % 16 or n == 0:
