@@ -163,4 +163,5 @@ def implementation(request: AnyRequest) -> Callable[..., Mapping[str, jax.Array]
         return gather_sum_call.implementation(request)
     from jax_dsrelu.kernels.sm90 import ragged_call
 
-    return ragged_call.implementation(request)
+    # The switch is read here, when the call is lowered, and handed down.
+    return ragged_call.implementation(request, quantize_by_kernel=enabled("fp8_quantize"))
