@@ -33,6 +33,7 @@ import pytest  # noqa: E402
 from jax_dsrelu.primitives.ragged_contract import ragged_contract  # noqa: E402
 from jax_dsrelu.quantization import ragged  # noqa: E402
 from jax_dsrelu.quantization.schema import FP8_BLOCKWISE  # noqa: E402
+from test_quantization_blockwise import oracle_quantize  # noqa: E402
 from test_sm90_fp8_contract import (COPY_CASES, check_against, copy_case, grouping, reference,  # noqa: E402
                                     xla_copy)
 
@@ -70,25 +71,19 @@ def same_bytes_but_nan_sign(got: np.ndarray, want: np.ndarray) -> bool:
 
 def formula(x: np.ndarray, sizes) -> tuple[np.ndarray, np.ndarray]:
     """(k_major (n, G * 128) e4m3 bytes, scales (G, n)) by the kernel's module doc, in
-    NumPy: float32 operations (IEEE division), e4m3 by ml_dtypes (round to nearest even)."""
+    NumPy: each group's columns by the recipe's oracle (`oracle_quantize`: IEEE float32
+    division, round to nearest even), stored at the group's 128 places, zeros after."""
     m, n = x.shape
     count = ragged.max_groups(m, len(sizes), GROUP)
     first_rows = np.asarray(ragged.group_first_rows(ragged.row_groups(jnp.asarray(sizes, jnp.int32), m, GROUP), count))
-    rows32 = np.asarray(x).astype(np.float32)
     k_major = np.zeros((n, count, GROUP), np.uint8)
-    scales = np.empty((count, n), np.float32)
+    scales = np.ones((count, n), np.float32)  # a group of no rows: scale 1
     for group in range(count):
         start, stop = first_rows[group], min(first_rows[group + 1], m)
-        block = rows32[start:stop]  # (rows, n), rows <= 128
-        finite = np.isfinite(block)
-        amax = np.where(finite, np.abs(block), np.float32(0)).max(axis=0, initial=np.float32(0))
-        scale = np.where(amax > 0, np.maximum(amax * np.float32(1 / 448), np.finfo(np.float32).tiny), np.float32(1))
-        scale = np.where(finite.all(axis=0), scale, np.float32(np.nan)).astype(np.float32)
-        scales[group] = scale
-        with np.errstate(invalid="ignore"):
-            quotient = (block / scale).astype(np.float32)
-        saturated = np.where(np.isnan(quotient), quotient, np.clip(quotient, -448, 448))
-        k_major[:, group, : stop - start] = saturated.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).T
+        if stop > start:
+            values, group_scales = oracle_quantize(np.asarray(x[start:stop]).T, (1, GROUP))  # (n, rows), (n, 1)
+            scales[group] = group_scales[:, 0]
+            k_major[:, group, : stop - start] = values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     return k_major.reshape(n, -1), scales
 
 

@@ -83,19 +83,32 @@ def copy_kernel(n: int, num_experts: int):
     return KMajorCopySm90(n, num_experts)
 
 
-def _compile_key(n: int, outputs_in_place: bool):
+def _compile_key(kind: str, n: int, outputs_in_place: bool, *static):
     # E sizes only run-time extents: one object code serves every expert count.
-    return ("jax_dsrelu.sm90_k_major_copy", n, outputs_in_place)
+    return (f"jax_dsrelu.sm90_k_major_{kind}", n, *static, outputs_in_place)
+
+
+def _compile(kernel, key, outputs_in_place: bool, keep: bool):
+    """A pass's object code (compiled now, or found in the cache); keep=True also returns
+    its PTX and cubin."""
+    from jax_dsrelu.kernels import operands as kernel_operands  # CuTe DSL: the 'gpu' extra
+
+    return kernel_operands.compile_kernel(kernel, key, kernel.operands(), arch=ARCH, outputs_in_place=outputs_in_place,
+                                          keep=keep)
+
+
+def _call(kernel, key, given: dict[str, jax.Array], num_rows: int, in_place: bool) -> dict[str, jax.Array]:
+    """One custom call of a pass over m = num_rows rows; with in_place, `given` holds its
+    outputs too, which the kernel writes into."""
+    from jax_dsrelu.kernels import operands as kernel_operands  # CuTe DSL: the 'gpu' extra
+
+    return kernel_operands.call(kernel, key, kernel.operands(), given, {kernel_operands.ROWS: num_rows}, arch=ARCH,
+                                outputs_in_place=in_place)
 
 
 def compile_copy_kernel(n: int, num_experts: int, *, outputs_in_place: bool = False, keep: bool = False):
-    """The copy's object code (compiled now, or found in the cache); keep=True also
-    returns its PTX and cubin."""
-    from jax_dsrelu.kernels import operands as kernel_operands  # CuTe DSL: the 'gpu' extra
-
-    kernel = copy_kernel(n, num_experts)
-    return kernel_operands.compile_kernel(kernel, _compile_key(n, outputs_in_place), kernel.operands(), arch=ARCH,
-                                          outputs_in_place=outputs_in_place, keep=keep)
+    """The copy's object code (`_compile`)."""
+    return _compile(copy_kernel(n, num_experts), _compile_key("copy", n, outputs_in_place), outputs_in_place, keep)
 
 
 def copy_by_kernel(values: jax.Array, first_rows: jax.Array, num_experts: int, filled: jax.Array | None = None):
@@ -106,12 +119,10 @@ def copy_by_kernel(values: jax.Array, first_rows: jax.Array, num_experts: int, f
     if num_rows == 0 or n % 16:
         raise ValueError(f"the K-major copy kernel takes m > 0 rows of n a multiple of 16 bytes, got "
                          f"values.shape={tuple(values.shape)}")
-    from jax_dsrelu.kernels import operands as kernel_operands  # CuTe DSL: the 'gpu' extra
-
-    kernel, in_place = copy_kernel(n, num_experts), filled is not None
+    in_place = filled is not None
     given = dict(values=values, first_rows=first_rows.astype(jnp.int32), **({"k_major": filled} if in_place else {}))
-    return kernel_operands.call(kernel, _compile_key(n, in_place), kernel.operands(), given,
-                                {kernel_operands.ROWS: num_rows}, arch=ARCH, outputs_in_place=in_place)["k_major"].reshape(n, -1)
+    out = _call(copy_kernel(n, num_experts), _compile_key("copy", n, in_place), given, num_rows, in_place)
+    return out["k_major"].reshape(n, -1)
 
 
 @functools.cache
@@ -123,19 +134,10 @@ def quantize_kernel(n: int, num_experts: int, dtype):
     return KMajorQuantizeSm90(n, num_experts, dtype)
 
 
-def _quantize_key(n: int, dtype, outputs_in_place: bool):
-    # E sizes only run-time extents: one object code serves every expert count.
-    return ("jax_dsrelu.sm90_k_major_quantize", n, np.dtype(dtype).name, outputs_in_place)
-
-
 def compile_quantize_kernel(n: int, num_experts: int, dtype, *, outputs_in_place: bool = False, keep: bool = False):
-    """The quantizing copy's object code (compiled now, or found in the cache); keep=True
-    also returns its PTX and cubin."""
-    from jax_dsrelu.kernels import operands as kernel_operands  # CuTe DSL: the 'gpu' extra
-
-    kernel = quantize_kernel(n, num_experts, np.dtype(dtype))
-    return kernel_operands.compile_kernel(kernel, _quantize_key(n, dtype, outputs_in_place), kernel.operands(),
-                                          arch=ARCH, outputs_in_place=outputs_in_place, keep=keep)
+    """The quantizing copy's object code (`_compile`)."""
+    key = _compile_key("quantize", n, outputs_in_place, np.dtype(dtype).name)
+    return _compile(quantize_kernel(n, num_experts, np.dtype(dtype)), key, outputs_in_place, keep)
 
 
 def quantize_by_kernel(x: jax.Array, first_rows: jax.Array, num_experts: int,
@@ -151,11 +153,8 @@ def quantize_by_kernel(x: jax.Array, first_rows: jax.Array, num_experts: int,
     if num_rows == 0 or n % 16 or n == 0:
         raise ValueError(f"the K-major quantizer takes m > 0 rows of n a positive multiple of 16, got "
                          f"x.shape={tuple(x.shape)}")
-    from jax_dsrelu.kernels import operands as kernel_operands  # CuTe DSL: the 'gpu' extra
-
-    dtype = np.dtype(x.dtype)
-    kernel, in_place = quantize_kernel(n, num_experts, dtype), filled is not None
+    dtype, in_place = np.dtype(x.dtype), filled is not None
     given = dict(x=x, first_rows=first_rows.astype(jnp.int32), **(filled or {}))
-    out = kernel_operands.call(kernel, _quantize_key(n, dtype, in_place), kernel.operands(), given,
-                               {kernel_operands.ROWS: num_rows}, arch=ARCH, outputs_in_place=in_place)
+    out = _call(quantize_kernel(n, num_experts, dtype), _compile_key("quantize", n, in_place, dtype.name), given,
+                num_rows, in_place)
     return out["k_major"].reshape(n, -1), out["scales"]
