@@ -39,12 +39,11 @@ from jax_dsrelu.primitives import reference, validation
 from jax_dsrelu.primitives.base import GroupedPrimitive
 from jax_dsrelu.kernels.request import RaggedContractRequest
 from jax_dsrelu.primitive_schema import RAGGED_CONTRACT
-from jax_dsrelu.quantization import ragged
+from jax_dsrelu.quantization import blockwise, ragged
 from jax_dsrelu.quantization.schema import FP8_BLOCKWISE, Recipe
 
 ELEMENT = np.dtype(FP8_BLOCKWISE.activations.element)
 ROWS_PER_GROUP = FP8_BLOCKWISE.activations.block[1]
-QUANTIZED_DTYPES = (np.dtype(np.float32), np.dtype("bfloat16"), np.dtype(np.float16))
 
 
 def _request(named: Mapping[str, Any], params: Mapping[str, Any]) -> RaggedContractRequest:
@@ -92,7 +91,7 @@ def _check_quantized_here(precision, lhs, rhs, lhs_scale, rhs_scale, lhs_index, 
         raise ValueError(f"precision={precision.name} quantizes lhs and rhs, read in row order: {given} must be None "
                          f"with it")
     for name, x in (("lhs", lhs), ("rhs", rhs)):
-        if np.dtype(x.dtype) not in QUANTIZED_DTYPES:
+        if np.dtype(x.dtype) not in blockwise.INPUT_DTYPES:  # the quantizer's
             raise TypeError(f"with precision={precision.name}, {name} must be float32, bfloat16 or float16 (it is "
                             f"quantized here), got {name}.dtype={np.dtype(x.dtype).name}")
     return True
