@@ -588,12 +588,18 @@ def test_quantized_weights_are_checked_against_the_weights_and_the_precision():
         jax_dsrelu.moe_mlp(x, w1, w2, prob, SIZES, precision=RECIPE, quantized_weights=wrong)
 
 
-def test_a_precision_step_with_the_expert_width_split_over_devices_is_the_one_device_step():
+def test_a_precision_step_with_the_expert_width_split_over_devices_is_the_one_device_step(case):
     # The quantized weights' 128-column blocks keep the width whole on each device
-    # (`Schema.whole_when`): a split would hand a device columns without their scales.
+    # (`Schema.whole_when`): a split would hand a device columns without their scales. The
+    # loss and dx come out of whole-width GEMMs, bit for bit the one-device step's. The weight
+    # gradients are contracted over the rows, each device for the columns it holds: XLA:CPU's
+    # blocking of a GEMM's K follows the host's caches and the output's width, so its float32
+    # sums may round in another order than the one-device GEMM's. They are held to the
+    # quantized arithmetic's float32 accumulation bound, twice (one per order), which an
+    # operand off by one e4m3 step on a single column already leaves.
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    x, w1, w2, prob, b1, dy = inputs()
+    (x, w1, w2, prob, b1, dy), stages = case
     sizes = jnp.asarray(SIZES, jnp.int32)
     mesh = jax.make_mesh((2,), ("model",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
 
@@ -603,11 +609,21 @@ def test_a_precision_step_with_the_expert_width_split_over_devices_is_the_one_de
             return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w1, w2)
 
-    one_device = jax.jit(step)(x, w1, w2)
-    split = jax.jit(step)(x, jax.device_put(w1, NamedSharding(mesh, P(None, None, "model"))),
-                          jax.device_put(w2, NamedSharding(mesh, P(None, "model", None))))
-    for a, b in zip(jax.tree.leaves(one_device), jax.tree.leaves(split)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    (loss, (dx, dw1, dw2)) = jax.jit(step)(x, w1, w2)
+    split_loss, (split_dx, split_dw1, split_dw2) = jax.jit(step)(
+        x, jax.device_put(w1, NamedSharding(mesh, P(None, None, "model"))),
+        jax.device_put(w2, NamedSharding(mesh, P(None, "model", None))))
+    np.testing.assert_array_equal(np.asarray(loss), np.asarray(split_loss))
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(split_dx))
+
+    operands = {"dw1": (x, stages["dh"]), "dw2": (stages["act"], dy)}
+    for name, one_device, split in (("dw1", dw1, split_dw1), ("dw2", dw2, split_dw2)):
+        a, b = (oracle_along_expert_rows(v) for v in operands[name])
+        tolerance = 2 * accumulation(M, a, b, per_expert_outer)
+        assert within(split, np.asarray(one_device, np.float64), tolerance), name
+        one_step_off = np.asarray(one_device).copy()
+        one_step_off[..., 0] *= 1 + U8
+        assert not within(one_step_off, np.asarray(one_device, np.float64), tolerance), name
 
 
 def bfloat16_layer(tokens, num_experts, seed, d=160, f=200):
