@@ -22,6 +22,9 @@ tokens per device, n = T_l * top_k routed rows and R = D * C rows in the receive
 
 The receive buffer holds R rows whatever the routing: dropless, R = D * n, since any one
 device may be sent every row; a capacity_factor cuts R to about capacity_factor * n.
+With recompute_exchanged=True neither the rows received nor their pre-activations are
+kept (the backward makes both again): the experts' tokens (T_l, l) take their place, which
+without latent projections are x itself.
 """
 
 from __future__ import annotations
@@ -124,11 +127,17 @@ def nbytes(shape, dtype) -> int:
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
-def minimum_bytes(x, weights, received):
+def minimum_bytes(x, weights, received, recompute=False):
+    """The docstring's minimum; with recompute (recompute_exchanged=True), the experts'
+    tokens (T_l, l) in place of the rows received and their pre-activations."""
     width = weights["w1"].shape[1]
     total = nbytes((T_LOCAL, D_MODEL), x.dtype) + nbytes((T_LOCAL, E), np.float32) + 2 * nbytes((N,), np.int32)
-    total += nbytes((received, width), weights["w1"].dtype) + nbytes((received, F), weights["w1"].dtype)
+    if not recompute:
+        total += nbytes((received, width), weights["w1"].dtype) + nbytes((received, F), weights["w1"].dtype)
+    elif "latent_in" in weights:  # without projections the tokens are x, counted above
+        total += nbytes((T_LOCAL, L), weights["latent_in"].dtype)
     total += nbytes((received,), np.float32) + 3 * nbytes((received,), np.int32) + nbytes((E // PEERS,), np.int32)
+    total += nbytes((received,), np.bool_)
     total += nbytes((N,), np.int32)
     if "shared_w1" in weights:
         total += nbytes((T_LOCAL, FS), weights["shared_w1"].dtype)
@@ -137,20 +146,25 @@ def minimum_bytes(x, weights, received):
     return total
 
 
-def layer(names, options, capacity_factor):
+def layer(names, options, capacity_factor, recompute=False):
     mesh = jax.make_mesh(MESH_SHAPE, MESH_AXES, axis_types=(AxisType.Auto,) * 2)
 
     def fn(x, *weights):
         return jax_dsrelu.moe_layer_expert_parallel(
             x, **dict(zip(names, weights)), mesh=mesh, data_axis="data", **options,
-            capacity_factor=capacity_factor, backend="xla", return_aux=True,
+            capacity_factor=capacity_factor, recompute_exchanged=recompute, backend="xla", return_aux=True,
         )
 
     return fn
 
 
-@pytest.mark.parametrize("capacity_factor, per_peer", [(None, N), (1.0, N // PEERS), (1.5, -(-3 * N // (2 * PEERS)))])
-@pytest.mark.parametrize("config", [{}, {"block": True, "latent": True}], ids=["plain", "shared_latent_b1_sigmoid"])
+CAPACITIES = [(None, N), (1.0, N // PEERS), (1.5, -(-3 * N // (2 * PEERS)))]
+CONFIGS = [{}, {"block": True, "latent": True}]
+CONFIG_IDS = ["plain", "shared_latent_b1_sigmoid"]
+
+
+@pytest.mark.parametrize("capacity_factor, per_peer", CAPACITIES)
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 def test_keeps_the_minimum_and_the_rows_received(config, capacity_factor, per_peer):
     x, weights, options = block_arguments(config)
     arrays = kept_per_device(layer(list(weights), options, capacity_factor), x, weights)
@@ -177,3 +191,20 @@ def test_a_capacity_keeps_about_what_one_device_keeps_plus_the_rows():
     capped = sum(nbytes(*a) for a in kept_per_device(layer(list(weights), options, 1.0), x, weights))
     assert capped < dropless / 3
     assert capped <= BOUND * minimum_bytes(x, weights, N)
+
+
+@pytest.mark.parametrize("capacity_factor, per_peer", CAPACITIES)
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_recomputing_keeps_the_minimum_and_no_row_received(config, capacity_factor, per_peer):
+    # recompute_exchanged=True: the backward sends the rows again and remakes their
+    # pre-activations, so of the D * C rows received it keeps only their indices and weights.
+    x, weights, options = block_arguments(config)
+    arrays = kept_per_device(layer(list(weights), options, capacity_factor, recompute=True), x, weights)
+    received = PEERS * per_peer
+    total, minimum = sum(nbytes(*a) for a in arrays), minimum_bytes(x, weights, received, recompute=True)
+    assert total <= BOUND * minimum, f"kept {total} bytes, {total / minimum:.3f}x the minimum {minimum}: {arrays}"
+    width = weights["w1"].shape[1]
+    assert not [a for a in arrays if a[0] in {(received, width), (received, F), (N, width), (N, F)}], arrays
+    if capacity_factor is None:
+        kept = sum(nbytes(*a) for a in kept_per_device(layer(list(weights), options, None), x, weights))
+        assert total < kept / 3

@@ -53,6 +53,7 @@ BAD_OPTIONS = [
     (dict(capacity_factor=0.0), ValueError, "capacity_factor must be None or a finite number > 0, got capacity_factor=0.0"),
     (dict(capacity_factor=float("nan")), ValueError, "capacity_factor must be None or a finite number > 0, got capacity_factor=nan"),
     (dict(capacity_factor="1.25"), TypeError, "capacity_factor must be None or a Python float, got '1.25' (str)"),
+    (dict(recompute_exchanged=1), TypeError, "recompute_exchanged must be a Python bool, got 1 (int)"),
     (dict(deterministic="yes"), TypeError, "deterministic must be a Python bool, got 'yes' (str)"),
     (dict(backend="cuda"), ValueError, "backend must be one of 'auto', 'xla', 'sm90', 'sm100', got 'cuda'"),
     (dict(precision="fp8"), TypeError,
@@ -70,7 +71,7 @@ CASES = [
     (entry_point, *bad)
     for entry_point in ("route", "moe_layer", "moe_layer_expert_parallel", "flax.MoE")
     for bad in BAD_OPTIONS
-    if not (entry_point == "route" and set(bad[0]) & {"capacity_factor", "deterministic", "backend", "precision"})
+    if not (entry_point == "route" and set(bad[0]) & {"capacity_factor", "recompute_exchanged", "deterministic", "backend", "precision"})
 ]
 
 
@@ -105,6 +106,16 @@ def test_a_capacity_factor_is_refused_on_one_device(entry_point):
         "moe_layer_expert_parallel; here every routed row runs), got capacity_factor=1.25"
     )):
         entry_points()[entry_point](capacity_factor=1.25)
+
+
+@pytest.mark.parametrize("entry_point", ["moe_layer", "flax.MoE"])
+def test_recomputing_the_exchanged_rows_is_refused_on_one_device(entry_point):
+    # One device receives no row from another: there is nothing to keep or remake.
+    with pytest.raises(ValueError, match=re.escape(
+        "recompute_exchanged must be False on one device (it says what moe_layer_expert_parallel's backward keeps "
+        "of the rows other devices send; here none are sent), got recompute_exchanged=True"
+    )):
+        entry_points()[entry_point](recompute_exchanged=True)
 
 
 def test_options_pass_through_jit_as_a_pytree_without_leaves():
@@ -307,7 +318,7 @@ def planted(default_of_top_k):
     """A copy of moe_layer's way of taking options, with top_k's default changed."""
 
     def layer(x, *, options=None, top_k=default_of_top_k, score=UNSET, num_groups=UNSET, top_groups=UNSET,
-              normalize=UNSET, scale=UNSET, round_to=UNSET, capacity_factor=UNSET,
+              normalize=UNSET, scale=UNSET, round_to=UNSET, capacity_factor=UNSET, recompute_exchanged=UNSET,
               deterministic=UNSET, backend=UNSET, precision=UNSET):
         """A layer.
 

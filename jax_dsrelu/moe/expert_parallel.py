@@ -74,6 +74,7 @@ def moe_layer_expert_parallel(
     scale: float = UNSET,
     round_to: int | None = UNSET,  # refused: see below
     capacity_factor: float | None = UNSET,
+    recompute_exchanged: bool = UNSET,
     shared_w1: jax.Array | None = None,  # (d, fs), replicated
     shared_w2: jax.Array | None = None,  # (fs, d), replicated
     latent_in: jax.Array | None = None,  # (d, l), replicated
@@ -100,6 +101,11 @@ def moe_layer_expert_parallel(
     destination offered more takes the C rows of largest routing weight, ties to the lower
     token, then the earlier slot. A dropped row adds nothing to its token's output, and
     neither its weight nor its token gets a gradient through it.
+
+    recompute_exchanged=True trades compute for memory: the backward keeps each device's
+    tokens (T_local, l) rather than the rows it received and their pre-activations (D * C
+    rows of width l + f, D times the rows routed when dropless), and makes those again, the
+    same bits, with one more exchange of the rows and one more up-projection per step.
 
     quantized_weights: as `moe_layer` takes them, all E experts' (split on E like w1 and w2).
 
@@ -206,7 +212,8 @@ def _routed(x, weights: MoEWeights, plan, expert_axis: str, options: MoEOptions,
         layer.expert_tokens(x, weights), weights.w1, weights.w2, weights.b1,
         permutation.gather_rows(got_prob, local.order, local.inverse), local.sizes, local.order, local.inverse,
         sends.slot_token, sends.slot_full, sends.token_slots,
-        axis_name=expert_axis, drops=capacity < plan.order.shape[0], deterministic=options.deterministic,
+        axis_name=expert_axis, drops=capacity < plan.order.shape[0], recompute=options.recompute_exchanged,
+        deterministic=options.deterministic,
         backends=registry.layer_backends(options.backend, options.precision), precision=options.precision,
         quantized=None if quantized is None else lax.stop_gradient(quantized),
     )

@@ -79,6 +79,7 @@ def moe_layer(
     scale: float = UNSET,
     round_to: int | None = UNSET,
     capacity_factor: float | None = UNSET,  # None only: see check_one_device
+    recompute_exchanged: bool = UNSET,  # False only: see check_one_device
     shared_w1: jax.Array | None = None,  # (d, fs) shared expert, first weights
     shared_w2: jax.Array | None = None,  # (fs, d) shared expert, second weights
     latent_in: jax.Array | None = None,  # (d, l) projection into the experts' width
@@ -126,13 +127,19 @@ def moe_layer(
 
 def check_one_device(options: MoEOptions) -> None:
     """Raises unless the options have a meaning on one device: capacity_factor bounds the
-    rows a device sends to each other device under expert parallelism, and one device
-    sends none (its experts run every row it routes)."""
+    rows a device sends to each other device under expert parallelism, and
+    recompute_exchanged says what the backward keeps of the rows received; one device
+    sends and receives none (its experts run every row it routes)."""
     if options.capacity_factor is not None:
         raise ValueError(
             f"capacity_factor must be None on one device (it bounds the rows each device sends to another "
             f"under moe_layer_expert_parallel; here every routed row runs), got "
             f"capacity_factor={options.capacity_factor!r}"
+        )
+    if options.recompute_exchanged:
+        raise ValueError(
+            "recompute_exchanged must be False on one device (it says what moe_layer_expert_parallel's backward "
+            "keeps of the rows other devices send; here none are sent), got recompute_exchanged=True"
         )
 
 

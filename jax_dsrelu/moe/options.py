@@ -56,6 +56,11 @@ class MoEOptions:
         "expert parallelism: each device sends each other at most ceil(capacity_factor * T_local * top_k / D) "
         "rows, the lowest-weighted dropped (None: dropless; moe_layer on one device takes None only)",
     )
+    recompute_exchanged: bool = _option(
+        False,
+        "expert parallelism: the backward exchanges the rows again and remakes their pre-activations instead of "
+        "keeping both for the D * C rows received (moe_layer on one device takes False only)",
+    )
     deterministic: bool = _option(False, "every gradient bitwise reproducible from run to run")
     backend: str = _option("auto", "'auto', 'xla', 'sm90' or 'sm100': the backend of the experts' GEMMs")
     precision: Recipe | None = _option(
@@ -106,6 +111,7 @@ class MoEOptions:
                 raise ValueError(
                     f"capacity_factor must be None or a finite number > 0, got capacity_factor={capacity_factor!r}"
                 )
+        validation.require_bool("recompute_exchanged", self.recompute_exchanged)
         validation.require_bool("deterministic", self.deterministic)
         validation.backend_name(self.backend)
         validation.precision(self.precision)

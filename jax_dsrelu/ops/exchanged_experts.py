@@ -16,7 +16,10 @@ token's top_k expert outputs summed out:
 What the backward keeps is what no device can make without another's help: the rows
 received (got, (D*C, l) in w1.dtype, which dw1 reads), the pre-activation h (D*C, f), the
 rows' weights and the indices; not the tokens, the send buffer, a sorted copy of the rows
-or the outputs. A dropped row (token_slots = D*C) reads an appended zero row: it adds
+or the outputs. With recompute=True it keeps the tokens (T, l) instead of got and h, and
+the backward makes both again, the same bits: one more exchange of the rows and one more
+up-projection, for residuals that no longer grow with the D*C slots (dropless, D times
+the rows routed) but by D*C small indices. A dropped row (token_slots = D*C) reads an appended zero row: it adds
 nothing and gets no gradient. Both sums over a token's slots are the ordered
 gather-and-sum, every other row movement a gather, and all_to_all moves blocks in device
 order, so deterministic=True makes every gradient bitwise reproducible, as on one device.
@@ -27,6 +30,7 @@ device.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +60,8 @@ def exchanged_experts(
     token_slots: jax.Array,  # (T, top_k) int32 send slots of each token in slot order; D*C where dropped
     *,
     axis_name: str,
-    drops: bool,  # whether token_slots may name D*C (a capacity is set)
+    drops: bool,
+    recompute: bool,  # the backward exchanges the tokens again and remakes h, instead of keeping got and h  # whether token_slots may name D*C (a capacity is set)
     deterministic: bool,
     backends: LayerBackends,
     precision: Recipe | None,  # None, or the FP8 recipe the experts' GEMMs read their operands by
@@ -66,9 +71,21 @@ def exchanged_experts(
     e the slot's expert on the device it was sent to. Arguments are the caller's to have
     checked (`moe_layer_expert_parallel`), under shard_map over axis_name."""
     tokens, w1, w2, prob, b1 = jax_internals.vary_alike([tokens, w1, w2, prob, b1])
-    static = (axis_name, drops, deterministic, backends, np.dtype(tokens.dtype), precision)
+    static = _Static(axis_name, drops, recompute, deterministic, backends, np.dtype(tokens.dtype), precision)
     return _exchanged(static, tokens, w1, w2, b1, prob, group_sizes, local_order, local_inverse, slot_token,
                       slot_full, token_slots, quantized)
+
+
+class _Static(NamedTuple):
+    """The custom VJP's static arguments (hashable)."""
+
+    axis_name: str
+    drops: bool
+    recompute: bool
+    deterministic: bool
+    backends: LayerBackends
+    tokens_dtype: np.dtype
+    precision: Recipe | None
 
 
 def _exchange(a, axis_name):
@@ -89,13 +106,18 @@ def _sum_back(rows, local_inverse, token_slots, drops, axis_name, backend):
     return gather_sum(back, token_slots, backend=backend)
 
 
+def _received(static, tokens, w1, w2, b1, prob, group_sizes, local_order, slot_token, slot_full) -> Experts:
+    """The experts on the rows this device receives, read in local-expert order."""
+    got = _send(tokens.astype(w1.dtype), slot_token, slot_full, static.axis_name)
+    return Experts(got, w1, w2, prob, group_sizes, b1, local_order)
+
+
 def _forward(static, tokens, w1, w2, b1, prob, group_sizes, local_order, local_inverse, slot_token, slot_full,
              token_slots, quantized):
-    axis_name, drops, _, backends, _, precision = static
-    got = _send(tokens.astype(w1.dtype), slot_token, slot_full, axis_name)
-    y, h = expert_mlp.forward(backends, Experts(got, w1, w2, prob, group_sizes, b1, local_order), precision, quantized)
-    out = _sum_back(y, local_inverse, token_slots, drops, axis_name, backends.gather_sum)
-    return out, (got, h)
+    experts = _received(static, tokens, w1, w2, b1, prob, group_sizes, local_order, slot_token, slot_full)
+    y, h = expert_mlp.forward(static.backends, experts, static.precision, quantized)
+    out = _sum_back(y, local_inverse, token_slots, static.drops, static.axis_name, static.backends.gather_sum)
+    return out, (experts.rows, h)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -107,21 +129,28 @@ def _exchanged_fwd(static, tokens, w1, w2, b1, prob, group_sizes, local_order, l
                    slot_full, token_slots, quantized):
     out, (got, h) = _forward(static, tokens, w1, w2, b1, prob, group_sizes, local_order, local_inverse,
                              slot_token, slot_full, token_slots, quantized)
-    # Not the tokens: the backward reads the rows received instead.
-    return out, (got, w1, w2, b1, prob, group_sizes, local_order, local_inverse, slot_token,
-                 slot_full, token_slots, h, quantized)
+    # Either the tokens or the rows received and their h: never both.
+    kept = (tokens,) if static.recompute else (got, h)
+    return out, (kept, w1, w2, b1, prob, group_sizes, local_order, local_inverse, slot_token,
+                 slot_full, token_slots, quantized)
 
 
 def _exchanged_bwd(static, residuals, dout):
-    axis_name, drops, deterministic, backends, tokens_dtype, precision = static
-    (got, w1, w2, b1, prob, group_sizes, local_order, local_inverse, slot_token, slot_full,
-     token_slots, h, quantized) = residuals
+    axis_name, drops, backends = static.axis_name, static.drops, static.backends
+    (kept, w1, w2, b1, prob, group_sizes, local_order, local_inverse, slot_token, slot_full,
+     token_slots, quantized) = residuals
+    if static.recompute:
+        experts = _received(static, *kept, w1, w2, b1, prob, group_sizes, local_order, slot_token, slot_full)
+        h = expert_mlp.preactivation(backends, experts, static.precision, quantized)
+    else:
+        got, h = kept
+        experts = Experts(got, w1, w2, prob, group_sizes, b1, local_order)
     dy = _send(dout.astype(w1.dtype), slot_token, slot_full, axis_name)
-    grads = expert_mlp.backward(deterministic, backends, Experts(got, w1, w2, prob, group_sizes, b1, local_order), h,
-                                dy, dy_index=local_order, precision=precision, quantized=quantized)
+    grads = expert_mlp.backward(static.deterministic, backends, experts, h, dy, dy_index=local_order,
+                                precision=static.precision, quantized=quantized)
     summed = _sum_back(grads.rows, local_inverse, token_slots, drops, axis_name, backends.gather_sum)
     # Rounded to the rows' dtype first, as the gradient of rows cast from the tokens is.
-    dtokens = summed.astype(w1.dtype).astype(tokens_dtype)
+    dtokens = summed.astype(w1.dtype).astype(static.tokens_dtype)
     dw1, dw2, dprob = (
         sharding.like_primal(cotangent, primal)
         for cotangent, primal in ((grads.w1, w1), (grads.w2, w2), (grads.prob, prob))

@@ -45,14 +45,32 @@ def forward(
     """
     if precision is not None:
         return quantized_expert_mlp.forward(precision, backends, experts, quantized)
-    rows, w1, w2, prob, group_sizes, b1, row_index = experts
-    dtype = w1.dtype
-    h, act = ragged_matmul_srelu(
-        rows, w1, group_sizes, prob, b1, rhs_layout="kn", out_dtype=dtype, backend=backends.matmul,
+    h, act = _up(backends, experts)
+    y = ragged_matmul(act, experts.w2, experts.group_sizes, rhs_layout="kn", out_dtype=experts.w1.dtype,
+                      backend=backends.matmul)
+    return y, h
+
+
+def preactivation(
+    backends: LayerBackends,
+    experts: Experts,
+    precision: Recipe | None = None,  # as for forward
+    quantized=None,  # as for forward
+) -> jax.Array:  # h (m, f) in w1.dtype
+    """forward's h, bit for bit, without the down-projection: for a backward that makes
+    the pre-activation again rather than keep it."""
+    if precision is not None:
+        return quantized_expert_mlp.preactivation(precision, backends, experts, quantized)
+    return _up(backends, experts)[0]
+
+
+def _up(backends: LayerBackends, experts: Experts) -> tuple[jax.Array, jax.Array]:
+    """(h, act) of the up-projection with its squared-ReLU epilogue, in w1.dtype."""
+    rows, w1, _, prob, group_sizes, b1, row_index = experts
+    return ragged_matmul_srelu(
+        rows, w1, group_sizes, prob, b1, rhs_layout="kn", out_dtype=w1.dtype, backend=backends.matmul,
         lhs_index=row_index,
     )
-    y = ragged_matmul(act, w2, group_sizes, rhs_layout="kn", out_dtype=dtype, backend=backends.matmul)
-    return y, h
 
 
 def backward(

@@ -79,17 +79,35 @@ def forward(
     quantized: QuantizedExpertWeights | None = None,  # w1 and w2 quantized already
 ) -> tuple[jax.Array, jax.Array]:  # y (m, l), h (m, f), both in w1.dtype
     """(y, h), as `expert_mlp.forward` returns them, on quantized operands."""
-    rows, w1, w2, prob, group_sizes, b1, row_index = experts
-    dtype = w1.dtype
-    weights = quantized if quantized is not None else quantize_expert_weights(w1, w2, recipe)
+    weights = quantized if quantized is not None else quantize_expert_weights(experts.w1, experts.w2, recipe)
+    h = _up(recipe, backends, experts, weights.w1_up)
+    act = squared_relu(h, experts.prob)  # 0 on rows of no expert, whose h is 0
+    y = _block_scaled_matmul(act, weights.w2_down, experts.group_sizes, recipe, backends, out_dtype=experts.w1.dtype)
+    return y, h
+
+
+def preactivation(
+    recipe: Recipe,
+    backends: LayerBackends,
+    experts: Experts,
+    quantized: QuantizedExpertWeights | None = None,  # as for forward
+) -> jax.Array:  # h (m, f) in w1.dtype
+    """forward's h, bit for bit, without the down-projection (`expert_mlp.preactivation`).
+    Only w1 is quantized here: w2's quantized copy is the down-projection's."""
+    up = quantized.w1_up if quantized is not None else _transposed(QuantizedWeight(*_quantized_weight(
+        experts.w1, recipe)))
+    return _up(recipe, backends, experts, up)
+
+
+def _up(recipe: Recipe, backends: LayerBackends, experts: Experts, w1_up: QuantizedWeight) -> jax.Array:
+    """h of the up-projection on the rows quantized here and w1 quantized as w1_up."""
+    rows, w1, _, prob, group_sizes, b1, row_index = experts
     # Blocks along d are within a row, so quantizing the source rows and reading them
     # through the index is quantizing the rows read.
     lhs, lhs_scale = _quantized_rows(rows, recipe, row_index)
-    h, _ = ragged_matmul_srelu(lhs, weights.w1_up.values, group_sizes, prob, b1, rhs_layout="nk", out_dtype=dtype,
-                               backend=backends.matmul, lhs_scale=lhs_scale, rhs_scale=weights.w1_up.scales)
-    act = squared_relu(h, prob)  # 0 on rows of no expert, whose h is 0
-    y = _block_scaled_matmul(act, weights.w2_down, group_sizes, recipe, backends, out_dtype=dtype)
-    return y, h
+    h, _ = ragged_matmul_srelu(lhs, w1_up.values, group_sizes, prob, b1, rhs_layout="nk", out_dtype=w1.dtype,
+                               backend=backends.matmul, lhs_scale=lhs_scale, rhs_scale=w1_up.scales)
+    return h
 
 
 def _quantized_rows(a: jax.Array, recipe: Recipe, index: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
