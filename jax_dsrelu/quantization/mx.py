@@ -109,12 +109,13 @@ def quantize_mx(
     blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
     bits = lax.bitcast_convert_type(blocks, jnp.uint32)
     biased_exp = ((bits >> 23) & 0xFF).astype(jnp.int32)
-    special = jnp.any(biased_exp == 0xFF, axis=-1)  # NaN or infinity in the block
+    largest_biased_exp = jnp.max(biased_exp, axis=-1)
+    special = largest_biased_exp == 0xFF  # NaN or infinity in the block: one reduction serves both
 
     # floor(log2(max |V_i|)) is the largest biased exponent minus the bias for normal
     # numbers; a block of zeros and subnormals has its true value below -126, and both
     # land on the clamp at -127 because emax_elem > 0.
-    max_exp = jnp.max(biased_exp, axis=-1) - _SCALE_BIAS
+    max_exp = largest_biased_exp - _SCALE_BIAS
     shared_exp = jnp.maximum(max_exp - fmt.emax, -_SCALE_BIAS)
 
     # |V_i| = significand * 2^(e_i - 150) exactly, significand < 2^24 (exact in float32).

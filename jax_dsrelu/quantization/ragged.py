@@ -115,9 +115,7 @@ def quantize_ragged_rows(
     # the GPU's atomics. Maxima are exact in any order.
     sources = padded_sources(group_sizes, num_rows, rows_per_group, row_group)
     blocks = gather_padded(x, sources).reshape(count, rows_per_group, x.shape[1]).astype(jnp.float32)
-    finite = jnp.isfinite(blocks)
-    amax = jnp.max(jnp.where(finite, jnp.abs(blocks), 0.0), axis=1)
-    special = jnp.any(~finite, axis=1)
+    amax, special = blockwise.finite_amax(blocks, axis=1)
     x = x.astype(jnp.float32)
     scales = blockwise.scales_from_amax(amax, special, scaling.element)
     values = blockwise.scaled_values(x, jnp.take(scales, row_group, axis=0), scaling.element)
