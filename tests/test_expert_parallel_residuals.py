@@ -16,7 +16,8 @@ tokens per device, n = T_l * top_k routed rows and R = D * C rows in the receive
     their pre-activations                     (R, f)      w1.dtype
     their weights                             (R,)        float32
     their local-expert order and its inverse  (R,)        int32, and the local group sizes
-    the send slots: token of each, each token's slots   (R,), (n,)  int32
+    the send slots: token and row of each, each token's slots   (R,), (R,), (n,)  int32
+    whether each send slot holds a row        (R,)        bool
     with the shared expert: its pre-activation (T_l, fs); with latent projections: the
     combined output rounded to latent_out.dtype (T_l, l), which latent_out's gradient reads
 
@@ -64,6 +65,8 @@ def block_arguments(config):
             latent_in=s((D_MODEL, L), bf16), latent_out=s((L, D_MODEL), bf16),
         )
         options.update(score="sigmoid", normalize=True, scale=2.5, num_groups=4, top_groups=2)
+    if config.get("fp8"):
+        options.update(precision=jax_dsrelu.quantization.FP8_BLOCKWISE)
     return s((T, D_MODEL), bf16), weights, options
 
 
@@ -95,9 +98,11 @@ def kept_per_device(fn, x, weights):
             return None, eqn, i
         return position[var], None, None
 
-    weight_shapes = {tuple(w.shape) for w in weights.values() if w.ndim > 1}
-    weight_shapes |= {
-        (weights[name].shape[0] // PEERS, *weights[name].shape[1:]) for name in ("w1", "w2", "b1") if name in weights
+    # By shape and dtype: a copy of a weight in another dtype (a quantized one) is counted.
+    weight_avals = {(tuple(w.shape), np.dtype(w.dtype)) for w in weights.values() if w.ndim > 1}
+    weight_avals |= {
+        ((weights[name].shape[0] // PEERS, *weights[name].shape[1:]), np.dtype(weights[name].dtype))
+        for name in ("w1", "w2", "b1") if name in weights
     }
     seen, out = set(), []
     for var in closed.jaxpr.outvars:
@@ -117,7 +122,7 @@ def kept_per_device(fn, x, weights):
         # A weight, or a device's share of w1, w2 or b1, cast to vary over the token axes
         # (a change of type, not of value), which the custom VJPs inside need to return
         # the weights' gradients with their primal's type.
-        if tuple(aval.shape) in weight_shapes:
+        if (tuple(aval.shape), np.dtype(aval.dtype)) in weight_avals:
             continue
         out.append((tuple(aval.shape), np.dtype(aval.dtype)))
     return out
@@ -136,7 +141,7 @@ def minimum_bytes(x, weights, received, recompute=False):
         total += nbytes((received, width), weights["w1"].dtype) + nbytes((received, F), weights["w1"].dtype)
     elif "latent_in" in weights:  # without projections the tokens are x, counted above
         total += nbytes((T_LOCAL, L), weights["latent_in"].dtype)
-    total += nbytes((received,), np.float32) + 3 * nbytes((received,), np.int32) + nbytes((E // PEERS,), np.int32)
+    total += nbytes((received,), np.float32) + 4 * nbytes((received,), np.int32) + nbytes((E // PEERS,), np.int32)
     total += nbytes((received,), np.bool_)
     total += nbytes((N,), np.int32)
     if "shared_w1" in weights:
@@ -159,8 +164,8 @@ def layer(names, options, capacity_factor, recompute=False):
 
 
 CAPACITIES = [(None, N), (1.0, N // PEERS), (1.5, -(-3 * N // (2 * PEERS)))]
-CONFIGS = [{}, {"block": True, "latent": True}]
-CONFIG_IDS = ["plain", "shared_latent_b1_sigmoid"]
+CONFIGS = [{}, {"block": True, "latent": True}, {"fp8": True}]
+CONFIG_IDS = ["plain", "shared_latent_b1_sigmoid", "fp8"]
 
 
 @pytest.mark.parametrize("capacity_factor, per_peer", CAPACITIES)

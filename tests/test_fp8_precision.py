@@ -595,8 +595,8 @@ def test_a_precision_step_with_the_expert_width_split_over_devices_is_the_one_de
     # gradients are contracted over the rows, each device for the columns it holds: XLA:CPU's
     # blocking of a GEMM's K follows the host's caches and the output's width, so its float32
     # sums may round in another order than the one-device GEMM's. They are held to the
-    # quantized arithmetic's float32 accumulation bound, twice (one per order), which an
-    # operand off by one e4m3 step on a single column already leaves.
+    # quantized arithmetic's float32 accumulation bound, twice (one per order), which a
+    # column scaled by one e4m3 step (1 + 2^-4), as a scale off by that much makes it, leaves.
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     (x, w1, w2, prob, b1, dy), stages = case

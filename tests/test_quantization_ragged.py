@@ -94,11 +94,13 @@ def test_groups_restart_at_each_expert_and_hold_at_most_128_rows():
     assert row_group[-1] == 6 and np.all(np.diff(row_group) >= 0)
 
 
-def test_a_nan_stays_in_its_own_group_and_zeros_stay_zeros():
+@pytest.mark.parametrize("special", [np.nan, np.inf, -np.inf])
+def test_a_nan_or_an_infinity_stays_in_its_own_group_and_zeros_stay_zeros(special):
+    # The whole group dequantizes to NaN: e4m3 has no infinity to keep.
     sizes, num_rows = [70, 200], 300
     x = np.zeros((num_rows, 3), np.float32)
     x[:, 1] = 1.0
-    x[100, 1] = np.nan  # expert 1's first group, column 1
+    x[100, 1] = special  # expert 1's first group, column 1
     back = np.asarray(jax.jit(qdq.along_expert_rows, static_argnums=2)(jnp.asarray(x), jnp.asarray(sizes), RECIPE))
     assert not back[:, 0].any() and not back[:, 2].any()
     nan_rows = np.flatnonzero(np.isnan(back[:, 1]))

@@ -18,8 +18,9 @@ received (got, (D*C, l) in w1.dtype, which dw1 reads), the pre-activation h (D*C
 rows' weights and the indices; not the tokens, the send buffer, a sorted copy of the rows
 or the outputs. With recompute=True it keeps the tokens (T, l) instead of got and h, and
 the backward makes both again, the same bits: one more exchange of the rows and one more
-up-projection, for residuals that no longer grow with the D*C slots (dropless, D times
-the rows routed) but by D*C small indices. A dropped row (token_slots = D*C) reads an appended zero row: it adds
+up-projection, for residuals whose D*C part (dropless, D times the rows routed) is the
+slots' indices, weights and flags, about 21 bytes a slot, not rows of width l + f. A
+dropped row (token_slots = D*C) reads an appended zero row: it adds
 nothing and gets no gradient. Both sums over a token's slots are the ordered
 gather-and-sum, every other row movement a gather, and all_to_all moves blocks in device
 order, so deterministic=True makes every gradient bitwise reproducible, as on one device.
@@ -39,7 +40,7 @@ from jax import lax
 
 from jax_dsrelu import jax_internals
 from jax_dsrelu.kernels.registry import LayerBackends
-from jax_dsrelu.ops import expert_mlp
+from jax_dsrelu.ops import expert_mlp, quantized_expert_mlp
 from jax_dsrelu.ops.expert_operands import Experts
 from jax_dsrelu.primitives import sharding
 from jax_dsrelu.primitives.gather_sum import gather_sum
@@ -60,8 +61,8 @@ def exchanged_experts(
     token_slots: jax.Array,  # (T, top_k) int32 send slots of each token in slot order; D*C where dropped
     *,
     axis_name: str,
-    drops: bool,
-    recompute: bool,  # the backward exchanges the tokens again and remakes h, instead of keeping got and h  # whether token_slots may name D*C (a capacity is set)
+    drops: bool,  # whether token_slots may name D*C (a capacity is set)
+    recompute: bool,  # the backward exchanges the tokens again and remakes h, instead of keeping got and h
     deterministic: bool,
     backends: LayerBackends,
     precision: Recipe | None,  # None, or the FP8 recipe the experts' GEMMs read their operands by
@@ -139,15 +140,19 @@ def _exchanged_bwd(static, residuals, dout):
     axis_name, drops, backends = static.axis_name, static.drops, static.backends
     (kept, w1, w2, b1, prob, group_sizes, local_order, local_inverse, slot_token, slot_full,
      token_slots, quantized) = residuals
+    # Quantized once for every GEMM below that reads a weight (the remade h's included).
+    quantized_here = quantized
+    if static.precision is not None and quantized is None:
+        quantized_here = quantized_expert_mlp.quantize_expert_weights(w1, w2, static.precision)
     if static.recompute:
         experts = _received(static, *kept, w1, w2, b1, prob, group_sizes, local_order, slot_token, slot_full)
-        h = expert_mlp.preactivation(backends, experts, static.precision, quantized)
+        h = expert_mlp.preactivation(backends, experts, static.precision, quantized_here)
     else:
         got, h = kept
         experts = Experts(got, w1, w2, prob, group_sizes, b1, local_order)
     dy = _send(dout.astype(w1.dtype), slot_token, slot_full, axis_name)
     grads = expert_mlp.backward(static.deterministic, backends, experts, h, dy, dy_index=local_order,
-                                precision=static.precision, quantized=quantized)
+                                precision=static.precision, quantized=quantized_here)
     summed = _sum_back(grads.rows, local_inverse, token_slots, drops, axis_name, backends.gather_sum)
     # Rounded to the rows' dtype first, as the gradient of rows cast from the tokens is.
     dtokens = summed.astype(w1.dtype).astype(static.tokens_dtype)

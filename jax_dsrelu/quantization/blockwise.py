@@ -96,8 +96,9 @@ def finite_amax(blocks: jax.Array, axis) -> tuple[jax.Array, jax.Array]:
 
 
 def scales_from_amax(amax: jax.Array, special: jax.Array, element) -> jax.Array:
-    """The scales of blocks of amax `amax` (float32, over the finite values), NaN where
-    `special` (the block holds a NaN or an infinity): the module doc's rule, shared by
+    """The scales of blocks of amax `amax` (float32, over the finite values; any value,
+    +inf from `finite_amax`, where `special`), NaN where `special` (the block holds a NaN
+    or an infinity): the module doc's rule, shared by
     every quantizer of the recipe whatever the shape of its blocks."""
     reciprocal = np.float32(1.0 / float(jnp.finfo(element).max))
     smallest_normal = np.float32(np.finfo(np.float32).tiny)
