@@ -14,7 +14,8 @@ replicated weights' gradients over "data".
 
 With --deterministic the digest of the final parameters is identical from run to run on
 CPU devices; across processes on a GPU it also takes XLA's own GEMM autotuning off
-(docs/determinism.md).
+(docs/determinism.md). --recompute-exchanged makes the backward exchange the rows again
+and remake their pre-activations instead of keeping them: the same digest, for less memory.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def make_mesh(num_experts: int) -> jax.sharding.Mesh:
     )
 
 
-def expert_parallel_layer(params, x, *, mesh, top_k: int, deterministic: bool, precision=None):
+def expert_parallel_layer(params, x, *, mesh, top_k: int, deterministic: bool, precision=None,
+                          recompute_exchanged: bool = False):
     """The MoE layer of train_moe.moe_layer, with experts sharded over mesh axis "expert"."""
     return jax_dsrelu.moe_layer_expert_parallel(
         x,
@@ -59,6 +61,7 @@ def expert_parallel_layer(params, x, *, mesh, top_k: int, deterministic: bool, p
         top_k=top_k,
         deterministic=deterministic,
         precision=precision,
+        recompute_exchanged=recompute_exchanged,
     )
 
 
@@ -68,14 +71,17 @@ def shard_params(params, mesh):
 
 
 def main() -> None:
-    args = training_arguments(__doc__.splitlines()[0], steps=200).parse_args()
+    parser = training_arguments(__doc__.splitlines()[0], steps=200)
+    parser.add_argument("--recompute-exchanged", action="store_true",
+                        help="remake the exchanged rows and their pre-activations in the backward instead of keeping them")
+    args = parser.parse_args()
     mesh = make_mesh(args.experts)
     print(f"mesh: {dict(mesh.shape)} over {jax.devices()[0].platform} devices; "
           f"{args.experts // mesh.shape['expert']} experts per device")
     train(
         args,
         functools.partial(expert_parallel_layer, mesh=mesh, top_k=args.top_k, deterministic=args.deterministic,
-                          precision=precision_of(args)),
+                          precision=precision_of(args), recompute_exchanged=args.recompute_exchanged),
         place_params=functools.partial(shard_params, mesh=mesh),
         place_tokens=lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, TOKENS)),
     )
