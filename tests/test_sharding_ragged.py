@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_layer import make_layer_inputs
+from contract_numpy import assert_agree_within_the_contract
 from test_reference import assert_matches_contract, make_inputs
 
 import jax_dsrelu
@@ -182,8 +183,11 @@ def test_grouped_gemm_dsrelu_over_explicit_axes(mesh_shape, names, rows, cols):
     assert dprob.sharding.is_equivalent_to(NamedSharding(m, P(rows)), 1)
     sharded = jax_dsrelu.DsreluOutputs(dh, dprob, dbias, act, amax)
     assert_matches_contract(sharded, (grad, weight, preact, prob, group_sizes))
-    single = run(*one_device((grad, weight, preact, prob, group_sizes)))
-    assert_same_values((dh, act, amax), (single[0], single[3], single[4]), exact=True)
+    single = jax_dsrelu.DsreluOutputs(*run(*one_device((grad, weight, preact, prob, group_sizes))))
+    # act reads no GEMM; dh's GEMM has another output width under the column split, which
+    # XLA:CPU may sum in another blocking of K.
+    assert_same_values(act, single.act, exact=True)
+    assert_agree_within_the_contract(sharded, single, (grad, weight, preact, prob, group_sizes), ("dh", "amax"))
 
 
 @pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=str)
@@ -197,7 +201,11 @@ def test_operand_split_along_the_contraction_is_gathered_and_its_gradient_typed_
     if axis_type == AxisType.Explicit:
         assert d_lhs.sharding.is_equivalent_to(NamedSharding(m, P(None, "data")), 2)
     single = jax.jit(ragged_dot_step)(*one_device((lhs, rhs, group_sizes, cotangent)))
-    assert_same_values((out, d_lhs, d_rhs), single, exact=True)
+    # lhs is gathered, so out and d_lhs are the one-device GEMMs'; d_rhs is a contraction
+    # whose side a stays split, an output of another width, which XLA:CPU may sum in
+    # another blocking of K.
+    assert_same_values((out, d_lhs), single[:2], exact=True)
+    assert_same_values(d_rhs, single[2])
 
 
 def test_ragged_dot_gradients_under_shard_map_with_shared_rhs():
