@@ -19,13 +19,13 @@ rows' weights and the indices; not the tokens, the send buffer, a sorted copy of
 or the outputs. With recompute=True it keeps the tokens (T, l) instead of got and h, and
 the backward makes both again, the same bits: one more exchange of the rows and one more
 up-projection, for residuals whose D*C part (dropless, D times the rows routed) is the
-slots' indices, weights and flags, about 21 bytes a slot, not rows of width l + f. A
-dropped row (token_slots = D*C) reads an appended zero row: it adds
-nothing and gets no gradient. Both sums over a token's slots are the ordered
-gather-and-sum, every other row movement a gather, and all_to_all moves blocks in device
-order, so deterministic=True makes every gradient bitwise reproducible, as on one device.
-A precision (an FP8 recipe) is passed to the experts' forward and backward, as on one
-device.
+slots' indices, weights and flags, about 21 bytes a slot, not rows of width l + f.
+
+A dropped row (token_slots = D*C) reads an appended zero row: it adds nothing and gets no
+gradient. Both sums over a token's slots are the ordered gather-and-sum, every other row
+movement a gather, and all_to_all moves blocks in device order, so deterministic=True
+makes every gradient bitwise reproducible, as on one device. A precision (an FP8 recipe)
+is passed to the experts' forward and backward, as on one device.
 """
 
 from __future__ import annotations
@@ -45,6 +45,18 @@ from jax_dsrelu.ops.expert_operands import Experts
 from jax_dsrelu.primitives import sharding
 from jax_dsrelu.primitives.gather_sum import gather_sum
 from jax_dsrelu.quantization.schema import Recipe
+
+
+class _Static(NamedTuple):
+    """The custom VJP's static arguments (hashable)."""
+
+    axis_name: str
+    drops: bool
+    recompute: bool
+    deterministic: bool
+    backends: LayerBackends
+    tokens_dtype: np.dtype
+    precision: Recipe | None
 
 
 def exchanged_experts(
@@ -75,18 +87,6 @@ def exchanged_experts(
     static = _Static(axis_name, drops, recompute, deterministic, backends, np.dtype(tokens.dtype), precision)
     return _exchanged(static, tokens, w1, w2, b1, prob, group_sizes, local_order, local_inverse, slot_token,
                       slot_full, token_slots, quantized)
-
-
-class _Static(NamedTuple):
-    """The custom VJP's static arguments (hashable)."""
-
-    axis_name: str
-    drops: bool
-    recompute: bool
-    deterministic: bool
-    backends: LayerBackends
-    tokens_dtype: np.dtype
-    precision: Recipe | None
 
 
 def _exchange(a, axis_name):

@@ -55,10 +55,11 @@ def preactivation(
     backends: LayerBackends,
     experts: Experts,
     precision: Recipe | None = None,  # as for forward
-    quantized=None,  # as for forward
+    quantized=None,  # with a recipe: w1 and w2 quantized (QuantizedExpertWeights), which it needs
 ) -> jax.Array:  # h (m, f) in w1.dtype
     """forward's h, bit for bit, without the down-projection: for a backward that makes
-    the pre-activation again rather than keep it."""
+    the pre-activation again rather than keep it (and has the weights quantized for its
+    own GEMMs)."""
     if precision is not None:
         return quantized_expert_mlp.preactivation(precision, backends, experts, quantized)
     return _up(backends, experts)[0]

@@ -90,13 +90,10 @@ def preactivation(
     recipe: Recipe,
     backends: LayerBackends,
     experts: Experts,
-    quantized: QuantizedExpertWeights | None = None,  # as for forward
+    quantized: QuantizedExpertWeights,  # w1 and w2 quantized (`quantize_expert_weights`), as the backward reads them
 ) -> jax.Array:  # h (m, f) in w1.dtype
-    """forward's h, bit for bit, without the down-projection (`expert_mlp.preactivation`).
-    Only w1 is quantized here: w2's quantized copy is the down-projection's."""
-    up = quantized.w1_up if quantized is not None else _transposed(QuantizedWeight(*_quantized_weight(
-        experts.w1, recipe)))
-    return _up(recipe, backends, experts, up)
+    """forward's h, bit for bit, without the down-projection (`expert_mlp.preactivation`)."""
+    return _up(recipe, backends, experts, quantized.w1_up)
 
 
 def _up(recipe: Recipe, backends: LayerBackends, experts: Experts, w1_up: QuantizedWeight) -> jax.Array:
