@@ -23,6 +23,12 @@ The options may also be one object, shared with `jax_dsrelu.moe_layer`:
     options = jax_dsrelu.MoEOptions(top_k=6, score="sigmoid", normalize=True, scale=2.5)
     layer = MoE.from_hf_nemotron_h(tensors, options=options)
 
+With a mesh, the module is `jax_dsrelu.moe_layer_expert_parallel` instead: its experts
+split over mesh axis expert_axis, its tokens over data_axis and expert_axis:
+
+    mesh = jax.make_mesh((2, 4), ("data", "expert"))
+    layer = MoE(256, 512, 8, top_k=2, mesh=mesh, data_axis="data", rngs=nnx.Rngs(0))
+
 It works with `nnx.jit`, `nnx.value_and_grad` and `nnx.Optimizer` over optax.
 """
 
@@ -41,7 +47,7 @@ except ImportError as error:  # flax is an optional extra
 import jax
 import jax.numpy as jnp
 
-from jax_dsrelu.moe import layer
+from jax_dsrelu.moe import expert_parallel, layer
 from jax_dsrelu.moe.entry_points import UNSET, entry_point
 from jax_dsrelu.moe.hf_nemotron import params_from_hf_nemotron_h
 from jax_dsrelu.moe.layer import MoEAux
@@ -79,7 +85,10 @@ class MoE(nnx.Module):
     zeros at first, moved by `update_expert_bias`.
 
     The options are `moe_layer`'s: one `jax_dsrelu.MoEOptions` as options=, or its
-    fields as keywords (see `__init__`); with round_to the module is no longer dropless
+    fields as keywords (see `__init__`). With mesh= the module computes
+    `moe_layer_expert_parallel` over that mesh (expert_axis, data_axis as it takes them),
+    which also takes capacity_factor and recompute_exchanged; without, `moe_layer`, which
+    refuses them; with round_to the module is no longer dropless
     (token rounding). The experts compute in `dtype` (param_dtype when None): bfloat16
     there, with float32 parameters, is the usual mixed precision for the GPU kernels.
     precision=jax_dsrelu.quantization.FP8_BLOCKWISE runs the experts' GEMMs on FP8
@@ -118,9 +127,13 @@ class MoE(nnx.Module):
         router_init=_DENSE_INIT,
         kernel_init=_EXPERT_INIT,
         dense_init=_DENSE_INIT,
+        mesh: jax.sharding.Mesh | None = None,
+        expert_axis: str = "expert",
+        data_axis: str | tuple[str, ...] | None = None,
         rngs: nnx.Rngs,
     ):
-        """A module of num_experts experts of width d_model -> d_ff -> d_model, drawn from rngs.
+        """A module of num_experts experts of width d_model -> d_ff -> d_model, drawn from rngs;
+        with mesh, its experts split over mesh axis expert_axis (`moe_layer_expert_parallel`).
 
         {MoEOptions}
         """
@@ -133,8 +146,11 @@ class MoE(nnx.Module):
         for name, size in (("shared_d_ff", shared_d_ff), ("latent_dim", latent_dim)):
             if size is not None:
                 _require_size(name, size)
-        options.check_experts(num_experts)
-        layer.check_one_device(options)
+        if mesh is None:
+            options.check_experts(num_experts)
+            layer.check_one_device(options)
+        else:
+            expert_parallel.check_mesh(mesh, expert_axis, data_axis, num_experts, options)
         validation.require_bool("use_bias", use_bias)
         param_dtype = validation.dtype_option("param_dtype", param_dtype, validation.FLOAT_DTYPES)
         dtype = param_dtype if dtype is None else validation.dtype_option("dtype", dtype, validation.FLOAT_DTYPES)
@@ -153,6 +169,7 @@ class MoE(nnx.Module):
         self.d_model = d_model
         self.options = options
         self.dtype = dtype
+        self.mesh, self.expert_axis, self.data_axis = mesh, expert_axis, data_axis
 
     @classmethod
     @entry_point(fixed_options={"score": "sigmoid"}, required_options=("top_k",))
@@ -174,6 +191,9 @@ class MoE(nnx.Module):
         precision: Recipe | None = UNSET,
         dtype: Any = None,
         param_dtype: Any = None,
+        mesh: jax.sharding.Mesh | None = None,
+        expert_axis: str = "expert",
+        data_axis: str | tuple[str, ...] | None = None,
     ) -> MoE:
         """A Hugging Face NemotronHMoE block as a module, its weights loaded.
 
@@ -189,7 +209,8 @@ class MoE(nnx.Module):
         that the module computes what `moe_layer(x, **params, ...)` does on the converted
         tensors; param_dtype=jnp.float32 with dtype=jnp.bfloat16 gives float32 parameters
         for training with bfloat16 experts. The router and expert_bias are float32, as in
-        every MoE module. Nothing is drawn at random: no rngs is needed.
+        every MoE module. Nothing is drawn at random: no rngs is needed. mesh, expert_axis
+        and data_axis are `__init__`'s.
 
         {MoEOptions}
         """
@@ -204,7 +225,8 @@ class MoE(nnx.Module):
             shared_d_ff=None if shared is None else shared.shape[1],
             latent_dim=None if latent is None else latent.shape[1], use_bias=False,
             dtype=dtype, param_dtype=param_dtype,
-            router_init=zeros, kernel_init=zeros, dense_init=zeros, rngs=nnx.Rngs(0),
+            router_init=zeros, kernel_init=zeros, dense_init=zeros, mesh=mesh, expert_axis=expert_axis,
+            data_axis=data_axis, rngs=nnx.Rngs(0),
         )
         for name, value in params.items():
             variable = getattr(module, name)
@@ -223,8 +245,9 @@ class MoE(nnx.Module):
     def __call__(
         self, x: jax.Array, *, return_aux: bool = False, quantized_weights: QuantizedExpertWeights | None = None
     ) -> jax.Array | tuple[jax.Array, MoEAux]:
-        """x (..., d_model) -> (..., d_model) in x.dtype; every leading axis is tokens.
-        quantized_weights: `quantize_weights()`'s, read instead of quantizing w1 and w2 again."""
+        """x (..., d_model) -> (..., d_model) in x.dtype; every leading axis is tokens (with a
+        mesh, a multiple of the token shards in all). quantized_weights: `quantize_weights()`'s,
+        read instead of quantizing w1 and w2 again."""
         validation.require_array("x", x, "(..., d_model)")
         if x.ndim < 1 or x.shape[-1] != self.d_model:
             raise ValueError(f"x.shape[-1] must equal d_model={self.d_model}, got x.shape={tuple(x.shape)}")
@@ -242,9 +265,15 @@ class MoE(nnx.Module):
             latent_in=compute(self.latent_in),
             latent_out=compute(self.latent_out),
         )
-        weights.check(tokens)
-        quantized_expert_mlp.check_quantized_weights(quantized_weights, weights.w1, weights.w2, self.options.precision)
-        out = layer.apply(tokens, weights, self.options, return_aux, quantized_weights)
+        if self.mesh is not None:
+            out = expert_parallel.moe_layer_expert_parallel(
+                tokens, weights=weights, options=self.options, mesh=self.mesh, expert_axis=self.expert_axis,
+                data_axis=self.data_axis, return_aux=return_aux, quantized_weights=quantized_weights)
+        else:
+            weights.check(tokens)
+            quantized_expert_mlp.check_quantized_weights(quantized_weights, weights.w1, weights.w2,
+                                                         self.options.precision)
+            out = layer.apply(tokens, weights, self.options, return_aux, quantized_weights)
         if return_aux:
             out, aux = out
             return out.reshape(x.shape), aux

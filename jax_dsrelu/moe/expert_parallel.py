@@ -115,32 +115,14 @@ def moe_layer_expert_parallel(
 
     {MoEOptions}
     """
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(
-            f"mesh must be a jax.sharding.Mesh (e.g. from jax.make_mesh) with an axis named "
-            f"expert_axis={expert_axis!r}, got {mesh!r} ({type(mesh).__name__})"
-        )
     weights.check(x)
     num_experts = weights.num_experts
-    options.check_experts(num_experts)
+    token_axes = check_mesh(mesh, expert_axis, data_axis, num_experts, options)
     quantized_expert_mlp.check_quantized_weights(quantized_weights, weights.w1, weights.w2, options.precision)
-    if options.rounds:
-        raise ValueError(
-            f"round_to must be None or 1 under expert parallelism (each token shard routes its own tokens, so "
-            f"its counts are not the rows an expert runs), got round_to={options.round_to}; use moe_layer on one device"
-        )
     validation.require_bool("return_aux", return_aux)
-    data_axes = _data_axes(mesh, expert_axis, data_axis)
-    token_axes = (*data_axes, expert_axis)
-    expert_shards = mesh.shape[expert_axis]
     token_shards = 1
     for name in token_axes:
         token_shards *= mesh.shape[name]
-    if num_experts % expert_shards:
-        raise ValueError(
-            f"the number of experts E=w1.shape[0]={num_experts} must be a multiple of "
-            f"mesh.shape[{expert_axis!r}]={expert_shards}"
-        )
     if x.shape[0] % token_shards:
         raise ValueError(
             f"the number of tokens T=x.shape[0]={x.shape[0]} must be a multiple of the "
@@ -172,6 +154,32 @@ def moe_layer_expert_parallel(
     mean_prob = jnp.sum(expert_prob, axis=0) / token_shards
     load_balancing_loss = num_experts * jnp.sum(fraction * mean_prob)
     return out, MoEAux(load_balancing_loss, jnp.sum(z_loss) / token_shards, total_sizes, jnp.sum(dropped))
+
+
+def check_mesh(mesh, expert_axis: str, data_axis, num_experts: int, options: MoEOptions) -> tuple[str, ...]:
+    """The token axes (*data_axes, expert_axis) of experts split over `expert_axis` of
+    `mesh` and tokens over data_axis and expert_axis; raises unless the mesh, its axes,
+    the number of experts and the options fit (token rounding is refused: see
+    `moe_layer_expert_parallel`). What needs the tokens is checked where they are."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"mesh must be a jax.sharding.Mesh (e.g. from jax.make_mesh) with an axis named "
+            f"expert_axis={expert_axis!r}, got {mesh!r} ({type(mesh).__name__})"
+        )
+    options.check_experts(num_experts)
+    if options.rounds:
+        raise ValueError(
+            f"round_to must be None or 1 under expert parallelism (each token shard routes its own tokens, so "
+            f"its counts are not the rows an expert runs), got round_to={options.round_to}; use moe_layer on one device"
+        )
+    data_axes = _data_axes(mesh, expert_axis, data_axis)
+    expert_shards = mesh.shape[expert_axis]
+    if num_experts % expert_shards:
+        raise ValueError(
+            f"the number of experts E=w1.shape[0]={num_experts} must be a multiple of "
+            f"mesh.shape[{expert_axis!r}]={expert_shards}"
+        )
+    return (*data_axes, expert_axis)
 
 
 def _expert_parallel_shard(x, weights: MoEWeights, quantized, *, expert_axis: str, options: MoEOptions):
