@@ -24,9 +24,11 @@ The options may also be one object, shared with `jax_dsrelu.moe_layer`:
     layer = MoE.from_hf_nemotron_h(tensors, options=options)
 
 With a mesh, the module is `jax_dsrelu.moe_layer_expert_parallel` instead: its experts
-split over mesh axis expert_axis, its tokens over data_axis and expert_axis:
+split over mesh axis expert_axis, its tokens over data_axis and expert_axis; a module
+built eagerly places its experts' parameters split over expert_axis and the others
+replicated:
 
-    mesh = jax.make_mesh((2, 4), ("data", "expert"))
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     layer = MoE(256, 512, 8, top_k=2, mesh=mesh, data_axis="data", rngs=nnx.Rngs(0))
 
 It works with `nnx.jit`, `nnx.value_and_grad` and `nnx.Optimizer` over optax.
@@ -46,6 +48,7 @@ except ImportError as error:  # flax is an optional extra
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_dsrelu.moe import expert_parallel, layer
 from jax_dsrelu.moe.entry_points import UNSET, entry_point
@@ -74,7 +77,8 @@ class ExpertBias(nnx.Variable):
 
 
 class MoE(nnx.Module):
-    """A dropless top-k mixture of squared-ReLU experts (`jax_dsrelu.moe_layer`).
+    """A top-k mixture of squared-ReLU experts (`jax_dsrelu.moe_layer`; with a mesh,
+    `jax_dsrelu.moe_layer_expert_parallel`), dropless unless round_to or capacity_factor.
 
     Parameters (nnx.Param), with l = latent_dim (d_model without it):
     router (d_model, E) float32; w1 (E, l, d_ff) and w2 (E, d_ff, l) in param_dtype;
@@ -147,10 +151,16 @@ class MoE(nnx.Module):
             if size is not None:
                 _require_size(name, size)
         if mesh is None:
+            if expert_axis != "expert" or data_axis is not None:
+                raise ValueError(
+                    f"expert_axis and data_axis name axes of a mesh, and mesh is None: got "
+                    f"expert_axis={expert_axis!r}, data_axis={data_axis!r}")
             options.check_experts(num_experts)
             layer.check_one_device(options)
+            data_axes = None
         else:
-            expert_parallel.check_mesh(mesh, expert_axis, data_axis, num_experts, options)
+            # Kept as a tuple: the module's static state is hashed (a list would not be).
+            data_axes = expert_parallel.check_mesh(mesh, expert_axis, data_axis, num_experts, options)[:-1]
         validation.require_bool("use_bias", use_bias)
         param_dtype = validation.dtype_option("param_dtype", param_dtype, validation.FLOAT_DTYPES)
         dtype = param_dtype if dtype is None else validation.dtype_option("dtype", dtype, validation.FLOAT_DTYPES)
@@ -169,7 +179,22 @@ class MoE(nnx.Module):
         self.d_model = d_model
         self.options = options
         self.dtype = dtype
-        self.mesh, self.expert_axis, self.data_axis = mesh, expert_axis, data_axis
+        self.mesh, self.expert_axis, self.data_axis = mesh, expert_axis, data_axes
+        self._place_on_mesh()
+
+    def _place_on_mesh(self) -> None:
+        """With a mesh, the experts' parameters split over expert_axis and every other one
+        replicated, as each call takes them; left as they are when traced (a module built
+        under jit or eval_shape: its caller places them)."""
+        if self.mesh is None:
+            return
+        for name in ("router", "w1", "w2", "b1", "expert_bias", "shared_w1", "shared_w2", "latent_in",
+                     "latent_out"):
+            variable = getattr(self, name)
+            if variable is None or isinstance(variable[...], jax.core.Tracer):
+                continue
+            spec = PartitionSpec(self.expert_axis) if name in ("w1", "w2", "b1") else PartitionSpec()
+            variable[...] = jax.device_put(variable[...], NamedSharding(self.mesh, spec))
 
     @classmethod
     @entry_point(fixed_options={"score": "sigmoid"}, required_options=("top_k",))
@@ -231,6 +256,7 @@ class MoE(nnx.Module):
         for name, value in params.items():
             variable = getattr(module, name)
             variable[...] = jnp.asarray(value, variable[...].dtype)
+        module._place_on_mesh()
         return module
 
     def quantize_weights(self) -> QuantizedExpertWeights:

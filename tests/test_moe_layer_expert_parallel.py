@@ -134,7 +134,7 @@ def test_validation_names_the_argument():
         layer(x, router, w1, w2, mesh=mesh, expert_axis="model")
     with pytest.raises(ValueError, match="data_axis='batch' names 'batch', not an axis of the mesh"):
         layer(x, router, w1, w2, mesh=mesh, data_axis="batch")
-    with pytest.raises(ValueError, match=r"E=w1.shape\[0\]=6 must be a multiple of mesh.shape\['expert'\]=4"):
+    with pytest.raises(ValueError, match=r"E=6 \(w1.shape\[0\]\) must be a multiple of mesh.shape\['expert'\]=4"):
         layer(x, router[:, :6], w1[:6], w2[:6], mesh=mesh)
     with pytest.raises(ValueError, match=r"T=x.shape\[0\]=100 must be a multiple of the 8 token shards"):
         layer(x[:100], router, w1, w2, mesh=mesh, data_axis="data")

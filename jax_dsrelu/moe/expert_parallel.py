@@ -176,7 +176,7 @@ def check_mesh(mesh, expert_axis: str, data_axis, num_experts: int, options: MoE
     expert_shards = mesh.shape[expert_axis]
     if num_experts % expert_shards:
         raise ValueError(
-            f"the number of experts E=w1.shape[0]={num_experts} must be a multiple of "
+            f"the number of experts E={num_experts} (w1.shape[0]) must be a multiple of "
             f"mesh.shape[{expert_axis!r}]={expert_shards}"
         )
     return (*data_axes, expert_axis)
