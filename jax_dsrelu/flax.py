@@ -36,6 +36,7 @@ It works with `nnx.jit`, `nnx.value_and_grad` and `nnx.Optimizer` over optax.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -188,12 +189,11 @@ class MoE(nnx.Module):
         under jit or eval_shape: its caller places them)."""
         if self.mesh is None:
             return
-        for name in ("router", "w1", "w2", "b1", "expert_bias", "shared_w1", "shared_w2", "latent_in",
-                     "latent_out"):
-            variable = getattr(self, name)
+        for field in dataclasses.fields(MoEWeights):  # the module's parameters are the block's weights
+            variable = getattr(self, field.name)
             if variable is None or isinstance(variable[...], jax.core.Tracer):
                 continue
-            spec = PartitionSpec(self.expert_axis) if name in ("w1", "w2", "b1") else PartitionSpec()
+            spec = PartitionSpec(self.expert_axis) if field.name in MoEWeights.PER_EXPERT else PartitionSpec()
             variable[...] = jax.device_put(variable[...], NamedSharding(self.mesh, spec))
 
     @classmethod

@@ -14,6 +14,7 @@ optax = pytest.importorskip("optax", reason="needs optax")
 
 import jax_dsrelu  # noqa: E402
 from jax_dsrelu.flax import MoE  # noqa: E402
+from test_expert_parallel_recompute import same_bits  # noqa: E402
 
 D, F, E = 16, 24, 8
 
@@ -27,13 +28,6 @@ def mesh():
 
 
 AXES = dict(expert_axis="ep", data_axis="dp")
-
-
-def same_bits(a, b) -> bool:
-    return all(
-        np.array_equal(np.ravel(u).view(np.uint8), np.ravel(v).view(np.uint8))
-        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
 
 
 @pytest.mark.parametrize("options", [
