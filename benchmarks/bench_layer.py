@@ -7,7 +7,8 @@ user would write: dense_mlp (one expert's weights for every row, autodiff), batc
 step's six GEMMs alone on cuBLAS, cublas_dense (the practical ceiling) and cublas_batched; precision.py states
 each. The sm90 results are checked against xla's before they are timed, and the step's kernels set against their
 rooflines (roofline.py). By --variants, the FP8 step: moe_mlp at precision=FP8_BLOCKWISE on xla (xla_fp8, the reference),
-on sm90's FP8 kernels (sm90_fp8; sm90_fp8_quantize: dW's operands quantized by kernel), cublas_fp8: six e4m3 GEMMs.
+on sm90's FP8 kernels (sm90_fp8; sm90_fp8_det: deterministic; sm90_fp8_quantize: dW's operands quantized by kernel;
+sm90_fp8_reused: the weights quantized once outside the step, as across micro-steps), cublas_fp8: six e4m3 GEMMs.
 
     python benchmarks/bench_layer.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_layer.py --prebuild
@@ -36,13 +37,14 @@ from jax_dsrelu.kernels.sm90 import backend as sm90_backend
 from jax_dsrelu.quantization.schema import E4M3, FP8_BLOCKWISE
 
 VARIANTS = ("xla", "sm90", "sm90_det", "dense_mlp", "batched_mlp", "cublas_dense", "cublas_batched")
-FP8_VARIANTS = ("xla_fp8", "sm90_fp8", "sm90_fp8_quantize", "cublas_fp8")
+FP8_VARIANTS = ("xla_fp8", "sm90_fp8", "sm90_fp8_det", "sm90_fp8_quantize", "sm90_fp8_reused", "cublas_fp8")
 # Variants that compute something else than moe_mlp: timed, not checked against it.
 BASELINES = ("dense_mlp", "batched_mlp", "cublas_dense", "cublas_batched", "cublas_fp8")
 # The variants through moe_mlp, which a prebuild lowers (xla compiles no kernel, but tests the path).
-LAYER_VARIANTS = ("xla", "sm90", "sm90_det", "xla_fp8", "sm90_fp8", "sm90_fp8_quantize")
-REFERENCE = {"sm90": "xla", "sm90_det": "xla", "sm90_fp8": "xla_fp8", "sm90_fp8_quantize": "xla_fp8"}  # each one's check
-UNVERIFIED = {"sm90_fp8": ("fp8",), "sm90_fp8_quantize": ("fp8", "fp8_quantize")}  # the unverified kernel kinds each runs
+LAYER_VARIANTS = ("xla", "sm90", "sm90_det", "xla_fp8", "sm90_fp8", "sm90_fp8_det", "sm90_fp8_quantize", "sm90_fp8_reused")
+REFERENCE = {"sm90": "xla", "sm90_det": "xla", **{v: "xla_fp8" for v in LAYER_VARIANTS if v.startswith("sm90_fp8")}}  # each one's check
+UNVERIFIED = {v: ("fp8", "fp8_quantize") if v == "sm90_fp8_quantize" else ("fp8",)  # the unverified kernel kinds each runs
+              for v in LAYER_VARIANTS if v.startswith("sm90_fp8")}
 MODES = ("step", "forward")
 FLOPS_PER_MDF = {"step": 12.0, "forward": 4.0}
 GRADIENTS = ("x", "w1", "w2", "prob", "b1")  # moe_mlp's differentiable operands, in order
@@ -51,7 +53,7 @@ GRADIENTS = ("x", "w1", "w2", "prob", "b1")  # moe_mlp's differentiable operands
 TOLERANCE = 2e-2
 
 
-def make_operands(m, d, f, num_experts, seed, grouping="dirichlet", fp8=False) -> dict[str, jax.Array]:
+def make_operands(m, d, f, num_experts, seed, grouping="dirichlet", fp8=False, quantized=False) -> dict[str, jax.Array]:
     keys = iter(jax.random.split(jax.random.key(seed), 8))
     normal = lambda shape, scale=1.0: (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(BF16)  # noqa: E731
     operands = dict(
@@ -66,12 +68,16 @@ def make_operands(m, d, f, num_experts, seed, grouping="dirichlet", fp8=False) -
     x, act, dh, dy, w1, w2 = (operands[n] for n in ("x", "act", "dh", "cotangent", "w1_dense", "w2_dense"))
     pairs = ((x, w1.T), (act, w2.T), (dy, w2), (dh, w1), (x.T, dh.T), (act.T, dy.T)) if fp8 else ()
     operands.update({f"fp8_{i}{side}": t.astype(E4M3) for i, pair in enumerate(pairs) for side, t in zip("ab", pair)})
+    if quantized:  # the weights' FP8 copies, for sm90_fp8_reused
+        operands["quantized"] = jax.jit(jax_dsrelu.quantize_expert_weights, static_argnums=2)(
+            operands["w1"], operands["w2"], FP8_BLOCKWISE)
     return dict(operands, one=jnp.ones((), jnp.float32))
 
 
 def moe_mlp_with(backend, deterministic, precision=None):
-    return lambda x, w1, w2, prob, b1, group_sizes: jax_dsrelu.moe_mlp(
-        x, w1, w2, prob, group_sizes, b1=b1, deterministic=deterministic, backend=backend, precision=precision)
+    return lambda x, w1, w2, prob, b1, group_sizes, quantized=None: jax_dsrelu.moe_mlp(
+        x, w1, w2, prob, group_sizes, b1=b1, deterministic=deterministic, backend=backend, precision=precision,
+        quantized_weights=quantized)
 
 
 def fp8_gemms(*pairs):
@@ -129,8 +135,10 @@ def computation(variant, mode):
         layer, names = batched_mlp, ("x", "w1", "w2", "prob", "b1")
     else:
         names, fp8 = ("x", "w1", "w2", "prob", "b1", "group_sizes"), "_fp8" in variant
+        if variant == "sm90_fp8_reused":  # moe_mlp's quantized_weights, made before the step (untimed)
+            names += ("quantized",)
         backend = "xla" if variant.startswith("xla") else "auto" if fp8 else "sm90"  # sm90 refuses a precision
-        layer = moe_mlp_with(backend, variant == "sm90_det", FP8_BLOCKWISE if fp8 else None)
+        layer = moe_mlp_with(backend, variant.endswith("_det"), FP8_BLOCKWISE if fp8 else None)
     if mode == "forward":
         return layer, names
     return jax.value_and_grad(loss_of(layer), argnums=tuple(range(5))), names + ("cotangent",)
@@ -169,7 +177,8 @@ def run_variant(variant, mode, operands, reference, reps, clock, flops) -> tuple
 
 def prebuild(shapes, variants, modes) -> None:
     """Lowers the selected moe_mlp variants' steps and forwards for cuda, building their kernels."""
-    for shape, variant, mode in itertools.product(shapes, [v for v in variants if v in LAYER_VARIANTS], modes):
+    built = [v for v in variants if v in LAYER_VARIANTS and v != "sm90_fp8_reused"]  # whose kernels are sm90_fp8's
+    for shape, variant, mode in itertools.product(shapes, built, modes):
         fn, names = computation(variant, mode)
         with sm90_backend.unverified_enabled(*UNVERIFIED.get(variant, ()), on=variant in UNVERIFIED):
             harness.lower_for_cuda(f"bench_layer {variant} {mode} {shape}", fn, *(operand_shapes(*shape)[n] for n in names))
@@ -195,7 +204,8 @@ def main(argv=None):
         """Fills `row` with every mode's variants, saving after each, and the step's rooflines."""
         if not copy:  # once per run, beside the kernels it is the ceiling of
             copy.update(roofline.copy_rate(clock, options.reps, 1 << 20 if options.cpu else roofline.COPY_BYTES))
-        (m, d, f, _), operands = shape, make_operands(*shape, options.seed, grouping, "cublas_fp8" in options.variants)
+        (m, d, f, _), operands = shape, make_operands(*shape, options.seed, grouping, "cublas_fp8" in options.variants,
+                                                             "sm90_fp8_reused" in options.variants)
         row.update(group_sizes=np.asarray(operands["group_sizes"]).tolist(), modes={})
         owned = int(np.sum(row["group_sizes"]))  # m, but where token rounding cut rows
         for mode in options.modes:

@@ -28,11 +28,14 @@ HEADERS = {
     "pallas": "Pallas", "quack": "QuACK", "tokamax": "tokamax ragged_dot", "dense_mlp": "dense bf16 MLP",
     "batched_mlp": "batched bf16 MLP", "gemms_cublas": "its GEMMs alone, bf16 cuBLAS", "cublas_dense": "dense bf16 cuBLAS",
     "cublas_batched": "batched bf16 cuBLAS", "gathered": "library, auto with gathered loads (sm90, not yet in auto)",
-    "gathered_det": "the same, deterministic", "sm90_fp8": "sm90 FP8", "sm90_fp8_copy": "sm90 FP8, kernel copies", "sm90_fp8_quantize": "sm90 FP8, dW quantized by kernel", "quantize": "quantizing the rows",
+    "gathered_det": "the same, deterministic", "sm90_fp8": "sm90 FP8", "sm90_fp8_copy": "sm90 FP8, kernel copies", "sm90_fp8_quantize": "sm90 FP8, dW quantized by kernel",
+    "sm90_fp8_det": "sm90 FP8, deterministic", "sm90_fp8_reused": "sm90 FP8, weights quantized beforehand", "quantize": "quantizing the rows",
     "cublas_fp8": "dense FP8 cuBLASLt (XLA)", "torch_fp8": "dense FP8 torch._scaled_mm", "cublas_bf16": "dense bf16 cuBLAS"}
-# Our kernels' classes in the mangled CuTe DSL names of a breakdown; the gathered ones first,
+# Our kernels' classes in the mangled CuTe DSL names of a breakdown; the FP8 and gathered ones first,
 # since a name holds the first class it matches (GatheredRaggedGemmSm90 holds RaggedGemmSm90).
 KERNEL_CLASSES = {
+    "BlockScaledRaggedGemmSm90": "FP8 ragged GEMM", "BlockScaledDsreluSm90": "FP8 fused dsReLU",
+    "BlockScaledContractSm90": "FP8 contraction", "KMajorQuantizeSm90": "K-major quantizing", "KMajorCopySm90": "K-major copy",
     "GatheredRaggedGemmSm90": "sm90 gathered ragged GEMM", "GatheredDsreluSm90": "sm90 gathered fused dsReLU",
     "GatheredContractSm90": "sm90 gathered contraction", "GatheredRhsContractSm90": "sm90 gathered contraction (rhs)",
     "GatherSumSm90": "sm90 gather-and-sum", "RaggedGemmSm90": "sm90 ragged GEMM",
@@ -117,17 +120,21 @@ def render_layer(runs: Runs) -> str:
     run, rows = runs[0][1], runs[0][1]["shapes"]
     variants, stated = shown(runs, lambda r: {v for row in r["shapes"] for m in row["modes"].values() for v in m["variants"]})
     baselines = [v for v in variants if v not in ("sm90", "sm90_det", "xla")]
+    deterministic = [(v, v.removesuffix("_det")) for v in variants if v.endswith("_det") and v.removesuffix("_det") in variants]
     lines = [provenance(runs, "bf16 with b1, a step is `jax.value_and_grad` in x, w1, b1, w2 and prob"),
              f"Each cell: time (TFLOP/s at {run['flops']}). {RATIOS} {stated}"]
     for mode in rows[0]["modes"] if rows else ():
-        body = [[row_label(row), *(cell(entries.get(v)) for v in variants), cost(entries.get("sm90_det"), entries.get("sm90")),
+        body = [[row_label(row), *(cell(entries.get(v)) for v in variants),
+                 *(cost(entries.get(det), entries.get(base)) for det, base in deterministic),
                  *(ratio(entries.get("sm90"), entries.get(b)) for b in baselines)]
                 for row in rows for entries in [row["modes"][mode]["variants"]]]
         lines += ["", *table([f"{mode}: shape (m, d, f, E), groups", *(HEADERS[v] for v in variants),
-                              "cost of determinism", *(f"sm90 / {HEADERS[b]}" for b in baselines)], body)]
-    lines += ["", "Where the sm90 step's time goes (CUPTI, ms):", ""] + [
-        f"- {row_label(row)} ({entry['ms']:.3f} ms): {breakdown(entry)}" for row in rows
-        if "kernel_summary" in (entry := row["modes"].get("step", {}).get("variants", {}).get("sm90", {}))]
+                              *(f"cost of determinism, {HEADERS[base]}" for _, base in deterministic),
+                              *(f"sm90 / {HEADERS[b]}" for b in baselines)], body)]
+    for ours in ("sm90", "sm90_fp8", "sm90_fp8_quantize", "sm90_fp8_reused"):
+        lines += [f"\nWhere the {HEADERS[ours]} step's time goes (CUPTI, ms):\n"] + [
+            f"- {row_label(row)} ({entry['ms']:.3f} ms): {breakdown(entry)}" for row in rows
+            if "kernel_summary" in (entry := row["modes"].get("step", {}).get("variants", {}).get(ours, {}))] if ours in variants else []
     return "\n".join(lines)
 
 
