@@ -52,9 +52,8 @@ def operands(m, k, n, num_experts, seed, grouping):
     return dict(rows=rows, weight_kn=jnp.swapaxes(weight_nk, 1, 2), lhs=lhs, lhs_scale=lhs_scale, rhs=rhs,
                 rhs_scale=rhs_scale, prob=jax.random.uniform(keys[2], (m,), jnp.float32, 0.05, 1.0),
                 bias=0.1 * jax.random.normal(keys[3], (num_experts, n), jnp.float32),
-                group_sizes=jnp.asarray(group_sizes_for(grouping, m, num_experts, seed)),
-                dense_bf16=weight_nk[0].T, dense_fp8=rhs[0], dense_scale=jnp.max(rhs_scale[0]),
-                lhs_scale_max=jnp.max(lhs_scale))
+                group_sizes=jnp.asarray(group_sizes_for(grouping, m, num_experts, seed)), dense_bf16=weight_nk[0].T,
+                dense_fp8=rhs[0], dense_scale=jnp.max(rhs_scale[0]), lhs_scale_max=jnp.max(lhs_scale))
 
 
 def dequantized_product(lhs, lhs_scale, rhs, rhs_scale, sizes, with_bias, bias):

@@ -61,11 +61,10 @@ def make_operands(m, d, f, num_experts, seed, grouping="dirichlet") -> dict[str,
     normal = lambda shape, scale=1.0: (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(BF16)  # noqa: E731
     h = normal((m, f))
     prob = jax.random.uniform(next(keys), (m,), jnp.float32, 0.05, 1.0)
-    operands = dict(
-        x=normal((m, d)), dy=normal((m, d)), h=h, dh=normal((m, f)), act=activation(h, prob),
-        w1=normal((num_experts, d, f), 1 / np.sqrt(d)), w2=normal((num_experts, f, d), 1 / np.sqrt(f)),
-        b1=0.1 * jax.random.normal(next(keys), (num_experts, f), jnp.float32), prob=prob,
-        group_sizes=jnp.asarray(group_sizes_for(grouping, m, num_experts, seed)))
+    operands = dict(x=normal((m, d)), dy=normal((m, d)), h=h, dh=normal((m, f)), act=activation(h, prob),
+                    w1=normal((num_experts, d, f), 1 / np.sqrt(d)), w2=normal((num_experts, f, d), 1 / np.sqrt(f)),
+                    b1=0.1 * jax.random.normal(next(keys), (num_experts, f), jnp.float32), prob=prob,
+                    group_sizes=jnp.asarray(group_sizes_for(grouping, m, num_experts, seed)))
     # The dense GEMM's weight is its own array, so no slice copy is timed with it.
     return dict(operands, w1_dense=jnp.array(operands["w1"][0]), w2_dense=jnp.array(operands["w2"][0]))
 
@@ -192,8 +191,7 @@ def compare(ours, reference, scale, accumulation_bound, terms) -> dict:
     if ours.shape != reference.shape:
         raise ValueError(f"result shape {ours.shape} differs from the reference's {reference.shape}")
     max_error, worst, relative = _compare(ours, reference, scale, accumulation_bound, float(terms))
-    return dict(max_abs_error=float(max_error), worst_error_over_bound=float(worst),
-                relative_frobenius_error=float(relative))
+    return dict(max_abs_error=float(max_error), worst_error_over_bound=float(worst), relative_frobenius_error=float(relative))
 
 
 def check_passes(checks: dict) -> bool:
@@ -272,13 +270,10 @@ def gemm_variants(gemm: str, shapes, out_dtype) -> list[Variant]:
 def bench_gemm(gemm, shape, operands, reps, clock, out_dtype, selected) -> dict:
     """Builds, checks (ours) and times each selected variant of `gemm`; any failure becomes its entry's error."""
     flops = 2.0 * shape[0] * shape[1] * shape[2]  # 2 m d f
-    reference = (fused("xla")(*(operands[n] for n in DSRELU_OPERANDS)) if gemm == "dsrelu"
-                 else MATMULS[gemm].reference(operands))
-
+    reference = fused("xla")(*(operands[n] for n in DSRELU_OPERANDS)) if gemm == "dsrelu" else MATMULS[gemm].reference(operands)
     def check(outputs):
         checks = check_dsrelu(outputs, reference) if gemm == "dsrelu" else MATMULS[gemm].check(outputs, reference, operands)
         return checks, check_passes(checks)
-
     results: dict[str, dict] = {}
     for variant in (v for v in gemm_variants(gemm, operand_shapes(*shape), out_dtype) if v.name in selected):
         print(f"{shape} {gemm} {variant.name}", flush=True)

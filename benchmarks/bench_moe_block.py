@@ -64,8 +64,7 @@ class Block:
 
     def tiny(self) -> Block:
         """The same routing at a size the CPU runs in a moment (whole rows per expert for the GEMMs alone)."""
-        return dataclasses.replace(self, tokens=64, d=32, experts=max(2 * self.top_k, 8), f=16,
-                                   shared=32 * bool(self.shared))
+        return dataclasses.replace(self, tokens=64, d=32, experts=max(2 * self.top_k, 8), f=16, shared=32 * bool(self.shared))
 
     def describe(self) -> str:
         routing = self.score + " with a selection bias" * self.bias + ", normalized" * self.normalize
@@ -117,7 +116,6 @@ def tokamax_layer(block: Block, implementation: str):
     """The block as a user writes it around tokamax.ragged_dot, computing what moe_layer does:
     float32 scores, the top_k of the biased ones, weights from the unbiased ones applied to
     the activations of rows sorted by expert, each token's rows added in float32."""
-
     def layer(x, router, w1, w2, expert_bias, shared_w1=None, shared_w2=None):
         import tokamax  # here, so that a failing import is the variant's error
 
@@ -135,7 +133,6 @@ def tokamax_layer(block: Block, implementation: str):
         if shared_w1 is not None:
             out = out + jnp.dot(squared_relu(jnp.dot(x, shared_w1)), shared_w2).astype(F32)
         return out.astype(x.dtype)
-
     return layer
 
 
@@ -151,7 +148,6 @@ def gemms_step(block: Block):
     batched over E equal experts, the shared expert's six, the router's three in float32
     (the logits, and the logits again for their gradient, times the router and times x)."""
     routed, shared = cublas_gemms("step", batched=True), cublas_gemms("step", batched=False)
-
     def gemms(x, x_f32, router, w1, w2, rows, rows_act, rows_dh, rows_dy, cotangent, *shared_operands):
         logits = jnp.dot(x_f32, router)
         outputs = routed(rows, w1, w2, rows_act, rows_dh, rows_dy) + (
@@ -160,7 +156,6 @@ def gemms_step(block: Block):
             shared_w1, shared_w2, shared_act, shared_dh = shared_operands
             outputs += shared(x, shared_w1, shared_w2, shared_act, shared_dh, cotangent)
         return outputs
-
     names = ("x", "x_f32", "router", "w1", "w2", "rows", "rows_act", "rows_dh", "rows_dy", "cotangent")
     return gemms, names + (("shared_w1", "shared_w2", "shared_act", "shared_dh") if block.shared else ())
 
@@ -180,12 +175,10 @@ def run_variant(block, variant, operands, reference, reps, clock) -> tuple[dict,
     if variant == "tokamax" and importlib.util.find_spec("tokamax") is None:
         return dict(skipped="tokamax not installed"), None
     fn, names = computation(block, variant)
-
     def check(outputs):
         errors = {f"d{name}": float(harness.relative_error(grad, reference[name]))
                   for name, grad in zip(block.gradients, outputs[1])}
         return errors, all(error <= TOLERANCE for error in errors.values())
-
     checked = variant not in ("xla", "gemms_cublas")
     with sm90_backend.unverified_enabled(on=variant.startswith("gathered")):
         entry, outputs = harness.measure(

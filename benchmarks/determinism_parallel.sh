@@ -8,10 +8,7 @@
 # examples/train_moe.py --dtype bfloat16 --deterministic, with the caller's XLA_FLAGS. MODE:
 # warm, kernels from the carried disk cache (JAX_DSRELU_KERNEL_CACHE); fresh, a new empty
 # cache per process. Writes their output under $OUT/NAME/ and the summary to $OUT/NAME.json.
-processes="$1"
-commit="$2"
-mode="$3"
-name="$4"
+processes="$1" commit="$2" mode="$3" name="$4"
 [[ $mode == warm || $mode == fresh ]] || { echo "MODE must be warm or fresh, got '$mode'" >&2; exit 2; }
 [[ -n $name ]] || { echo "NAME (the JSON's name) is missing" >&2; exit 2; }
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -22,9 +19,7 @@ digests="python3 benchmarks/process_digests.py --backends sm90 --runs 20"
 example="python3 examples/train_moe.py --dtype bfloat16 --deterministic"
 for i in $(seq "$processes"); do
   for script in digests train_moe; do
-    if [[ $mode == fresh ]]; then
-      export JAX_DSRELU_KERNEL_CACHE="$(mktemp -d)"
-    fi
+    if [[ $mode == fresh ]]; then export JAX_DSRELU_KERNEL_CACHE="$(mktemp -d)"; fi
     command=$([[ $script == digests ]] && echo "$digests --label process_$i" || echo "$example")
     timeout $limit $command > "$logs/${script}_$i.txt" 2> "$logs/${script}_$i.err" &
   done
@@ -42,8 +37,7 @@ for i in range(1, processes + 1):
     record["digests"].append(json.loads(lines[-1]) if lines else None)
     output = open(f"{out}/train_moe_{i}.txt").read()
     record["example_digests"].append((re.findall(r"parameter digest: (\w+)", output) or [None])[-1])
-    options = re.findall(r"compiler options: (\{.*\})", output)
-    if options:
+    if options := re.findall(r"compiler options: (\{.*\})", output):
         record["example_compiler_options"] = json.loads(options[0])
 results = [json.dumps(d["results"], sort_keys=True) if d else None for d in record["digests"]]
 record["digests_distinct_across_processes"] = len(set(results))

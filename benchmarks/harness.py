@@ -119,11 +119,9 @@ def start_record(options, **fields) -> tuple[dict, str, Callable[[], str]]:
     clock, started = timing.clock_for(options.cpu), time.time()
     result = dict(run_record.header(options.commit, timing.DESCRIPTIONS[clock]), clock=clock, **fields)
     name = record_name(fields["benchmark"], options.label)
-
     def save() -> str:
         result["seconds"] = time.time() - started
         return run_record.write_json(result, options.out, name)
-
     return result, clock, save
 
 

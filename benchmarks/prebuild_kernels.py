@@ -105,7 +105,6 @@ def _compiles(module, requests, *unverified):
     def compile_kernel(request, config, in_place):
         with sm90_backend.unverified_enabled(*unverified, on=bool(unverified)):
             module.compile_kernel(request, config, outputs_in_place=in_place)
-
     return [functools.partial(compile_kernel, *built) for built in requests]
 
 
@@ -157,8 +156,7 @@ def run_job(name: str) -> str:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--jobs", type=int, default=1, help="parallel processes (one per group of kernels)")
-    parser.add_argument("--only", default=None,
-                        help="run only the jobs whose names start with one of these comma-separated prefixes")
+    parser.add_argument("--only", default=None, help="run only the jobs whose names start with one of these comma-separated prefixes")
     options = parser.parse_args()
     if not os.environ.get(cutlass_bridge.CACHE_DIR_VARIABLE):
         raise SystemExit(f"set {cutlass_bridge.CACHE_DIR_VARIABLE} to the cache directory")

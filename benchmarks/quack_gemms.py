@@ -28,7 +28,6 @@ def key_cute_dsl_references() -> None:
     if getattr(identity, "keys_cute_dsl_references", False):
         return
     quack_key = identity.semantic_value_key
-
     def key(value, seen):
         try:
             return quack_key(value, seen)
@@ -37,7 +36,6 @@ def key_cute_dsl_references() -> None:
             if name is None:
                 raise
             return ("refused_by_quack", type(value).__module__, type(value).__qualname__, name)
-
     identity.semantic_value_key = key  # looked up by name at every (recursive) call
     identity.keys_cute_dsl_references = True
 
@@ -57,14 +55,12 @@ def gemm_call(gemm: str, t: dict, offsets, out_dtype):
                                          postact_out=outputs[1], cu_seqlens_m=offsets, config=config), outputs
     if gemm == "dsrelu":
         outputs = [empty(m, f), empty(m, f)]
-
         def dsrelu(config):
             # dprob comes back as a new tensor (QuACK adds its per-tile partial sums).
             *_, dprob = q.gemm_dact(
                 t["dy"], t["w2"].mT, t["h"], activation="relu_sq", dx_out=outputs[0], postact_out=outputs[1],
                 colvec_scale=t["prob"], colvec_reduce=True, cu_seqlens_m=offsets, config=config)
             outputs[2:] = [dprob]
-
         return dsrelu, outputs
     if gemm in ("down", "dx"):
         lhs, rhs = ("act", t["w2"]) if gemm == "down" else ("dh", t["w1"].mT)

@@ -14,8 +14,7 @@ set -o pipefail
 old_tree="$1" old_commit="$2" new_commit="$3" rounds="${4:-2}"
 shapes="${STEP_AB_SHAPES:-16384,4096,2048,8;32768,7168,2048,8;65536,2048,1024,32;49152,2688,1856,128;65536,2048,768,128;65536,2048,512,128;32768,7168,2048,32;65536,2048,768,256}"
 source .gpu/activate.sh
-export JAX_DSRELU_KERNEL_CACHE="$PWD/.kernels/cache"
-export PYTHONUNBUFFERED=1
+export JAX_DSRELU_KERNEL_CACHE="$PWD/.kernels/cache" PYTHONUNBUFFERED=1
 base="$PYTHONPATH"
 for round in $(seq 1 "$rounds"); do
   for commit in "$old_commit" "$new_commit"; do
