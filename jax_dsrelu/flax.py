@@ -266,7 +266,8 @@ class MoE(nnx.Module):
         if self.options.precision is None:
             raise ValueError("quantize_weights needs a module built with precision= (an FP8 recipe), got None")
         return quantized_expert_mlp.quantize_expert_weights(
-            self.w1[...].astype(self.dtype), self.w2[...].astype(self.dtype), self.options.precision)
+            self.w1[...].astype(self.dtype), self.w2[...].astype(self.dtype), self.options.precision,
+            backend="xla" if self.options.backend == "xla" else "auto")
 
     def __call__(
         self, x: jax.Array, *, return_aux: bool = False, quantized_weights: QuantizedExpertWeights | None = None

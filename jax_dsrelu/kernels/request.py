@@ -114,8 +114,22 @@ class GatherSumRequest:
     rows_dtype: np.dtype
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightQuantizeRequest:
+    """Static facts of expert weights quantized for the FP8 GEMMs (`quantize_expert_weights`):
+    w (num_experts, n, k) in weight_dtype, in 128 x 128 blocks of amax-scaled e4m3.
+    implementation: (w=) -> {values (E, n, k), transposed (E, k, n), scales (E, ceil(n / 128),
+    ceil(k / 128))}, as `quantization.blockwise.quantize_blockwise` makes values and scales.
+    """
+
+    num_experts: int
+    n: int
+    k: int
+    weight_dtype: np.dtype
+
+
 # Every kind of request a kernel backend may be asked to serve.
-AnyRequest = Request | RaggedMatmulRequest | RaggedContractRequest | GatherSumRequest
+AnyRequest = Request | RaggedMatmulRequest | RaggedContractRequest | GatherSumRequest | WeightQuantizeRequest
 
 
 class KernelBackend(Protocol):
@@ -165,6 +179,11 @@ def gather_sum_request(rows: Any, index: Any) -> GatherSumRequest:
     """The request of a gather-and-sum of `rows` (m, n) by `index` (T, slots), from their
     shapes and dtypes (arrays or avals)."""
     return GatherSumRequest(n=rows.shape[1], slots=index.shape[1], rows_dtype=np.dtype(rows.dtype))
+
+
+def weight_quantize_request(w: Any) -> WeightQuantizeRequest:
+    """The request of quantizing expert weights w (E, n, k) (an array or aval)."""
+    return WeightQuantizeRequest(*w.shape, weight_dtype=np.dtype(w.dtype))
 
 
 def request_from_avals(avals: Any, *, block_scaled: bool = False, **params: Any) -> Request:

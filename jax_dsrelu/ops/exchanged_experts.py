@@ -143,7 +143,7 @@ def _exchanged_bwd(static, residuals, dout):
     # Quantized once for every GEMM below that reads a weight (the remade h's included).
     quantized_here = quantized
     if static.precision is not None and quantized is None:
-        quantized_here = quantized_expert_mlp.quantize_expert_weights(w1, w2, static.precision)
+        quantized_here = quantized_expert_mlp.quantize_expert_weights(w1, w2, static.precision, backend=backends.matmul)
     if static.recompute:
         experts = _received(static, *kept, w1, w2, b1, prob, group_sizes, local_order, slot_token, slot_full)
         h = expert_mlp.preactivation(backends, experts, static.precision, quantized_here)

@@ -43,14 +43,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from jax_dsrelu.kernels import registry
 from jax_dsrelu.kernels.registry import LayerBackends
+from jax_dsrelu.kernels.request import weight_quantize_request
 from jax_dsrelu.ops.expert_operands import Experts, Gradients
 from jax_dsrelu.primitives import dsrelu, validation
 from jax_dsrelu.primitives.ragged_contract import ragged_contract
 from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
 from jax_dsrelu.quantization import blockwise, qdq
-from jax_dsrelu.quantization.schema import Recipe
+from jax_dsrelu.quantization.schema import FP8_BLOCKWISE, Recipe
 
 
 class Epilogue(NamedTuple):
@@ -79,7 +82,8 @@ def forward(
     quantized: QuantizedExpertWeights | None = None,  # w1 and w2 quantized already
 ) -> tuple[jax.Array, jax.Array]:  # y (m, l), h (m, f), both in w1.dtype
     """(y, h), as `expert_mlp.forward` returns them, on quantized operands."""
-    weights = quantized if quantized is not None else quantize_expert_weights(experts.w1, experts.w2, recipe)
+    weights = quantized if quantized is not None else quantize_expert_weights(experts.w1, experts.w2, recipe,
+                                                                                 backend=backends.matmul)
     h = _up(recipe, backends, experts, weights.w1_up)
     act = squared_relu(h, experts.prob)  # 0 on rows of no expert, whose h is 0
     y = _block_scaled_matmul(act, weights.w2_down, experts.group_sizes, recipe, backends, out_dtype=experts.w1.dtype)
@@ -140,21 +144,47 @@ class QuantizedExpertWeights(NamedTuple):
     w2_dsrelu: QuantizedWeight  # (E, f, d): dy w2^T, K = d
 
 
-def quantize_expert_weights(w1: jax.Array, w2: jax.Array, recipe: Recipe) -> QuantizedExpertWeights:
+def quantize_expert_weights(w1: jax.Array, w2: jax.Array, recipe: Recipe, *, backend: str = "auto") -> QuantizedExpertWeights:
     """w1 (E, d, f) and w2 (E, f, d) quantized by `recipe` (FP8_BLOCKWISE), each in both
     layouts its GEMMs read (`QuantizedExpertWeights`). The values are the same whether
-    made here once or by every moe_mlp call: quantization is deterministic."""
+    made here once or by every moe_mlp call: quantization is deterministic. backend "auto"
+    quantizes each weight on a kernel where one serves (on Hopper, one pass writing both
+    layouts: `kernels/sm90/block_quantize_kernel.py`, once its kind is enabled), else as
+    "xla" does: XLA's quantizer, then the values transposed."""
     recipe = validation.precision(recipe)
     if recipe is None:
         raise ValueError("recipe must be an FP8 recipe (jax_dsrelu.quantization.FP8_BLOCKWISE), got None")
-    w1_dx = QuantizedWeight(*_quantized_weight(w1, recipe))
-    w2_dsrelu = QuantizedWeight(*_quantized_weight(w2, recipe))
-    # The square blocks read the other way: the same values and scales, transposed.
-    return QuantizedExpertWeights(w1_up=_transposed(w1_dx), w1_dx=w1_dx, w2_down=_transposed(w2_dsrelu),
-                                  w2_dsrelu=w2_dsrelu)
+    if backend not in ("auto", "xla"):
+        raise ValueError(f"backend must be 'auto' or 'xla' (the layer's backend under a precision), got {backend!r}")
+    w1_dx, w1_up = _both_layouts(w1, recipe, backend)
+    w2_dsrelu, w2_down = _both_layouts(w2, recipe, backend)
+    return QuantizedExpertWeights(w1_up=w1_up, w1_dx=w1_dx, w2_down=w2_down, w2_dsrelu=w2_dsrelu)
+
+
+def _both_layouts(w: jax.Array, recipe: Recipe, backend: str) -> tuple[QuantizedWeight, QuantizedWeight]:
+    """w (E, a, b) quantized in the recipe's square blocks: (as stored, transposed (E, b, a)),
+    the same values and scales read the other way."""
+    def by_xla(w):
+        stored = QuantizedWeight(*_quantized_weight(w, recipe))
+        return stored, _transposed(stored)
+
+    if backend == "xla" or recipe.weights != FP8_BLOCKWISE.weights:
+        return by_xla(w)
+    _, implementation = registry.cuda_implementation(backend, weight_quantize_request(w))
+    if implementation is None:
+        return by_xla(w)
+
+    def by_kernel(w):
+        out = implementation(w=w)
+        return (QuantizedWeight(out["values"], out["scales"]),
+                QuantizedWeight(out["transposed"], jnp.swapaxes(out["scales"], 1, 2)))
+
+    # Where the computation is lowered for a GPU the kernel, elsewhere XLA.
+    return lax.platform_dependent(w, cuda=by_kernel, default=by_xla)
 
 
 def _transposed(weight: QuantizedWeight) -> QuantizedWeight:
+    """The square blocks read the other way: the same values and scales, transposed."""
     return QuantizedWeight(jnp.swapaxes(weight.values, 1, 2), jnp.swapaxes(weight.scales, 1, 2))
 
 
@@ -233,7 +263,8 @@ def backward(
 ) -> Gradients:
     """`expert_mlp.backward`'s gradients on quantized operands: `epilogue`, then the GEMMs
     that read its dh and act (`gradient_gemms`)."""
-    weights = quantized if quantized is not None else quantize_expert_weights(experts.w1, experts.w2, recipe)
+    weights = quantized if quantized is not None else quantize_expert_weights(experts.w1, experts.w2, recipe,
+                                                                                 backend=backends.matmul)
     fused = epilogue(recipe, deterministic, backends, weights.w2_dsrelu, experts.prob, experts.group_sizes,
                      experts.b1 is not None, h, dy, dy_index)
     drows, dw1, dw2 = gradient_gemms(recipe, backends, experts, fused, dy, dy_index, weights.w1_dx)

@@ -20,6 +20,7 @@ from jax_dsrelu.kernels import software
 from jax_dsrelu.kernels.request import (
     AnyRequest,
     GatherSumRequest,
+    WeightQuantizeRequest,
     RaggedContractRequest,
     RaggedMatmulRequest,
     Request,
@@ -27,7 +28,7 @@ from jax_dsrelu.kernels.request import (
 
 NAME = "sm90"
 DEVICE_DESCRIPTION = "Hopper GPUs (compute capability 9.0: H100, H200)"
-REQUEST_KINDS = (Request, RaggedMatmulRequest, RaggedContractRequest, GatherSumRequest)
+REQUEST_KINDS = (Request, RaggedMatmulRequest, RaggedContractRequest, GatherSumRequest, WeightQuantizeRequest)
 
 UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 # Kernel kinds not verified on an H200:
@@ -62,7 +63,11 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 #                 K-major copies (`k_major_quantize_kernel.py`), for `ragged_contract`
 #                 quantizing its operands itself, instead of XLA's quantizer and the copy
 #                 kernel: compiled for sm_90a, never run.
-UNVERIFIED_KINDS = ("gathered", "gather_sum", "fp8", "fp8_quantize")
+#   "fp8_weights" the expert weights quantized in 128 x 128 blocks into both layouts of the
+#                 FP8 GEMMs by one pass (`block_quantize_kernel.py`), for
+#                 `quantize_expert_weights`, instead of XLA's quantizer and transpose:
+#                 compiled for sm_90a, never run.
+UNVERIFIED_KINDS = ("gathered", "gather_sum", "fp8", "fp8_quantize", "fp8_weights")
 # The operands of each request kind that the "gathered" kernels read through an index.
 _GATHERED_OPERANDS = {
     Request: frozenset({"grad"}),
@@ -122,6 +127,13 @@ def supports_compute_capability(capability: tuple[int, int]) -> bool:
 def cannot_implement(request: AnyRequest) -> str | None:
     from jax_dsrelu.kernels.sm90 import config, gather_sum_config
 
+    if isinstance(request, WeightQuantizeRequest):
+        if not enabled("fp8_weights"):
+            return (f"the sm90 weight quantizer is not verified on a Hopper card (set {UNVERIFIED_VARIABLE}=fp8_weights "
+                    f"to use it)")
+        from jax_dsrelu.kernels.sm90 import weight_quantize
+
+        return weight_quantize.cannot_quantize(request)
     if isinstance(request, GatherSumRequest):
         if not enabled("gather_sum"):
             return (f"the sm90 gather-and-sum kernel is not verified on an H200 (set {UNVERIFIED_VARIABLE}="
@@ -161,6 +173,10 @@ def implementation(request: AnyRequest) -> Callable[..., Mapping[str, jax.Array]
         from jax_dsrelu.kernels.sm90 import gather_sum_call
 
         return gather_sum_call.implementation(request)
+    if isinstance(request, WeightQuantizeRequest):
+        from jax_dsrelu.kernels.sm90 import weight_quantize
+
+        return lambda w: weight_quantize.quantize_by_kernel(w)
     from jax_dsrelu.kernels.sm90 import ragged_call
 
     # The switch is read here, when the call is lowered, and handed down.

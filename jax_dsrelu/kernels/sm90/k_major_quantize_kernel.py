@@ -56,10 +56,10 @@ PARTS = BLOCK // COLUMNS  # threads per column in the second phase, each taking 
 VECTOR_BYTES = 16  # bytes per global load and store
 _PITCH = COLUMNS + 4  # the tile's row pitch in float32 (module doc)
 # The recipe's constants as float32 values (`blockwise.scales_from_amax`), held in Python floats.
-_RECIPROCAL = float(np.float32(1.0 / 448.0))  # 1 / e4m3's largest finite value, rounded to float32
-_SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-_ELEMENT_TYPES = {np.dtype("bfloat16"): cutlass.BFloat16, np.dtype(np.float16): cutlass.Float16,
+RECIPROCAL = float(np.float32(1.0 / 448.0))  # 1 / e4m3's largest finite value, rounded to float32
+SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+ELEMENT_TYPES = {np.dtype("bfloat16"): cutlass.BFloat16, np.dtype(np.float16): cutlass.Float16,
                   np.dtype(np.float32): cutlass.Float32}
 _I32 = np.dtype(np.int32)
 _F32 = np.dtype(np.float32)
@@ -67,7 +67,7 @@ _E4M3 = np.dtype("float8_e4m3fn")
 
 
 @dsl_user_op
-def _e4m3x2(low: Float32, high: Float32, *, loc=None, ip=None) -> cutlass.Uint16:
+def e4m3x2(low: Float32, high: Float32, *, loc=None, ip=None) -> cutlass.Uint16:
     """Two float32 values as e4m3 bytes, low in the low byte: round to nearest even,
     saturated, NaN kept (PTX puts its first source in the high byte)."""
     packed = llvm.inline_asm(T.i16(), [Float32(high).ir_value(loc=loc, ip=ip), Float32(low).ir_value(loc=loc, ip=ip)],
@@ -81,10 +81,10 @@ class KMajorQuantizeSm90:
 
     def __init__(self, n: int, num_experts: int, dtype):
         dtype = np.dtype(dtype)
-        if dtype not in _ELEMENT_TYPES:
+        if dtype not in ELEMENT_TYPES:
             raise TypeError(f"the K-major quantizer takes bfloat16, float16 or float32 rows, got {dtype.name}")
         self.n, self.num_experts, self.dtype = n, num_experts, dtype
-        self.element = _ELEMENT_TYPES[dtype]
+        self.element = ELEMENT_TYPES[dtype]
         self.per_load = VECTOR_BYTES // dtype.itemsize  # elements of a 16-byte load
 
     def operands(self) -> list[KernelOperand]:
@@ -153,7 +153,7 @@ class KMajorQuantizeSm90:
         special = cutlass.Int32(0)
         for r in cutlass.range(part_rows, unroll_full=True):
             value = tile[part * part_rows + r, column]
-            finite = cute.math.absf(value) <= Float32(_FLOAT32_MAX)  # False for NaN and infinities
+            finite = cute.math.absf(value) <= Float32(FLOAT32_MAX)  # False for NaN and infinities
             if finite:
                 amax = cute.arch.fmax(amax, cute.math.absf(value))
             else:
@@ -167,7 +167,7 @@ class KMajorQuantizeSm90:
         # The recipe's scale (`blockwise.scales_from_amax`), one product and a floor.
         scale = Float32(1.0)
         if amax > Float32(0.0):
-            scale = cute.arch.fmax(amax * Float32(_RECIPROCAL), Float32(_SMALLEST_NORMAL))
+            scale = cute.arch.fmax(amax * Float32(RECIPROCAL), Float32(SMALLEST_NORMAL))
         if special != 0:
             scale = Float32(float("nan"))
         global_column = first_column + column
@@ -187,6 +187,6 @@ class KMajorQuantizeSm90:
                         low = Float32(0.0)
                     if row + 1 >= rows:
                         high = Float32(0.0)
-                    packed[k] = _e4m3x2(low, high)
+                    packed[k] = e4m3x2(low, high)
                 cute.copy(write, packed, cute.recast_tensor(out_chunks[None, part * (part_rows // VECTOR_BYTES) + v],
                                                             cutlass.Uint16))

@@ -1,0 +1,186 @@
+"""Expert weights quantized in 128 x 128 blocks into both layouts their FP8 GEMMs read, for
+Hopper (sm_90a), in CuTe DSL: `quantization.blockwise.quantize_blockwise` of w (E, N, K)
+at the recipe's weight blocks, and the values' transpose, in one pass over w.
+
+Math, with w (E, N, K) bfloat16, float16 or float32 and B_e,i,j its block of rows
+[128 i, 128 i + 128) and columns [128 j, 128 j + 128) (partial at the far edges):
+
+    amax[e, i, j]   = max |value| over B_e,i,j's finite values, 0 where there are none
+    scales[e, i, j] = the recipe's scale of amax (`quantization.blockwise`: amax / 448 by a
+                      product, at least float32's smallest normal, 1 where amax is 0, NaN
+                      where the block holds a NaN or an infinity)
+    values[e, r, c]     = e4m3(w[e, r, c] / scales[e, r // 128, c // 128])  (round to
+                          nearest even, saturated to +-448; NaN where the scale is)
+    transposed[e, c, r] = values[e, r, c]
+
+which is `quantize_blockwise`'s values and scales byte for byte, but for the sign of a
+NaN, where XLA divides as IEEE asks (XLA:CPU); XLA:GPU's division (div.full.f32) can put a
+quotient an ulp off, and a value a step of e4m3 away (`quantization.blockwise`). The
+blocks are square, so the transposed values' scales are `scales` transposed (the caller's
+to take): the GEMMs that read w one way and the other read the same numbers.
+
+A CTA of 256 threads takes one block. Each thread loads four pieces of 16 elements (rows
+of a warp's pieces contiguous: 16-byte loads, coalesced), keeps them in registers and
+takes the maximum over them; warp shuffles and a shared-memory exchange across the 8
+warps give the block's (a maximum is exact in any order). Each thread then quantizes its
+pieces, stores each as 16 bytes of `values` and into a shared byte tile; after a barrier,
+each thread reads two 16-row pieces of one column of the tile, 32 bytes, and stores them
+as one sector of `transposed`. Every output byte is written once, by one thread: the same
+bits on every run. w is read once and each output written once: 2 + 2 bytes an element
+for 16-bit weights, the pass's least traffic.
+
+The tile's rows are 144 bytes apart, so a thread's 16-byte stores are aligned and the
+column reads of a warp (32 neighbouring bytes of one row) fall on 8 banks, four threads to
+a word: one wavefront. The division is IEEE's (div.rn.f32), the conversion
+`cvt.rn.satfinite.e4m3x2.f32` (`k_major_quantize_kernel.py`).
+
+Constraints (`weight_quantize.quantize_by_kernel` refuses the rest): N and K positive
+multiples of 16, so that every 16-byte piece lies whole inside w.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import numpy as np
+from cutlass import Float32
+
+from jax_dsrelu.kernels.operands import KernelOperand
+from jax_dsrelu.kernels.sm90 import k_major_quantize_kernel as fp8
+
+BLOCK = 128  # rows and columns of a block
+THREADS = 256
+PIECE = 16  # elements of a piece: 16 e4m3 bytes, one 16-byte store
+PIECES = BLOCK * BLOCK // PIECE // THREADS  # pieces a thread loads (4)
+COLUMN_PIECES = BLOCK * BLOCK // (2 * PIECE) // THREADS  # 32-row column pieces a thread stores transposed (2)
+WARPS = THREADS // 32
+_PITCH = BLOCK + PIECE  # the byte tile's row pitch (module doc)
+_E4M3 = np.dtype("float8_e4m3fn")
+_F32 = np.dtype(np.float32)
+
+
+class BlockQuantizeSm90:
+    """The pass for one static configuration: E experts, w's N and K and its dtype."""
+
+    def __init__(self, num_experts: int, n: int, k: int, dtype):
+        dtype = np.dtype(dtype)
+        if dtype not in fp8.ELEMENT_TYPES:
+            raise TypeError(f"the block quantizer takes bfloat16, float16 or float32 weights, got {dtype.name}")
+        self.num_experts, self.n, self.k, self.dtype = num_experts, n, k, dtype
+        self.element = fp8.ELEMENT_TYPES[dtype]
+        self.per_load = fp8.VECTOR_BYTES // dtype.itemsize  # elements of a 16-byte load
+
+    def operands(self) -> list[KernelOperand]:
+        """w (E, N, K), values (E, N, K) e4m3, transposed (E, K, N) e4m3, scales
+        (E, ceil(N / 128), ceil(K / 128)) float32."""
+        e, n, k = self.num_experts, self.n, self.k
+        return [
+            KernelOperand("w", "input", self.dtype, (e, n, k)),
+            KernelOperand("values", "output", _E4M3, (e, n, k)),
+            KernelOperand("transposed", "output", _E4M3, (e, k, n)),
+            KernelOperand("scales", "output", _F32, (e, -(-n // BLOCK), -(-k // BLOCK))),
+        ]
+
+    @cute.jit
+    def __call__(self, stream: cuda.CUstream, w: cute.Tensor, values: cute.Tensor, transposed: cute.Tensor,
+                 scales: cute.Tensor):
+        @cute.struct
+        class Storage:
+            tile: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK * _PITCH], 16]
+            # Each warp's maximum and whether it saw a NaN or an infinity.
+            amax: cute.struct.MemRange[Float32, WARPS]
+            special: cute.struct.MemRange[cutlass.Int32, WARPS]
+
+        self.storage = Storage
+        grid = [(self.k + BLOCK - 1) // BLOCK, (self.n + BLOCK - 1) // BLOCK, self.num_experts]
+        self.kernel(w, values, transposed, scales).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, w: cute.Tensor, values: cute.Tensor, transposed: cute.Tensor, scales: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        column_block, row_block, expert = cute.arch.block_idx()
+        storage = cutlass.memory.SmemAllocator().allocate(self.storage)
+        tile = storage.tile.get_tensor(cute.make_layout((BLOCK, _PITCH), stride=(_PITCH, 1)))
+        warp_amax = storage.amax.get_tensor(cute.make_layout(WARPS))
+        warp_special = storage.special.get_tensor(cute.make_layout(WARPS))
+        first_row, first_column = row_block * BLOCK, column_block * BLOCK
+        rows = cutlass.min(self.n - first_row, BLOCK)
+        columns = cutlass.min(self.k - first_column, BLOCK)
+        pieces_per_row = BLOCK // PIECE
+
+        # Phase 1: piece p = tidx + 256 q is row p // 8, columns 16 (p % 8) on: loaded, widened, its maximum.
+        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.element, num_bits_per_copy=8 * fp8.VECTOR_BYTES)
+        loaded = cute.make_rmem_tensor(cute.make_layout(PIECE), self.element)
+        widened = cute.make_rmem_tensor(cute.make_layout((PIECE, PIECES)), Float32)
+        w_loads = cute.logical_divide(w[expert, None, None], (None, self.per_load))
+        loaded_loads = cute.logical_divide(loaded, self.per_load)
+        amax = Float32(0.0)
+        special = cutlass.Int32(0)
+        for q in cutlass.range_constexpr(PIECES):
+            piece = tidx + THREADS * q
+            row, column = piece // pieces_per_row, (piece % pieces_per_row) * PIECE
+            loaded.fill(0)
+            if row < rows and column < columns:
+                for v in cutlass.range_constexpr(PIECE // self.per_load):
+                    cute.copy(load, w_loads[first_row + row, (None, (first_column + column) // self.per_load + v)],
+                              loaded_loads[None, v])
+            for i in cutlass.range_constexpr(PIECE):
+                value = loaded[i].to(Float32)
+                widened[i, q] = value
+                if cute.math.absf(value) <= Float32(fp8.FLOAT32_MAX):  # False for NaN and infinities
+                    amax = cute.arch.fmax(amax, cute.math.absf(value))
+                else:
+                    special = cutlass.Int32(1)
+        for bit in cutlass.range_constexpr(5):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << bit))
+            special = special | cute.arch.shuffle_sync_bfly(special, offset=1 << bit)
+        warp = tidx // 32
+        if tidx % 32 == 0:
+            warp_amax[warp] = amax
+            warp_special[warp] = special
+        cute.arch.sync_threads()
+        for other in cutlass.range_constexpr(WARPS):
+            amax = cute.arch.fmax(amax, warp_amax[other])
+            special = special | warp_special[other]
+        # The recipe's scale (`blockwise.scales_from_amax`), one product and a floor.
+        scale = Float32(1.0)
+        if amax > Float32(0.0):
+            scale = cute.arch.fmax(amax * Float32(fp8.RECIPROCAL), Float32(fp8.SMALLEST_NORMAL))
+        if special != 0:
+            scale = Float32(float("nan"))
+        if tidx == 0:
+            scales[expert, row_block, column_block] = scale
+
+        # Phase 2: each piece quantized, to `values` and the byte tile, 16 bytes each.
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint8, num_bits_per_copy=8 * fp8.VECTOR_BYTES)
+        packed = cute.make_rmem_tensor(cute.make_layout(PIECE // 2), cutlass.Uint16)
+        packed_bytes = cute.recast_tensor(packed, cutlass.Uint8)
+        value_pieces = cute.logical_divide(cute.recast_tensor(values[expert, None, None], cutlass.Uint8), (None, PIECE))
+        tile_pieces = cute.logical_divide(tile, (None, PIECE))
+        for q in cutlass.range_constexpr(PIECES):
+            piece = tidx + THREADS * q
+            row, column = piece // pieces_per_row, (piece % pieces_per_row) * PIECE
+            for i in cutlass.range_constexpr(PIECE // 2):
+                packed[i] = fp8.e4m3x2(widened[2 * i, q] / scale, widened[2 * i + 1, q] / scale)
+            cute.copy(store, packed_bytes, tile_pieces[row, (None, column // PIECE)])
+            if row < rows and column < columns:
+                cute.copy(store, packed_bytes, value_pieces[first_row + row, (None, (first_column + column) // PIECE)])
+        cute.arch.sync_threads()
+
+        # Phase 3: column piece p = tidx + 256 q is column p % 128, rows 32 (p // 128) on: read
+        # down the tile, stored as 32 bytes of `transposed` row first_column + column.
+        column_bytes = cute.make_rmem_tensor(cute.make_layout(2 * PIECE), cutlass.Uint8)
+        column_pieces = cute.logical_divide(column_bytes, PIECE)
+        transposed_pieces = cute.logical_divide(cute.recast_tensor(transposed[expert, None, None], cutlass.Uint8),
+                                                (None, PIECE))
+        for q in cutlass.range_constexpr(COLUMN_PIECES):
+            piece = tidx + THREADS * q
+            column, row = piece % BLOCK, (piece // BLOCK) * 2 * PIECE
+            for i in cutlass.range_constexpr(2 * PIECE):
+                column_bytes[i] = tile[row + i, column]
+            if column < columns:
+                for half in cutlass.range_constexpr(2):
+                    if row + PIECE * half < rows:
+                        cute.copy(store, column_pieces[None, half],
+                                  transposed_pieces[first_column + column, (None, (first_row + row) // PIECE + half)])
