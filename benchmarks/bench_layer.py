@@ -8,7 +8,7 @@ step's six GEMMs alone on cuBLAS, cublas_dense (the practical ceiling) and cubla
 each. The sm90 results are checked against xla's before they are timed, and the step's kernels set against their
 rooflines (roofline.py). By --variants, the FP8 step: moe_mlp at precision=FP8_BLOCKWISE on xla (xla_fp8, the reference),
 on sm90's FP8 kernels (sm90_fp8; sm90_fp8_det: deterministic; sm90_fp8_quantize: dW's operands quantized by kernel;
-sm90_fp8_weights: the weights quantized by kernel; sm90_fp8_reused: the weights quantized once outside the step, as
+sm90_fp8_weights: those and the weights quantized by kernel; sm90_fp8_reused: the weights quantized once outside the step, as
 across micro-steps), cublas_fp8: six e4m3 GEMMs.
 
     python benchmarks/bench_layer.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
@@ -44,9 +44,10 @@ BASELINES = ("dense_mlp", "batched_mlp", "cublas_dense", "cublas_batched", "cubl
 # The variants through moe_mlp, which a prebuild lowers (xla compiles no kernel, but tests the path).
 LAYER_VARIANTS = ("xla", "sm90", "sm90_det", "xla_fp8", "sm90_fp8", "sm90_fp8_det", "sm90_fp8_quantize", "sm90_fp8_weights",
                   "sm90_fp8_reused")
-REFERENCE = {"sm90": "xla", "sm90_det": "xla", **{v: "xla_fp8" for v in LAYER_VARIANTS if v.startswith("sm90_fp8")}}  # each one's check
-UNVERIFIED = {v: ("fp8", *{"sm90_fp8_quantize": ("fp8_quantize",), "sm90_fp8_weights": ("fp8_weights",)}.get(v, ()))
-              for v in LAYER_VARIANTS if v.startswith("sm90_fp8")}  # the unverified kernel kinds each runs
+# Each one's check, against the XLA backend in its precision.
+REFERENCE = {"sm90": "xla", "sm90_det": "xla", **{v: "xla_fp8" for v in LAYER_VARIANTS if v.startswith("sm90_fp8")}}
+KINDS_BESIDE_FP8 = {"sm90_fp8_quantize": ("fp8_quantize",), "sm90_fp8_weights": ("fp8_quantize", "fp8_weights")}
+UNVERIFIED = {v: ("fp8", *KINDS_BESIDE_FP8.get(v, ())) for v in LAYER_VARIANTS if v.startswith("sm90_fp8")}  # the unverified kinds each runs
 MODES = ("step", "forward")
 FLOPS_PER_MDF = {"step": 12.0, "forward": 4.0}
 GRADIENTS = ("x", "w1", "w2", "prob", "b1")  # moe_mlp's differentiable operands, in order
