@@ -104,13 +104,15 @@ def row_label(row: dict, dirichlet: bool = True) -> str:
 def breakdown(entry: dict, named_others: int = 0) -> str:
     """Where a step's time goes: our kernels by class, then all else (its `named_others` longest by name)."""
     ours, others = {}, []  # {label: ms}, [(ms, name)]
-    for name, ms in entry["kernel_summary"]:
+    # Every launch where the record keeps them, else the summary's longest names and the rest.
+    summary = timing.kernel_summary(entry["kernels"], top=len(entry["kernels"])) if "kernels" in entry else entry["kernel_summary"]
+    for name, ms in summary:
         label = next((label for cls, label in KERNEL_CLASSES.items() if cls in name), None)
         if label is not None:
             ours[label] = ours.get(label, 0.0) + ms
         elif not re.fullmatch(r"\d+ other kernels", name):  # single kernels, not the summary's remainder row
             others.append((ms, name))
-    rest = sum(ms for _, ms in entry["kernel_summary"]) - sum(ours.values())
+    rest = sum(ms for _, ms in summary) - sum(ours.values())
     named = ", ".join(f"{name[:40]} {ms:.3f}" for ms, name in sorted(others, reverse=True)[:named_others])
     return ", ".join(f"{label} {ms:.3f}" for label, ms in ours.items()) + f", all else {rest:.3f} ms" + (
         f" (of which {named})" if named else "")
@@ -121,7 +123,8 @@ def render_layer(runs: Runs) -> str:
     run, rows = runs[0][1], runs[0][1]["shapes"]
     variants, stated = shown(runs, lambda r: {v for row in r["shapes"] for m in row["modes"].values() for v in m["variants"]})
     baselines = [v for v in variants if v not in ("sm90", "sm90_det", "xla")]
-    deterministic = [(v, v.removesuffix("_det")) for v in variants if v.endswith("_det") and v.removesuffix("_det") in variants]
+    # sm90's always (a dash where either mode is missing), the FP8 step's where both ran.
+    deterministic = [("sm90_det", "sm90")] + [("sm90_fp8_det", "sm90_fp8")] * ({"sm90_fp8_det", "sm90_fp8"} <= set(variants))
     lines = [provenance(runs, "bf16 with b1, a step is `jax.value_and_grad` in x, w1, b1, w2 and prob"),
              f"Each cell: time (TFLOP/s at {run['flops']}). {RATIOS} {stated}"]
     for mode in rows[0]["modes"] if rows else ():

@@ -1,8 +1,7 @@
 """Expert weights quantized for the FP8 GEMMs by one pass on Hopper
 (`kernels/sm90/block_quantize_kernel.py`, through `weight_quantize.quantize_by_kernel`):
 `quantization.blockwise.quantize_blockwise` in 128 x 128 blocks and the values' transpose;
-and `quantize_expert_weights`, which runs it where "auto" finds the unverified kind
-"fp8_weights" enabled on a Hopper GPU.
+and `quantize_expert_weights`, which runs it under "auto" on a Hopper GPU.
 
 CPU: `quantize_expert_weights` by either backend name is XLA's quantizer there, and refuses
 other names; the kernel refuses what it cannot take. Compile tier: compiles for sm_90a
@@ -182,18 +181,17 @@ def test_the_weight_quantizer_computes_the_recipe(hopper, name, dtype):
 
 
 @pytest.mark.gpu
-def test_quantize_expert_weights_runs_the_kernel_where_enabled(hopper):
-    """With "fp8_weights" enabled, "auto" quantizes on the kernel: its program holds the
-    kernel's call, and the four layouts are the oracle's bytes (XLA:GPU's division could
-    move a value by a step of e4m3)."""
-    from jax_dsrelu.kernels.sm90 import backend
-
+def test_quantize_expert_weights_runs_the_kernel_under_auto(hopper):
+    """"auto" quantizes on the kernel: its program holds the kernel's call, and the four
+    layouts are the oracle's bytes (XLA:GPU's division could move a value by a step of
+    e4m3); "xla" holds no such call."""
     w1 = jnp.asarray(weight("partial_both", "bf16"))
     w2 = jnp.swapaxes(w1, 1, 2)
-    with backend.unverified_enabled("fp8_weights"):
-        call = jax.jit(functools.partial(jax_dsrelu.quantize_expert_weights, recipe=FP8_BLOCKWISE))
-        assert "BlockQuantizeSm90" in call.lower(w1, w2).as_text()
-        quantized = call(w1, w2)
+    call = jax.jit(functools.partial(jax_dsrelu.quantize_expert_weights, recipe=FP8_BLOCKWISE))
+    assert "BlockQuantizeSm90" in call.lower(w1, w2).as_text()
+    assert "BlockQuantizeSm90" not in jax.jit(functools.partial(
+        jax_dsrelu.quantize_expert_weights, recipe=FP8_BLOCKWISE, backend="xla")).lower(w1, w2).as_text()
+    quantized = call(w1, w2)
     stored, transposed, scales = oracle(np.asarray(w1))
     for values, want in ((quantized.w1_dx.values, stored), (quantized.w1_up.values, transposed),
                          (quantized.w2_dsrelu.values, transposed), (quantized.w2_down.values, stored)):
