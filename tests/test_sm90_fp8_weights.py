@@ -145,6 +145,23 @@ def test_the_weight_quantizer_lowers_to_one_call_binding_its_buffers_in_order():
     assert unbound_buffers(plan, {}, text) == []
 
 
+@pytest.mark.compile
+def test_the_weight_quantizer_under_vmap_is_one_call_per_weight():
+    """vmap (a stack of layers' weights) runs the custom call once per weight, in a loop,
+    since the call has no batched form."""
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    from jax_dsrelu.kernels.sm90 import weight_quantize
+
+    shape = SHAPES["partial_both"]
+    quantize = weight_quantize.implementation(WeightQuantizeRequest(*shape, np.dtype(jnp.bfloat16)))
+    lowered = jax.jit(jax.vmap(quantize)).trace(jax.ShapeDtypeStruct((3, *shape), jnp.bfloat16)).lower(
+        lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert text.count("CuteDSLRT_NvJaxCutlassCall") == 1 and "stablehlo.while" in text
+    out = jax.eval_shape(jax.vmap(quantize), jax.ShapeDtypeStruct((3, *shape), jnp.bfloat16))
+    assert out["transposed"].shape == (3, shape[0], shape[2], shape[1])
+
+
 # ---------------------------------------------------------------------------- GPU tier
 
 
@@ -198,3 +215,18 @@ def test_quantize_expert_weights_runs_the_kernel_under_auto(hopper):
         assert same_bytes_but_nan_sign(np.asarray(values).view(np.uint8), want)
     np.testing.assert_array_equal(np.asarray(quantized.w1_dx.scales), scales)
     np.testing.assert_array_equal(np.asarray(quantized.w1_up.scales), np.swapaxes(scales, 1, 2))
+
+
+@pytest.mark.gpu
+def test_a_stack_of_weights_under_vmap_is_each_weight_quantized(hopper):
+    """vmap over a stack of layers' weights: the kernel one weight after another, the same
+    bytes as each weight alone."""
+    w1 = jnp.asarray(weight("partial_both", "bf16"))
+    stack = jnp.stack([w1, -2 * w1])
+    quantize = jax.jit(jax.vmap(functools.partial(jax_dsrelu.quantize_expert_weights, recipe=FP8_BLOCKWISE)))
+    stacked = quantize(stack, jnp.swapaxes(stack, 2, 3))
+    for layer, w in enumerate((w1, -2 * w1)):
+        stored, transposed, scales = oracle(np.asarray(w))
+        assert same_bytes_but_nan_sign(np.asarray(stacked.w1_dx.values[layer]).view(np.uint8), stored)
+        assert same_bytes_but_nan_sign(np.asarray(stacked.w1_up.values[layer]).view(np.uint8), transposed)
+        np.testing.assert_array_equal(np.asarray(stacked.w1_dx.scales[layer]), scales)
