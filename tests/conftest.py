@@ -67,3 +67,14 @@ def _return_freed_heap() -> None:
     except (OSError, AttributeError):
         return
     trim(0)
+
+
+@pytest.fixture(scope="module")
+def hopper():
+    """Skips a module's GPU tests unless the visible GPU is a Hopper (compute capability
+    9.0), the only one the sm90 kernels run on."""
+    from jax_dsrelu.kernels import registry
+
+    capability = registry.cuda_compute_capability()
+    if capability != (9, 0):
+        pytest.skip(f"the sm90 kernels run on compute capability 9.0; this GPU has {capability}")

@@ -17,15 +17,8 @@ import numpy as np
 import pytest
 
 import jax_dsrelu
-from jax_dsrelu.kernels import registry as backend_choice
 
 RUNS = 20
-
-
-@pytest.fixture(scope="module")
-def hopper():
-    if backend_choice.cuda_compute_capability() != (9, 0):
-        pytest.skip("the sm90 kernels run on compute capability 9.0")
 
 
 def distinct(fn, *args, runs=RUNS):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_dsrelu
-from test_determinism_gpu import distinct, hopper  # noqa: F401 (hopper is a fixture)
+from test_determinism_gpu import distinct
 
 # Sigmoid top-6 of 32 experts in 4 groups (best 2 kept), normalized and scaled, a shared
 # expert and a latent width: every part of the block, at a size where atomics vary.

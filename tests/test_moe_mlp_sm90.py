@@ -28,7 +28,6 @@ import pytest  # noqa: E402
 pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
 
 import jax_dsrelu  # noqa: E402
-from jax_dsrelu.kernels import registry as backend_choice  # noqa: E402
 
 CUSTOM_CALL = re.compile(r"stablehlo\.custom_call @(\w+)")
 KERNEL_TARGET = "CuteDSLRT_NvJaxCutlassCall_v2"
@@ -126,13 +125,6 @@ def test_the_checks_catch_the_xla_step():
 
 
 # ----------------------------------------------------------------------------- GPU tier
-
-
-@pytest.fixture(scope="module")
-def hopper():
-    capability = backend_choice.cuda_compute_capability()
-    if capability != (9, 0):
-        pytest.skip(f"the sm90 kernels run on compute capability 9.0; this GPU has {capability}")
 
 
 def float64_layer(inputs, sizes, cotangent, round_to):

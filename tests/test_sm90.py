@@ -314,13 +314,6 @@ def test_tile_config_validates_in_one_place():
 # --------------------------------------------------------------------------- GPU tier
 
 
-@pytest.fixture(scope="module")
-def hopper():
-    capability = backend_choice.cuda_compute_capability()
-    if capability != (9, 0):
-        pytest.skip(f"the sm90 kernel runs on compute capability 9.0; this GPU has {capability}")
-
-
 def run_in_place(inputs, alpha, *, deterministic, with_dbias=True, with_act=True, out_dtype=None, config=None):
     """Runs the kernel (of `config(request)`, or the chosen one) with every output buffer
     NaN-filled first (aliased in and out)."""

@@ -371,15 +371,6 @@ def test_moe_mlp_in_fp8_runs_every_gemm_on_the_fp8_kernels_once_enabled():
 # ---------------------------------------------------------------------------- GPU tier
 
 
-@pytest.fixture(scope="module")
-def hopper():
-    from jax_dsrelu.kernels import registry
-
-    capability = registry.cuda_compute_capability()
-    if capability != (9, 0):
-        pytest.skip(f"the sm90 kernels run on compute capability 9.0; this GPU has {capability}")
-
-
 def run_poisoned(request, named, m, config=None):
     """The kernel (of `config`, or the chosen one) with every output buffer NaN-filled
     first; its results by name."""

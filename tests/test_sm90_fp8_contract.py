@@ -361,15 +361,6 @@ def test_the_k_major_copy_kernel_compiles_for_sm90a(n, num_experts):
 # ---------------------------------------------------------------------------- GPU tier
 
 
-@pytest.fixture(scope="module")
-def hopper():
-    from jax_dsrelu.kernels import registry
-
-    capability = registry.cuda_compute_capability()
-    if capability != (9, 0):
-        pytest.skip(f"the sm90 kernels run on compute capability 9.0; this GPU has {capability}")
-
-
 def overlapped_config(request):
     """The chosen config with each group's promotion beside the next group's wgmma, at the
     widest tile that takes it (`ContractConfig`: tile_n 64, a buffer per subtile)."""

@@ -279,15 +279,6 @@ def test_the_quantizing_copy_lowers_to_one_call_binding_its_buffers_in_order():
 # ---------------------------------------------------------------------------- GPU tier
 
 
-@pytest.fixture(scope="module")
-def hopper():
-    from jax_dsrelu.kernels import registry
-
-    capability = registry.cuda_compute_capability()
-    if capability != (9, 0):
-        pytest.skip(f"the sm90 kernels run on compute capability 9.0; this GPU has {capability}")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, dtype", CASES, ids=IDS)
 def test_the_quantizing_copy_computes_its_formula(hopper, name, dtype):

@@ -7,12 +7,12 @@ CPU: `quantize_expert_weights` by either backend name is XLA's quantizer there, 
 other names; the kernel refuses what it cannot take. Compile tier: compiles for sm_90a
 with IEEE division, the saturating e4m3 conversion, 16-byte loads and stores, warp
 shuffles and no local memory; lowers to one custom call binding its buffers in their
-declared order, and under vmap to that call in a loop. GPU tier: the kernel against the recipe's NumPy oracle, byte for byte but
-for a NaN's sign, both layouts and the scales, into outputs poisoned two ways, on partial
-blocks at both edges, Nano's widths, narrow weights, 256 experts, NaN, infinity and zero
-blocks and values among e4m3's subnormals, from bfloat16, float16 and float32; and
-`quantize_expert_weights` on the kernel, its four layouts the oracle's, alone and for a
-stack of weights under vmap.
+declared order, and under vmap to that call in a loop. GPU tier: the kernel against the
+recipe's NumPy oracle, byte for byte but for a NaN's sign, both layouts and the scales,
+into outputs poisoned two ways, on partial blocks at both edges, Nano's widths, narrow
+weights, 256 experts, NaN, infinity and zero blocks and values among e4m3's subnormals,
+from bfloat16, float16 and float32; and `quantize_expert_weights` on the kernel, its four
+layouts the oracle's, alone and for a stack of weights under vmap.
 """
 
 from __future__ import annotations
@@ -164,15 +164,6 @@ def test_the_weight_quantizer_under_vmap_is_one_call_per_weight():
 
 
 # ---------------------------------------------------------------------------- GPU tier
-
-
-@pytest.fixture(scope="module")
-def hopper():
-    from jax_dsrelu.kernels import registry
-
-    capability = registry.cuda_compute_capability()
-    if capability != (9, 0):
-        pytest.skip(f"the sm90 kernels run on compute capability 9.0; this GPU has {capability}")
 
 
 @pytest.mark.gpu

@@ -458,13 +458,6 @@ def prebuild() -> int:
 
 
 
-@pytest.fixture(scope="module")
-def hopper():
-    capability = registry.cuda_compute_capability()
-    if capability != (9, 0):
-        pytest.skip(f"the sm90 kernels run on compute capability 9.0; this GPU has {capability}")
-
-
 # (tokens T, k, n, experts' row counts, slots per token): the index routes every token to
 # `slots` rows, so m = T * slots; the rows' order is the experts'.
 GATHER_CASES = {

@@ -453,13 +453,6 @@ def test_configs_validate_in_one_place():
 # ----------------------------------------------------------------------------- GPU tier
 
 
-@pytest.fixture(scope="module")
-def hopper():
-    capability = backend_choice.cuda_compute_capability()
-    if capability != (9, 0):
-        pytest.skip(f"the sm90 kernels run on compute capability 9.0; this GPU has {capability}")
-
-
 def random_operands(rng, m, k, n, num_experts, dtype):
     lhs = rng.standard_normal((m, k)).astype(np.float32)
     rhs_kn = (rng.standard_normal((num_experts, k, n)) / np.sqrt(k)).astype(np.float32)
