@@ -201,3 +201,31 @@ def test_moe_mlp_under_row_sharded_jit_matches_one_device():
     for got, want in zip(jax.tree.leaves(sharded), jax.tree.leaves(single)):
         scale = np.max(np.abs(np.asarray(want))) + 1e-12
         np.testing.assert_allclose(np.asarray(got) / scale, np.asarray(want) / scale, atol=1e-5)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_a_pass_split_over_its_leading_axis_runs_on_each_devices_experts(axis_type):
+    """`sharding.split_over_leading_axis` (the weights' quantizing pass on a GPU): each device
+    runs it on its experts, with no collective, and its results are the pass's on the whole
+    weight, split the same way; a weight split along another axis is gathered there first
+    (its results whole)."""
+    from jax_dsrelu.primitives import sharding
+    from jax_dsrelu.quantization import blockwise
+    from jax_dsrelu.quantization.schema import FP8_BLOCKWISE
+
+    def quantize(w):
+        values, scales = blockwise.quantize_blockwise(w, FP8_BLOCKWISE.weights)
+        return values, jnp.swapaxes(values, 1, 2), scales
+
+    split = jax.jit(sharding.split_over_leading_axis(quantize, "e n k -> e n k, e k n, e p q"))
+    devices = jax.make_mesh((2,), ("x",), axis_types=(axis_type,))
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((4, 144, 272)), jnp.bfloat16)
+    whole = jax.jit(quantize)(w)
+    for spec, collective in ((P("x"), False), (P(None, "x"), True)):
+        placed = jax.device_put(w, NamedSharding(devices, spec))
+        compiled = split.lower(placed).compile().as_text()
+        assert ("all-gather" in compiled or "all-to-all" in compiled) == collective, spec
+        out = split(placed)
+        for got, want in zip(out, whole):
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+        assert all((tuple(o.sharding.spec) + (None,))[0] == spec[0] for o in out)

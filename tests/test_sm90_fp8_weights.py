@@ -7,7 +7,8 @@ CPU: `quantize_expert_weights` by either backend name is XLA's quantizer there, 
 other names; the kernel refuses what it cannot take. Compile tier: compiles for sm_90a
 with IEEE division, the saturating e4m3 conversion, 16-byte loads and stores, warp
 shuffles and no local memory; lowers to one custom call binding its buffers in their
-declared order, and under vmap to that call in a loop. GPU tier: the kernel against the
+declared order; `quantize_expert_weights` on it under vmap (a loop) and grad (constants),
+as lowered for Hopper. GPU tier: the kernel against the
 recipe's NumPy oracle, byte for byte but for a NaN's sign, both layouts and the scales,
 into outputs poisoned two ways, on partial blocks at both edges, Nano's widths, narrow
 weights, 256 experts, NaN, infinity and zero blocks and values among e4m3's subnormals,
@@ -146,21 +147,45 @@ def test_the_weight_quantizer_lowers_to_one_call_binding_its_buffers_in_order():
     assert unbound_buffers(plan, {}, text) == []
 
 
-@pytest.mark.compile
-def test_the_weight_quantizer_under_vmap_is_one_call_per_weight():
-    """vmap (a stack of layers' weights) runs the custom call once per weight, in a loop,
-    since the call has no batched form."""
-    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
-    from jax_dsrelu.kernels.sm90 import weight_quantize
+def lowered_on_hopper(fn, *shapes) -> str:
+    """fn lowered for cuda as on a Hopper GPU ("auto" resolves as there; no GPU needed): its
+    StableHLO text."""
+    from unittest import mock
 
-    shape = SHAPES["partial_both"]
-    quantize = weight_quantize.implementation(WeightQuantizeRequest(*shape, np.dtype(jnp.bfloat16)))
-    lowered = jax.jit(jax.vmap(quantize)).trace(jax.ShapeDtypeStruct((3, *shape), jnp.bfloat16)).lower(
-        lowering_platforms=("cuda",))
-    text = lowered.as_text()
-    assert text.count("CuteDSLRT_NvJaxCutlassCall") == 1 and "stablehlo.while" in text
-    out = jax.eval_shape(jax.vmap(quantize), jax.ShapeDtypeStruct((3, *shape), jnp.bfloat16))
-    assert out["transposed"].shape == (3, shape[0], shape[2], shape[1])
+    from jax_dsrelu.kernels import registry
+
+    with mock.patch.object(registry, "cuda_compute_capability", lambda: (9, 0)):
+        return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.compile
+def test_quantize_expert_weights_on_the_kernel_lowers_under_vmap_and_grad():
+    """On Hopper "auto" binds the pass once per weight; under vmap (a stack of layers'
+    weights) each call sits in a loop, since the call has no batched form; under grad the
+    copies are constants, since the call has no derivative (the layer's custom VJP gives
+    the weights' gradients)."""
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    e, n, k = SHAPES["partial_both"]
+    w1, w2 = jax.ShapeDtypeStruct((e, n, k), jnp.bfloat16), jax.ShapeDtypeStruct((e, k, n), jnp.bfloat16)
+    quantize = functools.partial(jax_dsrelu.quantize_expert_weights, recipe=FP8_BLOCKWISE)
+    assert lowered_on_hopper(quantize, w1, w2).count("custom_call @CuteDSLRT_NvJaxCutlassCall") == 2
+    stacked = [jax.ShapeDtypeStruct((3, *w.shape), w.dtype) for w in (w1, w2)]
+    text = lowered_on_hopper(jax.vmap(quantize), *stacked)
+    assert text.count("custom_call @CuteDSLRT_NvJaxCutlassCall") == 2 and "stablehlo.while" in text
+
+    def loss(w1, w2):
+        quantized = quantize(w1, w2)
+        return sum(jnp.sum(weight.scales) for weight in quantized) + jnp.sum(w1.astype(jnp.float32))
+
+    assert "custom_call @CuteDSLRT_NvJaxCutlassCall" in lowered_on_hopper(jax.value_and_grad(loss, argnums=(0, 1)), w1, w2)
+    assert "CuteDSLRT" not in lowered_on_hopper(functools.partial(quantize, backend="xla"), w1, w2)
+
+
+def test_quantize_expert_weights_refuses_weights_not_of_the_layers_shapes():
+    w1 = jnp.zeros((2, 32, 48), jnp.bfloat16)
+    for bad_w1, bad_w2, seen in ((w1[0], w1[0].T, r"w1.shape=\(32, 48\)"), (w1, w1, r"w2.shape=\(2, 32, 48\)")):
+        with pytest.raises(ValueError, match=r"w1 must be \(E, d, f\) and w2 \(E, f, d\).*" + seen):
+            jax_dsrelu.quantize_expert_weights(bad_w1, bad_w2, FP8_BLOCKWISE)
 
 
 # ---------------------------------------------------------------------------- GPU tier

@@ -41,6 +41,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.custom_batching
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -49,7 +50,7 @@ from jax_dsrelu.kernels import registry
 from jax_dsrelu.kernels.registry import LayerBackends
 from jax_dsrelu.kernels.request import weight_quantize_request
 from jax_dsrelu.ops.expert_operands import Experts, Gradients
-from jax_dsrelu.primitives import dsrelu, validation
+from jax_dsrelu.primitives import dsrelu, sharding, validation
 from jax_dsrelu.primitives.ragged_contract import ragged_contract
 from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
 from jax_dsrelu.quantization import blockwise, qdq
@@ -146,16 +147,23 @@ class QuantizedExpertWeights(NamedTuple):
 
 def quantize_expert_weights(w1: jax.Array, w2: jax.Array, recipe: Recipe, *, backend: str = "auto") -> QuantizedExpertWeights:
     """w1 (E, d, f) and w2 (E, f, d) quantized by `recipe` (FP8_BLOCKWISE), each in both
-    layouts its GEMMs read (`QuantizedExpertWeights`). The values are the same whether
-    made here once or by every moe_mlp call: quantization is deterministic. backend "auto"
-    quantizes each weight on a kernel where one serves (on Hopper, one pass writing both
-    layouts: `kernels/sm90/block_quantize_kernel.py`, once its kind is enabled), else as
-    "xla" does: XLA's quantizer, then the values transposed."""
+    layouts its GEMMs read (`QuantizedExpertWeights`). Quantizing is deterministic: made
+    here once or by every moe_mlp call of the same backend, the copies are the same bits.
+    backend "auto" quantizes each weight on a kernel where one serves (on Hopper, one pass
+    writing both layouts: `kernels/sm90/block_quantize_kernel.py`), else as "xla" does:
+    XLA's quantizer, then the values transposed. On a GPU the two may differ by a step of
+    e4m3 where XLA's float32 division is not IEEE's (`quantization.blockwise`). No
+    gradient flows through the copies (the layer's custom VJP gives w1's and w2's); under
+    jit each device quantizes its own experts where E is split."""
     recipe = validation.precision(recipe)
     if recipe is None:
         raise ValueError("recipe must be an FP8 recipe (jax_dsrelu.quantization.FP8_BLOCKWISE), got None")
     if backend not in ("auto", "xla"):
         raise ValueError(f"backend must be 'auto' or 'xla' (the layer's backend under a precision), got {backend!r}")
+    if jnp.ndim(w1) != 3 or jnp.shape(w2) != tuple(jnp.shape(w1)[i] for i in (0, 2, 1)):
+        raise ValueError(f"w1 must be (E, d, f) and w2 (E, f, d), got w1.shape={jnp.shape(w1)} and "
+                         f"w2.shape={jnp.shape(w2)}")
+    w1, w2 = lax.stop_gradient(w1), lax.stop_gradient(w2)
     w1_dx, w1_up = _both_layouts(w1, recipe, backend)
     w2_dsrelu, w2_down = _both_layouts(w2, recipe, backend)
     return QuantizedExpertWeights(w1_up=w1_up, w1_dx=w1_dx, w2_down=w2_down, w2_dsrelu=w2_dsrelu)
@@ -176,11 +184,19 @@ def _both_layouts(w: jax.Array, recipe: Recipe, backend: str) -> tuple[Quantized
 
     def by_kernel(w):
         out = implementation(w=w)
-        return (QuantizedWeight(out["values"], out["scales"]),
-                QuantizedWeight(out["transposed"], jnp.swapaxes(out["scales"], 1, 2)))
+        return out["values"], out["transposed"], out["scales"]
+
+    # A device quantizes its own experts (the custom call alone has no partitioning rule),
+    # and under vmap one weight after another (nor a batched form).
+    on_experts = jax.custom_batching.sequential_vmap(
+        sharding.split_over_leading_axis(by_kernel, "e n k -> e n k, e k n, e p q"))
+
+    def on_gpu(w):
+        values, transposed, scales = on_experts(w)
+        return QuantizedWeight(values, scales), QuantizedWeight(transposed, jnp.swapaxes(scales, 1, 2))
 
     # Where the computation is lowered for a GPU the kernel, elsewhere XLA.
-    return lax.platform_dependent(w, cuda=by_kernel, default=by_xla)
+    return lax.platform_dependent(w, cuda=on_gpu, default=by_xla)
 
 
 def _transposed(weight: QuantizedWeight) -> QuantizedWeight:

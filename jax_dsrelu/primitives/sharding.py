@@ -21,6 +21,10 @@ them. Expert parallelism (experts on different devices, tokens moved by all-to-a
 expressed with `jax.shard_map`, where each device calls the primitive on its own experts'
 rows; there these rules step aside.
 
+`split_over_leading_axis` partitions a computation that is no primitive (the expert
+weights' quantizing pass) the simple way: split as its operand's leading axis is, every
+other axis whole.
+
 Two mechanisms apply the same rules:
 - Auto mesh axes: the lowering is wrapped in `jax.experimental.custom_partitioning`, so
   the SPMD partitioner runs the computation on each device's shard (`partitioned`).
@@ -224,6 +228,50 @@ def explicit_shard_map(
         check_vma=False,
     )
     return list(mapped(*operands))
+
+
+def split_over_leading_axis(
+    fn: Callable[[jax.Array], tuple[jax.Array, ...]], rule: str
+) -> Callable[[jax.Array], tuple[jax.Array, ...]]:
+    """fn of one operand, for the SPMD partitioner: each device runs it on its part of the
+    operand's leading axis, split as the operand is, every other axis whole; each result is
+    split likewise on its leading axis. `rule` is fn's Shardy rule, its first letter the
+    leading axis ("e n k -> e n k, e k n, e p q": experts, whose weights a device quantizes
+    alone). Over Explicit mesh axes the split is in the operand's type: fn runs in a
+    shard_map over them, the operand resharded first where another axis is split."""
+    letters = rule.replace("->", " ").replace(",", " ").split()
+
+    @custom_partitioning
+    def computation(x):
+        return fn(x)
+
+    def partition(mesh, arg_shapes, result_shape):
+        leading = _spec(arg_shapes[0].sharding, len(arg_shapes[0].shape))[0]
+
+        def split(shape) -> NamedSharding:
+            return NamedSharding(mesh, PartitionSpec(leading, *(None,) * (len(shape.shape) - 1)))
+
+        return mesh, fn, tuple(split(r) for r in result_shape), (split(arg_shapes[0]),)
+
+    computation.def_partition(
+        partition=partition, sharding_rule=rule,
+        need_replication_factors=tuple(dict.fromkeys(f for f in letters if f != letters[0])),
+    )
+
+    def call(x: jax.Array) -> tuple[jax.Array, ...]:
+        mesh = explicit_mesh([x])
+        if mesh is None:
+            return computation(x)
+        explicit = frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit)
+        spec = _spec(jax.typeof(x).sharding, jnp.ndim(x))
+        want = PartitionSpec(_entry(tuple(a for a in _axes(spec[0]) if a in explicit)))
+        if not _same_split(spec, want, explicit):
+            x = jax.sharding.reshard(x, NamedSharding(mesh, want))
+        results = len(jax.eval_shape(fn, jax.ShapeDtypeStruct(jnp.shape(x), x.dtype)))
+        return jax.shard_map(computation, mesh=mesh, in_specs=(want,), out_specs=(want,) * results,
+                             axis_names=set(explicit))(x)
+
+    return call
 
 
 def like_primal(cotangent: jax.Array, primal: jax.Array) -> jax.Array:

@@ -10,7 +10,6 @@ import functools
 from typing import Callable
 
 import jax
-import jax.custom_batching
 import numpy as np
 
 from jax_dsrelu.kernels.request import WeightQuantizeRequest
@@ -66,9 +65,8 @@ def quantize_by_kernel(w: jax.Array, filled: dict[str, jax.Array] | None = None)
                                 {kernel_operands.ROWS: 0}, arch=ARCH, outputs_in_place=in_place)
 
 
+
 def implementation(request: WeightQuantizeRequest) -> Callable[..., dict[str, jax.Array]]:
-    """(w=) -> `quantize_by_kernel(w)` for weights of `request`'s shape; under vmap one
-    weight after another (the custom call has no batched form)."""
+    """(w=) -> `quantize_by_kernel(w)` for weights of `request`'s shape."""
     del request  # the kernel is built from w's shape and dtype when it is called
-    one_at_a_time = jax.custom_batching.sequential_vmap(quantize_by_kernel)
-    return lambda w: one_at_a_time(w)
+    return lambda w: quantize_by_kernel(w)
