@@ -20,10 +20,10 @@ from jax_dsrelu.kernels import software
 from jax_dsrelu.kernels.request import (
     AnyRequest,
     GatherSumRequest,
-    WeightQuantizeRequest,
     RaggedContractRequest,
     RaggedMatmulRequest,
     Request,
+    WeightQuantizeRequest,
 )
 
 NAME = "sm90"

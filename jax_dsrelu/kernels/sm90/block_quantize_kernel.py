@@ -19,20 +19,22 @@ quotient an ulp off, and a value a step of e4m3 away (`quantization.blockwise`).
 blocks are square, so the transposed values' scales are `scales` transposed (the caller's
 to take): the GEMMs that read w one way and the other read the same numbers.
 
-A CTA of 256 threads takes one block. Each thread loads four pieces of 16 elements (rows
-of a warp's pieces contiguous: 16-byte loads, coalesced), keeps them in registers and
-takes the maximum over them; warp shuffles and a shared-memory exchange across the 8
-warps give the block's (a maximum is exact in any order). Each thread then quantizes its
-pieces, stores each as 16 bytes of `values` and into a shared byte tile; after a barrier,
-each thread reads two 16-row pieces of one column of the tile, 32 bytes, and stores them
-as one sector of `transposed`. Every output byte is written once, by one thread: the same
-bits on every run. w is read once and each output written once: 2 + 2 bytes an element
-for 16-bit weights, the pass's least traffic.
+A CTA of 256 threads takes one block. Each thread loads four pieces of 16 elements, each
+by 16-byte loads (a piece is 32 bytes of bf16: a warp's first load instruction reads every
+other 16 bytes of four whole rows and its second the rest, from the same sectors), keeps
+them in registers and takes the maximum over them; warp shuffles and a shared-memory
+exchange across the 8 warps give the block's (a maximum is exact in any order). Each
+thread then quantizes its pieces, stores each as 16 bytes of `values` and into a shared
+byte tile; after a barrier, each thread reads two 16-row pieces of one column of the tile
+(32 byte loads from shared memory) and stores them as one sector of `transposed`. Every
+output byte is written once, by one thread: the same bits on every run. w is read once
+and each output written once: 2 + 2 bytes an element for 16-bit weights, the pass's least
+traffic.
 
-The tile's rows are 144 bytes apart, so a thread's 16-byte stores are aligned and the
-column reads of a warp (32 neighbouring bytes of one row) fall on 8 banks, four threads to
-a word: one wavefront. The division is IEEE's (div.rn.f32), the conversion
-`cvt.rn.satfinite.e4m3x2.f32` (`k_major_quantize_kernel.py`).
+The tile's rows are 144 bytes apart, 16-byte aligned for the stores; a 128-byte pitch
+would serve as well, since the 8 threads storing one row cover its 128 bytes and a warp's
+column reads take 32 neighbouring bytes of one row, one wavefront either way. The
+division is IEEE's (div.rn.f32), the conversion `cvt.rn.satfinite.e4m3x2.f32` (`e4m3.py`).
 
 Constraints (`weight_quantize.quantize_by_kernel` refuses the rest): N and K positive
 multiples of 16, so that every 16-byte piece lies whole inside w.
@@ -47,7 +49,7 @@ import numpy as np
 from cutlass import Float32
 
 from jax_dsrelu.kernels.operands import KernelOperand
-from jax_dsrelu.kernels.sm90 import k_major_quantize_kernel as fp8
+from jax_dsrelu.kernels.sm90 import e4m3
 
 BLOCK = 128  # rows and columns of a block
 THREADS = 256
@@ -65,11 +67,11 @@ class BlockQuantizeSm90:
 
     def __init__(self, num_experts: int, n: int, k: int, dtype):
         dtype = np.dtype(dtype)
-        if dtype not in fp8.ELEMENT_TYPES:
+        if dtype not in e4m3.ELEMENT_TYPES:
             raise TypeError(f"the block quantizer takes bfloat16, float16 or float32 weights, got {dtype.name}")
         self.num_experts, self.n, self.k, self.dtype = num_experts, n, k, dtype
-        self.element = fp8.ELEMENT_TYPES[dtype]
-        self.per_load = fp8.VECTOR_BYTES // dtype.itemsize  # elements of a 16-byte load
+        self.element = e4m3.ELEMENT_TYPES[dtype]
+        self.per_load = e4m3.VECTOR_BYTES // dtype.itemsize  # elements of a 16-byte load
 
     def operands(self) -> list[KernelOperand]:
         """w (E, N, K), values (E, N, K) e4m3, transposed (E, K, N) e4m3, scales
@@ -110,7 +112,7 @@ class BlockQuantizeSm90:
         pieces_per_row = BLOCK // PIECE
 
         # Phase 1: piece p = tidx + 256 q is row p // 8, columns 16 (p % 8) on: loaded, widened, its maximum.
-        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.element, num_bits_per_copy=8 * fp8.VECTOR_BYTES)
+        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.element, num_bits_per_copy=8 * e4m3.VECTOR_BYTES)
         loaded = cute.make_rmem_tensor(cute.make_layout(PIECE), self.element)
         widened = cute.make_rmem_tensor(cute.make_layout((PIECE, PIECES)), Float32)
         w_loads = cute.logical_divide(w[expert, None, None], (None, self.per_load))
@@ -128,7 +130,7 @@ class BlockQuantizeSm90:
             for i in cutlass.range_constexpr(PIECE):
                 value = loaded[i].to(Float32)
                 widened[i, q] = value
-                if cute.math.absf(value) <= Float32(fp8.FLOAT32_MAX):  # False for NaN and infinities
+                if cute.math.absf(value) <= Float32(e4m3.FLOAT32_MAX):  # False for NaN and infinities
                     amax = cute.arch.fmax(amax, cute.math.absf(value))
                 else:
                     special = cutlass.Int32(1)
@@ -146,14 +148,14 @@ class BlockQuantizeSm90:
         # The recipe's scale (`blockwise.scales_from_amax`), one product and a floor.
         scale = Float32(1.0)
         if amax > Float32(0.0):
-            scale = cute.arch.fmax(amax * Float32(fp8.RECIPROCAL), Float32(fp8.SMALLEST_NORMAL))
+            scale = cute.arch.fmax(amax * Float32(e4m3.RECIPROCAL), Float32(e4m3.SMALLEST_NORMAL))
         if special != 0:
             scale = Float32(float("nan"))
         if tidx == 0:
             scales[expert, row_block, column_block] = scale
 
         # Phase 2: each piece quantized, to `values` and the byte tile, 16 bytes each.
-        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint8, num_bits_per_copy=8 * fp8.VECTOR_BYTES)
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint8, num_bits_per_copy=8 * e4m3.VECTOR_BYTES)
         packed = cute.make_rmem_tensor(cute.make_layout(PIECE // 2), cutlass.Uint16)
         packed_bytes = cute.recast_tensor(packed, cutlass.Uint8)
         value_pieces = cute.logical_divide(cute.recast_tensor(values[expert, None, None], cutlass.Uint8), (None, PIECE))
@@ -162,7 +164,7 @@ class BlockQuantizeSm90:
             piece = tidx + THREADS * q
             row, column = piece // pieces_per_row, (piece % pieces_per_row) * PIECE
             for i in cutlass.range_constexpr(PIECE // 2):
-                packed[i] = fp8.e4m3x2(widened[2 * i, q] / scale, widened[2 * i + 1, q] / scale)
+                packed[i] = e4m3.e4m3x2(widened[2 * i, q] / scale, widened[2 * i + 1, q] / scale)
             cute.copy(store, packed_bytes, tile_pieces[row, (None, column // PIECE)])
             if row < rows and column < columns:
                 cute.copy(store, packed_bytes, value_pieces[first_row + row, (None, (first_column + column) // PIECE)])

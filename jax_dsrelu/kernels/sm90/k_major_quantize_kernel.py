@@ -45,35 +45,17 @@ import cutlass
 import cutlass.cute as cute
 import numpy as np
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_dsrelu.kernels.operands import M, KernelOperand, Rows
+from jax_dsrelu.kernels.sm90.e4m3 import ELEMENT_TYPES, FLOAT32_MAX, RECIPROCAL, SMALLEST_NORMAL, VECTOR_BYTES, e4m3x2
 
 BLOCK = 128  # rows of a group, threads of a CTA
 COLUMNS = 64  # columns of a CTA
 PARTS = BLOCK // COLUMNS  # threads per column in the second phase, each taking BLOCK // PARTS rows
-VECTOR_BYTES = 16  # bytes per global load and store
 _PITCH = COLUMNS + 4  # the tile's row pitch in float32 (module doc)
-# The recipe's constants as float32 values (`blockwise.scales_from_amax`), held in Python floats.
-RECIPROCAL = float(np.float32(1.0 / 448.0))  # 1 / e4m3's largest finite value, rounded to float32
-SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-ELEMENT_TYPES = {np.dtype("bfloat16"): cutlass.BFloat16, np.dtype(np.float16): cutlass.Float16,
-                  np.dtype(np.float32): cutlass.Float32}
 _I32 = np.dtype(np.int32)
 _F32 = np.dtype(np.float32)
 _E4M3 = np.dtype("float8_e4m3fn")
-
-
-@dsl_user_op
-def e4m3x2(low: Float32, high: Float32, *, loc=None, ip=None) -> cutlass.Uint16:
-    """Two float32 values as e4m3 bytes, low in the low byte: round to nearest even,
-    saturated, NaN kept (PTX puts its first source in the high byte)."""
-    packed = llvm.inline_asm(T.i16(), [Float32(high).ir_value(loc=loc, ip=ip), Float32(low).ir_value(loc=loc, ip=ip)],
-                             "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f", has_side_effects=False,
-                             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return cutlass.Uint16(packed)
 
 
 class KMajorQuantizeSm90:

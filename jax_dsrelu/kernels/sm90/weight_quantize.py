@@ -15,17 +15,19 @@ import numpy as np
 from jax_dsrelu.kernels.request import WeightQuantizeRequest
 from jax_dsrelu.kernels.sm90.arch import ARCH
 
-_DTYPES = (np.dtype("bfloat16"), np.dtype(np.float16), np.dtype(np.float32))
+_DTYPES = (np.dtype("bfloat16"), np.dtype(np.float16), np.dtype(np.float32))  # e4m3.ELEMENT_TYPES' (no CuTe DSL here)
 
 
 def cannot_quantize(request: WeightQuantizeRequest) -> str | None:
-    """Why the kernel does not take this weight, or None: it takes (E, N, K) of N and K
-    positive multiples of 16 (every 16-byte piece inside w), in bfloat16, float16 or float32."""
+    """Why the kernel does not take this weight, or None: it takes (E, N, K) of E positive and
+    N and K positive multiples of 16 (every 16-byte piece inside w), in bfloat16, float16 or
+    float32."""
     if request.num_experts <= 0 or request.n <= 0 or request.k <= 0 or request.n % 16 or request.k % 16:
-        return (f"the sm90 weight quantizer takes w (E, N, K) of N and K positive multiples of 16, got "
-                f"({request.num_experts}, {request.n}, {request.k})")
+        return (f"the sm90 weight quantizer takes w (E, N, K) of E positive and N and K positive multiples of 16, "
+                f"got ({request.num_experts}, {request.n}, {request.k})")
     if np.dtype(request.weight_dtype) not in _DTYPES:
-        return f"the sm90 weight quantizer takes bfloat16, float16 or float32 weights, got {np.dtype(request.weight_dtype).name}"
+        return (f"the sm90 weight quantizer takes bfloat16, float16 or float32 weights, got "
+                f"{np.dtype(request.weight_dtype).name}")
     return None
 
 
@@ -56,14 +58,16 @@ def quantize_by_kernel(w: jax.Array, filled: dict[str, jax.Array] | None = None)
     arrays) the kernel writes into them (the tests poison them first)."""
     from jax_dsrelu.kernels import operands as kernel_operands  # CuTe DSL: the 'gpu' extra
 
-    reason = cannot_quantize(WeightQuantizeRequest(*w.shape, np.dtype(w.dtype))) if w.ndim == 3 else "w is not (E, N, K)"
+    if w.ndim != 3:
+        raise ValueError(f"the block quantizer takes w (E, N, K), got w.shape={tuple(w.shape)}")
+    reason = cannot_quantize(WeightQuantizeRequest(*w.shape, np.dtype(w.dtype)))
     if reason is not None:
         raise ValueError(f"{reason}; w is {np.dtype(w.dtype).name}{tuple(w.shape)}")
     in_place = filled is not None
     kernel = block_quantize_kernel(*w.shape, np.dtype(w.dtype))
-    return kernel_operands.call(kernel, _key(*w.shape, w.dtype, in_place), kernel.operands(), dict(w=w, **(filled or {})),
+    given = dict(w=w, **(filled or {}))
+    return kernel_operands.call(kernel, _key(*w.shape, w.dtype, in_place), kernel.operands(), given,
                                 {kernel_operands.ROWS: 0}, arch=ARCH, outputs_in_place=in_place)
-
 
 
 def implementation(request: WeightQuantizeRequest) -> Callable[..., dict[str, jax.Array]]:

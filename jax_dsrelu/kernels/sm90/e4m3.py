@@ -1,0 +1,29 @@
+"""What the sm90 quantizing passes share: the recipe's constants as float32 values
+(`quantization.blockwise.scales_from_amax`), the input types they read, their access width,
+and the conversion of float32 to e4m3 in CuTe DSL."""
+
+from __future__ import annotations
+
+import cutlass
+import numpy as np
+from cutlass import Float32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+VECTOR_BYTES = 16  # bytes per global load and store
+RECIPROCAL = float(np.float32(1.0 / 448.0))  # 1 / e4m3's largest finite value, rounded to float32
+SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+# The 16- and 32-bit inputs a pass reads, by NumPy dtype.
+ELEMENT_TYPES = {np.dtype("bfloat16"): cutlass.BFloat16, np.dtype(np.float16): cutlass.Float16,
+                 np.dtype(np.float32): cutlass.Float32}
+
+
+@dsl_user_op
+def e4m3x2(low: Float32, high: Float32, *, loc=None, ip=None) -> cutlass.Uint16:
+    """Two float32 values as e4m3 bytes, low in the low byte: round to nearest even,
+    saturated, NaN kept (PTX puts its first source in the high byte)."""
+    packed = llvm.inline_asm(T.i16(), [Float32(high).ir_value(loc=loc, ip=ip), Float32(low).ir_value(loc=loc, ip=ip)],
+                             "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f", has_side_effects=False,
+                             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return cutlass.Uint16(packed)
