@@ -180,6 +180,7 @@ def plot_curves(path: str, train_curve, held_out_curve, args) -> None:
     axes.set_ylabel("cross-entropy (nats per byte)")
     axes.set_title(
         f"{args.layers}-layer MoE LM, {args.experts} experts, top-{args.top_k}, d_model {args.d_model}, {args.dtype}"
+        + (", experts' GEMMs in FP8" if args.fp8 else "")
     )
     axes.grid(alpha=0.3)
     axes.legend()
