@@ -331,7 +331,9 @@ def test_fp8_matmul_lowers_for_cuda_only_where_enabled():
 def test_moe_mlp_in_fp8_runs_every_gemm_on_the_fp8_kernels_once_enabled():
     """The layer's precision path under backend="auto", lowered for a Hopper GPU: its up,
     down, dx, fused dsReLU, dW1 and dW2 GEMMs are the FP8 kernels' custom calls where they
-    are enabled, and XLA's where they are not."""
+    are enabled, and XLA's where they are not; the weights are quantized by their verified
+    pass either way (w1 and w2 in the forward and again in the backward, which XLA's CSE
+    merges when it compiles)."""
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     from unittest import mock
 
@@ -354,18 +356,20 @@ def test_moe_mlp_in_fp8_runs_every_gemm_on_the_fp8_kernels_once_enabled():
             return grad.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
 
     def kernel_calls(text):
-        """(GEMMs, K-major copies): the calls reading e4m3 operands (the kernel's buffers
-        are in the call's type signature), and those moving them as bytes (dW1's and
-        dW2's operands, one copy each)."""
+        """(GEMMs, K-major copies, weight passes): the calls reading e4m3 operands (the
+        kernel's buffers are in the call's type signature), those moving them as bytes
+        (dW1's and dW2's operands, one copy each), and the weights' quantizing passes (the
+        kernel's name is in the object code the call carries)."""
         calls = [line for line in text.splitlines() if "custom_call @CuteDSLRT" in line]
-        gemms = [line for line in calls if "f8E4M3FN" in line]
+        weights = [line for line in calls if "BlockQuantizeSm90" in line]
+        gemms = [line for line in calls if "f8E4M3FN" in line and line not in weights]
         copies = [line for line in calls if "f8E4M3FN" not in line and "ui8" in line]
-        assert len(gemms) + len(copies) == len(calls), calls
-        return len(gemms), len(copies)
+        assert len(gemms) + len(copies) + len(weights) == len(calls), calls
+        return len(gemms), len(copies), len(weights)
 
-    assert kernel_calls(lowered()) == (0, 0)
+    assert kernel_calls(lowered()) == (0, 0, 4)
     with backend.unverified_enabled("fp8"):
-        assert kernel_calls(lowered()) == (6, 4)
+        assert kernel_calls(lowered()) == (6, 4, 4)
 
 
 # ---------------------------------------------------------------------------- GPU tier
