@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import re
 
+import contract_numpy
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import ragged_numpy
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -123,7 +125,10 @@ def test_batched_index_or_source_equals_each_element(batched):
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_rows_split_over_devices_read_the_whole_source(axis_type):
-    # The index is split with the rows; every device reads any token of the source.
+    """The index is split with the rows; every device reads any token of the source. Each
+    device's GEMM has 8 rows where the one-device program's has 64, and XLA:CPU may block
+    its K otherwise for another shape (some hosts do), so both are held to the float32
+    accumulation bound of the exact product, which a value 4 bounds off fails."""
     a = inputs(3)
     a["index"] = jnp.concatenate([a["index"], a["index"][:8]])  # 64 rows: 8 per device
     mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
@@ -137,7 +142,12 @@ def test_rows_split_over_devices_read_the_whole_source(axis_type):
     got = jax.jit(step)(split(a["source"], P("data")), split(a["index"], P("data")), split(a["rhs"], P()),
                         split(a["sizes"], P()))
     assert got.sharding.spec[0] == "data"
-    assert_bits_equal(got, want)
+    exact, terms = ragged_numpy.ragged_matmul(np.asarray(jnp.take(a["source"], a["index"], axis=0)), a["rhs"], SIZES)
+    bound = contract_numpy.tolerance(terms, K)
+    for result in (got, want):
+        assert not contract_numpy.outside_bound(result, exact, bound).any()
+    planted = np.asarray(got, np.float64) + np.where(np.arange(got.size).reshape(got.shape) == 7, 4 * bound, 0.0)
+    assert contract_numpy.outside_bound(planted, exact, bound).sum() == 1
 
 
 def test_gathered_grad_is_refused_with_mxfp8_operands():
