@@ -242,13 +242,20 @@ def prebuild_copy_jobs():
 @pytest.mark.parametrize("dtype", sorted(DTYPES) + ["f16"])
 def test_the_quantizing_copy_compiles_for_sm90a(dtype):
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
-    import ptxas
-
     from jax_dsrelu.kernels.sm90 import contract_layout
 
     ptx = contract_layout.compile_quantize_kernel(1856, 128, DTYPES.get(dtype, np.dtype(np.float16)), keep=True).ptx
-    # IEEE division (no approximation), the saturating RNE conversion, 16-byte accesses.
-    for instruction in ("div.rn.f32", "cvt.rn.satfinite.e4m3x2.f32", "ld.global.v4", "st.shared.v4", "st.global.v4"):
+    assert_a_quantizing_pass(ptx)
+
+
+def assert_a_quantizing_pass(ptx: str, *also: str) -> None:
+    """A quantizing pass's PTX: IEEE division (no approximation, no flush to zero), the
+    saturating RNE conversion, 16-byte accesses and the instructions `also` names, no local
+    memory, and ptxas takes it."""
+    import ptxas
+
+    for instruction in ("div.rn.f32", "cvt.rn.satfinite.e4m3x2.f32", "ld.global.v4", "st.shared.v4", "st.global.v4",
+                        *also):
         assert instruction in ptx, instruction
     assert "div.approx" not in ptx and "div.full" not in ptx and ".ftz" not in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx

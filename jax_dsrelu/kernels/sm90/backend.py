@@ -177,7 +177,7 @@ def implementation(request: AnyRequest) -> Callable[..., Mapping[str, jax.Array]
     if isinstance(request, WeightQuantizeRequest):
         from jax_dsrelu.kernels.sm90 import weight_quantize
 
-        return weight_quantize.implementation(request)
+        return weight_quantize.quantize_by_kernel  # the kernel is built from w's shape and dtype
     from jax_dsrelu.kernels.sm90 import ragged_call
 
     # The switch is read here, when the call is lowered, and handed down.

@@ -7,15 +7,13 @@ the transposed copy from the same pass where XLA transposes the values in anothe
 from __future__ import annotations
 
 import functools
-from typing import Callable
 
 import jax
 import numpy as np
 
-from jax_dsrelu.kernels.request import WeightQuantizeRequest
+from jax_dsrelu.kernels.request import WeightQuantizeRequest, weight_quantize_request
 from jax_dsrelu.kernels.sm90.arch import ARCH
-
-_DTYPES = (np.dtype("bfloat16"), np.dtype(np.float16), np.dtype(np.float32))  # e4m3.ELEMENT_TYPES' (no CuTe DSL here)
+from jax_dsrelu.quantization.blockwise import INPUT_DTYPES
 
 
 def cannot_quantize(request: WeightQuantizeRequest) -> str | None:
@@ -25,7 +23,7 @@ def cannot_quantize(request: WeightQuantizeRequest) -> str | None:
     if request.num_experts <= 0 or request.n <= 0 or request.k <= 0 or request.n % 16 or request.k % 16:
         return (f"the sm90 weight quantizer takes w (E, N, K) of E positive and N and K positive multiples of 16, "
                 f"got ({request.num_experts}, {request.n}, {request.k})")
-    if np.dtype(request.weight_dtype) not in _DTYPES:
+    if np.dtype(request.weight_dtype) not in INPUT_DTYPES:
         return (f"the sm90 weight quantizer takes bfloat16, float16 or float32 weights, got "
                 f"{np.dtype(request.weight_dtype).name}")
     return None
@@ -60,7 +58,7 @@ def quantize_by_kernel(w: jax.Array, filled: dict[str, jax.Array] | None = None)
 
     if w.ndim != 3:
         raise ValueError(f"the block quantizer takes w (E, N, K), got w.shape={tuple(w.shape)}")
-    reason = cannot_quantize(WeightQuantizeRequest(*w.shape, np.dtype(w.dtype)))
+    reason = cannot_quantize(weight_quantize_request(w))
     if reason is not None:
         raise ValueError(f"{reason}; w is {np.dtype(w.dtype).name}{tuple(w.shape)}")
     in_place = filled is not None
@@ -68,9 +66,3 @@ def quantize_by_kernel(w: jax.Array, filled: dict[str, jax.Array] | None = None)
     given = dict(w=w, **(filled or {}))
     return kernel_operands.call(kernel, _key(*w.shape, w.dtype, in_place), kernel.operands(), given,
                                 {kernel_operands.ROWS: 0}, arch=ARCH, outputs_in_place=in_place)
-
-
-def implementation(request: WeightQuantizeRequest) -> Callable[..., dict[str, jax.Array]]:
-    """(w=) -> `quantize_by_kernel(w)` for weights of `request`'s shape."""
-    del request  # the kernel is built from w's shape and dtype when it is called
-    return lambda w: quantize_by_kernel(w)
