@@ -281,13 +281,18 @@ def test_a_column_slots_offset_is_its_values_column_in_the_fragment():
         assert fragment.column_offset(fragment.column_slot(value)) == 8 * (value // 4) + value % 2
 
 
-def test_the_overlapped_promotion_is_refused_where_it_spills():
+def test_the_overlapped_promotion_takes_the_waited_ones_tile_and_fp8_operands_only():
+    """The halves' promotion holds the waited one's registers, so it keeps its 128-column
+    tile; 16-bit operands have no promotion to overlap."""
     from jax_dsrelu.kernels.sm90 import config
 
     chosen = config.choose_contract_config(request_for((8, 4096, 2048), F32))
-    assert chosen.tile_n == 128 and not chosen.overlap_promotion  # the rules keep the waited promotion
-    with pytest.raises(ValueError, match="overlap_promotion=True needs tile_n at most 64, got tile_n=128"):
-        dataclasses.replace(chosen, overlap_promotion=True)
+    assert chosen.tile_n == 128
+    assert dataclasses.replace(chosen, overlap_promotion=True).tile_n == 128
+    sixteen_bit = config.choose_contract_config(
+        RaggedContractRequest(num_experts=8, a=4096, b=2048, operand_dtype=BF16, out_dtype=F32))
+    with pytest.raises(ValueError, match="overlap_promotion=True is for block-scaled FP8 operands"):
+        dataclasses.replace(sixteen_bit, overlap_promotion=True)
 
 
 @pytest.mark.compile
@@ -362,16 +367,15 @@ def test_the_k_major_copy_kernel_compiles_for_sm90a(n, num_experts):
 
 
 def overlapped_config(request):
-    """The chosen config with each group's promotion beside the next group's wgmma, at the
-    widest tile that takes it (`ContractConfig`: tile_n 64, a buffer per subtile)."""
+    """The chosen config with each group's promotion beside the batch of the tile's other
+    column half, whatever the tuning table decides."""
     from jax_dsrelu.kernels.sm90 import ragged_call
 
-    chosen = ragged_call.choose_config(request)
-    return dataclasses.replace(chosen, overlap_promotion=True, tile_n=64, store_stages=min(chosen.store_stages, 2))
+    return dataclasses.replace(ragged_call.choose_config(request), overlap_promotion=True)
 
 
-# Groupings whose experts have odd and even counts of groups (1, 2, many): the overlapped
-# promotion's pairs and tails.
+# Groupings whose experts have 1, 2 and many groups: the overlapped promotion's first
+# k-tile, its loop and its last half.
 OVERLAPPED = ["ragged_with_empty", "past_m", "fewer_rows_than_a_group", "narrow_b", "nano_widths"]
 GPU_CASES = [(name, False) for name in GROUPINGS] + [(name, True) for name in OVERLAPPED]
 

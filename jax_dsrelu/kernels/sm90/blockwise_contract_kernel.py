@@ -8,7 +8,9 @@ Math, over expert e's groups g of 128 rows (the groups restart at each expert,
 
 each group's partial sum of e4m3 products formed by wgmma over one k-tile and promoted
 to float32 before it is scaled and added, group after group
-(`promoted_mainloop.mma_k_tiles_promoted_by_column`); then stored as the 16-bit
+(`promoted_mainloop.mma_k_tiles_promoted_by_column`, or with `overlap_promotion` each
+group's batch split by columns, one half promoted while the other's batch runs:
+`mma_k_tiles_promoted_by_column_halves`); then stored as the 16-bit
 contraction stores it (`ragged_contract_kernel.py`), whose walk and epilogue it keeps.
 
 Operands: Hopper's FP8 wgmma reads both operands K-major, and the contraction's K is the
@@ -28,8 +30,12 @@ rows of e4m3), out float32 or 16-bit, 1 <= E <= 512.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, NamedTuple
+
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
 import numpy as np
 from cutlass import Float32, Int32
 
@@ -38,10 +44,25 @@ from jax_dsrelu.kernels.request import RaggedContractRequest
 from jax_dsrelu.kernels.sm90 import promoted_mainloop
 from jax_dsrelu.kernels.sm90.block_scaled import check_block_scaled
 from jax_dsrelu.kernels.sm90.config import BLOCK, ContractConfig
-from jax_dsrelu.kernels.sm90.ragged_contract_kernel import RaggedContractSm90
+from jax_dsrelu.kernels.sm90.ragged_contract_kernel import ContractContext, RaggedContractSm90
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
+
+
+class ColumnHalves(NamedTuple):
+    """The overlapped promotion's wgmma over half a tile's columns
+    (`promoted_mainloop.mma_k_tiles_promoted_by_column_halves`)."""
+
+    mma: Any  # the tiled MMA of tile_n / 2 columns, two 64-row warpgroups
+    tCrA: Any  # the warpgroup's fragments of the A ring
+    tCrB: list  # of the B ring, one per half of the tile's columns
+    shape: Any  # a half's accumulator register shape
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class BlockScaledContractContext(ContractContext):
+    halves: ColumnHalves | None = None  # with the overlapped promotion (`mainloop_setup`)
 
 
 class BlockScaledContractSm90(RaggedContractSm90):
@@ -50,6 +71,7 @@ class BlockScaledContractSm90(RaggedContractSm90):
 
     operand_a = "lhs_k_major"
     operand_b = "rhs_k_major"
+    context_type = BlockScaledContractContext
 
     def __init__(self, config: ContractConfig, request: RaggedContractRequest):
         # A k-tile is one group of rows; a thread holds a scale per column of its tile.
@@ -98,6 +120,22 @@ class BlockScaledContractSm90(RaggedContractSm90):
         return cute.local_tile(cute.domain_offset((0, tile.first_row), mB), (self.tile_n, self.tile_k),
                                (tile.n_tile, None))
 
+    def mainloop_setup(self, ctx, sA, sB) -> None:
+        """With the overlapped promotion, the wgmma over half the tile's columns and its
+        fragments of the rings, B's split into the tile's two column halves."""
+        if cutlass.const_expr(self.config.overlap_promotion):
+            half_n = self.tile_n // 2
+            mma = sm90_utils.make_trivial_tiled_mma(
+                self.ab_dtype, self.ab_dtype, self._major(self.operand_a).sm90_mma_major_mode(),
+                self._major(self.operand_b).sm90_mma_major_mode(), Float32, (2, 1, 1), tiler_mn=(64, half_n))
+            warpgroup_mma = mma.get_slice(cute.make_layout(2, stride=128)(ctx.ctid // 128))
+            halves_of_b = [cute.local_tile(sB, (half_n, self.tile_k, self.config.ab_stages), (half, 0, 0))
+                           for half in range(2)]
+            ctx.halves = ColumnHalves(
+                mma=mma, tCrA=mma.make_fragment_A(warpgroup_mma.partition_A(sA)),
+                tCrB=[mma.make_fragment_B(warpgroup_mma.partition_B(half)) for half in halves_of_b],
+                shape=mma.get_slice(ctx.ctid).partition_C(cute.make_identity_tensor((self.tile_m, half_n))).shape)
+
     def mainloop(self, ctx, item, tile, read_state, release_state):
         """The promoted mainloop with this thread's two rows of the a-block and its
         columns of the b-block (a row or column past a or b reads row 0's scales, or with
@@ -108,10 +146,11 @@ class BlockScaledContractSm90(RaggedContractSm90):
             row = tile.m_tile * self.tile_m + ctx.tile_row[h]
             rows.append(Int32(cutlass.select_(row < self.a, row, Int32(0))))
         if self.config.overlap_promotion:
-            blocks = [cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32) for _ in range(2)]
+            halves = [cute.make_rmem_tensor(ctx.halves.shape, Float32) for _ in range(2)]
+            scales = [cute.make_rmem_tensor(2 + self.tile_n // 8, Float32) for _ in range(2)]
             first_column = tile.n_tile * self.tile_n + ctx.tCcAcc[0][1]
-            return promoted_mainloop.mma_k_tiles_promoted_by_column_overlapped(
-                ctx, blocks, read_state, release_state, self.k_tile_count(tile), ctx.params.lhs_scale, rows,
+            return promoted_mainloop.mma_k_tiles_promoted_by_column_halves(
+                ctx, halves, scales, read_state, release_state, self.k_tile_count(tile), ctx.params.lhs_scale, rows,
                 ctx.params.rhs_scale, first_column, Int32(self.b - 1), tile.first_row // BLOCK)
         columns = []
         for slot in range(cute.size(ctx.acc) // 2):

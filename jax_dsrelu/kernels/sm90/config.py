@@ -125,8 +125,8 @@ class KernelTiles:
 def _check_overlap_promotion(config: KernelTiles, widest_tile_n: int | None = None) -> None:
     """What a config's overlap_promotion asks: block-scaled FP8 operands and, where the
     kernel keeps more live across its mainloop than two partial-sum buffers and the total
-    (the fused kernel's epilogue state, the contraction's scale per column), an N tile of
-    at most widest_tile_n: at tile_n = 128 ptxas spills there."""
+    (the fused kernel's epilogue state), an N tile of at most widest_tile_n: at
+    tile_n = 128 ptxas spills there."""
     if not config.overlap_promotion:
         return
     if config.operand_bytes != 1:
@@ -383,15 +383,16 @@ class ContractConfig(KernelTiles):
     tile_k expert rows per stage, at most a buffer per subtile; an expert's output tiles
     walked a-block fastest (the CTAs in flight share a b-block of rhs) where a_fastest,
     else b-block fastest (they share an a-block of lhs); for block-scaled FP8 operands,
-    whether each group's promotion runs beside the next group's wgmma
-    (`promoted_mainloop.mma_k_tiles_promoted_by_column_overlapped`)."""
+    whether each group's promotion runs beside a wgmma batch, each group's batch split
+    into the tile's two column halves
+    (`promoted_mainloop.mma_k_tiles_promoted_by_column_halves`)."""
 
     a_fastest: bool = False
     overlap_promotion: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_overlap_promotion(self, widest_tile_n=64)
+        _check_overlap_promotion(self)
         if self.store_stages > self.subtiles:
             raise ValueError(
                 f"store_stages must be at most the tile's {self.subtiles} subtiles (a buffer per "
@@ -525,10 +526,11 @@ def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAU
         # FP8: a k-tile is one group of 128 rows, whose scales it multiplies; N tiles of
         # at most 128 columns, since each thread holds a scale per column of its
         # accumulator beside the group's partial sum; alone, as the FP8 GEMM runs.
-        # Each group's promotion between the wgmma batches (decision `fp8_contract_overlap_promotion`).
-        tile_k, overlap = BLOCK, tuning.value("fp8_contract_overlap_promotion")
-        base.update(tile_n=64 if request.b < BLOCK or overlap else BLOCK, tile_k=tile_k, operand_bytes=1, cluster_n=1,
-                    overlap_promotion=overlap)
+        # Each group's promotion beside the wgmma batch of the tile's other column half, or
+        # between the batches (decision `fp8_contract_overlap_promotion`).
+        tile_k = BLOCK
+        base.update(tile_n=64 if request.b < BLOCK else BLOCK, tile_k=tile_k, operand_bytes=1, cluster_n=1,
+                    overlap_promotion=tuning.value("fp8_contract_overlap_promotion"))
     subtiles = base["tile_n"] // base["epi_n"]
 
     def fits(ab_stages, store_stages):

@@ -76,6 +76,8 @@ short file of hooks:
   variant with registers of its own declares them on a subclass, `context_type`); `item`
   is what epilogue_prefetch returned:
     epilogue_setup(ctx)                       extra registers, before the walk
+    mainloop_setup(ctx, sA, sB)               a variant's own wgmma fragments of the
+                                              operand rings, before the walk
     epilogue_prefetch(ctx, tile)              per work item, before its mainloop: loads
                                               whose latency hides behind it; returns the
                                               item's state
@@ -652,6 +654,7 @@ class GemmSm90:
         ctx.outputs = self._epilogue_outputs(ctx, thr_r2s, stored_smem, args.stored)
         self._epilogue_input_copies(ctx, c_pipeline, tiled_copy_c, sC, ctid)
         self.epilogue_setup(ctx)
+        self.mainloop_setup(ctx, sA, sB)
         # With a buffer per subtile, a tile's stores are one bulk group (one stage).
         store_pipeline = self._store_pipeline(1 if cutlass.const_expr(self.whole_tile) else self.config.store_stages)
         ctx.store_pipeline = store_pipeline
@@ -720,6 +723,11 @@ class GemmSm90:
 
     def epilogue_setup(self, ctx) -> None:
         pass
+
+    def mainloop_setup(self, ctx, sA, sB) -> None:
+        """Nothing: the mainloop reads ctx.tCrA and ctx.tCrB. A variant whose mainloop
+        issues other wgmma shapes makes their fragments of the rings sA and sB here, into
+        its context."""
 
     def epilogue_prefetch(self, ctx, tile):
         return None

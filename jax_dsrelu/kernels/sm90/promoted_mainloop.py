@@ -14,9 +14,11 @@ waited mainloops (`mma_k_tiles_promoted`, `mma_k_tiles_promoted_by_column`) the 
 waited for before the promotion reads it, so one batch of a warpgroup is in flight at a
 time; the other consumer warpgroup's batch keeps the tensor cores busy meanwhile, and the
 scales of a k-tile are loaded before its stage is waited for, so their latency hides
-behind the wait. The overlapped ones (`*_overlapped`) promote k-tile t while the batch of
-k-tile t + 1 runs, in a second partial-sum buffer. A stage is released as soon as its
-batch has landed.
+behind the wait. The overlapped one (`mma_k_tiles_promoted_overlapped`) promotes k-tile
+t while the batch of k-tile t + 1 runs, in a second partial-sum buffer; the contraction's
+(`mma_k_tiles_promoted_by_column_halves`) splits each k-tile's batch by columns and
+promotes one half while the other's batch runs. A stage is released as soon as its
+batches have landed.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_dsrelu.kernels.sm90 import fragment
 
@@ -192,9 +196,10 @@ def mma_k_tiles_promoted_by_column(
 
 
 @cute.jit
-def mma_k_tiles_promoted_by_column_overlapped(
-    ctx,  # the consumer's context: its tiled_mma, acc (the float32 total), tCrA, tCrB and ab_pipeline
-    acc_blocks: list,  # two partial-sum buffers, written by wgmma only, used in turn
+def mma_k_tiles_promoted_by_column_halves(
+    ctx,  # the consumer's context: acc (the float32 total), ab_pipeline, and the halves' wgmma (`ColumnHalves`)
+    halves: list,  # two partial-sum buffers, one per half of the tile's columns, written by wgmma only
+    scales: list,  # two float32 register tensors: a half's two row scales, then one per column slot
     read_state: pipeline.PipelineState,
     release_state: pipeline.PipelineState,
     k_tiles: Int32,
@@ -205,72 +210,95 @@ def mma_k_tiles_promoted_by_column_overlapped(
     last_column: Int32,  # the last row of B: a column past it reads its scales (never stored)
     first_block: Int32,  # the K block of the first k-tile
 ):
-    """`mma_k_tiles_promoted_by_column` with the promotion of k-tile t beside the wgmma
-    batch of k-tile t + 1, as `mma_k_tiles_promoted_overlapped` does for a static K: here
-    K (an expert's groups) is known at run time only, so the k-tiles go by pairs, the
-    first of a pair into acc_blocks[1] and the second into acc_blocks[0] (each buffer a
-    set of registers, chosen at trace time), and a tail of one or two k-tiles follows.
-    The two buffers and the total take 3 x tile_n / 2 registers a thread, so no list of
-    column indices or scales is held across the loop: a column's scale is loaded where its
-    values are promoted, from an index made there (`ContractConfig` allows tile_n 64)."""
+    """`mma_k_tiles_promoted_by_column` with half of each promotion beside a wgmma batch:
+    each k-tile is two batches, one per half of the tile's columns (a wgmma of tile_n / 2),
+    into the half's own buffer, and half 0 is promoted while half 1's batch runs:
+
+        issue half 0, issue half 1 | wait for half 0, promote it | wait for half 1,
+        release the stage, promote it
+
+    The buffers take the registers of the waited form's one (tile_n / 2 a thread, beside
+    the total's tile_n / 2). Each value's sum is the waited form's, term for term: value v
+    of half h is the total's value v + size(half) h (`fragment`: the column slots of a half
+    are consecutive), promoted k-tile after k-tile with the same scale product. No batch
+    stays in flight from one k-tile to the next: ptxas (CUDA 13.0) cannot tell which
+    batch a wait_group(1) leaves in flight across the loop's back edge, and serializes
+    every wgmma if a promotion follows one (C7514)."""
     ctx.acc.fill(0.0)
     columns = (first_column, last_column)
-    if k_tiles > 0:
-        read_state = _issue_block(ctx, acc_blocks[0], read_state)
-        # k-tile 0 is in flight in acc_blocks[0]; each pair issues 2p + 1 and 2p + 2.
-        for pair in range((k_tiles - 1) // 2):
-            tile = 2 * pair + 1
-            read_state, release_state = _issue_and_promote_by_column(
-                ctx, acc_blocks[1], acc_blocks[0], read_state, release_state, lhs_scale, rows, rhs_scale, columns,
-                first_block + tile - 1)
-            read_state, release_state = _issue_and_promote_by_column(
-                ctx, acc_blocks[0], acc_blocks[1], read_state, release_state, lhs_scale, rows, rhs_scale, columns,
-                first_block + tile)
-        last = first_block + k_tiles - 1
-        if (k_tiles - 1) % 2 == 1:  # k-tile k_tiles - 1 not issued yet: into acc_blocks[1]
-            read_state, release_state = _issue_and_promote_by_column(
-                ctx, acc_blocks[1], acc_blocks[0], read_state, release_state, lhs_scale, rows, rhs_scale, columns,
-                last - 1)
-            release_state = _promote_last_by_column(ctx, acc_blocks[1], release_state, lhs_scale, rows, rhs_scale,
-                                                    columns, last)
-        else:
-            release_state = _promote_last_by_column(ctx, acc_blocks[0], release_state, lhs_scale, rows, rhs_scale,
-                                                    columns, last)
+    for k_tile in range(k_tiles):
+        read_state, release_state = _promoted_k_tile(ctx, halves, scales, read_state, release_state, lhs_scale, rows,
+                                                     rhs_scale, columns, first_block + k_tile)
     return read_state, release_state
 
 
 @cute.jit
-def _issue_and_promote_by_column(ctx, issued, promoted, read_state, release_state, lhs_scale, rows, rhs_scale,
-                                 columns, promoted_block):
-    """Issues the next k-tile into `issued`, then promotes K block `promoted_block` from
-    `promoted` once its batch has landed (wait_group(1)), and releases its stage."""
-    read_state = _issue_block(ctx, issued, read_state)
+def _promoted_k_tile(ctx, halves, scales, read_state, release_state, lhs_scale, rows, rhs_scale, columns, block):
+    """K block `block`'s two half batches, each promoted once it has landed, the stage
+    released once both have; the scales loaded before the stage is waited for."""
+    for half in cutlass.range_constexpr(2):
+        _load_half_scales(scales[half], lhs_scale, rows, rhs_scale, columns, block, half)
+    ctx.ab_pipeline.consumer_wait(read_state)
+    for half in cutlass.range_constexpr(2):
+        _wgmma_half(ctx, halves[half], half, read_state.index)
+    read_state.advance()
     warpgroup.wait_group(1)
-    ctx.ab_pipeline.consumer_release(release_state)
-    release_state.advance()
-    _promote_loading_column_scales(ctx.acc, promoted, lhs_scale, rows, rhs_scale, columns, promoted_block)
-    return read_state, release_state
-
-
-@cute.jit
-def _promote_last_by_column(ctx, acc_block, release_state, lhs_scale, rows, rhs_scale, columns, block):
-    """The last k-tile: waited for (wait_group(0)), its stage released, promoted."""
+    _promote_half(ctx.acc, halves[0], scales[0], 0)
     warpgroup.wait_group(0)
     ctx.ab_pipeline.consumer_release(release_state)
     release_state.advance()
-    _promote_loading_column_scales(ctx.acc, acc_block, lhs_scale, rows, rhs_scale, columns, block)
-    return release_state
+    _promote_half(ctx.acc, halves[1], scales[1], 1)
+    return read_state, release_state
 
 
 @cute.jit
-def _promote_loading_column_scales(acc, acc_block, lhs_scale, rows, rhs_scale, columns, block):
-    """acc += acc_block * (row scale * column scale), the scales of K block `block`, each
-    column's index and scale made where its two values are promoted."""
+def _wgmma_half(ctx, half_block, half: cutlass.Constexpr, stage):
+    """The wgmma batch of half `half` of the tile's columns over the k-tile in `stage`,
+    into a fresh `half_block`, committed (not waited for); the atom handed back as found
+    (see `_wgmma_batch`)."""
+    # Orders the last promotion's reads of half_block before wgmma writes it again.
+    warpgroup.fence()
+    mma = ctx.halves.mma
+    atom = mma._trait.value
+    for k_block in cutlass.range_constexpr(cute.size(ctx.halves.tCrA, mode=[2])):
+        mma.set(warpgroup.Field.ACCUMULATE, k_block != 0)
+        coord = (None, None, k_block, stage)
+        cute.gemm(mma, half_block, ctx.halves.tCrA[coord], ctx.halves.tCrB[half][coord], half_block)
+    mma._trait.value = atom
+    warpgroup.commit_group()
+
+
+@cute.jit
+def _load_half_scales(scales, lhs_scale, rows, rhs_scale, columns, block, half: cutlass.Constexpr):
+    """scales = the two rows' scales of K block `block`, then the scale of each column
+    slot of half `half` (a column past the last reads the last's)."""
     first_column, last_column = columns
-    row_scales = [Float32(lhs_scale[block, row]) for row in rows]
-    for slot in cutlass.range_constexpr(cute.size(acc) // 2):
-        column = cutlass.min(first_column + fragment.column_offset(slot), last_column)
-        column_scale = Float32(rhs_scale[block, column])
-        for v in cutlass.range_constexpr(cute.size(acc)):
-            if cutlass.const_expr(fragment.column_slot(v) == slot):
-                acc[v] = acc[v] + acc_block[v] * (row_scales[fragment.row_half(v)] * column_scale)
+    slots = cute.size(scales) - 2
+    for h in cutlass.range_constexpr(2):
+        scales[h] = Float32(lhs_scale[block, rows[h]])
+    for slot in cutlass.range_constexpr(slots):
+        column = cutlass.min(first_column + fragment.column_offset(half * slots + slot), last_column)
+        scales[2 + slot] = Float32(rhs_scale[block, column])
+
+
+@cute.jit
+def _promote_half(acc, half_block, scales, half: cutlass.Constexpr):
+    """acc's values of half `half` += half_block * (row scale * column scale), each
+    value of half_block read through `_landed` (the promotion follows a wait_group)."""
+    size = cute.size(half_block)
+    for v in cutlass.range_constexpr(size):
+        scale = scales[fragment.row_half(v)] * scales[2 + fragment.column_slot(v)]
+        acc[half * size + v] = acc[half * size + v] + _landed(half_block[v]) * scale
+
+
+@dsl_user_op
+def _landed(value: Float32, *, loc=None, ip=None) -> Float32:
+    """`value`, a wgmma accumulator register, through an empty asm statement with side
+    effects, CUTLASS's `warpgroup_fence_operand`. wgmma writes its accumulators
+    asynchronously, which the compiler does not see: the promotion's arithmetic has no
+    operand but registers, so without this LLVM hoists it above the wait_group that
+    makes them valid (ptxas then serializes every wgmma, C7514). The asm is ordered
+    after the wait_group, as both have side effects, and the arithmetic reads its result."""
+    return Float32(llvm.inline_asm(T.f32(), [Float32(value).ir_value(loc=loc, ip=ip)], "", "=f,0",
+                                   has_side_effects=True, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT))
