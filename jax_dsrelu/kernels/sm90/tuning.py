@@ -641,7 +641,7 @@ DECISIONS: tuple[Decision, ...] = (
     # The FP8 contraction's and fused kernel's promotion, from two commits' FP8 layer steps on one H100
     # (`benchmarks/step_ab.sh`, STEP_AB_VARIANTS=sm90_fp8): 447b2b8 promotes between the batches at 128
     # columns, 17848d6 beside the next batch at 64 (at 128 ptxas spills).
-    Decision("fp8_contract_overlap_promotion", False, 0.0,
+    Decision("fp8_contract_overlap_promotion", True, 0.0,
              "The FP8 weight gradients' kernel promotes each group of rows between the wgmma batches, at "
              "128-column tiles: promoted beside the next batch it needs 64-column tiles, which read each "
              "operand tile twice as often, and took 29-37% longer at both shapes measured (two rounds).",
