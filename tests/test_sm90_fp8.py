@@ -429,19 +429,18 @@ DSRELU_GROUPINGS = {
     "past_m": ((8, 320, 528), 2000, [900, 800, 700, 0, 0, 0, 0, 5]),
     "nano_widths": ((16, 1856, 2688), 5000, None),
 }
-# (name, deterministic, overlap_promotion): the promotion beside the next wgmma batch too,
-# which the rules do not choose for the fused kernel until it has run.
+# (name, deterministic, overlap_promotion): the promotion by column halves too
+# (`promoted_mainloop.mma_k_tiles_promoted_halves`) and waited.
 DSRELU_GPU_CASES = [(name, deterministic, False) for name in DSRELU_GROUPINGS for deterministic in (False, True)] + [
     (name, deterministic, True) for name in ("ragged_with_empty", "nano_widths") for deterministic in (False, True)]
 
 
 def fused_config(request, overlap_promotion: bool):
-    """The chosen config, or with the overlapped promotion at the widest tile that takes it
-    (`TileConfig`: tile_n 64)."""
+    """The chosen config with the promotion by column halves or waited, whatever the
+    tuning table decides."""
     from jax_dsrelu.kernels.sm90 import config
 
-    chosen = config.choose_config(request)
-    return dataclasses.replace(chosen, overlap_promotion=True, tile_n=64) if overlap_promotion else chosen
+    return dataclasses.replace(config.choose_config(request), overlap_promotion=overlap_promotion)
 
 
 def dsrelu_request(shape, deterministic, out_dtype=np.dtype(np.float32)):
@@ -565,18 +564,19 @@ def test_fp8_fused_kernel_with_the_promotion_overlapped_compiles_for_sm90a(shape
     request = dsrelu_request(shape, deterministic)
     with backend.unverified_enabled("fp8"):
         compiled = dsrelu_call.compile_kernel(request, fused_config(request, True), keep=True)
-    assert ".f32.e4m3.e4m3" in compiled.ptx
-    assert compiled.ptx.count("wgmma.commit_group") == -(-shape[2] // BLOCK)  # the k-tiles unrolled
+    assert ".f32.e4m3.e4m3" in compiled.ptx and ".m64n64k32." in compiled.ptx or shape[1] < BLOCK
+    # The k-tiles unrolled, two batches each, and a promotion beside every batch but the last.
+    assert compiled.ptx.count("wgmma.commit_group") == 2 * -(-shape[2] // BLOCK)
+    assert "wgmma.wait_group.sync.aligned \t1;" in compiled.ptx
     ptxas.check_assembly(compiled.ptx)
 
 
-def test_the_fused_kernels_overlapped_promotion_is_refused_where_it_spills():
+def test_the_fused_kernels_promotion_by_halves_keeps_the_waited_ones_tile():
     from jax_dsrelu.kernels.sm90 import config
 
     chosen = config.choose_config(dsrelu_request((128, 1856, 2688), False))
-    assert chosen.tile_n == 128 and not chosen.overlap_promotion  # the rules keep the waited promotion
-    with pytest.raises(ValueError, match="overlap_promotion=True needs tile_n at most 64, got tile_n=128"):
-        dataclasses.replace(chosen, overlap_promotion=True)
+    assert chosen.tile_n == 128
+    assert dataclasses.replace(chosen, overlap_promotion=True).tile_n == 128
 
 
 @pytest.mark.gpu

@@ -41,6 +41,12 @@ class BlockScaledMainloop:
     a_scale: str
     b_scale: str
     scaled_flag: str  # the request's field saying its operands are FP8_BLOCKWISE
+    # With the config's overlap_promotion: each k-tile's batch split into the tile's two
+    # column halves (`mma_k_tiles_promoted_halves`, the registers of the waited form),
+    # where a kernel keeps too much live across its mainloop for a second whole buffer
+    # (the fused kernel's epilogue state); else a second buffer of the whole tile
+    # (`mma_k_tiles_promoted_overlapped`).
+    promotion_by_column_halves = False
     scales_after = "group_sizes"
 
     def __init__(self, config, request):
@@ -60,6 +66,10 @@ class BlockScaledMainloop:
     def kernel_params(self, t) -> dict:
         return dict(super().kernel_params(t), a_scale=getattr(t, self.a_scale), b_scale=getattr(t, self.b_scale))
 
+    def mainloop_setup(self, ctx, sA, sB) -> None:
+        if cutlass.const_expr(self.config.overlap_promotion and self.promotion_by_column_halves):
+            ctx.halves = promoted_mainloop.column_halves(self, ctx.ctid, sA, sB)
+
     def mainloop(self, ctx, item, tile, read_state, release_state):
         """The promoted mainloop with this thread's two rows' scales (a row past m reads
         row 0's, never stored); both warpgroups multiply every tile. The partial-sum
@@ -72,6 +82,10 @@ class BlockScaledMainloop:
             rows.append(Int32(cutlass.select_(row < num_rows, row, Int32(0))))
         n_block = (tile.n_tile * self.tile_n) // BLOCK
         scales = (ctx.params.a_scale, rows, ctx.params.b_scale, tile.expert, n_block)
+        if self.config.overlap_promotion and self.promotion_by_column_halves:
+            halves = [cute.make_rmem_tensor(ctx.halves.shape, Float32) for _ in range(2)]
+            return promoted_mainloop.mma_k_tiles_promoted_halves(
+                ctx, halves, read_state, release_state, self.k_tiles, *scales)
         if self.config.overlap_promotion:
             blocks = [cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32) for _ in range(2)]
             return promoted_mainloop.mma_k_tiles_promoted_overlapped(

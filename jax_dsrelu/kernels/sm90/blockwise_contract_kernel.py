@@ -30,12 +30,8 @@ rows of e4m3), out float32 or 16-bit, 1 <= E <= 512.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, NamedTuple
-
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 import numpy as np
 from cutlass import Float32, Int32
 
@@ -44,25 +40,10 @@ from jax_dsrelu.kernels.request import RaggedContractRequest
 from jax_dsrelu.kernels.sm90 import promoted_mainloop
 from jax_dsrelu.kernels.sm90.block_scaled import check_block_scaled
 from jax_dsrelu.kernels.sm90.config import BLOCK, ContractConfig
-from jax_dsrelu.kernels.sm90.ragged_contract_kernel import ContractContext, RaggedContractSm90
+from jax_dsrelu.kernels.sm90.ragged_contract_kernel import RaggedContractSm90
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
-
-
-class ColumnHalves(NamedTuple):
-    """The overlapped promotion's wgmma over half a tile's columns
-    (`promoted_mainloop.mma_k_tiles_promoted_by_column_halves`)."""
-
-    mma: Any  # the tiled MMA of tile_n / 2 columns, two 64-row warpgroups
-    tCrA: Any  # the warpgroup's fragments of the A ring
-    tCrB: list  # of the B ring, one per half of the tile's columns
-    shape: Any  # a half's accumulator register shape
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class BlockScaledContractContext(ContractContext):
-    halves: ColumnHalves | None = None  # with the overlapped promotion (`mainloop_setup`)
 
 
 class BlockScaledContractSm90(RaggedContractSm90):
@@ -71,7 +52,6 @@ class BlockScaledContractSm90(RaggedContractSm90):
 
     operand_a = "lhs_k_major"
     operand_b = "rhs_k_major"
-    context_type = BlockScaledContractContext
 
     def __init__(self, config: ContractConfig, request: RaggedContractRequest):
         # A k-tile is one group of rows; a thread holds a scale per column of its tile.
@@ -124,17 +104,7 @@ class BlockScaledContractSm90(RaggedContractSm90):
         """With the overlapped promotion, the wgmma over half the tile's columns and its
         fragments of the rings, B's split into the tile's two column halves."""
         if cutlass.const_expr(self.config.overlap_promotion):
-            half_n = self.tile_n // 2
-            mma = sm90_utils.make_trivial_tiled_mma(
-                self.ab_dtype, self.ab_dtype, self._major(self.operand_a).sm90_mma_major_mode(),
-                self._major(self.operand_b).sm90_mma_major_mode(), Float32, (2, 1, 1), tiler_mn=(64, half_n))
-            warpgroup_mma = mma.get_slice(cute.make_layout(2, stride=128)(ctx.ctid // 128))
-            halves_of_b = [cute.local_tile(sB, (half_n, self.tile_k, self.config.ab_stages), (half, 0, 0))
-                           for half in range(2)]
-            ctx.halves = ColumnHalves(
-                mma=mma, tCrA=mma.make_fragment_A(warpgroup_mma.partition_A(sA)),
-                tCrB=[mma.make_fragment_B(warpgroup_mma.partition_B(half)) for half in halves_of_b],
-                shape=mma.get_slice(ctx.ctid).partition_C(cute.make_identity_tensor((self.tile_m, half_n))).shape)
+            ctx.halves = promoted_mainloop.column_halves(self, ctx.ctid, sA, sB)
 
     def mainloop(self, ctx, item, tile, read_state, release_state):
         """The promoted mainloop with this thread's two rows of the a-block and its

@@ -24,6 +24,8 @@ from jax_dsrelu.kernels.sm90.dsrelu_kernel import GroupedGemmDsreluSm90
 class BlockScaledDsreluSm90(BlockScaledMainloop, GroupedGemmDsreluSm90):
     """The 16-bit fused kernel's epilogue over a promoted FP8 mainloop."""
 
+    promotion_by_column_halves = True
+
     a_scale = "grad_block_scale"
     b_scale = "weight_block_scale"
     scaled_flag = "blockwise_scaled"

@@ -122,25 +122,18 @@ class KernelTiles:
         return self.store_stages * self.tile_m * self.epi_n * out_bytes
 
 
-def _check_overlap_promotion(config: KernelTiles, widest_tile_n: int | None = None) -> None:
-    """What a config's overlap_promotion asks: block-scaled FP8 operands and, where the
-    kernel keeps more live across its mainloop than two partial-sum buffers and the total
-    (the fused kernel's epilogue state), an N tile of at most widest_tile_n: at
-    tile_n = 128 ptxas spills there."""
-    if not config.overlap_promotion:
-        return
-    if config.operand_bytes != 1:
+def _check_overlap_promotion(config: KernelTiles) -> None:
+    """What a config's overlap_promotion asks: block-scaled FP8 operands."""
+    if config.overlap_promotion and config.operand_bytes != 1:
         raise ValueError("overlap_promotion=True is for block-scaled FP8 operands (operand_bytes=1)")
-    if widest_tile_n is not None and config.tile_n > widest_tile_n:
-        raise ValueError(f"overlap_promotion=True needs tile_n at most {widest_tile_n}, got tile_n={config.tile_n}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TileConfig(KernelTiles):
     """The fused dsReLU kernel's configuration: the family's, with preact_stages preact
     subtiles in flight; for block-scaled FP8 operands, whether each K block's promotion
-    runs beside the next block's wgmma (`promoted_mainloop.mma_k_tiles_promoted_overlapped`,
-    as the ragged-M GEMM's `GemmConfig.overlap_promotion`)."""
+    runs beside a wgmma batch, each block's batch split into the tile's two column halves
+    (`promoted_mainloop.mma_k_tiles_promoted_halves`)."""
 
     preact_stages: int
     overlap_promotion: bool = False
@@ -148,7 +141,7 @@ class TileConfig(KernelTiles):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_overlap_promotion(self, widest_tile_n=64)
+        _check_overlap_promotion(self)
 
     def smem_bytes(self, num_experts: int, with_act: bool, with_dbias: bool, out_bytes: int = 2) -> int:
         """Shared memory the kernel allocates for this config (16-bit preact, outputs of
@@ -327,8 +320,8 @@ def _blockwise_dsrelu_config(request: Request, facts, sm_count: int) -> TileConf
     """The FP8 fused kernel's configuration: the FP8 GEMM's k-tiles of one scale block and
     N tiles of at most one (`_blockwise_gemm_config`), the preact ring of the bf16
     kernel's decision, as many operand stages as fit beside it; alone."""
-    overlap = tuning.value("fp8_fused_overlap_promotion")  # at tile_n 64 only (TileConfig)
-    base = dict(tile_n=64 if request.n < BLOCK or overlap else BLOCK, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1,
+    overlap = tuning.value("fp8_fused_overlap_promotion")
+    base = dict(tile_n=64 if request.n < BLOCK else BLOCK, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1,
                 preact_stages=_DSRELU_PREACT_STAGES, store_stages=tuning.value("fused_store_stages"), cluster_n=1,
                 max_ctas=sm_count, overlap_promotion=overlap)
     stages = most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2)

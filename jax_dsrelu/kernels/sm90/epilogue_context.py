@@ -62,3 +62,6 @@ class EpilogueContext:
     input_registers: Any = None  # the epilogue input's subtile in float32, when epilogue_visit runs
     store_pipeline: Any = None
     tile_row: list = dataclasses.field(default_factory=list)  # this thread's two rows of the tile
+    # The wgmma over half the tile's columns (`promoted_mainloop.ColumnHalves`), for an FP8
+    # variant whose promotion goes by column halves (its `mainloop_setup`), else None.
+    halves: Any = None

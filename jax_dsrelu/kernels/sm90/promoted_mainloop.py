@@ -23,15 +23,101 @@ batches have landed.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_dsrelu.kernels.sm90 import fragment
+
+
+class ColumnHalves(NamedTuple):
+    """The wgmma over half a tile's columns, for the promotions by column halves."""
+
+    mma: Any  # the tiled MMA of tile_n / 2 columns, two 64-row warpgroups
+    tCrA: Any  # the warpgroup's fragments of the A ring
+    tCrB: list  # of the B ring, one per half of the tile's columns
+    shape: Any  # a half's accumulator register shape
+
+
+def column_halves(kernel, ctid, sA, sB) -> ColumnHalves:
+    """`kernel`'s wgmma over half its tile's columns and this consumer thread's fragments
+    of the rings sA and sB, B's split into the tile's two column halves (called in the
+    kernel, from `mainloop_setup`)."""
+    half_n = kernel.tile_n // 2
+    mma = sm90_utils.make_trivial_tiled_mma(
+        kernel.ab_dtype, kernel.ab_dtype, kernel._major(kernel.operand_a).sm90_mma_major_mode(),
+        kernel._major(kernel.operand_b).sm90_mma_major_mode(), Float32, (2, 1, 1), tiler_mn=(64, half_n))
+    warpgroup_mma = mma.get_slice(cute.make_layout(2, stride=128)(ctid // 128))
+    halves_of_b = [cute.local_tile(sB, (half_n, kernel.tile_k, kernel.config.ab_stages), (half, 0, 0))
+                   for half in range(2)]
+    return ColumnHalves(
+        mma=mma, tCrA=mma.make_fragment_A(warpgroup_mma.partition_A(sA)),
+        tCrB=[mma.make_fragment_B(warpgroup_mma.partition_B(half)) for half in halves_of_b],
+        shape=mma.get_slice(ctid).partition_C(cute.make_identity_tensor((kernel.tile_m, half_n))).shape)
+
+
+@cute.jit
+def mma_k_tiles_promoted_halves(
+    ctx,  # the consumer's context: acc (the float32 total), ab_pipeline and halves (`ColumnHalves`)
+    halves: list,  # two partial-sum buffers, one per half of the tile's columns, written by wgmma only
+    read_state: pipeline.PipelineState,
+    release_state: pipeline.PipelineState,
+    k_tiles: cutlass.Constexpr,
+    lhs_scale: cute.Tensor,
+    rows: list,
+    rhs_scale: cute.Tensor,
+    expert: Int32,
+    n_block: Int32,
+):
+    """`mma_k_tiles_promoted` with every promotion beside a wgmma batch, for a static K:
+    each k-tile is two batches, one per half of the tile's columns, into the half's own
+    buffer, and each half is promoted while the next batch runs:
+
+        issue half 0 of k-tile 0
+        for each k-tile t: issue half 1 of t | wait for half 0 of t, promote it
+                           issue half 0 of t + 1 | wait for half 1 of t, release t's stage, promote it
+
+    (the last k-tile's half 1 waited for alone). The two buffers hold the waited form's
+    one, beside the total; each value's sum is the waited form's, term for term (value v of
+    half h is the total's value v + size(half) h). The k-tiles are unrolled, as in
+    `mma_k_tiles_promoted_overlapped`, so that ptxas sees which batch each wait_group(1)
+    leaves in flight (across a run-time loop's back edge it cannot, and serializes every
+    wgmma: `mma_k_tiles_promoted_by_column_halves`)."""
+    ctx.acc.fill(0.0)
+    if cutlass.const_expr(k_tiles > 0):
+        ctx.ab_pipeline.consumer_wait(read_state)
+        _wgmma_half(ctx, halves[0], 0, read_state.index)
+        for k_tile in cutlass.range_constexpr(k_tiles):
+            scales = _block_scales(lhs_scale, rows, rhs_scale, expert, n_block, k_tile)
+            _wgmma_half(ctx, halves[1], 1, read_state.index)
+            read_state.advance()
+            warpgroup.wait_group(1)
+            _promote_half_by_rows(ctx.acc, halves[0], scales, 0)
+            if cutlass.const_expr(k_tile + 1 < k_tiles):
+                ctx.ab_pipeline.consumer_wait(read_state)
+                _wgmma_half(ctx, halves[0], 0, read_state.index)
+                warpgroup.wait_group(1)
+            else:
+                warpgroup.wait_group(0)
+            ctx.ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+            _promote_half_by_rows(ctx.acc, halves[1], scales, 1)
+    return read_state, release_state
+
+
+@cute.jit
+def _promote_half_by_rows(acc, half_block, scales, half: cutlass.Constexpr):
+    """acc's values of half `half` += half_block * its row's scale product (`_block_scales`)."""
+    size = cute.size(half_block)
+    for v in cutlass.range_constexpr(size):
+        acc[half * size + v] = acc[half * size + v] + _landed(half_block[v]) * scales[fragment.row_half(v)]
 
 
 @cute.jit
