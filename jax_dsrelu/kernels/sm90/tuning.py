@@ -647,7 +647,7 @@ DECISIONS: tuple[Decision, ...] = (
              "operand tile twice as often, and took 29-37% longer at both shapes measured (two rounds).",
              _fp8_promotion_ab("dw1+dw2", "BlockScaledContractSm90",
                                {(16384, 4096, 2048, 8): (1.2067, 1.6500), (49152, 2688, 1856, 128): (3.0664, 3.9877)})),
-    Decision("fp8_fused_overlap_promotion", False, 0.0,
+    Decision("fp8_fused_overlap_promotion", True, 0.0,
              "The FP8 fused dsReLU kernel promotes each K block between the wgmma batches, at 128-column "
              "tiles: beside the next batch it needs 64-column tiles (at 128 its epilogue's live registers "
              "spill), and took 12-19% longer at both shapes measured (two rounds).",
