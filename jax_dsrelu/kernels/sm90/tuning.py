@@ -89,6 +89,17 @@ def _fp8_promotion_ab(gemm: str, kernel: str, times: dict) -> tuple[Evidence, ..
                  for shape, (waited, overlapped) in times.items())
 
 
+def _fp8_halves_ab(gemm: str, kernel: str, times: dict, exceptions: dict | None = None) -> tuple[Evidence, ...]:
+    """The FP8 step's A/B of the promotion by column halves (tuning_records.json.gz keeps
+    both sides): per shape, `kernel`'s ms promoted between the batches (170eda3) and by
+    column halves (ee47f1c), both at 128 columns."""
+    return tuple(E(shape, gemm, None,
+                   T("170eda3: between the batches, 128x128", waited, kernel, "bench_layer_step_ab_170eda3_170eda3_r1.json"),
+                   T("ee47f1c: by column halves, 128x128", halves, kernel, "bench_layer_step_ab_170eda3_ee47f1c_r1.json"),
+                   exception=(exceptions or {}).get(shape, ""))
+                 for shape, (waited, halves) in times.items())
+
+
 DECISIONS: tuple[Decision, ...] = (
     Decision("subtile_columns", 32, 0.0,
              "Epilogue subtiles of 32 columns, in every kernel of the family (one store path): in the "
@@ -638,21 +649,32 @@ DECISIONS: tuple[Decision, ...] = (
           T("128x128 k128 ab6 st2 overlapped", 0.5427, "sm90_fp8_overlap"),
           T("128x128 k128 ab6 st2", 0.6009, "sm90_fp8")),
         )),
-    # The FP8 contraction's and fused kernel's promotion, from two commits' FP8 layer steps on one H100
-    # (`benchmarks/step_ab.sh`, STEP_AB_VARIANTS=sm90_fp8): 447b2b8 promotes between the batches at 128
-    # columns, 17848d6 beside the next batch at 64 (at 128 ptxas spills).
-    Decision("fp8_contract_overlap_promotion", True, 0.0,
-             "The FP8 weight gradients' kernel promotes each group of rows between the wgmma batches, at "
-             "128-column tiles: promoted beside the next batch it needs 64-column tiles, which read each "
-             "operand tile twice as often, and took 29-37% longer at both shapes measured (two rounds).",
+    # The FP8 contraction's and fused kernel's promotion, from FP8 layer steps of two commits on one H100
+    # (`benchmarks/step_ab.sh`, STEP_AB_VARIANTS=sm90_fp8, two rounds each): 447b2b8 promotes between the
+    # batches at 128 columns, 17848d6 beside the next batch in a second whole buffer at 64 (at 128 ptxas
+    # spilled); 170eda3 between the batches again, ee47f1c by column halves at 128 (each k-tile's batch
+    # split in two, one half promoted beside the other's batch).
+    Decision("fp8_contract_overlap_promotion", False, 0.0,
+             "The FP8 weight gradients' kernel promotes each group of rows between the wgmma batches. Beside "
+             "the next batch in a second whole buffer it needed 64-column tiles and took 29-37% longer; by "
+             "column halves (128 columns, the waited form's registers) it took 5% longer at the few-expert "
+             "shape and 1.5% less at Nano's (two rounds each, alike): its 64-column wgmma give back what the "
+             "overlap saves, and one rule serves both shapes.",
              _fp8_promotion_ab("dw1+dw2", "BlockScaledContractSm90",
-                               {(16384, 4096, 2048, 8): (1.2067, 1.6500), (49152, 2688, 1856, 128): (3.0664, 3.9877)})),
-    Decision("fp8_fused_overlap_promotion", True, 0.0,
-             "The FP8 fused dsReLU kernel promotes each K block between the wgmma batches, at 128-column "
-             "tiles: beside the next batch it needs 64-column tiles (at 128 its epilogue's live registers "
-             "spill), and took 12-19% longer at both shapes measured (two rounds).",
+                               {(16384, 4096, 2048, 8): (1.2067, 1.6500), (49152, 2688, 1856, 128): (3.0664, 3.9877)})
+             + _fp8_halves_ab("dw1+dw2", "BlockScaledContractSm90",
+                              {(16384, 4096, 2048, 8): (1.2178, 1.2780), (49152, 2688, 1856, 128): (3.0675, 3.0200)},
+                              {(49152, 2688, 1856, 128): "by column halves 1.5% faster here and 5% slower at the "
+                               "few-expert shape (round 2 alike): one rule, waited, for both"})),
+    Decision("fp8_fused_overlap_promotion", False, 0.0,
+             "The FP8 fused dsReLU kernel promotes each K block between the wgmma batches: beside the next "
+             "batch in a second whole buffer it needed 64-column tiles (at 128 its epilogue's live registers "
+             "spill) and took 12-19% longer; by column halves (128 columns, every promotion beside a batch) "
+             "it took 5-8% longer at both shapes measured (two rounds each).",
              _fp8_promotion_ab("dsrelu", "BlockScaledDsreluSm90",
-                               {(16384, 4096, 2048, 8): (0.3780, 0.4315), (49152, 2688, 1856, 128): (0.9118, 1.0836)})),
+                               {(16384, 4096, 2048, 8): (0.3780, 0.4315), (49152, 2688, 1856, 128): (0.9118, 1.0836)})
+             + _fp8_halves_ab("dsrelu", "BlockScaledDsreluSm90",
+                              {(16384, 4096, 2048, 8): (0.3794, 0.4080), (49152, 2688, 1856, 128): (0.8942, 0.9456)})),
 )
 _BY_NAME = {decision.name: decision for decision in DECISIONS}
 
