@@ -658,8 +658,8 @@ DECISIONS: tuple[Decision, ...] = (
              "The FP8 weight gradients' kernel promotes each group of rows between the wgmma batches. Beside "
              "the next batch in a second whole buffer it needed 64-column tiles and took 29-37% longer; by "
              "column halves (128 columns, the waited form's registers) it took 5% longer at the few-expert "
-             "shape and 1.5% less at Nano's (two rounds each, alike): its 64-column wgmma give back what the "
-             "overlap saves, and one rule serves both shapes.",
+             "shape and 1.5% less at Nano's (two rounds each, alike), the overlap's saving given back, likely by "
+             "its 64-column wgmma; one rule serves both shapes.",
              _fp8_promotion_ab("dw1+dw2", "BlockScaledContractSm90",
                                {(16384, 4096, 2048, 8): (1.2067, 1.6500), (49152, 2688, 1856, 128): (3.0664, 3.9877)})
              + _fp8_halves_ab("dw1+dw2", "BlockScaledContractSm90",
