@@ -120,8 +120,7 @@ NUMBERED = {
     "gemm test": lambda: _compiles(ragged_call, importlib.import_module("test_sm90_gemms").prebuild_requests()),
     "layer test": _layer_tests,
     "fp8 test": lambda: _compiles(ragged_call, importlib.import_module("test_sm90_fp8").prebuild_requests(), "fp8") + _compiles(
-        lowering, [(*built, False) for built in importlib.import_module("test_sm90_fp8").prebuild_fused_requests()], "fp8")
-        + _compiles(ragged_call, importlib.import_module("test_sm90_fp8_contract").prebuild_requests(), "fp8"),
+        lowering, [(*built, False) for built in importlib.import_module("test_sm90_fp8").prebuild_fused_requests()], "fp8"),
     "fp8 copy test": lambda: [job for t in ("contract", "quantize", "weights") for job in importlib.import_module(f"test_sm90_fp8_{t}").prebuild_copy_jobs()],
     "bench_fp8_gemms": lambda: [functools.partial(importlib.import_module("bench_fp8_gemms").main, ["--prebuild"])],
     "bench_gemms": lambda: [functools.partial(bench_gemms.prebuild, [shape], bench_gemms.GEMMS, OURS, harness.BF16)

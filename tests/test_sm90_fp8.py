@@ -430,7 +430,7 @@ DSRELU_GROUPINGS = {
     "nano_widths": ((16, 1856, 2688), 5000, None),
 }
 # (name, deterministic, overlap_promotion): the promotion by column halves too
-# (`promoted_mainloop.mma_k_tiles_promoted_halves`) and waited.
+# (`promoted_mainloop.mma_k_tiles_promoted_in_halves`) and waited.
 DSRELU_GPU_CASES = [(name, deterministic, False) for name in DSRELU_GROUPINGS for deterministic in (False, True)] + [
     (name, deterministic, True) for name in ("ragged_with_empty", "nano_widths") for deterministic in (False, True)]
 
@@ -564,19 +564,25 @@ def test_fp8_fused_kernel_with_the_promotion_overlapped_compiles_for_sm90a(shape
     request = dsrelu_request(shape, deterministic)
     with backend.unverified_enabled("fp8"):
         compiled = dsrelu_call.compile_kernel(request, fused_config(request, True), keep=True)
-    assert ".f32.e4m3.e4m3" in compiled.ptx and ".m64n64k32." in compiled.ptx or shape[1] < BLOCK
+    half_n = fused_config(request, True).tile_n // 2
+    assert f".m64n{half_n}k32.f32.e4m3.e4m3" in compiled.ptx
     # The k-tiles unrolled, two batches each, and a promotion beside every batch but the last.
     assert compiled.ptx.count("wgmma.commit_group") == 2 * -(-shape[2] // BLOCK)
     assert "wgmma.wait_group.sync.aligned \t1;" in compiled.ptx
     ptxas.check_assembly(compiled.ptx)
 
 
-def test_the_fused_kernels_promotion_by_halves_keeps_the_waited_ones_tile():
-    from jax_dsrelu.kernels.sm90 import config
+def test_the_fused_kernels_rules_keep_128_columns_whichever_promotion_the_table_picks(monkeypatch):
+    from jax_dsrelu.kernels.sm90 import config, tuning
 
-    chosen = config.choose_config(dsrelu_request((128, 1856, 2688), False))
-    assert chosen.tile_n == 128
-    assert dataclasses.replace(chosen, overlap_promotion=True).tile_n == 128
+    request = dsrelu_request((128, 1856, 2688), False)
+    for overlapped in (False, True):
+        table = tuning.value
+        monkeypatch.setattr(tuning, "value", lambda name, table=table, overlapped=overlapped: (
+            overlapped if name == "fp8_fused_overlap_promotion" else table(name)))
+        chosen = config.choose_config(request)
+        assert (chosen.tile_n, chosen.overlap_promotion) == (128, overlapped)
+        monkeypatch.undo()
 
 
 @pytest.mark.gpu

@@ -263,12 +263,14 @@ def test_fp8_contraction_with_the_promotion_overlapped_compiles_for_sm90a(shape,
     from jax_dsrelu.kernels.sm90 import backend, ragged_call
 
     request = request_for(shape, out_dtype)
+    config = overlapped_config(request)
     with backend.unverified_enabled("fp8"):
-        compiled = ragged_call.compile_kernel(request, overlapped_config(request), keep=True)
-    assert "wgmma.mma_async.sync.aligned.m64n" in compiled.ptx and ".f32.e4m3.e4m3" in compiled.ptx
+        compiled = ragged_call.compile_kernel(request, config, keep=True)
+    assert f"wgmma.mma_async.sync.aligned.m64n{config.tile_n // 2}k32.f32.e4m3.e4m3" in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
-    # Two batches in flight: each promotion waits for all but the newest.
-    assert "wgmma.wait_group.sync.aligned \t1;" in compiled.ptx
+    # Two half batches per k-tile: half 0 promoted while half 1's runs, then half 1 alone.
+    assert compiled.ptx.count("wgmma.commit_group") == 2
+    assert all(f"wgmma.wait_group.sync.aligned \t{n};" in compiled.ptx for n in (0, 1))
     ptxas.check_assembly(compiled.ptx)
 
 
@@ -281,14 +283,19 @@ def test_a_column_slots_offset_is_its_values_column_in_the_fragment():
         assert fragment.column_offset(fragment.column_slot(value)) == 8 * (value // 4) + value % 2
 
 
-def test_the_overlapped_promotion_takes_the_waited_ones_tile_and_fp8_operands_only():
-    """The halves' promotion holds the waited one's registers, so it keeps its 128-column
-    tile; 16-bit operands have no promotion to overlap."""
-    from jax_dsrelu.kernels.sm90 import config
+def test_the_rules_keep_128_columns_whichever_promotion_the_table_picks(monkeypatch):
+    """The promotion by column halves holds the waited one's registers, so the rules keep
+    the 128-column tile with either; 16-bit operands have no promotion to overlap."""
+    from jax_dsrelu.kernels.sm90 import config, tuning
 
-    chosen = config.choose_contract_config(request_for((8, 4096, 2048), F32))
-    assert chosen.tile_n == 128
-    assert dataclasses.replace(chosen, overlap_promotion=True).tile_n == 128
+    request = request_for((8, 4096, 2048), F32)
+    for overlapped in (False, True):
+        table = tuning.value
+        monkeypatch.setattr(tuning, "value", lambda name, table=table, overlapped=overlapped: (
+            overlapped if name == "fp8_contract_overlap_promotion" else table(name)))
+        chosen = config.choose_contract_config(request)
+        assert (chosen.tile_n, chosen.overlap_promotion) == (128, overlapped)
+        monkeypatch.undo()
     sixteen_bit = config.choose_contract_config(
         RaggedContractRequest(num_experts=8, a=4096, b=2048, operand_dtype=BF16, out_dtype=F32))
     with pytest.raises(ValueError, match="overlap_promotion=True is for block-scaled FP8 operands"):
@@ -367,23 +374,20 @@ def test_the_k_major_copy_kernel_compiles_for_sm90a(n, num_experts):
 
 
 def overlapped_config(request):
-    """The chosen config with each group's promotion beside the batch of the tile's other
-    column half, whatever the tuning table decides."""
-    from jax_dsrelu.kernels.sm90 import ragged_call
-
-    return dataclasses.replace(ragged_call.choose_config(request), overlap_promotion=True)
+    return config_of(request, True)
 
 
-# Groupings whose experts have 1, 2 and many groups: the overlapped promotion's first
-# k-tile, its loop and its last half.
+# Groupings whose experts have 1, 2 and many groups, run by column halves too.
 OVERLAPPED = ["ragged_with_empty", "past_m", "fewer_rows_than_a_group", "narrow_b", "nano_widths"]
 GPU_CASES = [(name, False) for name in GROUPINGS] + [(name, True) for name in OVERLAPPED]
 
 
 def config_of(request, overlapped: bool):
+    """The chosen config with the promotion by column halves or waited, whatever the
+    tuning table decides."""
     from jax_dsrelu.kernels.sm90 import ragged_call
 
-    return overlapped_config(request) if overlapped else ragged_call.choose_config(request)
+    return dataclasses.replace(ragged_call.choose_config(request), overlap_promotion=overlapped)
 
 
 def prebuild_requests():

@@ -42,7 +42,7 @@ class BlockScaledMainloop:
     b_scale: str
     scaled_flag: str  # the request's field saying its operands are FP8_BLOCKWISE
     # With the config's overlap_promotion: each k-tile's batch split into the tile's two
-    # column halves (`mma_k_tiles_promoted_halves`, the registers of the waited form),
+    # column halves (`mma_k_tiles_promoted_in_halves`, the registers of the waited form),
     # where a kernel keeps too much live across its mainloop for a second whole buffer
     # (the fused kernel's epilogue state); else a second buffer of the whole tile
     # (`mma_k_tiles_promoted_overlapped`).
@@ -68,7 +68,7 @@ class BlockScaledMainloop:
 
     def mainloop_setup(self, ctx, sA, sB) -> None:
         if cutlass.const_expr(self.config.overlap_promotion and self.promotion_by_column_halves):
-            ctx.halves = promoted_mainloop.column_halves(self, ctx.ctid, sA, sB)
+            ctx.column_halves = promoted_mainloop.column_halves(self, ctx.ctid, sA, sB)
 
     def mainloop(self, ctx, item, tile, read_state, release_state):
         """The promoted mainloop with this thread's two rows' scales (a row past m reads
@@ -83,9 +83,9 @@ class BlockScaledMainloop:
         n_block = (tile.n_tile * self.tile_n) // BLOCK
         scales = (ctx.params.a_scale, rows, ctx.params.b_scale, tile.expert, n_block)
         if self.config.overlap_promotion and self.promotion_by_column_halves:
-            halves = [cute.make_rmem_tensor(ctx.halves.shape, Float32) for _ in range(2)]
-            return promoted_mainloop.mma_k_tiles_promoted_halves(
-                ctx, halves, read_state, release_state, self.k_tiles, *scales)
+            half_blocks = [cute.make_rmem_tensor(ctx.column_halves.shape, Float32) for _ in range(2)]
+            return promoted_mainloop.mma_k_tiles_promoted_in_halves(
+                ctx, half_blocks, read_state, release_state, self.k_tiles, *scales)
         if self.config.overlap_promotion:
             blocks = [cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32) for _ in range(2)]
             return promoted_mainloop.mma_k_tiles_promoted_overlapped(

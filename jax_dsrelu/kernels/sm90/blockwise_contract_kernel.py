@@ -10,7 +10,7 @@ each group's partial sum of e4m3 products formed by wgmma over one k-tile and pr
 to float32 before it is scaled and added, group after group
 (`promoted_mainloop.mma_k_tiles_promoted_by_column`, or with `overlap_promotion` each
 group's batch split by columns, one half promoted while the other's batch runs:
-`mma_k_tiles_promoted_by_column_halves`); then stored as the 16-bit
+`mma_k_tiles_promoted_by_column_in_halves`); then stored as the 16-bit
 contraction stores it (`ragged_contract_kernel.py`), whose walk and epilogue it keeps.
 
 Operands: Hopper's FP8 wgmma reads both operands K-major, and the contraction's K is the
@@ -104,7 +104,7 @@ class BlockScaledContractSm90(RaggedContractSm90):
         """With the overlapped promotion, the wgmma over half the tile's columns and its
         fragments of the rings, B's split into the tile's two column halves."""
         if cutlass.const_expr(self.config.overlap_promotion):
-            ctx.halves = promoted_mainloop.column_halves(self, ctx.ctid, sA, sB)
+            ctx.column_halves = promoted_mainloop.column_halves(self, ctx.ctid, sA, sB)
 
     def mainloop(self, ctx, item, tile, read_state, release_state):
         """The promoted mainloop with this thread's two rows of the a-block and its
@@ -116,11 +116,12 @@ class BlockScaledContractSm90(RaggedContractSm90):
             row = tile.m_tile * self.tile_m + ctx.tile_row[h]
             rows.append(Int32(cutlass.select_(row < self.a, row, Int32(0))))
         if self.config.overlap_promotion:
-            halves = [cute.make_rmem_tensor(ctx.halves.shape, Float32) for _ in range(2)]
+            half_blocks = [cute.make_rmem_tensor(ctx.column_halves.shape, Float32) for _ in range(2)]
+            # Per half: the thread's two row scales, then one per column slot (tile_n / 2 columns, 4 a slot).
             scales = [cute.make_rmem_tensor(2 + self.tile_n // 8, Float32) for _ in range(2)]
             first_column = tile.n_tile * self.tile_n + ctx.tCcAcc[0][1]
-            return promoted_mainloop.mma_k_tiles_promoted_by_column_halves(
-                ctx, halves, scales, read_state, release_state, self.k_tile_count(tile), ctx.params.lhs_scale, rows,
+            return promoted_mainloop.mma_k_tiles_promoted_by_column_in_halves(
+                ctx, half_blocks, scales, read_state, release_state, self.k_tile_count(tile), ctx.params.lhs_scale, rows,
                 ctx.params.rhs_scale, first_column, Int32(self.b - 1), tile.first_row // BLOCK)
         columns = []
         for slot in range(cute.size(ctx.acc) // 2):

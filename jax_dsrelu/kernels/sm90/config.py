@@ -133,7 +133,7 @@ class TileConfig(KernelTiles):
     """The fused dsReLU kernel's configuration: the family's, with preact_stages preact
     subtiles in flight; for block-scaled FP8 operands, whether each K block's promotion
     runs beside a wgmma batch, each block's batch split into the tile's two column halves
-    (`promoted_mainloop.mma_k_tiles_promoted_halves`)."""
+    (`promoted_mainloop.mma_k_tiles_promoted_in_halves`)."""
 
     preact_stages: int
     overlap_promotion: bool = False
@@ -378,7 +378,7 @@ class ContractConfig(KernelTiles):
     else b-block fastest (they share an a-block of lhs); for block-scaled FP8 operands,
     whether each group's promotion runs beside a wgmma batch, each group's batch split
     into the tile's two column halves
-    (`promoted_mainloop.mma_k_tiles_promoted_by_column_halves`)."""
+    (`promoted_mainloop.mma_k_tiles_promoted_by_column_in_halves`)."""
 
     a_fastest: bool = False
     overlap_promotion: bool = False

@@ -64,4 +64,4 @@ class EpilogueContext:
     tile_row: list = dataclasses.field(default_factory=list)  # this thread's two rows of the tile
     # The wgmma over half the tile's columns (`promoted_mainloop.ColumnHalves`), for an FP8
     # variant whose promotion goes by column halves (its `mainloop_setup`), else None.
-    halves: Any = None
+    column_halves: Any = None

@@ -12,13 +12,16 @@ float32 total, value by value, times the block's two scales:
 the order `quantization.emulation.blockwise_matmul` writes, the kernels' oracle. In the
 waited mainloops (`mma_k_tiles_promoted`, `mma_k_tiles_promoted_by_column`) the batch is
 waited for before the promotion reads it, so one batch of a warpgroup is in flight at a
-time; the other consumer warpgroup's batch keeps the tensor cores busy meanwhile, and the
-scales of a k-tile are loaded before its stage is waited for, so their latency hides
-behind the wait. The overlapped one (`mma_k_tiles_promoted_overlapped`) promotes k-tile
-t while the batch of k-tile t + 1 runs, in a second partial-sum buffer; the contraction's
-(`mma_k_tiles_promoted_by_column_halves`) splits each k-tile's batch by columns and
-promotes one half while the other's batch runs. A stage is released as soon as its
-batches have landed.
+time: the tensor cores idle during a promotion unless the other consumer warpgroup's batch
+is running then (both consume the same stages, so they may well promote at the same time;
+not profiled). The scales of a k-tile are loaded before its stage is waited for, so their
+latency hides behind the wait. The overlapped one (`mma_k_tiles_promoted_overlapped`)
+promotes k-tile t while the batch of k-tile t + 1 runs, in a second partial-sum buffer.
+The two by column halves (`mma_k_tiles_promoted_in_halves` for a static K,
+`mma_k_tiles_promoted_by_column_in_halves` for the contraction's run-time K) split each
+k-tile's batch by columns and promote one half while a batch of the other runs, in the
+waited form's registers (`ColumnHalves`). A stage is released as soon as its batches have
+landed.
 """
 
 from __future__ import annotations
@@ -64,9 +67,9 @@ def column_halves(kernel, ctid, sA, sB) -> ColumnHalves:
 
 
 @cute.jit
-def mma_k_tiles_promoted_halves(
-    ctx,  # the consumer's context: acc (the float32 total), ab_pipeline and halves (`ColumnHalves`)
-    halves: list,  # two partial-sum buffers, one per half of the tile's columns, written by wgmma only
+def mma_k_tiles_promoted_in_halves(
+    ctx,  # the consumer's context: acc (the float32 total), ab_pipeline and column_halves (`ColumnHalves`)
+    half_blocks: list,  # two partial-sum buffers, one per half of the tile's columns, written by wgmma only
     read_state: pipeline.PipelineState,
     release_state: pipeline.PipelineState,
     k_tiles: cutlass.Constexpr,
@@ -89,35 +92,35 @@ def mma_k_tiles_promoted_halves(
     half h is the total's value v + size(half) h). The k-tiles are unrolled, as in
     `mma_k_tiles_promoted_overlapped`, so that ptxas sees which batch each wait_group(1)
     leaves in flight (across a run-time loop's back edge it cannot, and serializes every
-    wgmma: `mma_k_tiles_promoted_by_column_halves`)."""
+    wgmma: `mma_k_tiles_promoted_by_column_in_halves`)."""
     ctx.acc.fill(0.0)
     if cutlass.const_expr(k_tiles > 0):
         ctx.ab_pipeline.consumer_wait(read_state)
-        _wgmma_half(ctx, halves[0], 0, read_state.index)
+        _wgmma_half(ctx, half_blocks[0], 0, read_state.index)
         for k_tile in cutlass.range_constexpr(k_tiles):
             scales = _block_scales(lhs_scale, rows, rhs_scale, expert, n_block, k_tile)
-            _wgmma_half(ctx, halves[1], 1, read_state.index)
+            _wgmma_half(ctx, half_blocks[1], 1, read_state.index)
             read_state.advance()
             warpgroup.wait_group(1)
-            _promote_half_by_rows(ctx.acc, halves[0], scales, 0)
+            _promote_half_by_row(ctx.acc, half_blocks[0], scales, 0)
             if cutlass.const_expr(k_tile + 1 < k_tiles):
                 ctx.ab_pipeline.consumer_wait(read_state)
-                _wgmma_half(ctx, halves[0], 0, read_state.index)
+                _wgmma_half(ctx, half_blocks[0], 0, read_state.index)
                 warpgroup.wait_group(1)
             else:
                 warpgroup.wait_group(0)
             ctx.ab_pipeline.consumer_release(release_state)
             release_state.advance()
-            _promote_half_by_rows(ctx.acc, halves[1], scales, 1)
+            _promote_half_by_row(ctx.acc, half_blocks[1], scales, 1)
     return read_state, release_state
 
 
 @cute.jit
-def _promote_half_by_rows(acc, half_block, scales, half: cutlass.Constexpr):
+def _promote_half_by_row(acc, half_block, scales, half: cutlass.Constexpr):
     """acc's values of half `half` += half_block * its row's scale product (`_block_scales`)."""
     size = cute.size(half_block)
     for v in cutlass.range_constexpr(size):
-        acc[half * size + v] = acc[half * size + v] + _landed(half_block[v]) * scales[fragment.row_half(v)]
+        acc[half * size + v] = acc[half * size + v] + _fence_operand(half_block[v]) * scales[fragment.row_half(v)]
 
 
 @cute.jit
@@ -282,9 +285,9 @@ def mma_k_tiles_promoted_by_column(
 
 
 @cute.jit
-def mma_k_tiles_promoted_by_column_halves(
-    ctx,  # the consumer's context: acc (the float32 total), ab_pipeline, and the halves' wgmma (`ColumnHalves`)
-    halves: list,  # two partial-sum buffers, one per half of the tile's columns, written by wgmma only
+def mma_k_tiles_promoted_by_column_in_halves(
+    ctx,  # the consumer's context: acc (the float32 total), ab_pipeline and column_halves (`ColumnHalves`)
+    half_blocks: list,  # two partial-sum buffers, one per half of the tile's columns, written by wgmma only
     scales: list,  # two float32 register tensors: a half's two row scales, then one per column slot
     read_state: pipeline.PipelineState,
     release_state: pipeline.PipelineState,
@@ -313,27 +316,27 @@ def mma_k_tiles_promoted_by_column_halves(
     ctx.acc.fill(0.0)
     columns = (first_column, last_column)
     for k_tile in range(k_tiles):
-        read_state, release_state = _promoted_k_tile(ctx, halves, scales, read_state, release_state, lhs_scale, rows,
-                                                     rhs_scale, columns, first_block + k_tile)
+        read_state, release_state = _promoted_k_tile(ctx, half_blocks, scales, read_state, release_state, lhs_scale,
+                                                     rows, rhs_scale, columns, first_block + k_tile)
     return read_state, release_state
 
 
 @cute.jit
-def _promoted_k_tile(ctx, halves, scales, read_state, release_state, lhs_scale, rows, rhs_scale, columns, block):
+def _promoted_k_tile(ctx, half_blocks, scales, read_state, release_state, lhs_scale, rows, rhs_scale, columns, block):
     """K block `block`'s two half batches, each promoted once it has landed, the stage
     released once both have; the scales loaded before the stage is waited for."""
     for half in cutlass.range_constexpr(2):
         _load_half_scales(scales[half], lhs_scale, rows, rhs_scale, columns, block, half)
     ctx.ab_pipeline.consumer_wait(read_state)
     for half in cutlass.range_constexpr(2):
-        _wgmma_half(ctx, halves[half], half, read_state.index)
+        _wgmma_half(ctx, half_blocks[half], half, read_state.index)
     read_state.advance()
     warpgroup.wait_group(1)
-    _promote_half(ctx.acc, halves[0], scales[0], 0)
+    _promote_half_by_column(ctx.acc, half_blocks[0], scales[0], 0)
     warpgroup.wait_group(0)
     ctx.ab_pipeline.consumer_release(release_state)
     release_state.advance()
-    _promote_half(ctx.acc, halves[1], scales[1], 1)
+    _promote_half_by_column(ctx.acc, half_blocks[1], scales[1], 1)
     return read_state, release_state
 
 
@@ -344,12 +347,12 @@ def _wgmma_half(ctx, half_block, half: cutlass.Constexpr, stage):
     (see `_wgmma_batch`)."""
     # Orders the last promotion's reads of half_block before wgmma writes it again.
     warpgroup.fence()
-    mma = ctx.halves.mma
+    mma = ctx.column_halves.mma
     atom = mma._trait.value
-    for k_block in cutlass.range_constexpr(cute.size(ctx.halves.tCrA, mode=[2])):
+    for k_block in cutlass.range_constexpr(cute.size(ctx.column_halves.tCrA, mode=[2])):
         mma.set(warpgroup.Field.ACCUMULATE, k_block != 0)
         coord = (None, None, k_block, stage)
-        cute.gemm(mma, half_block, ctx.halves.tCrA[coord], ctx.halves.tCrB[half][coord], half_block)
+        cute.gemm(mma, half_block, ctx.column_halves.tCrA[coord], ctx.column_halves.tCrB[half][coord], half_block)
     mma._trait.value = atom
     warpgroup.commit_group()
 
@@ -368,17 +371,17 @@ def _load_half_scales(scales, lhs_scale, rows, rhs_scale, columns, block, half: 
 
 
 @cute.jit
-def _promote_half(acc, half_block, scales, half: cutlass.Constexpr):
+def _promote_half_by_column(acc, half_block, scales, half: cutlass.Constexpr):
     """acc's values of half `half` += half_block * (row scale * column scale), each
-    value of half_block read through `_landed` (the promotion follows a wait_group)."""
+    value of half_block read through `_fence_operand` (the promotion follows a wait_group)."""
     size = cute.size(half_block)
     for v in cutlass.range_constexpr(size):
         scale = scales[fragment.row_half(v)] * scales[2 + fragment.column_slot(v)]
-        acc[half * size + v] = acc[half * size + v] + _landed(half_block[v]) * scale
+        acc[half * size + v] = acc[half * size + v] + _fence_operand(half_block[v]) * scale
 
 
 @dsl_user_op
-def _landed(value: Float32, *, loc=None, ip=None) -> Float32:
+def _fence_operand(value: Float32, *, loc=None, ip=None) -> Float32:
     """`value`, a wgmma accumulator register, through an empty asm statement with side
     effects, CUTLASS's `warpgroup_fence_operand`. wgmma writes its accumulators
     asynchronously, which the compiler does not see: the promotion's arithmetic has no

@@ -670,7 +670,7 @@ DECISIONS: tuple[Decision, ...] = (
              "The FP8 fused dsReLU kernel promotes each K block between the wgmma batches: beside the next "
              "batch in a second whole buffer it needed 64-column tiles (at 128 its epilogue's live registers "
              "spill) and took 12-19% longer; by column halves (128 columns, every promotion beside a batch) "
-             "it took 5-8% longer at both shapes measured (two rounds each).",
+             "it took 4-8% longer at both shapes measured (two rounds each).",
              _fp8_promotion_ab("dsrelu", "BlockScaledDsreluSm90",
                                {(16384, 4096, 2048, 8): (0.3780, 0.4315), (49152, 2688, 1856, 128): (0.9118, 1.0836)})
              + _fp8_halves_ab("dsrelu", "BlockScaledDsreluSm90",
