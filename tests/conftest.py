@@ -78,3 +78,17 @@ def hopper():
     capability = registry.cuda_compute_capability()
     if capability != (9, 0):
         pytest.skip(f"the sm90 kernels run on compute capability 9.0; this GPU has {capability}")
+
+
+@pytest.fixture
+def decide(monkeypatch):
+    """decide(name, value): the sm90 tuning table's decision `name` reads `value` for the
+    rest of the test, every other decision as the table has it."""
+    from jax_dsrelu.kernels.sm90 import tuning
+
+    table = tuning.value
+
+    def set_decision(name, value):
+        monkeypatch.setattr(tuning, "value", lambda asked: value if asked == name else table(asked))
+
+    return set_decision

@@ -572,17 +572,14 @@ def test_fp8_fused_kernel_with_the_promotion_overlapped_compiles_for_sm90a(shape
     ptxas.check_assembly(compiled.ptx)
 
 
-def test_the_fused_kernels_rules_keep_128_columns_whichever_promotion_the_table_picks(monkeypatch):
-    from jax_dsrelu.kernels.sm90 import config, tuning
+def test_the_fused_kernels_rules_keep_128_columns_whichever_promotion_the_table_picks(decide):
+    from jax_dsrelu.kernels.sm90 import config
 
     request = dsrelu_request((128, 1856, 2688), False)
     for overlapped in (False, True):
-        table = tuning.value
-        monkeypatch.setattr(tuning, "value", lambda name, table=table, overlapped=overlapped: (
-            overlapped if name == "fp8_fused_overlap_promotion" else table(name)))
+        decide("fp8_fused_overlap_promotion", overlapped)
         chosen = config.choose_config(request)
         assert (chosen.tile_n, chosen.overlap_promotion) == (128, overlapped)
-        monkeypatch.undo()
 
 
 @pytest.mark.gpu

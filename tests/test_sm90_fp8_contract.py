@@ -263,7 +263,7 @@ def test_fp8_contraction_with_the_promotion_overlapped_compiles_for_sm90a(shape,
     from jax_dsrelu.kernels.sm90 import backend, ragged_call
 
     request = request_for(shape, out_dtype)
-    config = overlapped_config(request)
+    config = config_of(request, True)
     with backend.unverified_enabled("fp8"):
         compiled = ragged_call.compile_kernel(request, config, keep=True)
     assert f"wgmma.mma_async.sync.aligned.m64n{config.tile_n // 2}k32.f32.e4m3.e4m3" in compiled.ptx
@@ -283,19 +283,16 @@ def test_a_column_slots_offset_is_its_values_column_in_the_fragment():
         assert fragment.column_offset(fragment.column_slot(value)) == 8 * (value // 4) + value % 2
 
 
-def test_the_rules_keep_128_columns_whichever_promotion_the_table_picks(monkeypatch):
+def test_the_rules_keep_128_columns_whichever_promotion_the_table_picks(decide):
     """The promotion by column halves holds the waited one's registers, so the rules keep
     the 128-column tile with either; 16-bit operands have no promotion to overlap."""
-    from jax_dsrelu.kernels.sm90 import config, tuning
+    from jax_dsrelu.kernels.sm90 import config
 
     request = request_for((8, 4096, 2048), F32)
     for overlapped in (False, True):
-        table = tuning.value
-        monkeypatch.setattr(tuning, "value", lambda name, table=table, overlapped=overlapped: (
-            overlapped if name == "fp8_contract_overlap_promotion" else table(name)))
+        decide("fp8_contract_overlap_promotion", overlapped)
         chosen = config.choose_contract_config(request)
         assert (chosen.tile_n, chosen.overlap_promotion) == (128, overlapped)
-        monkeypatch.undo()
     sixteen_bit = config.choose_contract_config(
         RaggedContractRequest(num_experts=8, a=4096, b=2048, operand_dtype=BF16, out_dtype=F32))
     with pytest.raises(ValueError, match="overlap_promotion=True is for block-scaled FP8 operands"):
@@ -371,10 +368,6 @@ def test_the_k_major_copy_kernel_compiles_for_sm90a(n, num_experts):
 
 
 # ---------------------------------------------------------------------------- GPU tier
-
-
-def overlapped_config(request):
-    return config_of(request, True)
 
 
 # Groupings whose experts have 1, 2 and many groups, run by column halves too.
