@@ -3,6 +3,8 @@
 # between machines (a few percent between H200s) cannot pass for a change:
 #   bash benchmarks/step_ab.sh OLD_TREE OLD_COMMIT NEW_COMMIT [ROUNDS]
 #
+# STEP_AB_MORE ("TREE:COMMIT TREE:COMMIT", trees made as OLD_TREE is) adds commits to each
+# round, between the old and the new; their records are bench_layer_step_ab_<commit>_r<r>.json.
 # STEP_AB_SHAPES (bench_layer.py's --shapes) narrows the run, STEP_AB_VARIANTS (sm90,sm90_det
 # unless set: sm90_fp8 for the FP8 step) picks the variants. OLD_TREE holds the older
 # commit's jax_dsrelu, benchmarks and tests (git archive OLD_COMMIT ... | tar -x -C OLD_TREE);
@@ -17,8 +19,9 @@ source .gpu/activate.sh
 export JAX_DSRELU_KERNEL_CACHE="$PWD/.kernels/cache" PYTHONUNBUFFERED=1
 base="$PYTHONPATH"
 for round in $(seq 1 "$rounds"); do
-  for commit in "$old_commit" "$new_commit"; do
-    if [[ $commit == "$old_commit" ]]; then tree="$(cd "$old_tree" && pwd)" side=old; else tree="$PWD" side=new; fi
+  for entry in "$old_tree:$old_commit" $STEP_AB_MORE ".:$new_commit"; do
+    tree="$(cd "${entry%:*}" && pwd)" commit="${entry##*:}"
+    case $commit in "$old_commit") side=old ;; "$new_commit") side=new ;; *) side=$commit ;; esac
     mkdir -p "$OUT/$commit-$round"
     (cd "$tree" && PYTHONPATH="$tree:$tree/tests:$tree/benchmarks${base:+:$base}" \
       timeout 100 python3 benchmarks/bench_layer.py --commit "$commit" --out "$OUT/$commit-$round" \
