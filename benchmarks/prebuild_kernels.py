@@ -121,11 +121,11 @@ NUMBERED = {
     "layer test": _layer_tests,
     "fp8 test": lambda: _compiles(ragged_call, importlib.import_module("test_sm90_fp8").prebuild_requests(), "fp8") + _compiles(
         lowering, [(*built, False) for built in importlib.import_module("test_sm90_fp8").prebuild_fused_requests()], "fp8"),
-    "fp8 copy test": lambda: [job for t in ("contract", "quantize", "weights") for job in importlib.import_module(f"test_sm90_fp8_{t}").prebuild_copy_jobs()],
+    "fp8 copy test": lambda: [job for t in ("contract", "quantize", "weights", "rows") for job in importlib.import_module(f"test_sm90_fp8_{t}").prebuild_copy_jobs()],
     "bench_fp8_gemms": lambda: [functools.partial(importlib.import_module("bench_fp8_gemms").main, ["--prebuild"])],
     "bench_gemms": lambda: [functools.partial(bench_gemms.prebuild, [shape], bench_gemms.GEMMS, OURS, harness.BF16)
                             for shape in harness.SHAPES],
-    "bench_layer": lambda: [functools.partial(bench_layer.prebuild, [shape], OURS + ("sm90_fp8", "sm90_fp8_quantize"), bench_layer.MODES)
+    "bench_layer": lambda: [functools.partial(bench_layer.prebuild, [shape], OURS + ("sm90_fp8", "sm90_fp8_quantize", "sm90_fp8_rows"), bench_layer.MODES)
                             for shape in harness.SHAPES],
     "bench_moe_block": lambda: [functools.partial(bench_moe_block.prebuild, [block], bench_moe_block.KERNEL_VARIANTS)
                                 for block in bench_moe_block.BLOCKS.values()],

@@ -128,8 +128,21 @@ class WeightQuantizeRequest:
     weight_dtype: np.dtype
 
 
+@dataclasses.dataclass(frozen=True)
+class RowQuantizeRequest:
+    """Static facts of activation rows quantized for the FP8 GEMMs' A operands: x (m, k) in
+    rows_dtype, in 1 x 128 blocks of amax-scaled e4m3 along each row (m varies from call
+    to call). implementation: (x=) -> {values (m, k), scales (m, ceil(k / 128))}, as
+    `quantization.blockwise.quantize_blockwise` makes them.
+    """
+
+    k: int
+    rows_dtype: np.dtype
+
+
 # Every kind of request a kernel backend may be asked to serve.
-AnyRequest = Request | RaggedMatmulRequest | RaggedContractRequest | GatherSumRequest | WeightQuantizeRequest
+AnyRequest = (Request | RaggedMatmulRequest | RaggedContractRequest | GatherSumRequest | WeightQuantizeRequest
+              | RowQuantizeRequest)
 
 
 class KernelBackend(Protocol):
@@ -184,6 +197,11 @@ def gather_sum_request(rows: Any, index: Any) -> GatherSumRequest:
 def weight_quantize_request(w: Any) -> WeightQuantizeRequest:
     """The request of quantizing expert weights w (E, n, k) (an array or aval)."""
     return WeightQuantizeRequest(*w.shape, weight_dtype=np.dtype(w.dtype))
+
+
+def row_quantize_request(x: Any) -> RowQuantizeRequest:
+    """The request of quantizing activation rows x (m, k) (an array or aval)."""
+    return RowQuantizeRequest(k=x.shape[-1], rows_dtype=np.dtype(x.dtype))
 
 
 def request_from_avals(avals: Any, *, block_scaled: bool = False, **params: Any) -> Request:

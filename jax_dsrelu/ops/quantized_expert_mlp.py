@@ -48,7 +48,7 @@ from jax import lax
 
 from jax_dsrelu.kernels import registry
 from jax_dsrelu.kernels.registry import LayerBackends
-from jax_dsrelu.kernels.request import weight_quantize_request
+from jax_dsrelu.kernels.request import row_quantize_request, weight_quantize_request
 from jax_dsrelu.ops.expert_operands import Experts, Gradients
 from jax_dsrelu.primitives import dsrelu, sharding, validation
 from jax_dsrelu.primitives.ragged_contract import ragged_contract
@@ -106,20 +106,48 @@ def _up(recipe: Recipe, backends: LayerBackends, experts: Experts, w1_up: Quanti
     rows, w1, _, prob, group_sizes, b1, row_index = experts
     # Blocks along d are within a row, so quantizing the source rows and reading them
     # through the index is quantizing the rows read.
-    lhs, lhs_scale = _quantized_rows(rows, recipe, row_index)
+    lhs, lhs_scale = _quantized_rows(rows, recipe, backends.matmul, row_index)
     h, _ = ragged_matmul_srelu(lhs, w1_up.values, group_sizes, prob, b1, rhs_layout="nk", out_dtype=w1.dtype,
                                backend=backends.matmul, lhs_scale=lhs_scale, rhs_scale=w1_up.scales)
     return h
 
 
-def _quantized_rows(a: jax.Array, recipe: Recipe, index: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def _quantized_rows(a: jax.Array, recipe: Recipe, backend: str,
+                    index: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(values, scales) of the rows a[index] (all of a without an index), in blocks of
-    recipe.activations along K: a source quantized once, its rows' values and scales read
-    through the index."""
-    values, scales = blockwise.quantize_blockwise(a, recipe.activations)
+    recipe.activations along K: a source quantized once (`_quantize_rows`), its rows'
+    values and scales read through the index."""
+    values, scales = _quantize_rows(a, recipe, backend)
     if index is None:
         return values, scales
     return jnp.take(values, index, axis=0, mode="clip"), jnp.take(scales, index, axis=0, mode="clip")
+
+
+def _quantize_rows(a: jax.Array, recipe: Recipe, backend: str) -> tuple[jax.Array, jax.Array]:
+    """`blockwise.quantize_blockwise(a, recipe.activations)` of rows a (m, k): on a kernel
+    where `backend` finds one that serves (on Hopper, one pass over the rows:
+    `kernels/sm90/row_quantize_kernel.py`, while unverified only where enabled), else
+    XLA's quantizer. On a GPU the two may differ by a step of e4m3 where XLA's float32
+    division is not IEEE's (`quantization.blockwise`)."""
+    def by_xla(a):
+        return blockwise.quantize_blockwise(a, recipe.activations)
+
+    if backend == "xla" or recipe.activations != FP8_BLOCKWISE.activations or jnp.ndim(a) != 2:
+        return by_xla(a)
+    request = row_quantize_request(a)
+    name, implementation = registry.cuda_implementation(backend, request)
+    # An explicit backend's implementation comes without its refusals (an unverified kind's among them).
+    if implementation is None or registry.kernel_backend(name).cannot_implement(request) is not None:
+        return by_xla(a)
+
+    def by_kernel(a):
+        out = implementation(x=a)
+        return out["values"], out["scales"]
+
+    # A device quantizes its own rows, and under vmap one operand after another.
+    on_rows = jax.custom_batching.sequential_vmap(sharding.split_over_leading_axis(by_kernel, "m k -> m k, m q"))
+    # Where the computation is lowered for a GPU the kernel, elsewhere XLA.
+    return lax.platform_dependent(a, cuda=on_rows, default=by_xla)
 
 
 class QuantizedWeight(NamedTuple):
@@ -237,7 +265,7 @@ def _quantized_weight(w: jax.Array, recipe: Recipe) -> tuple[jax.Array, jax.Arra
 def _block_scaled_matmul(a, weight: QuantizedWeight, group_sizes, recipe, backends, *, out_dtype):
     """a @ w[e] row by row on a quantized and the weight as quantized (E, N, K): the
     block-scaled ragged matmul."""
-    lhs, lhs_scale = _quantized_rows(a, recipe)
+    lhs, lhs_scale = _quantized_rows(a, recipe, backends.matmul)
     return ragged_matmul(lhs, weight.values, group_sizes, rhs_layout="nk", out_dtype=out_dtype,
                          backend=backends.matmul, lhs_scale=lhs_scale, rhs_scale=weight.scales)
 
@@ -257,7 +285,7 @@ def epilogue(
     """The fused dsReLU GEMM on quantized dy and w2 (values and scales: the FP8 fused
     kernel where "auto" finds it enabled, else XLA's dequantizing reference), with its
     float32 epilogue and float32 dh and act."""
-    grad, grad_scale = _quantized_rows(dy, recipe, dy_index)
+    grad, grad_scale = _quantized_rows(dy, recipe, backends.dsrelu, dy_index)
     fused = dsrelu.bind(
         grad=grad, grad_block_scale=grad_scale, weight=w2.values, weight_block_scale=w2.scales, preact=h, prob=prob,
         group_sizes=group_sizes, alpha=jnp.ones((w2.values.shape[0],), jnp.float32),

@@ -23,12 +23,14 @@ from jax_dsrelu.kernels.request import (
     RaggedContractRequest,
     RaggedMatmulRequest,
     Request,
+    RowQuantizeRequest,
     WeightQuantizeRequest,
 )
 
 NAME = "sm90"
 DEVICE_DESCRIPTION = "Hopper GPUs (compute capability 9.0: H100, H200)"
-REQUEST_KINDS = (Request, RaggedMatmulRequest, RaggedContractRequest, GatherSumRequest, WeightQuantizeRequest)
+REQUEST_KINDS = (Request, RaggedMatmulRequest, RaggedContractRequest, GatherSumRequest, WeightQuantizeRequest,
+                 RowQuantizeRequest)
 
 UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 # Kernel kinds not verified on an H200:
@@ -69,11 +71,15 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 #                 before the test began, exit 139): memcheck clean in all 14 cases,
 #                 racecheck in 3 of 4; the tool crashed on every try of the fourth
 #                 (fewer_rows_than_a_group, float32 input), so that case is still to run.
+#   "fp8_rows"    the FP8 GEMMs' A operands quantized in one pass over the rows
+#                 (`row_quantize_kernel.py`, a `RowQuantizeRequest`), instead of XLA's
+#                 quantizer, which reads them twice. Compiled and lowered only: not yet run
+#                 on a GPU.
 # The expert weights' quantizing pass (`block_quantize_kernel.py`, a `WeightQuantizeRequest`)
 # left this list at 5aa3437: on an H100 its GPU tier passed (the recipe's oracle byte for
 # byte, both layouts, into poisoned outputs), memcheck and racecheck were clean, and the FP8
 # step on it took 10.9 ms at Nano's shape against 15.1 with XLA's quantizer.
-UNVERIFIED_KINDS = ("gathered", "gather_sum", "fp8", "fp8_quantize")
+UNVERIFIED_KINDS = ("gathered", "gather_sum", "fp8", "fp8_quantize", "fp8_rows")
 # The operands of each request kind that the "gathered" kernels read through an index.
 _GATHERED_OPERANDS = {
     Request: frozenset({"grad"}),
@@ -137,6 +143,13 @@ def cannot_implement(request: AnyRequest) -> str | None:
         from jax_dsrelu.kernels.sm90 import weight_quantize
 
         return weight_quantize.cannot_quantize(request)
+    if isinstance(request, RowQuantizeRequest):
+        from jax_dsrelu.kernels.sm90 import row_quantize
+
+        if not enabled("fp8_rows"):
+            return (f"the sm90 row quantizer is not verified on a Hopper card (set {UNVERIFIED_VARIABLE}=fp8_rows "
+                    f"to use it)")
+        return row_quantize.cannot_quantize_rows(request)
     if isinstance(request, GatherSumRequest):
         if not enabled("gather_sum"):
             return (f"the sm90 gather-and-sum kernel is not verified on an H200 (set {UNVERIFIED_VARIABLE}="
@@ -180,6 +193,10 @@ def implementation(request: AnyRequest) -> Callable[..., Mapping[str, jax.Array]
         from jax_dsrelu.kernels.sm90 import weight_quantize
 
         return weight_quantize.quantize_by_kernel  # the kernel is built from w's shape and dtype
+    if isinstance(request, RowQuantizeRequest):
+        from jax_dsrelu.kernels.sm90 import row_quantize
+
+        return row_quantize.quantize_rows_by_kernel  # the kernel is built from x's width and dtype
     from jax_dsrelu.kernels.sm90 import ragged_call
 
     # The switch is read here, when the call is lowered, and handed down.

@@ -1,0 +1,216 @@
+"""Activation rows quantized for the FP8 GEMMs' A operands by one pass on Hopper
+(`kernels/sm90/row_quantize_kernel.py`, through `row_quantize.quantize_rows_by_kernel`):
+`quantization.blockwise.quantize_blockwise` in 1 x 128 blocks along each row; and the FP8
+step, which quantizes its rows on it where the "fp8_rows" kind is enabled.
+
+CPU: the kernel refuses what it cannot take, naming it. Compile tier: compiles for sm_90a
+with IEEE division, the saturating e4m3 conversion, 16-byte loads, half-warp shuffles and no
+local memory; lowers to one call binding its buffers in their declared order; the FP8 step
+as lowered for Hopper quantizes its rows on it (x, act, dy, dh: four calls, and a loop under
+vmap) only where the kind is enabled. GPU tier (not yet run on a Hopper card): the kernel
+against the recipe's NumPy oracle, byte for byte but for a NaN's sign, values and scales,
+into outputs poisoned two ways, on a partial last block, a block count that leaves a CTA
+part empty, one row, Nano's widths, NaN, infinity and zero blocks and values among e4m3's
+subnormals, from bfloat16, float16 and float32; no rows at all.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+# Before anything imports CuTe DSL: on a machine without a GPU it cannot detect one.
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from jax_dsrelu.kernels.request import RowQuantizeRequest  # noqa: E402
+from jax_dsrelu.quantization.schema import FP8_BLOCKWISE  # noqa: E402
+from test_quantization_blockwise import oracle_quantize  # noqa: E402
+from test_sm90_fp8_quantize import assert_a_quantizing_pass, same_bytes_but_nan_sign  # noqa: E402
+
+BLOCK = FP8_BLOCKWISE.activations.block
+DTYPES = {"bf16": np.dtype(jnp.bfloat16), "f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
+# (m, k) of each case: a partial last block (Nano's f = 14.5 blocks), a block count that is
+# no multiple of a CTA's 16 (3 x 21), one row of one partial block, Nano's d.
+SHAPES = {"partial_last": (300, 1856), "ragged_cta": (3, 2688), "one_row": (1, 48), "nano_d": (520, 2688)}
+CASES = [("partial_last", "bf16"), ("partial_last", "f32"), ("partial_last", "f16"), ("ragged_cta", "bf16"),
+         ("one_row", "f32"), ("nano_d", "bf16")]
+IDS = [f"{name}-{dtype}" for name, dtype in CASES]
+
+
+def rows(name: str, dtype_name: str) -> np.ndarray:
+    """x (m, k) in the dtype: values over 2^-20 to 2^20 (most of a block's land among
+    e4m3's subnormals), a NaN in one block, an infinity in another and a block of zeros
+    where there are three blocks or more."""
+    m, k = SHAPES[name]
+    rng = np.random.default_rng(m + k)
+    x = rng.standard_normal((m, k)) * np.exp2(rng.uniform(-20, 20, (m, k)))
+    if dtype_name == "f16":  # float16's range: 2^-14 to 2^15 and its subnormals
+        x = np.clip(x, -6e4, 6e4)
+    if m * k > 2 * BLOCK[1]:
+        x[0, 5], x[m - 1, k - 1] = np.nan, -np.inf
+        x[m // 2, :BLOCK[1]] = 0.0
+    return np.asarray(jnp.asarray(x, DTYPES[dtype_name]))
+
+
+def oracle(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(values (m, k) e4m3 bytes, scales (m, ceil(k / 128))) by the recipe's rules in NumPy
+    (IEEE float32 division, round to nearest even)."""
+    values, scales = oracle_quantize(np.asarray(x, np.float32), BLOCK)
+    return values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scales
+
+
+def test_the_byte_oracle_tells_a_wrong_scale():
+    x = rows("partial_last", "bf16")
+    stored, _ = oracle(x)
+    moved, _ = oracle(np.asarray(x, np.float32) * np.float32(2 ** -0.5))
+    assert not same_bytes_but_nan_sign(moved, stored)  # a scale off by sqrt(2) moves values
+
+
+def test_the_row_quantizer_refuses_what_it_cannot_take():
+    from jax_dsrelu.kernels.sm90 import row_quantize
+
+    assert row_quantize.cannot_quantize_rows(RowQuantizeRequest(1856, np.dtype(jnp.bfloat16))) is None
+    for shape, dtype, match in (((4, 40), jnp.bfloat16, "multiple of 16, got k=40"), ((4, 0), jnp.float32, "k=0"),
+                                ((4, 64), jnp.int8, "int8")):
+        assert match in row_quantize.cannot_quantize_rows(RowQuantizeRequest(shape[1], np.dtype(dtype)))
+        with pytest.raises(ValueError, match=match):
+            row_quantize.quantize_rows_by_kernel(jax.ShapeDtypeStruct(shape, dtype))
+    with pytest.raises(ValueError, match=r"x \(m, k\), got x.shape=\(2, 4, 64\)"):
+        row_quantize.quantize_rows_by_kernel(jax.ShapeDtypeStruct((2, 4, 64), jnp.bfloat16))
+
+
+def test_the_fp8_step_refuses_the_row_quantizer_until_it_is_enabled():
+    from jax_dsrelu.kernels.sm90 import backend
+
+    request = RowQuantizeRequest(2688, np.dtype(jnp.bfloat16))
+    assert "fp8_rows" in backend.cannot_implement(request)
+    with backend.unverified_enabled("fp8_rows"):
+        assert backend.cannot_implement(request) is None
+
+
+def prebuild_copy_jobs():
+    """The passes the GPU tier runs, for the kernel cache: in place into poisoned buffers,
+    and as the tier's step calls them."""
+    from jax_dsrelu.kernels.sm90 import row_quantize
+
+    built = {(SHAPES[name][1], DTYPES[dtype], True) for name, dtype in CASES}
+    return [functools.partial(row_quantize.compile_row_quantize_kernel, k, dtype, outputs_in_place=in_place)
+            for k, dtype, in_place in sorted(built, key=repr)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_the_row_quantizer_compiles_for_sm90a(dtype):
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    import ptxas
+
+    from jax_dsrelu.kernels.sm90 import row_quantize
+
+    ptx = row_quantize.compile_row_quantize_kernel(1856, DTYPES[dtype], keep=True).ptx
+    for instruction in ("div.rn.f32", "cvt.rn.satfinite.e4m3x2.f32", "ld.global.v4", "st.global.v4.b16",
+                        "shfl.sync.bfly"):
+        assert instruction in ptx, instruction
+    assert "div.approx" not in ptx and "div.full" not in ptx and ".ftz" not in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    ptxas.check_assembly(ptx)
+
+
+def test_the_compile_checks_tell_another_quantizing_pass():
+    """The checks above are the row quantizer's: a pass of 16-byte stores (the weights')
+    lacks its 8-byte value stores."""
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    from jax_dsrelu.kernels.sm90 import weight_quantize
+
+    ptx = weight_quantize.compile_block_quantize_kernel(1, 128, 128, DTYPES["bf16"], keep=True).ptx
+    assert "st.global.v4.b16" not in ptx
+    assert_a_quantizing_pass(ptx)
+
+
+@pytest.mark.compile
+def test_the_row_quantizer_lowers_to_one_call_binding_its_buffers_in_order():
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    from test_operand_binding import unbound_buffers
+
+    from jax_dsrelu.kernels.sm90 import row_quantize
+
+    m, k = SHAPES["partial_last"]
+    text = jax.jit(row_quantize.quantize_rows_by_kernel).trace(
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @CuteDSLRT_NvJaxCutlassCall") == 1
+    plan = row_quantize.row_quantize_kernel(k, np.dtype(jnp.bfloat16)).operands()
+    assert unbound_buffers(plan, {"m": m}, text) == []
+
+
+def _fp8_step_text(kinds, batched=False) -> str:
+    """The FP8 moe_mlp step (value and grad in x, w1, w2) under "auto" as lowered for Hopper,
+    with the unverified kinds `kinds` enabled: its StableHLO text."""
+    from unittest import mock
+
+    import jax_dsrelu
+    from jax_dsrelu.kernels import registry
+    from jax_dsrelu.kernels.sm90 import backend
+
+    m, d, f, e = 512, 256, 384, 4
+    shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, d), (e, d, f), (e, f, d))]
+    sizes = jax.ShapeDtypeStruct((e,), jnp.int32)
+
+    def loss(x, w1, w2, group_sizes):
+        y = jax_dsrelu.moe_mlp(x, w1, w2, jnp.ones((m,), jnp.float32), group_sizes, precision=FP8_BLOCKWISE)
+        return jnp.sum(y.astype(jnp.float32))
+
+    step = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    if batched:
+        step = jax.vmap(step, in_axes=(0, None, None, None))
+        shapes[0] = jax.ShapeDtypeStruct((2, m, d), jnp.bfloat16)
+    with backend.unverified_enabled(*kinds), mock.patch.object(registry, "cuda_compute_capability", lambda: (9, 0)):
+        return jax.jit(step).trace(*shapes, sizes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.compile
+def test_the_fp8_step_quantizes_its_rows_on_the_kernel_only_where_enabled():
+    """Enabled, the step's four row quantizations (x for up, act for down, dy for the fused
+    kernel, dh for dx) are the kernel's calls, one each, and under vmap each sits in a loop;
+    else XLA's quantizer makes them and no call of the kernel is in the program."""
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    def row_calls(text):
+        return sum("custom_call @CuteDSLRT" in line and "RowQuantizeSm90" in line for line in text.splitlines())
+
+    assert row_calls(_fp8_step_text(("fp8", "fp8_rows"))) == 4
+    assert row_calls(_fp8_step_text(("fp8",))) == 0
+    batched = _fp8_step_text(("fp8", "fp8_rows"), batched=True)
+    assert row_calls(batched) == 4 and "stablehlo.while" in batched
+
+
+# ---------------------------------------------------------------------------- GPU tier
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, dtype", CASES, ids=IDS)
+def test_the_row_quantizer_computes_the_recipe(hopper, name, dtype):
+    """Byte for byte the oracle (but for a NaN's sign), values and scales, into outputs
+    poisoned two ways: a byte or scale the kernel does not write keeps the poison."""
+    from jax_dsrelu.kernels.sm90 import row_quantize
+
+    x = rows(name, dtype)
+    want_values, want_scales = oracle(x)
+    run = jax.jit(lambda x, filled: row_quantize.quantize_rows_by_kernel(x, filled=filled))
+    for poison in (0xA5, 0x5A):
+        filled = {"values": jax.lax.bitcast_convert_type(jnp.full(x.shape, poison, jnp.uint8), jnp.float8_e4m3fn),
+                  "scales": jnp.full(want_scales.shape, -float(poison), jnp.float32)}
+        out = run(jnp.asarray(x), filled)
+        assert same_bytes_but_nan_sign(np.asarray(out["values"]).view(np.uint8), want_values)
+        np.testing.assert_array_equal(np.asarray(out["scales"]), want_scales)
+
+
+@pytest.mark.gpu
+def test_no_rows_give_empty_outputs(hopper):
+    from jax_dsrelu.kernels.sm90 import row_quantize
+
+    out = jax.jit(row_quantize.quantize_rows_by_kernel)(jnp.zeros((0, 1856), jnp.bfloat16))
+    assert out["values"].shape == (0, 1856) and out["scales"].shape == (0, 15)
