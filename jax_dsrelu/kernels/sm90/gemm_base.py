@@ -218,7 +218,7 @@ class GemmSm90:
     def stored_outputs(self) -> tuple[str, ...]:
         raise NotImplementedError(f"{type(self).__name__} declares no stored outputs")
 
-    def _major(self, name: str) -> LayoutEnum:
+    def major(self, name: str) -> LayoutEnum:
         """K-major (ROW_MAJOR: the kernel's mode 1, K, is contiguous) or MN-major
         (COL_MAJOR), from the declared mode order of GEMM operand `name`."""
         return LayoutEnum.ROW_MAJOR if self.operand(name).contiguous_mode == 1 else LayoutEnum.COL_MAJOR
@@ -232,7 +232,7 @@ class GemmSm90:
         the JAX bridge passes them."""
         t = by_name(self.operands(), tensors, type(self).__name__)
         tiled_mma, a_layout, b_layout = self._mma(
-            getattr(t, self.operand_a).element_type, self._major(self.operand_a), self._major(self.operand_b)
+            getattr(t, self.operand_a).element_type, self.major(self.operand_a), self.major(self.operand_b)
         )
         copy_a, mA = self.a_source(t, a_layout)
         tma_b, mB = self.b_source(t, b_layout)

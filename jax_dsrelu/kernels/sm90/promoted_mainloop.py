@@ -59,8 +59,8 @@ def column_halves(kernel, ctid, sA, sB) -> ColumnHalves:
     kernel, from `mainloop_setup`)."""
     half_n = kernel.tile_n // 2
     mma = sm90_utils.make_trivial_tiled_mma(
-        kernel.ab_dtype, kernel.ab_dtype, kernel._major(kernel.operand_a).sm90_mma_major_mode(),
-        kernel._major(kernel.operand_b).sm90_mma_major_mode(), Float32, (2, 1, 1), tiler_mn=(64, half_n))
+        kernel.ab_dtype, kernel.ab_dtype, kernel.major(kernel.operand_a).sm90_mma_major_mode(),
+        kernel.major(kernel.operand_b).sm90_mma_major_mode(), Float32, (2, 1, 1), tiler_mn=(64, half_n))
     warpgroup_mma = mma.get_slice(cute.make_layout(2, stride=128)(ctid // 128))
     halves_of_b = [cute.local_tile(sB, (half_n, kernel.tile_k, kernel.config.ab_stages), (half, 0, 0))
                    for half in range(2)]
