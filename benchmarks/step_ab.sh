@@ -20,7 +20,7 @@ export JAX_DSRELU_KERNEL_CACHE="$PWD/.kernels/cache" PYTHONUNBUFFERED=1
 base="$PYTHONPATH"
 for round in $(seq 1 "$rounds"); do
   for entry in "$old_tree:$old_commit" $STEP_AB_MORE ".:$new_commit"; do
-    tree="$(cd "${entry%:*}" && pwd)" commit="${entry##*:}"
+    tree="$(cd "${entry%:*}" && pwd)" commit="${entry##*:}" || { echo "no tree ${entry%:*}"; exit 1; }
     case $commit in "$old_commit") side=old ;; "$new_commit") side=new ;; *) side=$commit ;; esac
     mkdir -p "$OUT/$commit-$round"
     (cd "$tree" && PYTHONPATH="$tree:$tree/tests:$tree/benchmarks${base:+:$base}" \

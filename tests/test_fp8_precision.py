@@ -234,11 +234,11 @@ def straddling_row_groups(group_sizes, num_rows, rows_per_group):
     return jnp.arange(num_rows, dtype=jnp.int32) // rows_per_group
 
 
-QUANTIZE_ROWS, QUANTIZED_WEIGHT = qmlp._quantize_rows, qmlp._quantized_weight
+QUANTIZE_ROWS, QUANTIZED_WEIGHT = qmlp._quantize_source_rows, qmlp._quantized_weight
 # bug: (the functions it replaces, as (module, name, wrong version), the checks it must fail).
 PLANTED = {
     "a scale from the neighbouring block": (
-        [(qmlp, "_quantize_rows", rolled_row_scales)],
+        [(qmlp, "_quantize_source_rows", rolled_row_scales)],
         {"h", "y", "dh", "dprob", "db1", "dx"}),
     "a weight's block scale from the neighbouring block": (
         [(qmlp, "_quantized_weight", rolled_quantized_weight_scales)],
@@ -373,7 +373,7 @@ def test_the_step_is_float64_of_the_unquantized_layer_within_the_e4m3_bound(dtyp
 
 def test_the_e4m3_bound_catches_a_scale_from_the_neighbouring_block(monkeypatch):
     arrays = inputs(seed=1)
-    monkeypatch.setattr(qmlp, "_quantize_rows", rolled_row_scales)
+    monkeypatch.setattr(qmlp, "_quantize_source_rows", rolled_row_scales)
     ratios = outside_the_bound(moe_mlp_step("float32", *arrays), *unquantized_bounds(*arrays, F32))
     assert max(ratios.values()) > 1, ratios
 

@@ -147,10 +147,10 @@ def test_majorness_follows_from_the_declared_mode_order():
 
     # A (m, k) rows are K-major; rhs stored (E, k, n) is N-major, (E, n, k) K-major; the
     # contraction's (m, a) and (m, b), contracted over m, are both MN-major.
-    assert kernel(matmul_request("kn"))._major("lhs") == LayoutEnum.ROW_MAJOR
-    assert kernel(matmul_request("kn"))._major("rhs") == LayoutEnum.COL_MAJOR
-    assert kernel(matmul_request("nk"))._major("rhs") == LayoutEnum.ROW_MAJOR
-    assert kernel(CONTRACT)._major("lhs") == kernel(CONTRACT)._major("rhs") == LayoutEnum.COL_MAJOR
+    assert kernel(matmul_request("kn")).major("lhs") == LayoutEnum.ROW_MAJOR
+    assert kernel(matmul_request("kn")).major("rhs") == LayoutEnum.COL_MAJOR
+    assert kernel(matmul_request("nk")).major("rhs") == LayoutEnum.ROW_MAJOR
+    assert kernel(CONTRACT).major("lhs") == kernel(CONTRACT).major("rhs") == LayoutEnum.COL_MAJOR
 
 
 def test_the_host_function_refuses_tensors_that_are_not_its_declaration():

@@ -115,15 +115,15 @@ def _up(recipe: Recipe, backends: LayerBackends, experts: Experts, w1_up: Quanti
 def _quantized_rows(a: jax.Array, recipe: Recipe, backend: str,
                     index: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(values, scales) of the rows a[index] (all of a without an index), in blocks of
-    recipe.activations along K: a source quantized once (`_quantize_rows`), its rows'
+    recipe.activations along K: a source quantized once (`_quantize_source_rows`), its rows'
     values and scales read through the index."""
-    values, scales = _quantize_rows(a, recipe, backend)
+    values, scales = _quantize_source_rows(a, recipe, backend)
     if index is None:
         return values, scales
     return jnp.take(values, index, axis=0, mode="clip"), jnp.take(scales, index, axis=0, mode="clip")
 
 
-def _quantize_rows(a: jax.Array, recipe: Recipe, backend: str) -> tuple[jax.Array, jax.Array]:
+def _quantize_source_rows(a: jax.Array, recipe: Recipe, backend: str) -> tuple[jax.Array, jax.Array]:
     """`blockwise.quantize_blockwise(a, recipe.activations)` of rows a (m, k): on a kernel
     where `backend` finds one that serves (on Hopper, one pass over the rows:
     `kernels/sm90/row_quantize_kernel.py`, while unverified only where enabled), else

@@ -282,7 +282,10 @@ def mma_k_tiles_promoted_by_column(
     batches queue behind warpgroup 0's, and each warpgroup may promote a k-tile while the
     other's batch runs. Once staggered they stay so: each issues its next batch after its
     promotion, behind the other's batch in flight. The epilogue's barriers bring them
-    together again at the tile's end. Measured in the FP8 step on an H100
+    together again at the tile's end, which the turns rely on: without them warpgroup 0
+    could arrive at the next tile's STAGGER before warpgroup 1 had waited at this one's.
+    The barrier counts the kernel's two consumer warpgroups (256 threads;
+    `GemmSm90.consumer_threads`). Measured in the FP8 step on an H100
     (docs/fp8-kernels.md): the turns alone made this kernel 6% slower, the turns with the
     prefetch 5-14% faster than neither; the prefetch alone is not yet measured."""
     acc = ctx.acc

@@ -14,13 +14,16 @@ import numpy as np
 from jax_dsrelu.kernels.request import RowQuantizeRequest, row_quantize_request
 from jax_dsrelu.kernels.sm90.arch import ARCH
 from jax_dsrelu.quantization.blockwise import INPUT_DTYPES
+from jax_dsrelu.quantization.schema import FP8_BLOCKWISE
 
-_BLOCK = 128  # the recipe's activation blocks along a row (row_quantize_kernel.BLOCK)
+_BLOCK = FP8_BLOCKWISE.activations.block[1]  # the kernel's blocks along a row
 
 
 def cannot_quantize_rows(request: RowQuantizeRequest) -> str | None:
     """Why the kernel does not take these rows, or None: it takes x (m, k) of k a positive
-    multiple of 16 (every 16-byte piece inside a row), in bfloat16, float16 or float32."""
+    multiple of 16 (every row then starts 16-byte aligned for the loads and 8-byte aligned
+    for the stores, in every dtype; the FP8 GEMMs ask as much of K), in bfloat16, float16
+    or float32."""
     if request.k <= 0 or request.k % 16:
         return f"the sm90 row quantizer takes rows of k a positive multiple of 16, got k={request.k}"
     if np.dtype(request.rows_dtype) not in INPUT_DTYPES:

@@ -31,8 +31,8 @@ block of x, and a thread past the last block or past k loads zeros and stores no
 The division is IEEE's (div.rn.f32), the conversion `cvt.rn.satfinite.e4m3x2.f32` (`e4m3.py`).
 
 Constraints (`row_quantize.cannot_quantize_rows` refuses the rest): k a positive multiple
-of 16, so that every 16-byte piece lies whole inside a row; m > 0 (the caller makes an
-empty x's outputs without a launch).
+of 16, so that every row starts aligned for the 16-byte loads and 8-byte stores; m > 0
+(the caller makes an empty x's outputs without a launch).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import cutlass.cute as cute
 import numpy as np
 from cutlass import Float32, Int32
 
-from jax_dsrelu.kernels.operands import M, KernelOperand, Rows
+from jax_dsrelu.kernels.operands import M, KernelOperand
 from jax_dsrelu.kernels.sm90 import e4m3
 
 BLOCK = 128  # elements of a block along a row
@@ -72,7 +72,7 @@ class RowQuantizeSm90:
         return [
             KernelOperand("x", "input", self.dtype, (M, self.k)),
             KernelOperand("values", "output", _E4M3, (M, self.k)),
-            KernelOperand("scales", "output", _F32, (Rows(), self.blocks_per_row)),
+            KernelOperand("scales", "output", _F32, (M, self.blocks_per_row)),
         ]
 
     @cute.jit
