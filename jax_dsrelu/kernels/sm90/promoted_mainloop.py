@@ -247,10 +247,13 @@ def mma_k_tiles_promoted(
 
 
 @cute.jit
-def _landed_block(ctx, acc_block, read_state, release_state):
+def _landed_block(ctx, acc_block, read_state, release_state, while_it_runs=None):
     """The next k-tile's wgmma batch into a fresh `acc_block`, waited for, its stage
-    released: one batch in flight, then the states advanced (release first)."""
+    released: one batch in flight, then the states advanced (release first).
+    `while_it_runs` (traced code, or None) goes between the issue and the wait."""
     _wgmma_batch(ctx, acc_block, read_state)
+    if cutlass.const_expr(while_it_runs is not None):
+        while_it_runs()
     warpgroup.wait_group(0)
     ctx.ab_pipeline.consumer_release(release_state)
     release_state.advance()
@@ -298,9 +301,10 @@ def mma_k_tiles_promoted_by_column(
         # The next k-tile's scale lines, asked for while this batch runs (the last
         # k-tile's are its own again: in bounds).
         next_block = first_block + cutlass.min(k_tile + 1, k_tiles - 1)
-        read_state, release_state = _landed_block_in_turn(
-            ctx, acc_block, read_state, release_state, warpgroup_index, k_tile,
-            lambda: _prefetch_scale_lines(lhs_scale, rows, rhs_scale, columns, next_block))
+        _wait_for_the_first_warpgroup(warpgroup_index, k_tile)
+        read_state, release_state = _landed_block(
+            ctx, acc_block, read_state, release_state,
+            lambda: _let_go_and_prefetch(warpgroup_index, k_tile, lhs_scale, rows, rhs_scale, columns, next_block))
         for v in cutlass.range_constexpr(cute.size(acc)):
             scale = row_scales[fragment.row_half(v)] * column_scales[fragment.column_slot(v)]
             acc[v] = acc[v] + acc_block[v] * scale
@@ -323,22 +327,11 @@ def _prefetch_scale_lines(lhs_scale, rows, rhs_scale, columns, block):
 
 
 @cute.jit
-def _landed_block_in_turn(ctx, acc_block, read_state, release_state, warpgroup_index: Int32, k_tile: Int32,
-                          while_it_runs=None):
-    """The next k-tile's wgmma batch into a fresh `acc_block`, waited for, its stage
-    released: one batch in flight, then the states advanced (release first); at a tile's
-    first k-tile warpgroup 1 issues after warpgroup 0 has. `while_it_runs` (traced
-    code, or None) goes between the issue and the wait."""
-    _wait_for_the_first_warpgroup(warpgroup_index, k_tile)
-    _wgmma_batch(ctx, acc_block, read_state)
+def _let_go_and_prefetch(warpgroup_index: Int32, k_tile: Int32, lhs_scale, rows, rhs_scale, columns, block):
+    """What runs beside a contraction k-tile's batch: warpgroup 0 lets warpgroup 1 issue
+    (at a tile's first k-tile), then K block `block`'s scale lines are asked of L1."""
     _let_the_second_warpgroup_go(warpgroup_index, k_tile)
-    if cutlass.const_expr(while_it_runs is not None):
-        while_it_runs()
-    warpgroup.wait_group(0)
-    ctx.ab_pipeline.consumer_release(release_state)
-    release_state.advance()
-    read_state.advance()
-    return read_state, release_state
+    _prefetch_scale_lines(lhs_scale, rows, rhs_scale, columns, block)
 
 
 @cute.jit
