@@ -248,14 +248,16 @@ def test_the_quantizing_copy_compiles_for_sm90a(dtype):
     assert_a_quantizing_pass(ptx)
 
 
-def assert_a_quantizing_pass(ptx: str, *also: str) -> None:
+SIXTEEN_BYTE_ACCESSES = ("ld.global.v4", "st.shared.v4", "st.global.v4")
+
+
+def assert_a_quantizing_pass(ptx: str, *also: str, accesses=SIXTEEN_BYTE_ACCESSES) -> None:
     """A quantizing pass's PTX: IEEE division (no approximation, no flush to zero), the
-    saturating RNE conversion, 16-byte accesses and the instructions `also` names, no local
-    memory, and ptxas takes it."""
+    saturating RNE conversion, its vector `accesses` (16-byte loads and stores unless
+    named) and the instructions `also` names, no local memory, and ptxas takes it."""
     import ptxas
 
-    for instruction in ("div.rn.f32", "cvt.rn.satfinite.e4m3x2.f32", "ld.global.v4", "st.shared.v4", "st.global.v4",
-                        *also):
+    for instruction in ("div.rn.f32", "cvt.rn.satfinite.e4m3x2.f32", *accesses, *also):
         assert instruction in ptx, instruction
     assert "div.approx" not in ptx and "div.full" not in ptx and ".ftz" not in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
