@@ -10,16 +10,20 @@ R = 128 G:
 
 the layout `contract_layout.py` makes (`ragged.padded_sources`), which the contraction's
 kernel reads K-major (`blockwise_contract_kernel.py`). XLA:GPU writes it in one loop
-fusion whose threads read across rows (docs/fp8-kernels.md, the step's record); here a
-CTA of 128 threads takes one group and 128 columns: thread i copies the group's row i
-into a shared-memory tile (16-byte loads; zeros past the group's rows), then thread j
-writes column j's 128 bytes of the group (16-byte stores). Every byte of k_major is
-written once, by one thread, so the copy is the same on every run.
+fusion whose threads read across rows (docs/fp8-kernels.md, the step's record).
 
-The tile's rows are 144 bytes apart: the first phase's 16-byte stores of eight
-neighbouring threads (rows i to i + 7) then fall on distinct banks, and the second
-phase's byte loads of a warp (one row, 32 neighbouring columns) on eight banks, one
-wavefront.
+A CTA of 128 threads takes one group and 128 columns, a 128 x 128 byte tile, and moves it
+in whole 128-byte lines both ways: eight neighbouring threads load one row's 128 bytes
+(16-byte loads; zeros past the group's rows and past n), a warp four rows, into shared
+memory; after a barrier, eight neighbouring threads store one column's 128 padded rows
+(16-byte stores of 16 byte reads down the tile), a warp four columns. Every byte of
+k_major is written once, by one thread, so the copy is the same on every run.
+
+The tile's rows are 128 bytes, with row r's 16-byte chunk c kept at slot c ^ (r // 16 %
+8): the first phase's 16-byte stores of a warp (four rows' eight chunks each) then fill
+four wavefronts, the least for 512 bytes, and the second phase's byte reads of a warp
+(four neighbouring columns, in eight row ranges r // 16 = 0 .. 7) fall in eight slots
+on distinct banks, one wavefront.
 
 Constraints (`contract_layout.copy_by_kernel` refuses the rest): n a positive multiple of
 16 (16-byte rows of e4m3, as TMA asks of the contraction's operands), m > 0 (no rows, no
@@ -37,7 +41,8 @@ from jax_dsrelu.kernels.operands import M, KernelOperand, Rows
 
 BLOCK = 128  # rows of a group, columns of a CTA, threads of a CTA
 VECTOR = 16  # bytes per load and store
-_PITCH = BLOCK + VECTOR  # the shared tile's row pitch in bytes (module doc)
+CHUNKS = BLOCK // VECTOR  # 16-byte chunks of a tile row: threads sharing a row or a column (8)
+PASSES = CHUNKS  # rows (columns) a thread loads (stores), 16 apart (8)
 _U8 = np.dtype(np.uint8)
 _I32 = np.dtype(np.int32)
 
@@ -67,7 +72,7 @@ class KMajorCopySm90:
 
         @cute.struct
         class Storage:
-            tile: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK * _PITCH], 16]
+            tile: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK * BLOCK], 16]
 
         self.storage = Storage
         column_blocks = (self.n + BLOCK - 1) // BLOCK
@@ -79,7 +84,9 @@ class KMajorCopySm90:
         tidx, _, _ = cute.arch.thread_idx()
         group, column_block, _ = cute.arch.block_idx()
         storage = cutlass.memory.SmemAllocator().allocate(self.storage)
-        tile = storage.tile.get_tensor(cute.make_layout((BLOCK, BLOCK), stride=(_PITCH, 1)))
+        # The tile's bytes, row after row, and their 16-byte slots: slot 8 r + s is row r's slot s.
+        tile = storage.tile.get_tensor(cute.make_layout(BLOCK * BLOCK))
+        tile_slots = cute.logical_divide(tile, VECTOR)
         copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint8, num_bits_per_copy=8 * VECTOR)
         chunk = cute.make_rmem_tensor(cute.make_layout(VECTOR), cutlass.Uint8)
         first_column = column_block * BLOCK
@@ -87,19 +94,21 @@ class KMajorCopySm90:
         rows = cutlass.min(first_rows[group + 1], cute.size(values, mode=[0])) - first
         # (vector, chunks) views: chunk c of a row is its bytes [16 c, 16 c + 16).
         value_chunks = cute.logical_divide(values, (None, VECTOR))
-        tile_chunks = cute.logical_divide(tile, (None, VECTOR))
-        # The group's row tidx into the tile, zeros past its rows and past n.
-        for v in cutlass.range_constexpr(BLOCK // VECTOR):
+        lane = tidx % CHUNKS
+        # Phase 1: thread t loads chunk t % 8 of rows t // 8 + 16 p; zeros past the group's rows and past n.
+        for p in cutlass.range_constexpr(PASSES):
+            row = tidx // CHUNKS + (BLOCK // CHUNKS) * p
             chunk.fill(0)
-            if tidx < rows and first_column + v * VECTOR < self.n:
-                cute.copy(copy, value_chunks[first + tidx, (None, first_column // VECTOR + v)], chunk)
-            cute.copy(copy, chunk, tile_chunks[tidx, (None, v)])
+            if row < rows and first_column + lane * VECTOR < self.n:
+                cute.copy(copy, value_chunks[first + row, (None, first_column // VECTOR + lane)], chunk)
+            cute.copy(copy, chunk, tile_slots[None, row * CHUNKS + (lane ^ (row // VECTOR % CHUNKS))])
         cute.arch.sync_threads()
-        # Column first_column + tidx of the tile, the group's 128 padded rows of it.
-        column = first_column + tidx
-        if column < self.n:
-            out_chunks = cute.logical_divide(k_major[column, group, None], VECTOR)
-            for v in cutlass.range_constexpr(BLOCK // VECTOR):
+        # Phase 2: thread t stores rows [16 (t % 8), 16 (t % 8) + 16) of columns t // 8 + 16 p.
+        for p in cutlass.range_constexpr(PASSES):
+            column = tidx // CHUNKS + (BLOCK // CHUNKS) * p
+            if first_column + column < self.n:
+                slot = (column // VECTOR) ^ lane
                 for k in cutlass.range_constexpr(VECTOR):
-                    chunk[k] = tile[v * VECTOR + k, tidx]
-                cute.copy(copy, chunk, out_chunks[None, v])
+                    chunk[k] = tile[(lane * VECTOR + k) * BLOCK + slot * VECTOR + column % VECTOR]
+                out_chunks = cute.logical_divide(k_major[first_column + column, group, None], VECTOR)
+                cute.copy(copy, chunk, out_chunks[None, lane])
