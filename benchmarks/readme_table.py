@@ -29,7 +29,7 @@ HEADERS = {
     "batched_mlp": "batched bf16 MLP", "gemms_cublas": "its GEMMs alone, bf16 cuBLAS", "cublas_dense": "dense bf16 cuBLAS",
     "cublas_batched": "batched bf16 cuBLAS", "gathered": "library, auto with gathered loads (sm90, not yet in auto)",
     "gathered_det": "the same, deterministic", "sm90_fp8": "sm90 FP8", "sm90_fp8_copy": "sm90 FP8, kernel copies", "sm90_fp8_quantize": "sm90 FP8, dW quantized by kernel",
-    "sm90_fp8_det": "sm90 FP8, deterministic", "sm90_fp8_rows": "sm90 FP8, rows quantized by kernel", "sm90_fp8_weights": "sm90 FP8, weights quantized by kernel", "sm90_fp8_reused": "sm90 FP8, weights quantized beforehand", "quantize": "quantizing the rows",
+    "sm90_fp8_det": "sm90 FP8, deterministic", "sm90_fp8_rows": "sm90 FP8, rows quantized by kernel", "sm90_fp8_kernels": "sm90 FP8, rows and dW quantized by kernel", "sm90_fp8_weights": "sm90 FP8, weights quantized by kernel", "sm90_fp8_reused": "sm90 FP8, weights quantized beforehand", "quantize": "quantizing the rows",
     "cublas_fp8": "dense FP8 cuBLASLt (XLA)", "torch_fp8": "dense FP8 torch._scaled_mm", "cublas_bf16": "dense bf16 cuBLAS"}
 # Our kernels' classes in the mangled CuTe DSL names of a breakdown; the FP8 and gathered ones first,
 # since a name holds the first class it matches (GatheredRaggedGemmSm90 holds RaggedGemmSm90).

@@ -18,17 +18,19 @@ which is `quantize_ragged_rows`' scales and the copy of its values into the padd
 layout, byte for byte but for the sign of a NaN (an e4m3 NaN is 0x7F or 0xFF alike),
 where XLA divides as IEEE asks (XLA:CPU); XLA:GPU's float32 division (div.full.f32) can
 put a quotient an ulp off, and a value a step of e4m3 away (`quantization.blockwise`).
-A CTA of 128 threads takes one group and 64 columns: thread i converts the group's row i
-to float32 into a shared tile (16-byte loads; zeros past the group's rows and past n);
-then threads c and c + 64 take column c's first and second 64 rows, each its maximum,
-exchanged through shared memory (a maximum is exact in any order); then each quantizes
-its 64 rows and stores their 64 bytes (16-byte stores), and thread c the scale. Every
-output byte is written once, by one thread: the same bits on every run.
+A CTA of 128 threads takes one group and 64 columns, and moves them in whole lines both
+ways. First, neighbouring threads load one row's 64 columns (16-byte loads, eight threads a
+row of 16-bit values, sixteen of float32; zeros past the group's rows and past n), widen
+them and store them as float32 into a shared tile. After a barrier, eight neighbouring
+threads take one column, 16 rows each: each its maximum, the eight's by warp shuffles (a
+maximum is exact in any order); then each quantizes its 16 rows and stores their 16 bytes
+(one 16-byte store, the eight together a 128-byte line), and the first of them the scale.
+Every output byte is written once, by one thread: the same bits on every run.
 
-The tile's rows are 68 float32 apart (272 bytes): the first phase's 16-byte stores of
-eight neighbouring threads (rows i to i + 7) fall on distinct banks, and the second
-phase's loads of a warp (one row, 32 neighbouring columns) on 32, one wavefront. It
-holds 34.8 KB, under the 48 KB a launch gets without asking.
+The tile's rows are 64 float32 (256 bytes), with row r's 16-byte chunk c (columns 4 c to
+4 c + 3) kept at slot c ^ (r // 16 % 8): a warp's reads in the second phase (four
+neighbouring columns in eight row ranges r // 16 = 0 .. 7) then fall on 32 distinct banks,
+one wavefront. It holds 32 KB, under the 48 KB a launch gets without asking.
 
 The division is IEEE's (div.rn.f32), the conversion `cvt.rn.satfinite.e4m3x2.f32`:
 saturating is the recipe's clamp to +-448 (x / scale exceeds 448 by an ulp at most,
@@ -51,8 +53,9 @@ from jax_dsrelu.kernels.sm90.e4m3 import ELEMENT_TYPES, FLOAT32_MAX, RECIPROCAL,
 
 BLOCK = 128  # rows of a group, threads of a CTA
 COLUMNS = 64  # columns of a CTA
-PARTS = BLOCK // COLUMNS  # threads per column in the second phase, each taking BLOCK // PARTS rows
-_PITCH = COLUMNS + 4  # the tile's row pitch in float32 (module doc)
+QUAD = 4  # float32 of a 16-byte chunk of the tile
+PARTS = 8  # threads sharing a column in the second phase, 16 rows each (a 128-byte line of k_major)
+PART_ROWS = BLOCK // PARTS
 _I32 = np.dtype(np.int32)
 _F32 = np.dtype(np.float32)
 _E4M3 = np.dtype("float8_e4m3fn")
@@ -88,10 +91,7 @@ class KMajorQuantizeSm90:
 
         @cute.struct
         class Storage:
-            tile: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK * _PITCH], 16]
-            # Each part's maximum and whether it saw a NaN or an infinity, by column.
-            amax: cute.struct.MemRange[Float32, PARTS * COLUMNS]
-            special: cute.struct.MemRange[cutlass.Int32, PARTS * COLUMNS]
+            tile: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK * COLUMNS], 16]
 
         self.storage = Storage
         column_blocks = (self.n + COLUMNS - 1) // COLUMNS
@@ -103,72 +103,77 @@ class KMajorQuantizeSm90:
         tidx, _, _ = cute.arch.thread_idx()
         group, column_block, _ = cute.arch.block_idx()
         storage = cutlass.memory.SmemAllocator().allocate(self.storage)
-        tile = storage.tile.get_tensor(cute.make_layout((BLOCK, COLUMNS), stride=(_PITCH, 1)))
-        part_amax = storage.amax.get_tensor(cute.make_layout((PARTS, COLUMNS), stride=(COLUMNS, 1)))
-        part_special = storage.special.get_tensor(cute.make_layout((PARTS, COLUMNS), stride=(COLUMNS, 1)))
+        # The tile row after row, and its 16-byte slots: slot 16 r + s is row r's slot s.
+        tile = storage.tile.get_tensor(cute.make_layout(BLOCK * COLUMNS))
+        tile_slots = cute.logical_divide(tile, QUAD)
+        slots_per_row = COLUMNS // QUAD
         first_column = column_block * COLUMNS
         first = first_rows[group]
         rows = cutlass.min(first_rows[group + 1], cute.size(x, mode=[0])) - first
 
-        # Phase 1: the group's row tidx, as float32, into the tile; zeros past its rows and n.
+        # Phase 1: thread t loads the 16-byte piece t % L of rows t // L + (128 / L) p (L pieces a row),
+        # widened into the tile; zeros past the group's rows and past n.
         load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.element, num_bits_per_copy=8 * VECTOR_BYTES)
         store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=8 * VECTOR_BYTES)
         loaded = cute.make_rmem_tensor(cute.make_layout(self.per_load), self.element)
         widened = cute.make_rmem_tensor(cute.make_layout(self.per_load), Float32)
-        x_chunks = cute.logical_divide(x, (None, self.per_load))
-        tile_quads = cute.logical_divide(tile, (None, 4))  # 16-byte pieces of a float32 row
-        for v in cutlass.range_constexpr(COLUMNS // self.per_load):
+        widened_quads = cute.logical_divide(widened, QUAD)
+        x_pieces = cute.logical_divide(x, (None, self.per_load))
+        pieces_per_row = COLUMNS // self.per_load
+        rows_per_pass = BLOCK // pieces_per_row
+        piece = tidx % pieces_per_row
+        for p in cutlass.range_constexpr(pieces_per_row):
+            row = tidx // pieces_per_row + rows_per_pass * p
             loaded.fill(0)
-            if tidx < rows and first_column + v * self.per_load < self.n:
-                cute.copy(load, x_chunks[first + tidx, (None, first_column // self.per_load + v)], loaded)
+            if row < rows and first_column + piece * self.per_load < self.n:
+                cute.copy(load, x_pieces[first + row, (None, first_column // self.per_load + piece)], loaded)
             widened.store(loaded.load().to(Float32))
-            widened_quads = cute.logical_divide(widened, 4)
-            for q in cutlass.range_constexpr(self.per_load // 4):
-                cute.copy(store, widened_quads[None, q], tile_quads[tidx, (None, v * (self.per_load // 4) + q)])
+            for q in cutlass.range_constexpr(self.per_load // QUAD):
+                chunk = piece * (self.per_load // QUAD) + q
+                cute.copy(store, widened_quads[None, q],
+                          tile_slots[None, row * slots_per_row + (chunk ^ (row // PART_ROWS % PARTS))])
         cute.arch.sync_threads()
 
-        # Phase 2: thread (part, column) takes rows [part * 64, part * 64 + 64) of its column.
-        column = tidx % COLUMNS
-        part = tidx // COLUMNS
-        part_rows = BLOCK // PARTS
-        amax = Float32(0.0)
-        special = cutlass.Int32(0)
-        for r in cutlass.range(part_rows, unroll_full=True):
-            value = tile[part * part_rows + r, column]
-            finite = cute.math.absf(value) <= Float32(FLOAT32_MAX)  # False for NaN and infinities
-            if finite:
-                amax = cute.arch.fmax(amax, cute.math.absf(value))
-            else:
-                special = cutlass.Int32(1)
-        part_amax[part, column] = amax
-        part_special[part, column] = special
-        cute.arch.sync_threads()
-        for p in cutlass.range_constexpr(PARTS):
-            amax = cute.arch.fmax(amax, part_amax[p, column])
-            special = special | part_special[p, column]
-        # The recipe's scale (`blockwise.scales_from_amax`), one product and a floor.
-        scale = Float32(1.0)
-        if amax > Float32(0.0):
-            scale = cute.arch.fmax(amax * Float32(RECIPROCAL), Float32(SMALLEST_NORMAL))
-        if special != 0:
-            scale = Float32(float("nan"))
-        global_column = first_column + column
-        if global_column < self.n:
-            if part == 0:
-                scales[group, global_column] = scale
-            # Its rows' bytes, 16 at a time; zeros past the group's rows.
-            packed = cute.make_rmem_tensor(cute.make_layout(VECTOR_BYTES // 2), cutlass.Uint16)
-            out_chunks = cute.logical_divide(k_major[global_column, group, None], VECTOR_BYTES)
-            write = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint16, num_bits_per_copy=8 * VECTOR_BYTES)
-            for v in cutlass.range_constexpr(part_rows // VECTOR_BYTES):
-                for k in cutlass.range_constexpr(VECTOR_BYTES // 2):
-                    row = part * part_rows + v * VECTOR_BYTES + 2 * k
-                    low = tile[row, column] / scale
-                    high = tile[row + 1, column] / scale
+        # Phase 2: thread t takes rows [16 (t % 8), 16 (t % 8) + 16) of columns t // 8 + 16 p.
+        part = tidx % PARTS
+        write = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint16, num_bits_per_copy=8 * VECTOR_BYTES)
+        packed = cute.make_rmem_tensor(cute.make_layout(VECTOR_BYTES // 2), cutlass.Uint16)
+        values = cute.make_rmem_tensor(cute.make_layout(PART_ROWS), Float32)
+        for p in cutlass.range_constexpr(COLUMNS // (BLOCK // PARTS)):
+            column = tidx // PARTS + (BLOCK // PARTS) * p
+            slot = (column // QUAD) ^ part
+            amax = Float32(0.0)
+            special = cutlass.Int32(0)
+            for r in cutlass.range_constexpr(PART_ROWS):
+                value = tile[(part * PART_ROWS + r) * COLUMNS + slot * QUAD + column % QUAD]
+                values[r] = value
+                if cute.math.absf(value) <= Float32(FLOAT32_MAX):  # False for NaN and infinities
+                    amax = cute.arch.fmax(amax, cute.math.absf(value))
+                else:
+                    special = cutlass.Int32(1)
+            # The column's eight parts are neighbouring lanes of one warp.
+            for bit in cutlass.range_constexpr(3):
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << bit))
+                special = special | cute.arch.shuffle_sync_bfly(special, offset=1 << bit)
+            # The recipe's scale (`blockwise.scales_from_amax`), one product and a floor.
+            scale = Float32(1.0)
+            if amax > Float32(0.0):
+                scale = cute.arch.fmax(amax * Float32(RECIPROCAL), Float32(SMALLEST_NORMAL))
+            if special != 0:
+                scale = Float32(float("nan"))
+            global_column = first_column + column
+            if global_column < self.n:
+                if part == 0:
+                    scales[group, global_column] = scale
+                # Its rows' bytes; zeros past the group's rows.
+                for k in cutlass.range_constexpr(PART_ROWS // 2):
+                    row = part * PART_ROWS + 2 * k
+                    low = values[2 * k] / scale
+                    high = values[2 * k + 1] / scale
                     if row >= rows:
                         low = Float32(0.0)
                     if row + 1 >= rows:
                         high = Float32(0.0)
                     packed[k] = e4m3x2(low, high)
-                cute.copy(write, packed, cute.recast_tensor(out_chunks[None, part * (part_rows // VECTOR_BYTES) + v],
-                                                            cutlass.Uint16))
+                out_chunks = cute.logical_divide(k_major[global_column, group, None], VECTOR_BYTES)
+                cute.copy(write, packed, cute.recast_tensor(out_chunks[None, part], cutlass.Uint16))
