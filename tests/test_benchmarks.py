@@ -175,7 +175,7 @@ def test_the_cublas_baselines_of_each_gemm_are_bf16(gemm):
 
 @pytest.mark.parametrize("benchmark, variants", [
     ("bench_gemms", bench_gemms.VARIANTS + bench_gemms.OPTIONAL_VARIANTS),
-    ("bench_layer", bench_layer.VARIANTS), ("bench_moe_block", bench_moe_block.VARIANTS),
+    ("bench_layer", bench_layer.VARIANTS + bench_layer.FP8_VARIANTS), ("bench_moe_block", bench_moe_block.VARIANTS),
     ("bench_fp8_gemms", bench_fp8_gemms.VARIANTS)])
 def test_every_variant_states_its_precision(benchmark, variants):
     assert set(variants) <= set(precision.stated(benchmark, variants))

@@ -448,6 +448,6 @@ def test_the_copy_kernel_refuses_what_it_cannot_copy():
     from jax_dsrelu.kernels.sm90 import contract_layout
 
     first_rows = jnp.zeros((3,), jnp.int32)
-    for shape in ((0, 64), (10, 40)):
-        with pytest.raises(ValueError, match=r"m > 0 rows of n a multiple of 16 bytes, got values.shape="):
+    for shape in ((0, 64), (10, 40), (10, 0)):
+        with pytest.raises(ValueError, match=r"m > 0 rows of n > 0 a multiple of 16 bytes, got values.shape="):
             contract_layout.copy_by_kernel(jnp.zeros(shape, jnp.uint8), first_rows, 1)

@@ -113,11 +113,11 @@ def compile_copy_kernel(n: int, num_experts: int, *, outputs_in_place: bool = Fa
 
 def copy_by_kernel(values: jax.Array, first_rows: jax.Array, num_experts: int, filled: jax.Array | None = None):
     """The copy as one custom call from the groups' first rows (`ragged.group_first_rows`),
-    for m > 0 rows of n a multiple of 16 bytes; with `filled` ((n, G, 128) uint8) the
+    for m > 0 rows of n > 0 a multiple of 16 bytes; with `filled` ((n, G, 128) uint8) the
     kernel writes into that buffer (the tests poison it first)."""
     num_rows, n = values.shape
-    if num_rows == 0 or n % 16:
-        raise ValueError(f"the K-major copy kernel takes m > 0 rows of n a multiple of 16 bytes, got "
+    if num_rows == 0 or n == 0 or n % 16:
+        raise ValueError(f"the K-major copy kernel takes m > 0 rows of n > 0 a multiple of 16 bytes, got "
                          f"values.shape={tuple(values.shape)}")
     in_place = filled is not None
     given = dict(values=values, first_rows=first_rows.astype(jnp.int32), **({"k_major": filled} if in_place else {}))

@@ -42,7 +42,8 @@ from jax_dsrelu.kernels.operands import M, KernelOperand, Rows
 BLOCK = 128  # rows of a group, columns of a CTA, threads of a CTA
 VECTOR = 16  # bytes per load and store
 CHUNKS = BLOCK // VECTOR  # 16-byte chunks of a tile row: threads sharing a row or a column (8)
-PASSES = CHUNKS  # rows (columns) a thread loads (stores), 16 apart (8)
+PASS_ROWS = BLOCK // CHUNKS  # rows (columns) a pass of the CTA takes, and the rows of a swizzle range (16)
+PASSES = BLOCK // PASS_ROWS  # rows (columns) a thread loads (stores), PASS_ROWS apart (8)
 _U8 = np.dtype(np.uint8)
 _I32 = np.dtype(np.int32)
 
@@ -97,18 +98,18 @@ class KMajorCopySm90:
         lane = tidx % CHUNKS
         # Phase 1: thread t loads chunk t % 8 of rows t // 8 + 16 p; zeros past the group's rows and past n.
         for p in cutlass.range_constexpr(PASSES):
-            row = tidx // CHUNKS + (BLOCK // CHUNKS) * p
+            row = tidx // CHUNKS + PASS_ROWS * p
             chunk.fill(0)
             if row < rows and first_column + lane * VECTOR < self.n:
                 cute.copy(copy, value_chunks[first + row, (None, first_column // VECTOR + lane)], chunk)
-            cute.copy(copy, chunk, tile_slots[None, row * CHUNKS + (lane ^ (row // VECTOR % CHUNKS))])
+            cute.copy(copy, chunk, tile_slots[None, row * CHUNKS + (lane ^ (row // PASS_ROWS))])
         cute.arch.sync_threads()
         # Phase 2: thread t stores rows [16 (t % 8), 16 (t % 8) + 16) of columns t // 8 + 16 p.
         for p in cutlass.range_constexpr(PASSES):
-            column = tidx // CHUNKS + (BLOCK // CHUNKS) * p
+            column = tidx // CHUNKS + PASS_ROWS * p
             if first_column + column < self.n:
                 slot = (column // VECTOR) ^ lane
                 for k in cutlass.range_constexpr(VECTOR):
-                    chunk[k] = tile[(lane * VECTOR + k) * BLOCK + slot * VECTOR + column % VECTOR]
+                    chunk[k] = tile[(lane * PASS_ROWS + k) * BLOCK + slot * VECTOR + column % VECTOR]
                 out_chunks = cute.logical_divide(k_major[first_column + column, group, None], VECTOR)
                 cute.copy(copy, chunk, out_chunks[None, lane])

@@ -28,9 +28,11 @@ maximum is exact in any order); then each quantizes its 16 rows and stores their
 Every output byte is written once, by one thread: the same bits on every run.
 
 The tile's rows are 64 float32 (256 bytes), with row r's 16-byte chunk c (columns 4 c to
-4 c + 3) kept at slot c ^ (r // 16 % 8): a warp's reads in the second phase (four
+4 c + 3) kept at slot c ^ (r // 16) ^ (c // 8): a warp's reads in the second phase (four
 neighbouring columns in eight row ranges r // 16 = 0 .. 7) then fall on 32 distinct banks,
-one wavefront. It holds 32 KB, under the 48 KB a launch gets without asking.
+one wavefront, and its 16-byte stores in the first (eight threads' even or odd chunks of
+a row, 16-bit rows; sixteen threads' chunks, float32) on four wavefronts, the least for
+512 bytes. It holds 32 KB, under the 48 KB a launch gets without asking.
 
 The division is IEEE's (div.rn.f32), the conversion `cvt.rn.satfinite.e4m3x2.f32`:
 saturating is the recipe's clamp to +-448 (x / scale exceeds 448 by an ulp at most,
@@ -56,6 +58,14 @@ COLUMNS = 64  # columns of a CTA
 QUAD = 4  # float32 of a 16-byte chunk of the tile
 PARTS = 8  # threads sharing a column in the second phase, 16 rows each (a 128-byte line of k_major)
 PART_ROWS = BLOCK // PARTS
+PASS_COLUMNS = BLOCK // PARTS  # columns the CTA's threads take at a time in the second phase (16)
+
+
+def _slot(chunk, part):
+    """Where row r's 16-byte chunk of columns [4 chunk, 4 chunk + 4) lies in its tile row,
+    part = r // 16 (module doc): its bank group (slot % 8) differs from those of the other
+    parts' same chunk, and from the other chunks of an even or odd run of its row's."""
+    return chunk ^ part ^ (chunk >> 3)
 _I32 = np.dtype(np.int32)
 _F32 = np.dtype(np.float32)
 _E4M3 = np.dtype("float8_e4m3fn")
@@ -131,7 +141,7 @@ class KMajorQuantizeSm90:
             for q in cutlass.range_constexpr(self.per_load // QUAD):
                 chunk = piece * (self.per_load // QUAD) + q
                 cute.copy(store, widened_quads[None, q],
-                          tile_slots[None, row * slots_per_row + (chunk ^ (row // PART_ROWS % PARTS))])
+                          tile_slots[None, row * slots_per_row + _slot(chunk, row // PART_ROWS)])
         cute.arch.sync_threads()
 
         # Phase 2: thread t takes rows [16 (t % 8), 16 (t % 8) + 16) of columns t // 8 + 16 p.
@@ -139,9 +149,9 @@ class KMajorQuantizeSm90:
         write = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint16, num_bits_per_copy=8 * VECTOR_BYTES)
         packed = cute.make_rmem_tensor(cute.make_layout(VECTOR_BYTES // 2), cutlass.Uint16)
         values = cute.make_rmem_tensor(cute.make_layout(PART_ROWS), Float32)
-        for p in cutlass.range_constexpr(COLUMNS // (BLOCK // PARTS)):
-            column = tidx // PARTS + (BLOCK // PARTS) * p
-            slot = (column // QUAD) ^ part
+        for p in cutlass.range_constexpr(COLUMNS // PASS_COLUMNS):
+            column = tidx // PARTS + PASS_COLUMNS * p
+            slot = _slot(column // QUAD, part)
             amax = Float32(0.0)
             special = cutlass.Int32(0)
             for r in cutlass.range_constexpr(PART_ROWS):
