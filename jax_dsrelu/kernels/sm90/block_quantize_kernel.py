@@ -130,13 +130,8 @@ class BlockQuantizeSm90:
             for i in cutlass.range_constexpr(PIECE):
                 value = loaded[i].to(Float32)
                 widened[i, q] = value
-                if cute.math.absf(value) <= Float32(e4m3.FLOAT32_MAX):  # False for NaN and infinities
-                    amax = cute.arch.fmax(amax, cute.math.absf(value))
-                else:
-                    special = cutlass.Int32(1)
-        for bit in cutlass.range_constexpr(5):
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << bit))
-            special = special | cute.arch.shuffle_sync_bfly(special, offset=1 << bit)
+                amax, special = e4m3.fold_magnitude(amax, special, value)
+        amax, special = e4m3.across_lanes(amax, special, 32)
         warp = tidx // 32
         if tidx % 32 == 0:
             warp_amax[warp] = amax
@@ -145,12 +140,7 @@ class BlockQuantizeSm90:
         for other in cutlass.range_constexpr(WARPS):
             amax = cute.arch.fmax(amax, warp_amax[other])
             special = special | warp_special[other]
-        # The recipe's scale (`blockwise.scales_from_amax`), one product and a floor.
-        scale = Float32(1.0)
-        if amax > Float32(0.0):
-            scale = cute.arch.fmax(amax * Float32(e4m3.RECIPROCAL), Float32(e4m3.SMALLEST_NORMAL))
-        if special != 0:
-            scale = Float32(float("nan"))
+        scale = e4m3.recipe_scale(amax, special)
         if tidx == 0:
             scales[expert, row_block, column_block] = scale
 

@@ -1,10 +1,11 @@
 """What the sm90 quantizing passes share: the recipe's constants as float32 values
 (`quantization.blockwise.scales_from_amax`), the input types they read, their access width,
-and the conversion of float32 to e4m3 in CuTe DSL."""
+a block's maximum and its scale, and the conversion of float32 to e4m3 in CuTe DSL."""
 
 from __future__ import annotations
 
 import cutlass
+import cutlass.cute as cute
 import numpy as np
 from cutlass import Float32
 from cutlass._mlir.dialects import llvm
@@ -27,3 +28,37 @@ def e4m3x2(low: Float32, high: Float32, *, loc=None, ip=None) -> cutlass.Uint16:
                              "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f", has_side_effects=False,
                              is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
     return cutlass.Uint16(packed)
+
+
+@cute.jit
+def fold_magnitude(amax: Float32, special: cutlass.Int32, value: Float32):
+    """(amax, special) with `value` seen: |value|'s maximum over the finite values, and 1
+    in special once a NaN or an infinity has been."""
+    if cute.math.absf(value) <= Float32(FLOAT32_MAX):  # False for NaN and infinities
+        amax = cute.arch.fmax(amax, cute.math.absf(value))
+    else:
+        special = cutlass.Int32(1)
+    return amax, special
+
+
+@cute.jit
+def across_lanes(amax: Float32, special: cutlass.Int32, lanes: cutlass.Constexpr[int]):
+    """(amax, special) over each run of `lanes` neighbouring lanes (a power of two), by
+    butterfly shuffles: every lane of the warp takes part; a maximum is exact in any order."""
+    for bit in cutlass.range_constexpr(lanes.bit_length() - 1):
+        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << bit))
+        special = special | cute.arch.shuffle_sync_bfly(special, offset=1 << bit)
+    return amax, special
+
+
+@cute.jit
+def recipe_scale(amax: Float32, special: cutlass.Int32) -> Float32:
+    """The recipe's scale of a block (`blockwise.scales_from_amax`): amax / 448 by one
+    product, at least float32's smallest normal; 1 where amax is 0; NaN where the block
+    held a NaN or an infinity."""
+    scale = Float32(1.0)
+    if amax > Float32(0.0):
+        scale = cute.arch.fmax(amax * Float32(RECIPROCAL), Float32(SMALLEST_NORMAL))
+    if special != 0:
+        scale = Float32(float("nan"))
+    return scale

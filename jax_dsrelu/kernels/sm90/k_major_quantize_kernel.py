@@ -51,7 +51,8 @@ import numpy as np
 from cutlass import Float32
 
 from jax_dsrelu.kernels.operands import M, KernelOperand, Rows
-from jax_dsrelu.kernels.sm90.e4m3 import ELEMENT_TYPES, FLOAT32_MAX, RECIPROCAL, SMALLEST_NORMAL, VECTOR_BYTES, e4m3x2
+from jax_dsrelu.kernels.sm90 import e4m3
+from jax_dsrelu.kernels.sm90.e4m3 import ELEMENT_TYPES, VECTOR_BYTES, e4m3x2
 
 BLOCK = 128  # rows of a group, threads of a CTA
 COLUMNS = 64  # columns of a CTA
@@ -157,20 +158,10 @@ class KMajorQuantizeSm90:
             for r in cutlass.range_constexpr(PART_ROWS):
                 value = tile[(part * PART_ROWS + r) * COLUMNS + slot * QUAD + column % QUAD]
                 values[r] = value
-                if cute.math.absf(value) <= Float32(FLOAT32_MAX):  # False for NaN and infinities
-                    amax = cute.arch.fmax(amax, cute.math.absf(value))
-                else:
-                    special = cutlass.Int32(1)
+                amax, special = e4m3.fold_magnitude(amax, special, value)
             # The column's eight parts are neighbouring lanes of one warp.
-            for bit in cutlass.range_constexpr(3):
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << bit))
-                special = special | cute.arch.shuffle_sync_bfly(special, offset=1 << bit)
-            # The recipe's scale (`blockwise.scales_from_amax`), one product and a floor.
-            scale = Float32(1.0)
-            if amax > Float32(0.0):
-                scale = cute.arch.fmax(amax * Float32(RECIPROCAL), Float32(SMALLEST_NORMAL))
-            if special != 0:
-                scale = Float32(float("nan"))
+            amax, special = e4m3.across_lanes(amax, special, PARTS)
+            scale = e4m3.recipe_scale(amax, special)
             global_column = first_column + column
             if global_column < self.n:
                 if part == 0:

@@ -107,20 +107,10 @@ class RowQuantizeSm90:
         for i in cutlass.range_constexpr(PIECE):
             value = loaded[i].to(Float32)
             widened[i] = value
-            if cute.math.absf(value) <= Float32(e4m3.FLOAT32_MAX):  # False for NaN and infinities
-                amax = cute.arch.fmax(amax, cute.math.absf(value))
-            else:
-                special = Int32(1)
+            amax, special = e4m3.fold_magnitude(amax, special, value)
         # The block's maximum: butterflies over offsets 1 to 8 stay within a half warp.
-        for bit in cutlass.range_constexpr(4):
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << bit))
-            special = special | cute.arch.shuffle_sync_bfly(special, offset=1 << bit)
-        # The recipe's scale (`blockwise.scales_from_amax`), one product and a floor.
-        scale = Float32(1.0)
-        if amax > Float32(0.0):
-            scale = cute.arch.fmax(amax * Float32(e4m3.RECIPROCAL), Float32(e4m3.SMALLEST_NORMAL))
-        if special != 0:
-            scale = Float32(float("nan"))
+        amax, special = e4m3.across_lanes(amax, special, LANES)
+        scale = e4m3.recipe_scale(amax, special)
 
         # The thread's values as 8 bytes; the half's first thread the scale.
         packed = cute.make_rmem_tensor(cute.make_layout(PIECE // 2), cutlass.Uint16)
