@@ -52,7 +52,6 @@ from cutlass import Float32
 
 from jax_dsrelu.kernels.operands import M, KernelOperand, Rows
 from jax_dsrelu.kernels.sm90 import e4m3
-from jax_dsrelu.kernels.sm90.e4m3 import ELEMENT_TYPES, VECTOR_BYTES, e4m3x2
 
 BLOCK = 128  # rows of a group, threads of a CTA
 COLUMNS = 64  # columns of a CTA
@@ -77,11 +76,11 @@ class KMajorQuantizeSm90:
 
     def __init__(self, n: int, num_experts: int, dtype):
         dtype = np.dtype(dtype)
-        if dtype not in ELEMENT_TYPES:
+        if dtype not in e4m3.ELEMENT_TYPES:
             raise TypeError(f"the K-major quantizer takes bfloat16, float16 or float32 rows, got {dtype.name}")
         self.n, self.num_experts, self.dtype = n, num_experts, dtype
-        self.element = ELEMENT_TYPES[dtype]
-        self.per_load = VECTOR_BYTES // dtype.itemsize  # elements of a 16-byte load
+        self.element = e4m3.ELEMENT_TYPES[dtype]
+        self.per_load = e4m3.VECTOR_BYTES // dtype.itemsize  # elements of a 16-byte load
 
     def operands(self) -> list[KernelOperand]:
         """x (m, n), first_rows (G + 1,) int32, k_major (n, G, 128) e4m3 (the (n, 128 G)
@@ -124,8 +123,8 @@ class KMajorQuantizeSm90:
 
         # Phase 1: thread t loads the 16-byte piece t % L of rows t // L + (128 / L) p (L pieces a row),
         # widened into the tile; zeros past the group's rows and past n.
-        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.element, num_bits_per_copy=8 * VECTOR_BYTES)
-        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=8 * VECTOR_BYTES)
+        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.element, num_bits_per_copy=8 * e4m3.VECTOR_BYTES)
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=8 * e4m3.VECTOR_BYTES)
         loaded = cute.make_rmem_tensor(cute.make_layout(self.per_load), self.element)
         widened = cute.make_rmem_tensor(cute.make_layout(self.per_load), Float32)
         widened_quads = cute.logical_divide(widened, QUAD)
@@ -147,8 +146,8 @@ class KMajorQuantizeSm90:
 
         # Phase 2: thread t takes rows [16 (t % 8), 16 (t % 8) + 16) of columns t // 8 + 16 p.
         part = tidx % PARTS
-        write = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint16, num_bits_per_copy=8 * VECTOR_BYTES)
-        packed = cute.make_rmem_tensor(cute.make_layout(VECTOR_BYTES // 2), cutlass.Uint16)
+        write = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint16, num_bits_per_copy=8 * e4m3.VECTOR_BYTES)
+        packed = cute.make_rmem_tensor(cute.make_layout(e4m3.VECTOR_BYTES // 2), cutlass.Uint16)
         values = cute.make_rmem_tensor(cute.make_layout(PART_ROWS), Float32)
         for p in cutlass.range_constexpr(COLUMNS // PASS_COLUMNS):
             column = tidx // PARTS + PASS_COLUMNS * p
@@ -175,6 +174,6 @@ class KMajorQuantizeSm90:
                         low = Float32(0.0)
                     if row + 1 >= rows:
                         high = Float32(0.0)
-                    packed[k] = e4m3x2(low, high)
-                out_chunks = cute.logical_divide(k_major[global_column, group, None], VECTOR_BYTES)
+                    packed[k] = e4m3.e4m3x2(low, high)
+                out_chunks = cute.logical_divide(k_major[global_column, group, None], e4m3.VECTOR_BYTES)
                 cute.copy(write, packed, cute.recast_tensor(out_chunks[None, part], cutlass.Uint16))
