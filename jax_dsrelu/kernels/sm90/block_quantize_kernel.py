@@ -25,16 +25,17 @@ other 16 bytes of four whole rows and its second the rest, from the same sectors
 them in registers and takes the maximum over them; warp shuffles and a shared-memory
 exchange across the 8 warps give the block's (a maximum is exact in any order). Each
 thread then quantizes its pieces, stores each as 16 bytes of `values` and into a shared
-byte tile; after a barrier, each thread reads two 16-row pieces of one column of the tile
-(32 byte loads from shared memory) and stores them as one sector of `transposed`. Every
-output byte is written once, by one thread: the same bits on every run. w is read once
-and each output written once: 2 + 2 bytes an element for 16-bit weights, the pass's least
-traffic.
+byte tile; after a barrier, eight neighbouring threads take one column of the tile, 16
+rows each (16 byte loads from shared memory), and store them as one 128-byte line of
+`transposed` row first_column + column (16-byte stores), a warp four lines. Every output
+byte is written once, by one thread: the same bits on every run. w is read once and each
+output written once: 2 + 2 bytes an element for 16-bit weights, the pass's least traffic.
 
-The tile's rows are 144 bytes apart, 16-byte aligned for the stores; a 128-byte pitch
-would serve as well, since the 8 threads storing one row cover its 128 bytes and a warp's
-column reads take 32 neighbouring bytes of one row, one wavefront either way. The
-division is IEEE's (div.rn.f32), the conversion `cvt.rn.satfinite.e4m3x2.f32` (`e4m3.py`).
+The tile's rows are 128 bytes, with row r's 16-byte piece c kept at slot c ^ (r // 16 % 8):
+a warp's byte loads down the tile (four neighbouring columns in eight row ranges r // 16 =
+0 .. 7) then fall in eight slots on distinct banks, one wavefront, and the 16-byte stores
+of eight threads (one row's eight pieces) fill one. The division is IEEE's (div.rn.f32),
+the conversion `cvt.rn.satfinite.e4m3x2.f32` (`e4m3.py`).
 
 Constraints (`weight_quantize.quantize_by_kernel` refuses the rest): N and K positive
 multiples of 16, so that every 16-byte piece lies whole inside w.
@@ -55,9 +56,10 @@ BLOCK = 128  # rows and columns of a block
 THREADS = 256
 PIECE = 16  # elements of a piece: 16 e4m3 bytes, one 16-byte store
 PIECES = BLOCK * BLOCK // PIECE // THREADS  # pieces a thread loads (4)
-COLUMN_PIECES = BLOCK * BLOCK // (2 * PIECE) // THREADS  # 32-row column pieces a thread stores transposed (2)
+SLOTS = BLOCK // PIECE  # 16-byte slots of a tile row (8)
+PARTS = SLOTS  # threads storing one transposed row's 128 bytes, PART_ROWS rows of the block each (8)
+PART_ROWS = BLOCK // PARTS  # rows of a part, and of a swizzle range of the tile (16)
 WARPS = THREADS // 32
-_PITCH = BLOCK + PIECE  # the byte tile's row pitch (module doc)
 _E4M3 = np.dtype("float8_e4m3fn")
 _F32 = np.dtype(np.float32)
 
@@ -89,7 +91,7 @@ class BlockQuantizeSm90:
                  scales: cute.Tensor):
         @cute.struct
         class Storage:
-            tile: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK * _PITCH], 16]
+            tile: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK * BLOCK], 16]
             # Each warp's maximum and whether it saw a NaN or an infinity.
             amax: cute.struct.MemRange[Float32, WARPS]
             special: cute.struct.MemRange[cutlass.Int32, WARPS]
@@ -103,13 +105,15 @@ class BlockQuantizeSm90:
         tidx, _, _ = cute.arch.thread_idx()
         column_block, row_block, expert = cute.arch.block_idx()
         storage = cutlass.memory.SmemAllocator().allocate(self.storage)
-        tile = storage.tile.get_tensor(cute.make_layout((BLOCK, _PITCH), stride=(_PITCH, 1)))
+        # The byte tile row after row, and its 16-byte slots: slot 8 r + s is row r's slot s.
+        tile = storage.tile.get_tensor(cute.make_layout(BLOCK * BLOCK))
+        tile_slots = cute.logical_divide(tile, PIECE)
         warp_amax = storage.amax.get_tensor(cute.make_layout(WARPS))
         warp_special = storage.special.get_tensor(cute.make_layout(WARPS))
         first_row, first_column = row_block * BLOCK, column_block * BLOCK
         rows = cutlass.min(self.n - first_row, BLOCK)
         columns = cutlass.min(self.k - first_column, BLOCK)
-        pieces_per_row = BLOCK // PIECE
+        pieces_per_row = SLOTS
 
         # Phase 1: piece p = tidx + 256 q is row p // 8, columns 16 (p % 8) on: loaded, widened, its maximum.
         load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.element, num_bits_per_copy=8 * e4m3.VECTOR_BYTES)
@@ -149,30 +153,26 @@ class BlockQuantizeSm90:
         packed = cute.make_rmem_tensor(cute.make_layout(PIECE // 2), cutlass.Uint16)
         packed_bytes = cute.recast_tensor(packed, cutlass.Uint8)
         value_pieces = cute.logical_divide(cute.recast_tensor(values[expert, None, None], cutlass.Uint8), (None, PIECE))
-        tile_pieces = cute.logical_divide(tile, (None, PIECE))
         for q in cutlass.range_constexpr(PIECES):
             piece = tidx + THREADS * q
             row, column = piece // pieces_per_row, (piece % pieces_per_row) * PIECE
             for i in cutlass.range_constexpr(PIECE // 2):
                 packed[i] = e4m3.e4m3x2(widened[2 * i, q] / scale, widened[2 * i + 1, q] / scale)
-            cute.copy(store, packed_bytes, tile_pieces[row, (None, column // PIECE)])
+            cute.copy(store, packed_bytes, tile_slots[None, row * SLOTS + ((column // PIECE) ^ (row // PART_ROWS))])
             if row < rows and column < columns:
                 cute.copy(store, packed_bytes, value_pieces[first_row + row, (None, (first_column + column) // PIECE)])
         cute.arch.sync_threads()
 
-        # Phase 3: column piece p = tidx + 256 q is column p % 128, rows 32 (p // 128) on: read
-        # down the tile, stored as 32 bytes of `transposed` row first_column + column.
-        column_bytes = cute.make_rmem_tensor(cute.make_layout(2 * PIECE), cutlass.Uint8)
-        column_pieces = cute.logical_divide(column_bytes, PIECE)
+        # Phase 3: thread t reads rows [16 (t % 8), 16 (t % 8) + 16) of the tile's columns t // 8 + 32 q,
+        # stored as 16 bytes of `transposed` row first_column + column.
+        part = tidx % PARTS
+        column_piece = cute.make_rmem_tensor(cute.make_layout(PIECE), cutlass.Uint8)
         transposed_pieces = cute.logical_divide(cute.recast_tensor(transposed[expert, None, None], cutlass.Uint8),
                                                 (None, PIECE))
-        for q in cutlass.range_constexpr(COLUMN_PIECES):
-            piece = tidx + THREADS * q
-            column, row = piece % BLOCK, (piece // BLOCK) * 2 * PIECE
-            for i in cutlass.range_constexpr(2 * PIECE):
-                column_bytes[i] = tile[row + i, column]
-            if column < columns:
-                for half in cutlass.range_constexpr(2):
-                    if row + PIECE * half < rows:
-                        cute.copy(store, column_pieces[None, half],
-                                  transposed_pieces[first_column + column, (None, (first_row + row) // PIECE + half)])
+        for q in cutlass.range_constexpr(BLOCK // (THREADS // PARTS)):
+            column = tidx // PARTS + (THREADS // PARTS) * q
+            slot = (column // PIECE) ^ part
+            for i in cutlass.range_constexpr(PART_ROWS):
+                column_piece[i] = tile[(part * PART_ROWS + i) * BLOCK + slot * PIECE + column % PIECE]
+            if column < columns and part * PART_ROWS < rows:
+                cute.copy(store, column_piece, transposed_pieces[first_column + column, (None, first_row // PIECE + part)])
