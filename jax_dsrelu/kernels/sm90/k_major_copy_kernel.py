@@ -96,13 +96,17 @@ class KMajorCopySm90:
         # (vector, chunks) views: chunk c of a row is its bytes [16 c, 16 c + 16).
         value_chunks = cute.logical_divide(values, (None, VECTOR))
         lane = tidx % CHUNKS
-        # Phase 1: thread t loads chunk t % 8 of rows t // 8 + 16 p; zeros past the group's rows and past n.
+        # Phase 1: thread t loads chunk t % 8 of rows t // 8 + 16 p, all of them before the first is
+        # stored, so that a thread has every load in flight at once; zeros past the group's rows and past n.
+        loaded = cute.make_rmem_tensor(cute.make_layout((VECTOR, PASSES)), cutlass.Uint8)
+        loaded.fill(0)
         for p in cutlass.range_constexpr(PASSES):
             row = tidx // CHUNKS + PASS_ROWS * p
-            chunk.fill(0)
             if row < rows and first_column + lane * VECTOR < self.n:
-                cute.copy(copy, value_chunks[first + row, (None, first_column // VECTOR + lane)], chunk)
-            cute.copy(copy, chunk, tile_slots[None, row * CHUNKS + (lane ^ (row // PASS_ROWS))])
+                cute.copy(copy, value_chunks[first + row, (None, first_column // VECTOR + lane)], loaded[None, p])
+        for p in cutlass.range_constexpr(PASSES):
+            row = tidx // CHUNKS + PASS_ROWS * p
+            cute.copy(copy, loaded[None, p], tile_slots[None, row * CHUNKS + (lane ^ (row // PASS_ROWS))])
         cute.arch.sync_threads()
         # Phase 2: thread t stores rows [16 (t % 8), 16 (t % 8) + 16) of columns t // 8 + 16 p.
         for p in cutlass.range_constexpr(PASSES):

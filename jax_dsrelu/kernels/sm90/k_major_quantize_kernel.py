@@ -122,22 +122,25 @@ class KMajorQuantizeSm90:
         rows = cutlass.min(first_rows[group + 1], cute.size(x, mode=[0])) - first
 
         # Phase 1: thread t loads the 16-byte piece t % L of rows t // L + (128 / L) p (L pieces a row),
-        # widened into the tile; zeros past the group's rows and past n.
+        # all of them before the first is used, so that a thread has every load in flight at once;
+        # then widens them into the tile. Zeros past the group's rows and past n.
         load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.element, num_bits_per_copy=8 * e4m3.VECTOR_BYTES)
         store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=8 * e4m3.VECTOR_BYTES)
-        loaded = cute.make_rmem_tensor(cute.make_layout(self.per_load), self.element)
-        widened = cute.make_rmem_tensor(cute.make_layout(self.per_load), Float32)
-        widened_quads = cute.logical_divide(widened, QUAD)
-        x_pieces = cute.logical_divide(x, (None, self.per_load))
         pieces_per_row = COLUMNS // self.per_load
         rows_per_pass = BLOCK // pieces_per_row
         piece = tidx % pieces_per_row
+        loaded = cute.make_rmem_tensor(cute.make_layout((self.per_load, pieces_per_row)), self.element)
+        widened = cute.make_rmem_tensor(cute.make_layout(self.per_load), Float32)
+        widened_quads = cute.logical_divide(widened, QUAD)
+        x_pieces = cute.logical_divide(x, (None, self.per_load))
+        loaded.fill(0)
         for p in cutlass.range_constexpr(pieces_per_row):
             row = tidx // pieces_per_row + rows_per_pass * p
-            loaded.fill(0)
             if row < rows and first_column + piece * self.per_load < self.n:
-                cute.copy(load, x_pieces[first + row, (None, first_column // self.per_load + piece)], loaded)
-            widened.store(loaded.load().to(Float32))
+                cute.copy(load, x_pieces[first + row, (None, first_column // self.per_load + piece)], loaded[None, p])
+        for p in cutlass.range_constexpr(pieces_per_row):
+            row = tidx // pieces_per_row + rows_per_pass * p
+            widened.store(loaded[None, p].load().to(Float32))
             for q in cutlass.range_constexpr(self.per_load // QUAD):
                 chunk = piece * (self.per_load // QUAD) + q
                 cute.copy(store, widened_quads[None, q],
