@@ -59,8 +59,10 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 #                 XLA's quantizing passes around the kernels take 37-53% of it. memcheck and
 #                 racecheck of the FP8 GEMM and fused kernels are clean at 06e94fa; the tool
 #                 crashed (exit 139) on the contraction's fewer-rows case, which passed alone
-#                 before. Still to run: deterministic mode across processes, a step faster
-#                 than the bf16 one.
+#                 before. Deterministic mode gave one digest of the layer's gradients over
+#                 4 processes at 7e94690 (determinism_parallel_warm.json), and the FP8
+#                 determinism tests passed at 9ebd080. Still missing: a step faster than
+#                 the bf16 one (1.47x and 1.65x slower at 9ebd080, bench_layer_fp8.json.gz).
 #   "fp8_quantize" the FP8 weight gradients' operands quantized straight into their
 #                 K-major copies (`k_major_quantize_kernel.py`), for `ragged_contract`
 #                 quantizing its operands itself, instead of XLA's quantizer and the copy
