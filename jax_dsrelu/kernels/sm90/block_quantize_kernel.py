@@ -31,10 +31,8 @@ rows each (16 byte loads from shared memory), and store them as one 128-byte lin
 byte is written once, by one thread: the same bits on every run. w is read once and each
 output written once: 2 + 2 bytes an element for 16-bit weights, the pass's least traffic.
 
-The tile's rows are 128 bytes, with row r's 16-byte piece c kept at slot c ^ (r // 16 % 8):
-a warp's byte loads down the tile (four neighbouring columns in eight row ranges r // 16 =
-0 .. 7) then fall in eight slots on distinct banks, one wavefront, and the 16-byte stores
-of eight threads (one row's eight pieces) fill one. The division is IEEE's (div.rn.f32),
+The byte tile is `byte_tile.py`'s, its 16-byte slots swizzled so that neither the
+pieces' stores nor the column reads meet a bank conflict. The division is IEEE's (div.rn.f32),
 the conversion `cvt.rn.satfinite.e4m3x2.f32` (`e4m3.py`).
 
 Constraints (`weight_quantize.quantize_by_kernel` refuses the rest): N and K positive
@@ -50,7 +48,7 @@ import numpy as np
 from cutlass import Float32
 
 from jax_dsrelu.kernels.operands import KernelOperand
-from jax_dsrelu.kernels.sm90 import e4m3
+from jax_dsrelu.kernels.sm90 import byte_tile, e4m3
 
 BLOCK = 128  # rows and columns of a block
 THREADS = 256
@@ -158,7 +156,7 @@ class BlockQuantizeSm90:
             row, column = piece // pieces_per_row, (piece % pieces_per_row) * PIECE
             for i in cutlass.range_constexpr(PIECE // 2):
                 packed[i] = e4m3.e4m3x2(widened[2 * i, q] / scale, widened[2 * i + 1, q] / scale)
-            cute.copy(store, packed_bytes, tile_slots[None, row * SLOTS + ((column // PIECE) ^ (row // PART_ROWS))])
+            cute.copy(store, packed_bytes, tile_slots[None, byte_tile.slot_of(row, column // PIECE)])
             if row < rows and column < columns:
                 cute.copy(store, packed_bytes, value_pieces[first_row + row, (None, (first_column + column) // PIECE)])
         cute.arch.sync_threads()
@@ -171,8 +169,6 @@ class BlockQuantizeSm90:
                                                 (None, PIECE))
         for q in cutlass.range_constexpr(BLOCK // (THREADS // PARTS)):
             column = tidx // PARTS + (THREADS // PARTS) * q
-            slot = (column // PIECE) ^ part
-            for i in cutlass.range_constexpr(PART_ROWS):
-                column_piece[i] = tile[(part * PART_ROWS + i) * BLOCK + slot * PIECE + column % PIECE]
+            byte_tile.read_column_part(tile, column, part, column_piece)
             if column < columns and part * PART_ROWS < rows:
                 cute.copy(store, column_piece, transposed_pieces[first_column + column, (None, first_row // PIECE + part)])

@@ -19,11 +19,8 @@ memory; after a barrier, eight neighbouring threads store one column's 128 padde
 (16-byte stores of 16 byte reads down the tile), a warp four columns. Every byte of
 k_major is written once, by one thread, so the copy is the same on every run.
 
-The tile's rows are 128 bytes, with row r's 16-byte chunk c kept at slot c ^ (r // 16 %
-8): the first phase's 16-byte stores of a warp (four rows' eight chunks each) then fill
-four wavefronts, the least for 512 bytes, and the second phase's byte reads of a warp
-(four neighbouring columns, in eight row ranges r // 16 = 0 .. 7) fall in eight slots
-on distinct banks, one wavefront.
+The tile is `byte_tile.py`'s, its 16-byte slots swizzled so that neither phase meets a
+bank conflict.
 
 Constraints (`contract_layout.copy_by_kernel` refuses the rest): n a positive multiple of
 16 (16-byte rows of e4m3, as TMA asks of the contraction's operands), m > 0 (no rows, no
@@ -38,6 +35,7 @@ import cutlass.cute as cute
 import numpy as np
 
 from jax_dsrelu.kernels.operands import M, KernelOperand, Rows
+from jax_dsrelu.kernels.sm90 import byte_tile
 
 BLOCK = 128  # rows of a group, columns of a CTA, threads of a CTA
 VECTOR = 16  # bytes per load and store
@@ -106,14 +104,12 @@ class KMajorCopySm90:
                 cute.copy(copy, value_chunks[first + row, (None, first_column // VECTOR + lane)], loaded[None, p])
         for p in cutlass.range_constexpr(PASSES):
             row = tidx // CHUNKS + PASS_ROWS * p
-            cute.copy(copy, loaded[None, p], tile_slots[None, row * CHUNKS + (lane ^ (row // PASS_ROWS))])
+            cute.copy(copy, loaded[None, p], tile_slots[None, byte_tile.slot_of(row, lane)])
         cute.arch.sync_threads()
         # Phase 2: thread t stores rows [16 (t % 8), 16 (t % 8) + 16) of columns t // 8 + 16 p.
         for p in cutlass.range_constexpr(PASSES):
             column = tidx // CHUNKS + PASS_ROWS * p
             if first_column + column < self.n:
-                slot = (column // VECTOR) ^ lane
-                for k in cutlass.range_constexpr(VECTOR):
-                    chunk[k] = tile[(lane * PASS_ROWS + k) * BLOCK + slot * VECTOR + column % VECTOR]
+                byte_tile.read_column_part(tile, column, lane, chunk)
                 out_chunks = cute.logical_divide(k_major[first_column + column, group, None], VECTOR)
                 cute.copy(copy, chunk, out_chunks[None, lane])
