@@ -18,21 +18,23 @@ which is `quantize_ragged_rows`' scales and the copy of its values into the padd
 layout, byte for byte but for the sign of a NaN (an e4m3 NaN is 0x7F or 0xFF alike),
 where XLA divides as IEEE asks (XLA:CPU); XLA:GPU's float32 division (div.full.f32) can
 put a quotient an ulp off, and a value a step of e4m3 away (`quantization.blockwise`).
-A CTA of 128 threads takes one group and 64 columns, and moves them in whole lines both
-ways. First, neighbouring threads load one row's 64 columns (16-byte loads, eight threads a
-row of 16-bit values, sixteen of float32; zeros past the group's rows and past n), widen
-them and store them as float32 into a shared tile. After a barrier, eight neighbouring
-threads take one column, 16 rows each: each its maximum, the eight's by warp shuffles (a
-maximum is exact in any order); then each quantizes its 16 rows and stores their 16 bytes
-(one 16-byte store, the eight together a 128-byte line), and the first of them the scale.
-Every output byte is written once, by one thread: the same bits on every run.
+A CTA of 128 threads takes one group and one 128-byte line of its rows (64 columns of a
+16-bit operand, 32 of float32), and moves them in whole lines both ways. First,
+neighbouring threads load one row's line (eight 16-byte loads, all of a thread's issued
+before the first is used; zeros past the group's rows and past n) and store it as it is
+into a shared tile. After a barrier, eight neighbouring threads take one column, 16 rows
+each: each widens its values to float32 and takes their maximum, the eight's by warp
+shuffles (a maximum is exact in any order); then each quantizes its 16 rows and stores
+their 16 bytes (one 16-byte store, the eight together a 128-byte line), and the first of
+them the scale. Every output byte is written once, by one thread: the same bits on every
+run.
 
-The tile's rows are 64 float32 (256 bytes), with row r's 16-byte chunk c (columns 4 c to
-4 c + 3) kept at slot c ^ (r // 16) ^ (c // 8): a warp's reads in the second phase (four
-neighbouring columns in eight row ranges r // 16 = 0 .. 7) then fall on 32 distinct banks,
-one wavefront, and its 16-byte stores in the first (eight threads' even or odd chunks of
-a row, 16-bit rows; sixteen threads' chunks, float32) on four wavefronts, the least for
-512 bytes. It holds 32 KB, under the 48 KB a launch gets without asking.
+The tile holds the operand's own bytes, 128 rows of 128 (16 KB, as the copy kernel's: a
+widened float32 tile took twice that and held an SM to half the CTAs), with row r's
+16-byte slot c kept at c ^ (r // 16): a warp's reads in the second phase (four
+neighbouring columns, one slot, in eight row ranges r // 16 = 0 .. 7) then fall on eight
+distinct slots' banks, one wavefront, and its stores in the first (four rows' 512 bytes)
+on four wavefronts, the least for 512 bytes.
 
 The division is IEEE's (div.rn.f32), the conversion `cvt.rn.satfinite.e4m3x2.f32`:
 saturating is the recipe's clamp to +-448 (x / scale exceeds 448 by an ulp at most,
@@ -54,18 +56,13 @@ from jax_dsrelu.kernels.operands import M, KernelOperand, Rows
 from jax_dsrelu.kernels.sm90 import e4m3
 
 BLOCK = 128  # rows of a group, threads of a CTA
-COLUMNS = 64  # columns of a CTA
-QUAD = 4  # float32 of a 16-byte chunk of the tile
+LINE = 128  # bytes of a CTA's columns in a row, and of a row of the tile
+CHUNKS = LINE // e4m3.VECTOR_BYTES  # 16-byte chunks of a line (8): threads loading one row
+PASS_ROWS = BLOCK // CHUNKS  # rows the CTA's threads load at a time (16), and of a swizzle range of the tile
+PASSES = BLOCK // PASS_ROWS
 PARTS = 8  # threads sharing a column in the second phase, 16 rows each (a 128-byte line of k_major)
 PART_ROWS = BLOCK // PARTS
 PASS_COLUMNS = BLOCK // PARTS  # columns the CTA's threads take at a time in the second phase (16)
-
-
-def _slot(chunk, part):
-    """Where row r's 16-byte chunk of columns [4 chunk, 4 chunk + 4) lies in its tile row,
-    part = r // 16 (module doc): its bank group (slot % 8) differs from those of the other
-    parts' same chunk, and from the other chunks of an even or odd run of its row's."""
-    return chunk ^ part ^ (chunk >> 3)
 _I32 = np.dtype(np.int32)
 _F32 = np.dtype(np.float32)
 _E4M3 = np.dtype("float8_e4m3fn")
@@ -81,6 +78,7 @@ class KMajorQuantizeSm90:
         self.n, self.num_experts, self.dtype = n, num_experts, dtype
         self.element = e4m3.ELEMENT_TYPES[dtype]
         self.per_load = e4m3.VECTOR_BYTES // dtype.itemsize  # elements of a 16-byte load
+        self.columns = LINE // dtype.itemsize  # columns of a CTA: one line of each row
 
     def operands(self) -> list[KernelOperand]:
         """x (m, n), first_rows (G + 1,) int32, k_major (n, G, 128) e4m3 (the (n, 128 G)
@@ -101,10 +99,10 @@ class KMajorQuantizeSm90:
 
         @cute.struct
         class Storage:
-            tile: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK * COLUMNS], 16]
+            tile: cute.struct.Align[cute.struct.MemRange[self.element, BLOCK * self.columns], 16]
 
         self.storage = Storage
-        column_blocks = (self.n + COLUMNS - 1) // COLUMNS
+        column_blocks = (self.n + self.columns - 1) // self.columns
         self.kernel(x, first_rows, k_major, scales).launch(grid=[groups, column_blocks, 1], block=[BLOCK, 1, 1],
                                                            stream=stream)
 
@@ -113,38 +111,27 @@ class KMajorQuantizeSm90:
         tidx, _, _ = cute.arch.thread_idx()
         group, column_block, _ = cute.arch.block_idx()
         storage = cutlass.memory.SmemAllocator().allocate(self.storage)
-        # The tile row after row, and its 16-byte slots: slot 16 r + s is row r's slot s.
-        tile = storage.tile.get_tensor(cute.make_layout(BLOCK * COLUMNS))
-        tile_slots = cute.logical_divide(tile, QUAD)
-        slots_per_row = COLUMNS // QUAD
-        first_column = column_block * COLUMNS
+        # The tile row after row, and its 16-byte slots: slot 8 r + s is row r's slot s.
+        tile = storage.tile.get_tensor(cute.make_layout(BLOCK * self.columns))
+        tile_slots = cute.logical_divide(tile, self.per_load)
+        first_column = column_block * self.columns
         first = first_rows[group]
         rows = cutlass.min(first_rows[group + 1], cute.size(x, mode=[0])) - first
 
-        # Phase 1: thread t loads the 16-byte piece t % L of rows t // L + (128 / L) p (L pieces a row),
-        # all of them before the first is used, so that a thread has every load in flight at once;
-        # then widens them into the tile. Zeros past the group's rows and past n.
-        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.element, num_bits_per_copy=8 * e4m3.VECTOR_BYTES)
-        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=8 * e4m3.VECTOR_BYTES)
-        pieces_per_row = COLUMNS // self.per_load
-        rows_per_pass = BLOCK // pieces_per_row
-        piece = tidx % pieces_per_row
-        loaded = cute.make_rmem_tensor(cute.make_layout((self.per_load, pieces_per_row)), self.element)
-        widened = cute.make_rmem_tensor(cute.make_layout(self.per_load), Float32)
-        widened_quads = cute.logical_divide(widened, QUAD)
-        x_pieces = cute.logical_divide(x, (None, self.per_load))
+        # Phase 1: thread t loads chunk t % 8 of rows t // 8 + 16 p, all of them before the first is
+        # stored, so that a thread has every load in flight at once; zeros past the group's rows and past n.
+        copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.element, num_bits_per_copy=8 * e4m3.VECTOR_BYTES)
+        lane = tidx % CHUNKS
+        loaded = cute.make_rmem_tensor(cute.make_layout((self.per_load, PASSES)), self.element)
+        x_chunks = cute.logical_divide(x, (None, self.per_load))
         loaded.fill(0)
-        for p in cutlass.range_constexpr(pieces_per_row):
-            row = tidx // pieces_per_row + rows_per_pass * p
-            if row < rows and first_column + piece * self.per_load < self.n:
-                cute.copy(load, x_pieces[first + row, (None, first_column // self.per_load + piece)], loaded[None, p])
-        for p in cutlass.range_constexpr(pieces_per_row):
-            row = tidx // pieces_per_row + rows_per_pass * p
-            widened.store(loaded[None, p].load().to(Float32))
-            for q in cutlass.range_constexpr(self.per_load // QUAD):
-                chunk = piece * (self.per_load // QUAD) + q
-                cute.copy(store, widened_quads[None, q],
-                          tile_slots[None, row * slots_per_row + _slot(chunk, row // PART_ROWS)])
+        for p in cutlass.range_constexpr(PASSES):
+            row = tidx // CHUNKS + PASS_ROWS * p
+            if row < rows and first_column + lane * self.per_load < self.n:
+                cute.copy(copy, x_chunks[first + row, (None, first_column // self.per_load + lane)], loaded[None, p])
+        for p in cutlass.range_constexpr(PASSES):
+            row = tidx // CHUNKS + PASS_ROWS * p
+            cute.copy(copy, loaded[None, p], tile_slots[None, row * CHUNKS + (lane ^ (row // PASS_ROWS))])
         cute.arch.sync_threads()
 
         # Phase 2: thread t takes rows [16 (t % 8), 16 (t % 8) + 16) of columns t // 8 + 16 p.
@@ -152,13 +139,13 @@ class KMajorQuantizeSm90:
         write = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint16, num_bits_per_copy=8 * e4m3.VECTOR_BYTES)
         packed = cute.make_rmem_tensor(cute.make_layout(e4m3.VECTOR_BYTES // 2), cutlass.Uint16)
         values = cute.make_rmem_tensor(cute.make_layout(PART_ROWS), Float32)
-        for p in cutlass.range_constexpr(COLUMNS // PASS_COLUMNS):
+        for p in cutlass.range_constexpr(self.columns // PASS_COLUMNS):
             column = tidx // PARTS + PASS_COLUMNS * p
-            slot = _slot(column // QUAD, part)
+            slot = (column // self.per_load) ^ part
             amax = Float32(0.0)
             special = cutlass.Int32(0)
             for r in cutlass.range_constexpr(PART_ROWS):
-                value = tile[(part * PART_ROWS + r) * COLUMNS + slot * QUAD + column % QUAD]
+                value = tile[(part * PART_ROWS + r) * self.columns + slot * self.per_load + column % self.per_load].to(Float32)
                 values[r] = value
                 amax, special = e4m3.fold_magnitude(amax, special, value)
             # The column's eight parts are neighbouring lanes of one warp.
