@@ -20,9 +20,11 @@ group's other rows are zeros), R = 128 G for the primitive's G groups. The call 
 from the primitive's row-major operands (`contract_layout.py`). An expert's padded size
 (`padded_sizes`) is then a multiple of 128 and its k-tiles are its groups: k-tile t of the
 expert starting at padded row r0 is group r0 / 128 + t, whose scales are the primitive's
-lhs_scale (G, a) and rhs_scale (G, b). Each thread loads, per k-tile, its two rows' scales
-and one scale per column slot of its accumulator (tile_n / 4 of them, a group's scales
-contiguous along b).
+lhs_scale (G, a) and rhs_scale (G, b). They are staged (`GemmSm90.staged_inputs`): the
+producer loads a k-tile's run of each, the tile's tile_m rows' and tile_n columns' scales
+of its group (zeros past a or b), by TMA into the k-tile's stage beside its operands, so
+they arrive stages ahead with them; each consumer thread reads its two rows' and its
+tile_n / 4 column slots' from there while the k-tile's batch runs.
 
 Constraints (`config.cannot_implement_contract`): a and b multiples of 16 (16-byte TMA
 rows of e4m3), out float32 or 16-bit, 1 <= E <= 512.
@@ -33,7 +35,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import numpy as np
-from cutlass import Float32, Int32
+from cutlass import Float32
 
 from jax_dsrelu.kernels.operands import M, KernelOperand, Rows
 from jax_dsrelu.kernels.request import RaggedContractRequest
@@ -77,8 +79,21 @@ class BlockScaledContractSm90(RaggedContractSm90):
         return dict(super().schema_sizes(), g=Rows(per=BLOCK))
 
     def kernel_params(self, t) -> dict:
-        return dict(group_sizes=t.padded_sizes, num_rows=cute.size(t.lhs_k_major, mode=[1]),
-                    lhs_scale=t.lhs_scale, rhs_scale=t.rhs_scale)
+        return dict(group_sizes=t.padded_sizes, num_rows=cute.size(t.lhs_k_major, mode=[1]))
+
+    def staged_inputs(self) -> dict[str, int]:
+        """A k-tile's scales of the tile's rows (of lhs) and columns (of rhs)."""
+        return {"lhs_scale": self.tile_m, "rhs_scale": self.tile_n}
+
+    def staged_view(self, name: str, tensor: cute.Tensor) -> cute.Tensor:
+        """The scales (G, x) as (x, G): a group's scales are contiguous."""
+        return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=[1, 0]))
+
+    def staged_tiles(self, name: str, view: cute.Tensor, tile, params) -> cute.Tensor:
+        """The tile's run of each of the expert's groups, from its first (`first_row` / 128)."""
+        index = tile.m_tile if name == "lhs_scale" else tile.n_tile
+        extent = self.staged_inputs()[name]
+        return cute.local_tile(cute.domain_offset((0, tile.first_row // BLOCK), view), (extent, 1), (index, None))
 
     # The copies are read as they are: every expert's rows are whole groups of 128 there, so
     # no TMA box needs clipping at an expert's end, and the 16-bit kernel's ragged view,
@@ -107,27 +122,19 @@ class BlockScaledContractSm90(RaggedContractSm90):
             ctx.column_halves = promoted_mainloop.column_halves(self, ctx.ctid, sA, sB)
 
     def mainloop(self, ctx, item, tile, read_state, release_state):
-        """The promoted mainloop with this thread's two rows of the a-block and its
-        columns of the b-block (a row or column past a or b reads row 0's scales, or with
-        the overlapped promotion a column past b reads column b - 1's: its operand rows
-        are zero-filled and it is never stored)."""
-        rows = []
-        for h in range(len(ctx.tile_row)):
-            row = tile.m_tile * self.tile_m + ctx.tile_row[h]
-            rows.append(Int32(cutlass.select_(row < self.a, row, Int32(0))))
+        """The promoted mainloop with the staged scales of this thread's two rows of the
+        tile and its column slots (a row or column past a or b reads a staged zero: its
+        operand rows are zero-filled too, and it is never stored)."""
+        row_scales, column_scales = ctx.staged
         if self.config.overlap_promotion:
             half_blocks = [cute.make_rmem_tensor(ctx.column_halves.shape, Float32) for _ in range(2)]
             # Per half: the thread's two row scales, then one per column slot (tile_n / 2 columns, 4 a slot).
             scales = [cute.make_rmem_tensor(2 + self.tile_n // 8, Float32) for _ in range(2)]
-            first_column = tile.n_tile * self.tile_n + ctx.tCcAcc[0][1]
             return promoted_mainloop.mma_k_tiles_promoted_by_column_in_halves(
-                ctx, half_blocks, scales, read_state, release_state, self.k_tile_count(tile), ctx.params.lhs_scale, rows,
-                ctx.params.rhs_scale, first_column, Int32(self.b - 1), tile.first_row // BLOCK)
-        columns = []
-        for slot in range(cute.size(ctx.acc) // 2):
-            # The first of the thread's values in column slot `slot` (fragment.column_slot).
-            column = tile.n_tile * self.tile_n + ctx.tCcAcc[slot % 2 + 4 * (slot // 2)][1]
-            columns.append(Int32(cutlass.select_(column < self.b, column, Int32(0))))
+                ctx, half_blocks, scales, read_state, release_state, self.k_tile_count(tile), row_scales, ctx.tile_row,
+                column_scales, ctx.tCcAcc[0][1])
+        # The tile's column of the first of the thread's values in each column slot (fragment.column_slot).
+        columns = [ctx.tCcAcc[slot % 2 + 4 * (slot // 2)][1] for slot in range(cute.size(ctx.acc) // 2)]
         return promoted_mainloop.mma_k_tiles_promoted_by_column(
             ctx, cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32), read_state, release_state, self.k_tile_count(tile),
-            ctx.params.lhs_scale, rows, ctx.params.rhs_scale, columns, tile.first_row // BLOCK)
+            row_scales, ctx.tile_row, column_scales, columns)

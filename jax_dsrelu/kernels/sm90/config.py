@@ -394,8 +394,11 @@ class ContractConfig(KernelTiles):
 
     def smem_bytes(self, num_experts: int, out_bytes: int) -> int:
         """Shared memory for this config with an output of `out_bytes` per element; its
-        tables are row_start, tile_start and the expert order."""
-        return self._shared_bytes(num_experts, 3, 0, [self._store_bytes(out_bytes)])
+        tables are row_start, tile_start and the expert order. On FP8 operands each stage
+        also holds its k-tile's float32 scales of the tile's rows and of its columns
+        (`BlockScaledContractSm90.staged_inputs`), a buffer each."""
+        staged = [self.ab_stages * rows * 4 for rows in (self.tile_m, self.tile_n)] if self.operand_bytes == 1 else []
+        return self._shared_bytes(num_experts, 3, 0, [self._store_bytes(out_bytes), *staged])
 
     def request_bytes(self, request: RaggedContractRequest) -> int:
         """Shared memory for this config serving `request`."""

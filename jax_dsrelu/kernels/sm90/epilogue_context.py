@@ -65,3 +65,5 @@ class EpilogueContext:
     # The wgmma over half the tile's columns (`promoted_mainloop.ColumnHalves`), for an FP8
     # variant whose promotion goes by column halves (its `mainloop_setup`), else None.
     column_halves: Any = None
+    # The staged inputs' shared rings (`GemmSm90.staged_inputs`), (elements, 1, stages) each.
+    staged: list = dataclasses.field(default_factory=list)

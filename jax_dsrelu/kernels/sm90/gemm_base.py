@@ -131,6 +131,7 @@ class KernelArguments:
     b_layout: Any
     c_layout: Any  # the epilogue input's, or None
     d_layout: Any  # the stored outputs'
+    staged: tuple = ()  # (TMA atom, tensor, ring layout) of each of `staged_inputs`, in order
 
 
 class GemmSm90:
@@ -264,9 +265,22 @@ class GemmSm90:
         if self.epilogue_scratch is not None:
             dtype, shape = self.epilogue_scratch
             buffers["epilogue_scratch"] = (dtype, cute.size(shape))
+        staged = []
+        if self.staged_inputs() and self.config.cluster_n > 1:
+            raise ValueError(f"{type(self).__name__} stages inputs, which are not multicast: cluster_n must be 1, "
+                             f"got {self.config.cluster_n}")
+        for name, elements in self.staged_inputs().items():
+            # A stage's run is one TMA box of (elements, 1); zeros past the tensor's end.
+            ring = cute.make_layout((elements, 1, self.config.ab_stages), stride=(1, elements, elements))
+            atom, tensor = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), self.staged_view(name, getattr(t, name)),
+                cute.slice_(ring, (None, None, 0)), (elements, 1))
+            staged.append((atom, tensor, ring))
+            buffers[f"s_{name}"] = (Float32, cute.cosize(ring))
         args = KernelArguments(
             c=c, stored=tuple(stored), params=SimpleNamespace(**self.kernel_params(t)),
             tiled_mma=tiled_mma, a_layout=a_layout, b_layout=b_layout, c_layout=c_layout, d_layout=d_layout,
+            staged=tuple(staged),
         )
         return args, barriers, buffers
 
@@ -281,6 +295,23 @@ class GemmSm90:
     def b_source(self, t, b_layout):
         """(copy atom, tensor) of B in the kernel: a TMA load of `b_view`."""
         return self._tma_load(self.b_view(getattr(t, self.operand_b)), b_layout, (self.tile_n, self.tile_k))
+
+    def staged_inputs(self) -> dict[str, int]:
+        """Declared float32 inputs loaded by TMA into every stage of the operand ring beside
+        its A and B k-tiles, under the same barrier, {name: elements a stage}: none by
+        default. The FP8 contraction's scales of a k-tile's rows and columns are, so that
+        they arrive with the operands, stages ahead, instead of being loaded from global
+        memory when the k-tile is multiplied."""
+        return {}
+
+    def staged_view(self, name: str, tensor: cute.Tensor) -> cute.Tensor:
+        """Staged input `name` as a rank-2 tensor (elements, k-blocks), its first mode
+        contiguous: a stage holds one k-block's run of `staged_inputs()[name]` elements."""
+        raise NotImplementedError(f"{type(self).__name__} stages no input {name}")
+
+    def staged_tiles(self, name: str, view: cute.Tensor, tile, params) -> cute.Tensor:
+        """(elements, 1, k-tiles) of `staged_view` for work item `tile`'s k-tiles."""
+        raise NotImplementedError(f"{type(self).__name__} stages no input {name}")
 
     def a_view(self, tensor: cute.Tensor) -> cute.Tensor:
         return tensor
@@ -389,12 +420,15 @@ class GemmSm90:
         sB = self._smem(storage.sB, args.b_layout)
         sC = self._epilogue_input_buffer(storage, args.c_layout)
         epilogue_storage = self._epilogue_storage(storage)
+        # Each staged input's (TMA atom, tensor, ring in shared memory).
+        staged = [(atom, tensor, getattr(storage, f"s_{name}").get_tensor(ring))
+                  for name, (atom, tensor, ring) in zip(self.staged_inputs(), args.staged)]
 
         if warp_idx < self.producer_warps:
             cute.arch.setmaxregister_decrease(self.producer_registers)
             if self.loads_operands(warp_idx):
                 self.load_operands(copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, self.make_schedule(tables, num_rows),
-                                   args.params)
+                                   args.params, staged)
             if cutlass.const_expr(self.epilogue_input is not None):
                 if warp_idx == 1:
                     self.load_epilogue_input(args.c[0], args.c[1], sC, c_pipeline,
@@ -406,7 +440,7 @@ class GemmSm90:
             if cutlass.const_expr(self.epilogue_scratch is not None):
                 scratch = epilogue_storage.epilogue_scratch.get_tensor(self._row_major(self.epilogue_scratch[1]))
             self.consume(args.tiled_mma, sA, sB, ab_pipeline, sC, c_pipeline, stored_smem, scratch, args,
-                         self.make_schedule(tables, num_rows), tidx - 128)
+                         self.make_schedule(tables, num_rows), tidx - 128, [ring for _, _, ring in staged])
 
     def num_rows(self, params) -> Int32:
         """The problem's row count m (`Rows` extents are in it), from the kernel's parameters."""
@@ -476,7 +510,8 @@ class GemmSm90:
         return self._tma_pipeline(
             storage.ab_barriers, self.config.ab_stages,
             cute.size_in_bytes(self.ab_dtype, cute.slice_(a_layout, (None, None, 0)))
-            + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_layout, (None, None, 0))),
+            + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_layout, (None, None, 0)))
+            + 4 * sum(self.staged_inputs().values()),
             self.config.cluster_n,
         )
 
@@ -571,29 +606,37 @@ class GemmSm90:
         return warp_idx == 0
 
     @cute.jit
-    def load_operands(self, copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, work_schedule, params):
+    def load_operands(self, copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, work_schedule, params, staged=()):
         """The A/B k-tiles of every work item with a mainloop, in schedule order, through
-        one ring whose state carries across items."""
+        one ring whose state carries across items; with them, the `staged` inputs' runs
+        ((TMA atom, tensor, shared ring) each)."""
         state = self._producer_state(self.config.ab_stages)
         if cutlass.const_expr(self.walk_rebinds):
             while work_schedule.owned():
                 tile, work_schedule = work_schedule.located()
                 state = self._load_item(copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, state, tile, work_schedule.rank,
-                                        params)
+                                        params, staged)
                 work_schedule.advance()
         else:
             while work_schedule.valid():
                 tile = work_schedule.tile()
                 state = self._load_item(copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, state, tile, work_schedule.rank,
-                                        params)
+                                        params, staged)
                 work_schedule.advance()
         ab_pipeline.producer_tail(state)
 
-    def _load_item(self, copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, state, tile, rank, params):
+    def _load_item(self, copy_a, mA, tma_b, mB, sA, sB, ab_pipeline, state, tile, rank, params, staged):
         gA = self.a_tiles(mA, tile, params)
         gB = self.b_tiles(mB, tile, params)
         tAsA, tAgA = self.partition_a(copy_a, sA, gA, rank)
         tBsB, tBgB = self.partition_b(tma_b, sB, gB)
+        if cutlass.const_expr(len(staged) > 0):
+            runs = []
+            for name, (atom, tensor, ring) in zip(self.staged_inputs(), staged):
+                tSs, tSg = mainloop.tma_partition(atom, ring, self.staged_tiles(name, tensor, tile, params))
+                runs.append((atom, tSg, tSs))
+            return mainloop.load_k_tiles(copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state,
+                                         self.k_tile_count(tile), staged=runs)
         return self.load_k_tiles(copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, self.k_tile_count(tile))
 
     def partition_a(self, copy_a, sA, gA, rank):
@@ -641,8 +684,10 @@ class GemmSm90:
 
     @cute.jit
     def consume(self, tiled_mma, sA, sB, ab_pipeline, sC, c_pipeline, stored_smem, scratch, args, work_schedule,
-                ctid: Int32):
-        """Consumer warpgroups: per work item, the wgmma mainloop, then the epilogue."""
+                ctid: Int32, staged_rings=()):
+        """Consumer warpgroups: per work item, the wgmma mainloop, then the epilogue.
+        `staged_rings`: the staged inputs' shared rings, (elements, 1, stages) each, as
+        ctx.staged."""
         warp_c = ctid // 32  # consumer warp 0..7, rows [16 warp_c, 16 warp_c + 16) of the tile
         lane = ctid % 32
         tCrA, tCrB, tCcAcc, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
@@ -651,6 +696,7 @@ class GemmSm90:
             ctid=ctid, warp=warp_c, lane=lane, tiled_mma=tiled_mma, tCrA=tCrA, tCrB=tCrB, tCcAcc=tCcAcc, acc=acc,
             ab_pipeline=ab_pipeline, tiled_r2s=tiled_r2s, sub_shape=sub_shape, params=args.params, scratch=scratch,
         )
+        ctx.staged = list(staged_rings)
         ctx.outputs = self._epilogue_outputs(ctx, thr_r2s, stored_smem, args.stored)
         self._epilogue_input_copies(ctx, c_pipeline, tiled_copy_c, sC, ctid)
         self.epilogue_setup(ctx)

@@ -77,10 +77,12 @@ def load_k_tiles(
     state: pipeline.PipelineState,
     k_tiles: Int32,
     a_multicast: cutlass.Constexpr = 1,
+    staged: list = (),
 ) -> pipeline.PipelineState:
     """Producer: k-tiles 0 .. k_tiles - 1 of one work tile into the ring, in order. With
     `a_multicast` CTAs in the cluster, this CTA's slice of each A box (`tma_partition`
-    with its rank) goes to all of them."""
+    with its rank) goes to all of them. `staged`: (TMA atom, global k-tile runs, shared
+    ring) of each input loaded beside A and B under the stage's barrier."""
     for k_tile in range(k_tiles):
         ab_pipeline.producer_acquire(state)
         barrier = ab_pipeline.producer_get_barrier(state)
@@ -90,6 +92,8 @@ def load_k_tiles(
         else:
             cute.copy(tma_a, tAgA[None, k_tile], tAsA[None, state.index], tma_bar_ptr=barrier)
         cute.copy(tma_b, tBgB[None, k_tile], tBsB[None, state.index], tma_bar_ptr=barrier)
+        for atom, runs, ring in staged:
+            cute.copy(atom, runs[None, k_tile], ring[None, state.index], tma_bar_ptr=barrier)
         ab_pipeline.producer_commit(state)
         state.advance()
     return state

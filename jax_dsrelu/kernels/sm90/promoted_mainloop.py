@@ -16,8 +16,8 @@ time: the tensor cores idle during a promotion unless the other consumer warpgro
 is running then (both consume the same stages, so they may well promote at the same time;
 not profiled). The scales of a k-tile are loaded before its stage is waited for, so their
 latency hides behind the wait. The contraction's (`mma_k_tiles_promoted_by_column`), whose
-34 scale loads a k-tile spread over the lines of two tensors, also has the next K block's
-lines prefetched into L1 while a batch runs, and its warpgroups take turns on the tensor
+k-tile needs 34 scales a thread, reads them from the k-tile's stage, where the producer
+staged them by TMA with its operands, and its warpgroups take turns on the tensor
 cores. The overlapped one (`mma_k_tiles_promoted_overlapped`)
 promotes k-tile t while the batch of k-tile t + 1 runs, in a second partial-sum buffer.
 The two by column halves (`mma_k_tiles_promoted_in_halves` for a static K,
@@ -268,17 +268,18 @@ def mma_k_tiles_promoted_by_column(
     read_state: pipeline.PipelineState,
     release_state: pipeline.PipelineState,
     k_tiles: Int32,
-    lhs_scale: cute.Tensor,  # (K blocks, rows of A) float32
-    rows: list,  # this thread's two rows of A (in bounds)
-    rhs_scale: cute.Tensor,  # (K blocks, rows of B) float32
-    columns: list,  # this thread's rows of B, one per column slot of its accumulator (in bounds)
-    first_block: Int32,  # the K block of the first k-tile
+    row_scales: cute.Tensor,  # (tile_m, 1, stages) float32: each stage's K block's scales of the tile's rows of A
+    rows: list,  # this thread's two rows of the tile
+    column_scales: cute.Tensor,  # (tile_n, 1, stages) float32: of the tile's rows of B (its columns)
+    columns: list,  # this thread's column of the tile in each column slot of its accumulator
 ):
     """`mma_k_tiles_promoted` with a scale per row of A and per row of B (the tile's
     columns) in each K block, as the weight gradients' operands are scaled along their
-    K, the tokens: acc[r, c] += acc_block[r, c] * (lhs_scale[b, row r] * rhs_scale[b,
-    column c]). The scales of a k-tile are loaded before its stage is waited for, their
-    lines prefetched into L1 while the k-tile before runs.
+    K, the tokens: acc[r, c] += acc_block[r, c] * (row scale r * column scale c). The
+    scales come staged in the k-tile's stage (`GemmSm90.staged_inputs`), loaded by TMA
+    with its operands; each thread reads its own from there while the k-tile's batch runs,
+    then fences the proxies before the stage goes back to the producer, whose next TMA
+    write there (the async proxy) the mbarrier alone does not order after those reads.
 
     The two warpgroups take turns on the tensor cores: warpgroup 1 issues a tile's first
     batch only once warpgroup 0 has issued its own (`NamedBarrier.STAGGER`), so its
@@ -288,50 +289,43 @@ def mma_k_tiles_promoted_by_column(
     together again at the tile's end, which the turns rely on: without them warpgroup 0
     could arrive at the next tile's STAGGER before warpgroup 1 had waited at this one's.
     The barrier counts the kernel's two consumer warpgroups (256 threads;
-    `GemmSm90.consumer_threads`). Measured in the FP8 step on an H100
-    (docs/fp8-kernels.md): the turns alone made this kernel 6% slower, the turns with the
-    prefetch 5-14% faster than neither; the prefetch alone is not yet measured."""
+    `GemmSm90.consumer_threads`)."""
     acc = ctx.acc
     acc.fill(0.0)
     warpgroup_index = ctx.ctid // 128
+    # The thread's two row scales, then one per column slot.
+    scales = cute.make_rmem_tensor(len(rows) + len(columns), Float32)
     for k_tile in range(k_tiles):
-        block = first_block + k_tile
-        row_scales = [Float32(lhs_scale[block, row]) for row in rows]
-        column_scales = [Float32(rhs_scale[block, column]) for column in columns]
-        # The next k-tile's scale lines, asked for while this batch runs (the last
-        # k-tile's are its own again: in bounds).
-        next_block = first_block + cutlass.min(k_tile + 1, k_tiles - 1)
+        stage = read_state.index
         _wait_for_the_first_warpgroup(warpgroup_index, k_tile)
         read_state, release_state = _landed_block(
             ctx, acc_block, read_state, release_state,
-            lambda: _let_go_and_prefetch(warpgroup_index, k_tile, lhs_scale, rows, rhs_scale, columns, next_block))
+            lambda: _let_go_and_read_scales(warpgroup_index, k_tile, scales, row_scales, rows, column_scales, columns,
+                                            stage))
         for v in cutlass.range_constexpr(cute.size(acc)):
-            scale = row_scales[fragment.row_half(v)] * column_scales[fragment.column_slot(v)]
+            scale = scales[fragment.row_half(v)] * scales[len(rows) + fragment.column_slot(v)]
             acc[v] = acc[v] + acc_block[v] * scale
     return read_state, release_state
 
 
-# Every eighth of a thread's column slots, 32 columns apart (`fragment.column_offset`):
-# with its rows' they reach every 128-byte line of the tile's scales in a K block.
-_PREFETCH_STRIDE = 8
-
-
 @cute.jit
-def _prefetch_scale_lines(lhs_scale, rows, rhs_scale, columns, block):
-    """Asks L1 for the lines of K block `block`'s scales of the thread's rows and
-    columns, so that the loads a k-tile later find them there."""
+def _read_staged_scales(scales, row_scales, rows, column_scales, columns, stage):
+    """scales = the staged scales of `rows`, then of `columns`, in ring stage `stage`;
+    then the proxy fence that lets the producer's TMA write the stage again."""
     for h in cutlass.range_constexpr(len(rows)):
-        cute.arch.prefetch((lhs_scale.iterator + lhs_scale.layout((block, rows[h]))).llvm_ptr, cache_level="L1")
-    for slot in cutlass.range_constexpr(0, len(columns), _PREFETCH_STRIDE):
-        cute.arch.prefetch((rhs_scale.iterator + rhs_scale.layout((block, columns[slot]))).llvm_ptr, cache_level="L1")
+        scales[h] = row_scales[rows[h], 0, stage]
+    for slot in cutlass.range_constexpr(len(columns)):
+        scales[len(rows) + slot] = column_scales[columns[slot], 0, stage]
+    cute.arch.fence_proxy("async.shared", space="cta")
 
 
 @cute.jit
-def _let_go_and_prefetch(warpgroup_index: Int32, k_tile: Int32, lhs_scale, rows, rhs_scale, columns, block):
+def _let_go_and_read_scales(warpgroup_index: Int32, k_tile: Int32, scales, row_scales, rows, column_scales, columns,
+                            stage):
     """What runs beside a contraction k-tile's batch: warpgroup 0 lets warpgroup 1 issue
-    (at a tile's first k-tile), then K block `block`'s scale lines are asked of L1."""
+    (at a tile's first k-tile), then the k-tile's scales are read from its stage."""
     _let_the_second_warpgroup_go(warpgroup_index, k_tile)
-    _prefetch_scale_lines(lhs_scale, rows, rhs_scale, columns, block)
+    _read_staged_scales(scales, row_scales, rows, column_scales, columns, stage)
 
 
 @cute.jit
@@ -356,19 +350,17 @@ def mma_k_tiles_promoted_by_column_in_halves(
     read_state: pipeline.PipelineState,
     release_state: pipeline.PipelineState,
     k_tiles: Int32,
-    lhs_scale: cute.Tensor,  # (K blocks, rows of A) float32
-    rows: list,  # this thread's two rows of A (in bounds)
-    rhs_scale: cute.Tensor,  # (K blocks, rows of B) float32
-    first_column: Int32,  # this thread's first row of B (its column slot 0, `fragment.column_offset`)
-    last_column: Int32,  # the last row of B: a column past it reads its scales (never stored)
-    first_block: Int32,  # the K block of the first k-tile
+    row_scales: cute.Tensor,  # (tile_m, 1, stages) float32, staged as `mma_k_tiles_promoted_by_column` reads them
+    rows: list,  # this thread's two rows of the tile
+    column_scales: cute.Tensor,  # (tile_n, 1, stages) float32
+    first_column: Int32,  # this thread's first column of the tile (its column slot 0, `fragment.column_offset`)
 ):
     """`mma_k_tiles_promoted_by_column` with half of each promotion beside a wgmma batch:
     each k-tile is two batches, one per half of the tile's columns (a wgmma of tile_n / 2),
     into the half's own buffer, and half 0 is promoted while half 1's batch runs:
 
-        issue half 0, issue half 1 | wait for half 0, promote it | wait for half 1,
-        release the stage, promote it
+        issue half 0, issue half 1, read the scales | wait for half 0, promote it |
+        wait for half 1, release the stage, promote it
 
     The buffers take the registers of the waited form's one (tile_n / 2 a thread, beside
     the total's tile_n / 2). Each value's sum is the waited form's, term for term: value v
@@ -378,22 +370,25 @@ def mma_k_tiles_promoted_by_column_in_halves(
     batch a wait_group(1) leaves in flight across the loop's back edge, and serializes
     every wgmma if a promotion follows one (C7514)."""
     ctx.acc.fill(0.0)
-    columns = (first_column, last_column)
     for k_tile in range(k_tiles):
-        read_state, release_state = _promoted_k_tile(ctx, half_blocks, scales, read_state, release_state, lhs_scale,
-                                                     rows, rhs_scale, columns, first_block + k_tile)
+        read_state, release_state = _promoted_k_tile(ctx, half_blocks, scales, read_state, release_state, row_scales,
+                                                     rows, column_scales, first_column)
     return read_state, release_state
 
 
 @cute.jit
-def _promoted_k_tile(ctx, half_blocks, scales, read_state, release_state, lhs_scale, rows, rhs_scale, columns, block):
-    """K block `block`'s two half batches, each promoted once it has landed, the stage
-    released once both have; the scales loaded before the stage is waited for."""
-    for half in cutlass.range_constexpr(2):
-        _load_half_scales(scales[half], lhs_scale, rows, rhs_scale, columns, block, half)
+def _promoted_k_tile(ctx, half_blocks, scales, read_state, release_state, row_scales, rows, column_scales,
+                     first_column):
+    """The k-tile's two half batches, each promoted once it has landed, the stage
+    released once both have; the staged scales read while they run."""
     ctx.ab_pipeline.consumer_wait(read_state)
+    stage = read_state.index
     for half in cutlass.range_constexpr(2):
-        _wgmma_half(ctx, half_blocks[half], half, read_state.index)
+        _wgmma_half(ctx, half_blocks[half], half, stage)
+    for half in cutlass.range_constexpr(2):
+        slots = cute.size(scales[half]) - 2
+        columns = [first_column + fragment.column_offset(half * slots + slot) for slot in range(slots)]
+        _read_staged_scales(scales[half], row_scales, rows, column_scales, columns, stage)
     read_state.advance()
     warpgroup.wait_group(1)
     _promote_half_by_column(ctx.acc, half_blocks[0], scales[0], 0)
@@ -419,19 +414,6 @@ def _wgmma_half(ctx, half_block, half: cutlass.Constexpr, stage):
         cute.gemm(mma, half_block, ctx.column_halves.tCrA[coord], ctx.column_halves.tCrB[half][coord], half_block)
     mma._trait.value = atom
     warpgroup.commit_group()
-
-
-@cute.jit
-def _load_half_scales(scales, lhs_scale, rows, rhs_scale, columns, block, half: cutlass.Constexpr):
-    """scales = the two rows' scales of K block `block`, then the scale of each column
-    slot of half `half` (a column past the last reads the last's)."""
-    first_column, last_column = columns
-    slots = cute.size(scales) - 2
-    for h in cutlass.range_constexpr(2):
-        scales[h] = Float32(lhs_scale[block, rows[h]])
-    for slot in cutlass.range_constexpr(slots):
-        column = cutlass.min(first_column + fragment.column_offset(half * slots + slot), last_column)
-        scales[2 + slot] = Float32(rhs_scale[block, column])
 
 
 @cute.jit
