@@ -61,8 +61,13 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 #                 crashed (exit 139) on the contraction's fewer-rows case, which passed alone
 #                 before. Deterministic mode gave one digest of the layer's gradients over
 #                 4 processes at 7e94690 (determinism_parallel_warm.json), and the FP8
-#                 determinism tests passed at 9ebd080. Still missing: a step faster than
-#                 the bf16 one (1.47x and 1.65x slower at 9ebd080, bench_layer_fp8.json.gz).
+#                 determinism tests passed at 9ebd080. The contraction with its scales
+#                 staged by TMA (7f6a334, on main as d5ddbba): its GPU tier passed (21
+#                 cases), memcheck and racecheck clean at its boundary cases. Still
+#                 missing: a step faster than the bf16 one (1.47x and 1.65x slower at
+#                 9ebd080, bench_layer_fp8.json.gz; the staged scales took 0.45 ms and
+#                 0.83 ms off it in the A/B, bench_layer_step_ab_7f6a334_r1.json), and the
+#                 FP8 determinism tests and a step record at a commit with the staged scales.
 #   "fp8_quantize" the FP8 weight gradients' operands quantized straight into their
 #                 K-major copies (`k_major_quantize_kernel.py`), for `ragged_contract`
 #                 quantizing its operands itself, instead of XLA's quantizer and the copy
@@ -77,8 +82,12 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 #                 (19 cases); memcheck clean in 14 of 14 at a6916f6, racecheck in 3 of 4
 #                 over both commits (the tool crashed on every try of the fourth,
 #                 negative_and_past_m from float32); the step on it 0.8% (Nano) and 1.5%
-#                 faster than on the copy kernel at 9ebd080 (bench_layer_fp8.json.gz). It
-#                 stays here while "fp8", which it serves, does.
+#                 faster than on the copy kernel at 9ebd080 (bench_layer_fp8.json.gz). Its
+#                 raw-byte tile (260cdac, on main as 0c52689): the tier passed (19 cases) and
+#                 it took 0.336 and 0.989 ms against 0.423 and 1.202 in the A/B; under
+#                 compute-sanitizer the tool crashed or failed to start the tests' CUDA
+#                 context on every try, so memcheck and racecheck of this form are still to
+#                 run. It stays here while "fp8", which it serves, does.
 #   "fp8_rows"    the FP8 GEMMs' A operands quantized in one pass over the rows
 #                 (`row_quantize_kernel.py`, a `RowQuantizeRequest`), instead of XLA's
 #                 quantizer, which reads them twice. Run on an H100 at a6916f6: its GPU

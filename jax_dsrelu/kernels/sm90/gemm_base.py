@@ -52,6 +52,10 @@ short file of hooks:
                            A's and B's per-work-item partitions for the copy
     load_k_tiles(...)      the per-work-item k-tile loop (`mainloop.load_k_tiles`)
     descriptors(...)       the TMA descriptors warp 0 prefetches
+    staged_inputs(), staged_view(name, t), staged_tiles(name, view, tile, params)
+                           float32 inputs loaded by TMA into every operand stage beside
+                           its k-tiles (a run of elements each; the consumers read them
+                           as ctx.staged and fence before the release)
 
   The work schedule (`ragged_m.RaggedMGemmSm90` for the ragged-M kernels):
     num_rows(params)                          the row count m (params.num_rows)
