@@ -249,6 +249,10 @@ def test_fp8_contraction_compiles_for_sm90a(shape, out_dtype, monkeypatch):
         compiled = ragged_call.compile_kernel(request, chosen, keep=True)
     assert "wgmma.mma_async.sync.aligned.m64n" in compiled.ptx and ".f32.e4m3.e4m3" in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
+    # The staged scales are read with ld.shared (the generic proxy) from a stage the producer's
+    # next TMA write (the async proxy) reuses: the consumers fence the proxies before releasing
+    # it, a fence beside the epilogue's before its TMA store (which alone was there before).
+    assert compiled.ptx.count("fence.proxy.async.shared::cta") >= 2
     ptxas.check_assembly(compiled.ptx)
     assert built[-1].shared_storage.size_in_bytes() == chosen.request_bytes(request) <= config.SMEM_CAPACITY
 
