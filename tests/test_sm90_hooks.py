@@ -333,8 +333,8 @@ class PairsWithoutMulticast(RaggedGemmSm90):
     def partition_a(self, copy_a, sA, gA, rank):
         return mainloop.tma_partition(copy_a, sA, gA)
 
-    def load_k_tiles(self, copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles):
-        return mainloop.load_k_tiles(copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles)
+    def load_k_tiles(self, copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles, staged):
+        return mainloop.load_k_tiles(copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles, staged=staged)
 
     def operand_pipeline(self, storage, a_layout, b_layout):
         # Each CTA's stages are its own: released by its own consumers only.

@@ -212,10 +212,12 @@ class GatheredA:
         return self._gathered_partition(tma_b, sB, gB) if self.gathered == "b" else super().partition_b(tma_b, sB, gB)
 
     @cute.jit
-    def load_k_tiles(self, copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles):
+    def load_k_tiles(self, copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles, staged):
         """Per k-tile: every gathering warp waits for the stage (the first arrives with
         the TMA operand's bytes and loads its box), copies its chunks of the gathered
-        operand, and arrives when they land."""
+        operand, and arrives when they land. A gathered kernel stages no inputs."""
+        if cutlass.const_expr(len(staged) > 0):
+            raise NotImplementedError(f"{type(self).__name__} gathers an operand and cannot stage inputs beside it")
         tma, tma_global, tma_shared = (tma_b, tBgB, tBsB) if self.gathered == "a" else (copy_a, tAgA, tAsA)
         gathered, gathered_shared = (tAgA, tAsA) if self.gathered == "a" else (tBgB, tBsB)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())

@@ -634,14 +634,12 @@ class GemmSm90:
         gB = self.b_tiles(mB, tile, params)
         tAsA, tAgA = self.partition_a(copy_a, sA, gA, rank)
         tBsB, tBgB = self.partition_b(tma_b, sB, gB)
-        if cutlass.const_expr(len(staged) > 0):
-            runs = []
-            for name, (atom, tensor, ring) in zip(self.staged_inputs(), staged):
-                tSs, tSg = mainloop.tma_partition(atom, ring, self.staged_tiles(name, tensor, tile, params))
-                runs.append((atom, tSg, tSs))
-            return mainloop.load_k_tiles(copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state,
-                                         self.k_tile_count(tile), staged=runs)
-        return self.load_k_tiles(copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, self.k_tile_count(tile))
+        runs = []
+        for name, (atom, tensor, ring) in zip(self.staged_inputs(), staged):
+            tSs, tSg = mainloop.tma_partition(atom, ring, self.staged_tiles(name, tensor, tile, params))
+            runs.append((atom, tSg, tSs))
+        return self.load_k_tiles(copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, self.k_tile_count(tile),
+                                 runs)
 
     def partition_a(self, copy_a, sA, gA, rank):
         """(shared, global) partitions of A's k-tiles: the CTAs of a cluster share the
@@ -652,9 +650,10 @@ class GemmSm90:
         """(shared, global) TMA partitions of B's k-tiles."""
         return mainloop.tma_partition(tma_b, sB, gB)
 
-    def load_k_tiles(self, copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles):
+    def load_k_tiles(self, copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles, staged):
+        """`staged`: (TMA atom, global k-tile runs, shared ring) of each staged input."""
         return mainloop.load_k_tiles(copy_a, tAgA, tAsA, tma_b, tBgB, tBsB, ab_pipeline, state, k_tiles,
-                                     self.config.cluster_n)
+                                     self.config.cluster_n, staged)
 
     @cute.jit
     def load_epilogue_input(self, tma_c, mC, sC, c_pipeline, work_schedule):
@@ -699,8 +698,8 @@ class GemmSm90:
         ctx = self.context_type(
             ctid=ctid, warp=warp_c, lane=lane, tiled_mma=tiled_mma, tCrA=tCrA, tCrB=tCrB, tCcAcc=tCcAcc, acc=acc,
             ab_pipeline=ab_pipeline, tiled_r2s=tiled_r2s, sub_shape=sub_shape, params=args.params, scratch=scratch,
+            staged=list(staged_rings),
         )
-        ctx.staged = list(staged_rings)
         ctx.outputs = self._epilogue_outputs(ctx, thr_r2s, stored_smem, args.stored)
         self._epilogue_input_copies(ctx, c_pipeline, tiled_copy_c, sC, ctid)
         self.epilogue_setup(ctx)
