@@ -217,9 +217,10 @@ def test_every_gemm_is_float64_of_the_same_quantized_operands(case):
     assert np.abs(np.asarray(got["h"]) - exact_h).max() > 1e-3 * np.abs(exact_h).max()
 
 
-def rolled_row_scales(a, recipe, backend):
-    """A quantizer bug: each block along K of the rows with its neighbour's scale."""
-    values, scales = QUANTIZE_ROWS(a, recipe, backend)
+def rolled_row_scales(a, recipe, backend, prob=None):
+    """A quantizer bug: each block along K of the rows (or of the activation formed from
+    them) with its neighbour's scale."""
+    values, scales = QUANTIZE_ROWS(a, recipe, backend, prob=prob)
     return values, jnp.roll(scales, 1, axis=-1)
 
 

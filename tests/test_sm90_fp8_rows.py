@@ -11,7 +11,9 @@ vmap) only where the kind is enabled. GPU tier (not yet run on a Hopper card): t
 against the recipe's NumPy oracle, byte for byte but for a NaN's sign, values and scales,
 into outputs poisoned two ways, on a partial last block, a block count that leaves a CTA
 part empty, one row, Nano's widths, NaN, infinity and zero blocks and values among e4m3's
-subnormals, from bfloat16, float16 and float32. CPU, where CuTe DSL is installed: no rows
+subnormals, from bfloat16, float16 and float32; its squared-ReLU form (the activation
+relu(h)**2 * prob formed from pre-activation rows as it reads them) likewise against the
+oracle of the activation formed in float32. CPU, where CuTe DSL is installed: no rows
 give empty outputs without a launch.
 """
 
@@ -44,6 +46,10 @@ SHAPES = {"partial_last": (300, 1856), "ragged_cta": (3, 2688), "one_row": (1, 4
 CASES = [("partial_last", "bf16"), ("partial_last", "f32"), ("partial_last", "f16"), ("ragged_cta", "bf16"),
          ("one_row", "f32"), ("nano_d", "bf16"), ("tail_16", "bf16"), ("tail_112", "bf16")]
 IDS = [f"{name}-{dtype}" for name, dtype in CASES]
+# The squared-ReLU form's cases: (shape, the pre-activation's dtype, prob's dtype).
+ACT_CASES = [("partial_last", "bf16", "f32"), ("ragged_cta", "bf16", "bf16"), ("one_row", "f32", "f32"),
+             ("tail_112", "f16", "f16")]
+ACT_IDS = [f"{name}-{dtype}-prob_{prob}" for name, dtype, prob in ACT_CASES]
 
 
 def rows(name: str, dtype_name: str) -> np.ndarray:
@@ -68,6 +74,22 @@ def oracle(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scales
 
 
+def probs(m: int, dtype_name: str) -> np.ndarray:
+    """prob (m,) in the dtype: values in (0, 1], a NaN in the middle row where there are
+    three rows or more (its row's blocks quantize to NaN)."""
+    prob = np.random.default_rng(m).uniform(2 ** -8, 1.0, m)
+    if m >= 3:
+        prob[m // 2 + 1] = np.nan
+    return np.asarray(jnp.asarray(prob, DTYPES[dtype_name]))
+
+
+def activation(h: np.ndarray, prob: np.ndarray) -> np.ndarray:
+    """relu(h)**2 * prob in float32 as the forward forms it ((r * r) * prob, NaN kept)."""
+    r = np.asarray(h, np.float32)
+    r = np.where(r < 0, np.float32(0), r)
+    return (r * r) * np.asarray(prob, np.float32)[:, None]
+
+
 def test_the_byte_oracle_tells_a_wrong_scale():
     x = rows("partial_last", "bf16")
     stored, _ = oracle(x)
@@ -86,6 +108,11 @@ def test_the_row_quantizer_refuses_what_it_cannot_take():
             row_quantize.quantize_rows_by_kernel(jax.ShapeDtypeStruct(shape, dtype))
     with pytest.raises(ValueError, match=r"x \(m, k\), got x.shape=\(2, 4, 64\)"):
         row_quantize.quantize_rows_by_kernel(jax.ShapeDtypeStruct((2, 4, 64), jnp.bfloat16))
+    request = RowQuantizeRequest(64, np.dtype(jnp.bfloat16), np.dtype(np.int32))
+    assert "prob, got int32" in row_quantize.cannot_quantize_rows(request)
+    with pytest.raises(ValueError, match=r"prob \(m,\) = \(4,\) for x \(4, 64\), got prob.shape=\(3,\)"):
+        row_quantize.quantize_rows_by_kernel(jax.ShapeDtypeStruct((4, 64), jnp.bfloat16),
+                                             prob=jax.ShapeDtypeStruct((3,), jnp.float32))
 
 
 def test_the_fp8_step_refuses_the_row_quantizer_until_it_is_enabled():
@@ -102,9 +129,10 @@ def prebuild_copy_jobs():
     """The passes the GPU tier runs (in place into poisoned buffers), for the kernel cache."""
     from jax_dsrelu.kernels.sm90 import row_quantize
 
-    built = {(SHAPES[name][1], DTYPES[dtype], True) for name, dtype in CASES}
-    return [functools.partial(row_quantize.compile_row_quantize_kernel, k, dtype, outputs_in_place=in_place)
-            for k, dtype, in_place in sorted(built, key=repr)]
+    built = {(SHAPES[name][1], DTYPES[dtype], None) for name, dtype in CASES}
+    built |= {(SHAPES[name][1], DTYPES[dtype], DTYPES[prob]) for name, dtype, prob in ACT_CASES}
+    return [functools.partial(row_quantize.compile_row_quantize_kernel, k, dtype, prob, outputs_in_place=True)
+            for k, dtype, prob in sorted(built, key=repr)]
 
 
 @pytest.mark.compile
@@ -116,6 +144,25 @@ def test_the_row_quantizer_compiles_for_sm90a(dtype):
     ptx = row_quantize.compile_row_quantize_kernel(1856, DTYPES[dtype], keep=True).ptx
     # 16-byte loads, 8-byte value stores (four e4m3 pairs), no shared memory.
     assert_a_quantizing_pass(ptx, "shfl.sync.bfly", accesses=("ld.global.v4", "st.global.v4.b16"))
+
+
+@pytest.mark.compile
+def test_the_squared_relu_form_compiles_for_sm90a():
+    """The activation's form: the same pass, reading prob (a 2-byte load for bf16 prob) and
+    forming each of a thread's 8 values by two products, relu a select that keeps NaN
+    (the plain pass has neither)."""
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    import re
+
+    from jax_dsrelu.kernels.sm90 import row_quantize
+
+    ptx = row_quantize.compile_row_quantize_kernel(1856, DTYPES["bf16"], DTYPES["bf16"], keep=True).ptx
+    assert_a_quantizing_pass(ptx, "shfl.sync.bfly", accesses=("ld.global.v4", "st.global.v4.b16", "ld.global.b16"))
+    plain = row_quantize.compile_row_quantize_kernel(1856, DTYPES["bf16"], keep=True).ptx
+    assert "ld.global.b16" not in plain
+    relu = re.compile(r"setp\.lt\.f32\s+(%p\d+), %r\d+, 0f00000000;\s+selp\.f32\s+%r\d+, 0f00000000, %r\d+, \1;")
+    assert len(relu.findall(ptx)) == 8 and not relu.findall(plain)
+    assert ptx.count("mul.f32") - plain.count("mul.f32") == 16
 
 
 @pytest.mark.compile
@@ -180,6 +227,9 @@ def test_the_fp8_step_quantizes_its_rows_on_the_kernel_only_where_enabled():
         return sum("custom_call @CuteDSLRT" in line and "RowQuantizeSm90" in line for line in text.splitlines())
 
     assert row_calls(_fp8_step_text(("fp8", "fp8_rows"))) == 4
+    # act's is the squared-ReLU form, which reads h and prob: no float32 act between them.
+    text = _fp8_step_text(("fp8", "fp8_rows"))
+    assert sum("SquaredReluRowQuantizeSm90" in line for line in text.splitlines() if "custom_call" in line) == 1
     assert row_calls(_fp8_step_text(("fp8",))) == 0
     # Under vmap each call is a loop of its own, beside the loops the GEMMs' primitives make.
     batched, without = (_fp8_step_text(kinds, batched=True) for kinds in (("fp8", "fp8_rows"), ("fp8",)))
@@ -205,6 +255,33 @@ def test_the_row_quantizer_computes_the_recipe(hopper, name, dtype):
         out = run(jnp.asarray(x), filled)
         assert same_bytes_but_nan_sign(np.asarray(out["values"]).view(np.uint8), want_values)
         np.testing.assert_array_equal(np.asarray(out["scales"]), want_scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, dtype, prob_dtype", ACT_CASES, ids=ACT_IDS)
+def test_the_squared_relu_form_computes_the_recipe_of_the_activation(hopper, name, dtype, prob_dtype):
+    """Byte for byte the oracle of relu(h)**2 * prob formed in float32 (but for a NaN's
+    sign), into poisoned outputs: negative h, a NaN and an infinity in h, a NaN prob."""
+    from jax_dsrelu.kernels.sm90 import row_quantize
+
+    h = rows(name, dtype)
+    prob = probs(h.shape[0], prob_dtype)
+    want_values, want_scales = oracle(activation(h, prob))
+    run = jax.jit(lambda h, prob, filled: row_quantize.quantize_rows_by_kernel(h, filled=filled, prob=prob))
+    for poison in (0xA5, 0x5A):
+        filled = {"values": jax.lax.bitcast_convert_type(jnp.full(h.shape, poison, jnp.uint8), jnp.float8_e4m3fn),
+                  "scales": jnp.full(want_scales.shape, -float(poison), jnp.float32)}
+        out = run(jnp.asarray(h), jnp.asarray(prob), filled)
+        assert same_bytes_but_nan_sign(np.asarray(out["values"]).view(np.uint8), want_values)
+        np.testing.assert_array_equal(np.asarray(out["scales"]), want_scales)
+
+
+def test_the_activation_oracle_tells_a_missing_square_and_a_dropped_prob():
+    h, prob = rows("partial_last", "bf16"), probs(SHAPES["partial_last"][0], "f32")
+    stored, _ = oracle(activation(h, prob))
+    r = np.maximum(np.asarray(h, np.float32), 0)
+    for wrong in (r * np.asarray(prob, np.float32)[:, None], r * r):
+        assert not same_bytes_but_nan_sign(oracle(wrong)[0], stored)
 
 
 def test_no_rows_give_empty_outputs_without_a_launch():

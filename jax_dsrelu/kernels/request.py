@@ -133,11 +133,15 @@ class RowQuantizeRequest:
     """Static facts of activation rows quantized for the FP8 GEMMs' A operands: x (m, k) in
     rows_dtype, in 1 x 128 blocks of amax-scaled e4m3 along each row (m varies from call
     to call). implementation: (x=) -> {values (m, k), scales (m, ceil(k / 128))}, as
-    `quantization.blockwise.quantize_blockwise` makes them.
+    `quantization.blockwise.quantize_blockwise` makes them. With prob_dtype, x is a
+    pre-activation h and the rows quantized are the squared-ReLU activation
+    relu(h)**2 * prob[:, None], formed in float32 (`quantized_expert_mlp.squared_relu`):
+    implementation (x=, prob=) with prob (m,) in prob_dtype.
     """
 
     k: int
     rows_dtype: np.dtype
+    prob_dtype: np.dtype | None = None
 
 
 # Every kind of request a kernel backend may be asked to serve.
@@ -199,9 +203,11 @@ def weight_quantize_request(w: Any) -> WeightQuantizeRequest:
     return WeightQuantizeRequest(*w.shape, weight_dtype=np.dtype(w.dtype))
 
 
-def row_quantize_request(x: Any) -> RowQuantizeRequest:
-    """The request of quantizing activation rows x (m, k) (an array or aval)."""
-    return RowQuantizeRequest(k=x.shape[-1], rows_dtype=np.dtype(x.dtype))
+def row_quantize_request(x: Any, prob: Any = None) -> RowQuantizeRequest:
+    """The request of quantizing activation rows x (m, k) (an array or aval), or, given
+    prob (m,), the squared-ReLU activation of pre-activation rows x."""
+    return RowQuantizeRequest(k=x.shape[-1], rows_dtype=np.dtype(x.dtype),
+                              prob_dtype=None if prob is None else np.dtype(prob.dtype))
 
 
 def request_from_avals(avals: Any, *, block_scaled: bool = False, **params: Any) -> Request:

@@ -86,8 +86,10 @@ def forward(
     weights = quantized if quantized is not None else quantize_expert_weights(experts.w1, experts.w2, recipe,
                                                                                  backend=backends.matmul)
     h = _up(recipe, backends, experts, weights.w1_up)
-    act = squared_relu(h, experts.prob)  # 0 on rows of no expert, whose h is 0
-    y = _block_scaled_matmul(act, weights.w2_down, experts.group_sizes, recipe, backends, out_dtype=experts.w1.dtype)
+    # act = squared_relu(h, prob), quantized as it is formed (0 on rows of no expert, whose h is 0).
+    act, act_scale = _quantize_source_rows(h, recipe, backends.matmul, prob=experts.prob)
+    y = ragged_matmul(act, weights.w2_down.values, experts.group_sizes, rhs_layout="nk", out_dtype=experts.w1.dtype,
+                      backend=backends.matmul, lhs_scale=act_scale, rhs_scale=weights.w2_down.scales)
     return y, h
 
 
@@ -123,31 +125,36 @@ def _quantized_rows(a: jax.Array, recipe: Recipe, backend: str,
     return jnp.take(values, index, axis=0, mode="clip"), jnp.take(scales, index, axis=0, mode="clip")
 
 
-def _quantize_source_rows(a: jax.Array, recipe: Recipe, backend: str) -> tuple[jax.Array, jax.Array]:
-    """`blockwise.quantize_blockwise(a, recipe.activations)` of rows a (m, k): on a kernel
-    where `backend` finds one that serves (on Hopper, one pass over the rows:
-    `kernels/sm90/row_quantize_kernel.py`, while unverified only where enabled), else
-    XLA's quantizer. On a GPU the two may differ by a step of e4m3 where XLA's float32
-    division is not IEEE's (`quantization.blockwise`)."""
-    def by_xla(a):
-        return blockwise.quantize_blockwise(a, recipe.activations)
+def _quantize_source_rows(a: jax.Array, recipe: Recipe, backend: str,
+                          prob: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """`blockwise.quantize_blockwise(a, recipe.activations)` of rows a (m, k), or given prob
+    (m,) of the activation `squared_relu(a, prob)` of pre-activation rows a: on a kernel
+    where `backend` finds one that serves (on Hopper, one pass over the rows that forms
+    the activation as it reads them: `kernels/sm90/row_quantize_kernel.py`, while
+    unverified only where enabled), else XLA's quantizer. On a GPU the two may differ by a
+    step of e4m3 where XLA's float32 division is not IEEE's (`quantization.blockwise`)."""
+    operands = (a,) if prob is None else (a, prob)
+
+    def by_xla(a, prob=None):
+        return blockwise.quantize_blockwise(a if prob is None else squared_relu(a, prob), recipe.activations)
 
     if backend == "xla" or recipe.activations != FP8_BLOCKWISE.activations or jnp.ndim(a) != 2:
-        return by_xla(a)
-    request = row_quantize_request(a)
+        return by_xla(*operands)
+    request = row_quantize_request(a, prob)
     name, implementation = registry.cuda_implementation(backend, request)
     # An explicit backend's implementation comes without its refusals (an unverified kind's among them).
     if implementation is None or registry.kernel_backend(name).cannot_implement(request) is not None:
-        return by_xla(a)
+        return by_xla(*operands)
 
-    def by_kernel(a):
-        out = implementation(x=a)
+    def by_kernel(a, prob=None):
+        out = implementation(x=a) if prob is None else implementation(x=a, prob=prob)
         return out["values"], out["scales"]
 
     # A device quantizes its own rows, and under vmap one operand after another.
-    on_rows = jax.custom_batching.sequential_vmap(sharding.split_over_leading_axis(by_kernel, "m k -> m k, m q"))
+    rule = "m k -> m k, m q" if prob is None else "m k, m -> m k, m q"
+    on_rows = jax.custom_batching.sequential_vmap(sharding.split_over_leading_axis(by_kernel, rule))
     # Where the computation is lowered for a GPU the kernel, elsewhere XLA.
-    return lax.platform_dependent(a, cuda=on_rows, default=by_xla)
+    return lax.platform_dependent(*operands, cuda=on_rows, default=by_xla)
 
 
 class QuantizedWeight(NamedTuple):

@@ -231,19 +231,20 @@ def explicit_shard_map(
 
 
 def split_over_leading_axis(
-    fn: Callable[[jax.Array], tuple[jax.Array, ...]], rule: str
-) -> Callable[[jax.Array], tuple[jax.Array, ...]]:
-    """fn of one operand, for the SPMD partitioner: each device runs it on its part of the
-    operand's leading axis, split as the operand is, every other axis whole; each result is
-    split likewise on its leading axis. `rule` is fn's Shardy rule, its first letter the
-    leading axis ("e n k -> e n k, e k n, e p q": experts, whose weights a device quantizes
-    alone). Over Explicit mesh axes the split is in the operand's type: fn runs in a
-    shard_map over them, the operand resharded first where another axis is split."""
+    fn: Callable[..., tuple[jax.Array, ...]], rule: str
+) -> Callable[..., tuple[jax.Array, ...]]:
+    """fn of one or more operands of one leading axis, for the SPMD partitioner: each device
+    runs it on its part of that axis, split as the first operand is, every other axis
+    whole; each result is split likewise on its leading axis. `rule` is fn's Shardy rule,
+    its first letter the leading axis ("e n k -> e n k, e k n, e p q": experts, whose
+    weights a device quantizes alone; "m k, m -> m k, m q": rows and a value per row).
+    Over Explicit mesh axes the split is in the operands' type: fn runs in a shard_map over
+    them, an operand resharded first where another axis is split."""
     letters = rule.replace("->", " ").replace(",", " ").split()
 
     @custom_partitioning
-    def computation(x):
-        return fn(x)
+    def computation(*operands):
+        return fn(*operands)
 
     def partition(mesh, arg_shapes, result_shape):
         leading = _spec(arg_shapes[0].sharding, len(arg_shapes[0].shape))[0]
@@ -251,25 +252,26 @@ def split_over_leading_axis(
         def split(shape) -> NamedSharding:
             return NamedSharding(mesh, PartitionSpec(leading, *(None,) * (len(shape.shape) - 1)))
 
-        return mesh, fn, tuple(split(r) for r in result_shape), (split(arg_shapes[0]),)
+        return mesh, fn, tuple(split(r) for r in result_shape), tuple(split(a) for a in arg_shapes)
 
     computation.def_partition(
         partition=partition, sharding_rule=rule,
         need_replication_factors=tuple(dict.fromkeys(f for f in letters if f != letters[0])),
     )
 
-    def call(x: jax.Array) -> tuple[jax.Array, ...]:
-        mesh = explicit_mesh([x])
+    def call(*operands: jax.Array) -> tuple[jax.Array, ...]:
+        mesh = explicit_mesh(list(operands))
         if mesh is None:
-            return computation(x)
+            return computation(*operands)
         explicit = frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit)
-        spec = _spec(jax.typeof(x).sharding, jnp.ndim(x))
+        spec = _spec(jax.typeof(operands[0]).sharding, jnp.ndim(operands[0]))
         want = PartitionSpec(_entry(tuple(a for a in _axes(spec[0]) if a in explicit)))
-        if not _same_split(spec, want, explicit):
-            x = jax.sharding.reshard(x, NamedSharding(mesh, want))
-        results = len(jax.eval_shape(fn, jax.ShapeDtypeStruct(jnp.shape(x), x.dtype)))
-        return jax.shard_map(computation, mesh=mesh, in_specs=(want,), out_specs=(want,) * results,
-                             axis_names=set(explicit))(x)
+        operands = tuple(
+            x if _same_split(_spec(jax.typeof(x).sharding, jnp.ndim(x)), want, explicit)
+            else jax.sharding.reshard(x, NamedSharding(mesh, want)) for x in operands)
+        results = len(jax.eval_shape(fn, *(jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in operands)))
+        return jax.shard_map(computation, mesh=mesh, in_specs=(want,) * len(operands),
+                             out_specs=(want,) * results, axis_names=set(explicit))(*operands)
 
     return call
 

@@ -214,7 +214,7 @@ def implementation(request: AnyRequest) -> Callable[..., Mapping[str, jax.Array]
     if isinstance(request, RowQuantizeRequest):
         from jax_dsrelu.kernels.sm90 import row_quantize
 
-        return row_quantize.quantize_rows_by_kernel  # the kernel is built from x's width and dtype
+        return row_quantize.quantize_rows_by_kernel  # the kernel is built from x's width and dtype (and prob's)
     from jax_dsrelu.kernels.sm90 import ragged_call
 
     # The switch is read here, when the call is lowered, and handed down.

@@ -12,11 +12,20 @@ of row r (partial at the far edge):
     values[r, c] = e4m3(x[r, c] / scales[r, c // 128])  (round to nearest even, saturated
                    to +-448; NaN where the scale is)
 
-which is `quantize_blockwise`'s values and scales byte for byte, but for the sign of a
+With prob (m,) (the squared-ReLU form, `RowQuantizeRequest.prob_dtype`), x is a
+pre-activation h and each value is first formed in float32 as the forward's activation,
+
+    value[r, c] = relu(x[r, c])**2 * prob[r]   ((r * r) * prob; relu a select that keeps NaN)
+
+so that act is quantized from float32 without being written out first.
+
+This is `quantize_blockwise`'s values and scales (of `squared_relu(h, prob)` in the second
+form) byte for byte, but for the sign of a
 NaN, where XLA divides as IEEE asks (XLA:CPU); XLA:GPU's division (div.full.f32) can put a
 quotient an ulp off, and a value a step of e4m3 away (`quantization.blockwise`). XLA's
-quantizer reads x twice (the maxima, then the values); this pass reads it once and writes
-each output once: 2 + 1 bytes an element (and a scale per 128) for 16-bit rows.
+quantizer reads x twice (the maxima, then the values), and in the squared-ReLU form
+XLA writes the float32 activation first; this pass reads x once and writes each output
+once: 2 + 1 bytes an element (and a scale per 128) for 16-bit rows.
 
 Half a warp takes one block: each of its 16 threads loads 8 neighbouring elements (16
 bytes of bf16, so a warp reads 512 neighbouring bytes: two blocks), keeps them in
@@ -58,6 +67,8 @@ _F32 = np.dtype(np.float32)
 class RowQuantizeSm90:
     """The pass for one static configuration: the rows' width k and their dtype."""
 
+    prob_dtype = None  # the squared-ReLU form's prob (`SquaredReluRowQuantizeSm90`)
+
     def __init__(self, k: int, dtype):
         dtype = np.dtype(dtype)
         if dtype not in e4m3.ELEMENT_TYPES:
@@ -75,14 +86,17 @@ class RowQuantizeSm90:
             KernelOperand("scales", "output", _F32, (M, self.blocks_per_row)),
         ]
 
+    def _grid(self, x: cute.Tensor):
+        blocks = cute.size(x, mode=[0]) * self.blocks_per_row
+        return [(blocks + BLOCKS_PER_CTA - 1) // BLOCKS_PER_CTA, 1, 1]
+
     @cute.jit
     def __call__(self, stream: cuda.CUstream, x: cute.Tensor, values: cute.Tensor, scales: cute.Tensor):
-        blocks = cute.size(x, mode=[0]) * self.blocks_per_row
-        grid = (blocks + BLOCKS_PER_CTA - 1) // BLOCKS_PER_CTA
-        self.kernel(x, values, scales).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        # x again in prob's place: the plain pass never reads prob (a constant of the build).
+        self.kernel(x, x, values, scales).launch(grid=self._grid(x), block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, x: cute.Tensor, values: cute.Tensor, scales: cute.Tensor):
+    def kernel(self, x: cute.Tensor, prob: cute.Tensor, values: cute.Tensor, scales: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         block = cta * BLOCKS_PER_CTA + tidx // LANES
@@ -102,10 +116,18 @@ class RowQuantizeSm90:
             for v in cutlass.range_constexpr(PIECE // self.per_load):
                 cute.copy(load, x_loads[row, (None, column // self.per_load + v)], loaded_loads[None, v])
         widened = cute.make_rmem_tensor(cute.make_layout(PIECE), Float32)
+        row_prob = Float32(0.0)
+        if cutlass.const_expr(self.prob_dtype is not None):
+            if inside:
+                row_prob = prob[row].to(Float32)
         amax = Float32(0.0)
         special = Int32(0)
         for i in cutlass.range_constexpr(PIECE):
             value = loaded[i].to(Float32)
+            if cutlass.const_expr(self.prob_dtype is not None):
+                if value < Float32(0.0):  # relu as a select: NaN stays NaN
+                    value = Float32(0.0)
+                value = value * value * row_prob
             widened[i] = value
             amax, special = e4m3.fold_magnitude(amax, special, value)
         # The block's maximum: butterflies over offsets 1 to 8 stay within a half warp.
@@ -122,3 +144,25 @@ class RowQuantizeSm90:
             cute.copy(store, cute.recast_tensor(packed, cutlass.Uint8), value_pieces[row, (None, column // PIECE)])
             if tidx % LANES == 0:
                 scales[row, column_block] = scale
+
+
+class SquaredReluRowQuantizeSm90(RowQuantizeSm90):
+    """The squared-ReLU form: x a pre-activation h (m, k), prob (m,) in prob_dtype, and the
+    rows quantized relu(h)**2 * prob, formed in float32."""
+
+    def __init__(self, k: int, dtype, prob_dtype):
+        super().__init__(k, dtype)
+        prob_dtype = np.dtype(prob_dtype)
+        if prob_dtype not in e4m3.ELEMENT_TYPES:
+            raise TypeError(f"the row quantizer takes bfloat16, float16 or float32 prob, got {prob_dtype.name}")
+        self.prob_dtype = prob_dtype
+
+    def operands(self) -> list[KernelOperand]:
+        """x (m, k), prob (m,), values (m, k) e4m3, scales (m, ceil(k / 128)) float32."""
+        x, values, scales = super().operands()
+        return [x, KernelOperand("prob", "input", self.prob_dtype, (M,)), values, scales]
+
+    @cute.jit
+    def __call__(self, stream: cuda.CUstream, x: cute.Tensor, prob: cute.Tensor, values: cute.Tensor,
+                 scales: cute.Tensor):
+        self.kernel(x, prob, values, scales).launch(grid=self._grid(x), block=[THREADS, 1, 1], stream=stream)
