@@ -31,7 +31,6 @@ import run_record
 import timing
 from harness import BF16, group_sizes_for
 from jax_dsrelu.kernels.request import RaggedMatmulRequest
-from jax_dsrelu.kernels.sm90 import backend as sm90_backend
 from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_srelu
 from jax_dsrelu.quantization.blockwise import quantize_blockwise
 from jax_dsrelu.quantization.schema import E4M3, FP8_BLOCKWISE
@@ -130,9 +129,8 @@ def measure_row(options, shape, grouping, row, clock, save):
             if variant not in options.variants:
                 continue
             args, fp8 = tuple(t[name] for name in names), variant.startswith("sm90_fp8")
-            with sm90_backend.unverified_enabled("fp8", on=fp8):
-                result, _ = harness.measure(fn, args, options.reps, clock, compiler_options=harness.CUBLAS_ONLY, flops=flops,
-                                            check=functools.partial(checked_against, reference) if fp8 else None)
+            result, _ = harness.measure(fn, args, options.reps, clock, compiler_options=harness.CUBLAS_ONLY, flops=flops,
+                                        check=functools.partial(checked_against, reference) if fp8 else None)
             if variant == "cublas_fp8" and "error" not in result:
                 hlo = jax.jit(fn, compiler_options=harness.CUBLAS_ONLY).lower(*args).compile().as_text()
                 result["hlo_fp8_call"] = "f8e4m3" in hlo and "cublas" in hlo
@@ -163,8 +161,7 @@ def main(argv=None):
             shapes = jax.eval_shape(lambda: operands(m, k, n, num_experts, 0, "dirichlet"))
             for variant, (fn, names) in gemm_functions(gemm).items():
                 if variant.startswith("sm90"):
-                    with sm90_backend.unverified_enabled("fp8", on=variant.startswith("sm90_fp8")):
-                        harness.lower_for_cuda(f"{gemm} {variant} {(m, d, f, num_experts)}", fn, *(shapes[x] for x in names))
+                    harness.lower_for_cuda(f"{gemm} {variant} {(m, d, f, num_experts)}", fn, *(shapes[x] for x in names))
         return
     harness.run(options, functools.partial(measure_row, options), plot, "gemms", benchmark="bench_fp8_gemms",
                 title="FP8 ragged-M GEMMs", tolerance=TOLERANCE, shapes_asked=[list(s) for s in options.shapes],

@@ -67,9 +67,8 @@ def lower_determinism_tests():
 
     harness.lower_for_cuda("determinism test ragged_dot", t.ragged_dot_value_and_grads("sm90"), *harness.shapes_of(t.ragged_dot_inputs(0)))
     for deterministic, precision in itertools.product((False, True), t.PRECISIONS):
-        with sm90_backend.unverified_enabled("fp8", on=precision is not None):
-            harness.lower_for_cuda(f"determinism test {deterministic} fp8={precision is not None}",
-                                   t.layer_grads(deterministic, precision), *harness.shapes_of(t.layer_inputs(0)))
+        harness.lower_for_cuda(f"determinism test {deterministic} fp8={precision is not None}",
+                               t.layer_grads(deterministic, precision), *harness.shapes_of(t.layer_inputs(0)))
 
 
 def lower_moe_block_tests():
@@ -89,8 +88,7 @@ def lower_language_model():
     for deterministic, precision in itertools.product((False, True), (None, jax_dsrelu.quantization.FP8_BLOCKWISE)):
         loss = lambda *operands, options=dict(deterministic=deterministic, precision=precision): jnp.sum(  # noqa: E731
             jax_dsrelu.moe_layer(*operands[:4], b1=operands[4], top_k=TOP_K, **options).astype(f32))
-        with sm90_backend.unverified_enabled("fp8"):  # --fp8 runs with JAX_DSRELU_SM90_UNVERIFIED=fp8 until verified
-            harness.lower_for_cuda(f"train_lm.py {deterministic} fp8={precision is not None}", jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *shapes)
+        harness.lower_for_cuda(f"train_lm.py {deterministic} fp8={precision is not None}", jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *shapes)
 
 
 def _layer_tests():
@@ -119,13 +117,13 @@ NUMBERED = {
     "dsrelu test": lambda: _compiles(lowering, test_sm90.prebuild_requests()),
     "gemm test": lambda: _compiles(ragged_call, importlib.import_module("test_sm90_gemms").prebuild_requests()),
     "layer test": _layer_tests,
-    "fp8 test": lambda: _compiles(ragged_call, importlib.import_module("test_sm90_fp8").prebuild_requests(), "fp8") + _compiles(
-        lowering, [(*built, False) for built in importlib.import_module("test_sm90_fp8").prebuild_fused_requests()], "fp8"),
+    "fp8 test": lambda: _compiles(ragged_call, importlib.import_module("test_sm90_fp8").prebuild_requests()) + _compiles(
+        lowering, [(*built, False) for built in importlib.import_module("test_sm90_fp8").prebuild_fused_requests()]),
     "fp8 copy test": lambda: [job for t in ("contract", "quantize", "weights", "rows") for job in importlib.import_module(f"test_sm90_fp8_{t}").prebuild_copy_jobs()],
     "bench_fp8_gemms": lambda: [functools.partial(importlib.import_module("bench_fp8_gemms").main, ["--prebuild"])],
     "bench_gemms": lambda: [functools.partial(bench_gemms.prebuild, [shape], bench_gemms.GEMMS, OURS, harness.BF16)
                             for shape in harness.SHAPES],
-    "bench_layer": lambda: [functools.partial(bench_layer.prebuild, [shape], OURS + ("sm90_fp8", "sm90_fp8_quantize", "sm90_fp8_rows", "sm90_fp8_kernels"), bench_layer.MODES)
+    "bench_layer": lambda: [functools.partial(bench_layer.prebuild, [shape], OURS + ("sm90_fp8", "sm90_fp8_rows"), bench_layer.MODES)
                             for shape in harness.SHAPES],
     "bench_moe_block": lambda: [functools.partial(bench_moe_block.prebuild, [block], bench_moe_block.KERNEL_VARIANTS)
                                 for block in bench_moe_block.BLOCKS.values()],

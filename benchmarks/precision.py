@@ -23,8 +23,8 @@ BY_BENCHMARK = {
                      "gradients by autodiff",
         "batched_mlp": "as dense_mlp, jnp.einsum over E equal batches",
         "cublas_dense": f"{BF16_GEMM}, each GEMM on cuBLAS (Triton GEMM fusion off)",
-        "cublas_batched": "as cublas_dense, batched over E equal batches", "sm90_fp8_quantize": "as sm90_fp8",
-        "sm90_fp8_det": "as sm90_fp8", "sm90_fp8_rows": "as sm90_fp8", "sm90_fp8_kernels": "as sm90_fp8", "sm90_fp8_weights": "as sm90_fp8", "sm90_fp8_reused": "as sm90_fp8, the weights' FP8 copies made before the step, untimed",
+        "cublas_batched": "as cublas_dense, batched over E equal batches",
+        "sm90_fp8_det": "as sm90_fp8", "sm90_fp8_rows": "as sm90_fp8", "sm90_fp8_weights": "as sm90_fp8", "sm90_fp8_reused": "as sm90_fp8, the weights' FP8 copies made before the step, untimed",
         "xla_fp8": "FP8_BLOCKWISE e4m3 operands and float32 scales, dequantized, float32 GEMMs", "sm90_fp8": "FP8_BLOCKWISE:"
         " e4m3, float32 scales, float32 promotion every 128 of K", "cublas_fp8": "dense e4m3, per-tensor scales (cuBLASLt)",
     },

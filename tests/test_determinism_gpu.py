@@ -103,10 +103,7 @@ PRECISIONS = [None, jax_dsrelu.quantization.FP8_BLOCKWISE]
 
 
 def distinct_layer_grads(deterministic, precision):
-    from jax_dsrelu.kernels.sm90 import backend
-
-    with backend.unverified_enabled("fp8", on=precision is not None):
-        return distinct(layer_grads(deterministic, precision), *layer_inputs(2))
+    return distinct(layer_grads(deterministic, precision), *layer_inputs(2))
 
 
 @pytest.mark.gpu

@@ -445,8 +445,8 @@ def test_a_bad_precision_names_what_was_seen(precision, error, words):
 
 @pytest.mark.parametrize("backend", ["sm90", "sm100"])
 def test_a_kernel_backend_without_the_recipe_refuses_it(backend):
-    words = (f"backend={backend!r} is not verified at precision=FP8_BLOCKWISE on every GEMM of a step: "
-             f"backend='xla' runs it")
+    words = (f"backend={backend!r} does not take precision=FP8_BLOCKWISE: backend='auto' runs each GEMM of the "
+             f"step on a kernel where one serves it")
     x, w1, w2, prob, _, _ = inputs()
     with pytest.raises(NotImplementedError, match=re.escape(words)):
         jax_dsrelu.moe_mlp(x, w1, w2, prob, SIZES, precision=RECIPE, backend=backend)

@@ -62,7 +62,7 @@ BAD_OPTIONS = [
      "precision must be None or jax_dsrelu.quantization.FP8_BLOCKWISE, the recipes the experts run so far, "
      "got the recipe 'MXFP8'"),
     (dict(precision=jax_dsrelu.quantization.FP8_BLOCKWISE, backend="sm90"), NotImplementedError,
-     "backend='sm90' is not verified at precision=FP8_BLOCKWISE on every GEMM of a step"),
+     "backend='sm90' does not take precision=FP8_BLOCKWISE: backend='auto' runs each GEMM of the step"),
 ]
 
 

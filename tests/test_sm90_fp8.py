@@ -232,9 +232,7 @@ def test_sm90_refuses_what_the_fp8_kernel_cannot_take():
     from jax_dsrelu.kernels.sm90 import backend, config
 
     request = request_for((8, 528, 320), "plain")
-    assert "not verified" in backend.cannot_implement(request)
-    with backend.unverified_enabled("fp8"):
-        assert backend.cannot_implement(request) is None
+    assert backend.cannot_implement(request) is None
     for changed, expected in (
         (dict(k=520), "multiple of 16 (16-byte TMA rows), got k=520"),
         (dict(rhs_layout="kn"), "rhs_layout 'nk', got 'kn'"),
@@ -281,11 +279,9 @@ def test_fp8_matmul_compiles_for_sm90a(variant, shape):
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     import ptxas
 
-    from jax_dsrelu.kernels.sm90 import backend
     from jax_dsrelu.kernels.sm90 import ragged_call
 
-    with backend.unverified_enabled("fp8"):
-        compiled = ragged_call.compile_kernel(request_for(shape, variant), keep=True)
+    compiled = ragged_call.compile_kernel(request_for(shape, variant), keep=True)
     assert "wgmma.mma_async.sync.aligned.m64n" in compiled.ptx and ".f32.e4m3.e4m3" in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     ptxas.check_assembly(compiled.ptx)
@@ -297,19 +293,17 @@ def test_fp8_matmul_with_the_promotion_overlapped_compiles_for_sm90a(shape):
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     import ptxas
 
-    from jax_dsrelu.kernels.sm90 import backend, ragged_call
+    from jax_dsrelu.kernels.sm90 import ragged_call
 
     request = request_for(shape, "plain")
-    with backend.unverified_enabled("fp8"):
-        compiled = ragged_call.compile_kernel(request, config_for(request, True), keep=True)
+    compiled = ragged_call.compile_kernel(request, config_for(request, True), keep=True)
     assert compiled.ptx.count("wgmma.commit_group") == -(-shape[1] // BLOCK)  # the k-tiles unrolled
     ptxas.check_assembly(compiled.ptx)
 
 
 @pytest.mark.compile
-def test_fp8_matmul_lowers_for_cuda_only_where_enabled():
+def test_fp8_matmul_lowers_for_cuda():
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
-    from jax_dsrelu.kernels.sm90 import backend
 
     (num_experts, k, n), m, _ = GROUPINGS["ragged_with_empty"]
     shapes = (jax.ShapeDtypeStruct((m, k), E4M3), jax.ShapeDtypeStruct((num_experts, n, k), E4M3),
@@ -320,26 +314,22 @@ def test_fp8_matmul_lowers_for_cuda_only_where_enabled():
         return ragged_matmul(lhs, rhs, sizes, rhs_layout="nk", out_dtype=BF16, backend="sm90", lhs_scale=lhs_scale,
                              rhs_scale=rhs_scale)
 
-    with pytest.raises(NotImplementedError, match="not verified"):
-        jax.jit(call).trace(*shapes).lower(lowering_platforms=("cuda",))
-    with backend.unverified_enabled("fp8"):
-        text = jax.jit(call).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(call).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
     assert "CuteDSLRT_NvJaxCutlassCall" in text or "cutlass" in text.lower()
 
 
 @pytest.mark.compile
-def test_moe_mlp_in_fp8_runs_every_gemm_on_the_fp8_kernels_once_enabled():
+def test_moe_mlp_in_fp8_runs_every_gemm_on_the_fp8_kernels():
     """The layer's precision path under backend="auto", lowered for a Hopper GPU: its up,
-    down, dx, fused dsReLU, dW1 and dW2 GEMMs are the FP8 kernels' custom calls where they
-    are enabled, and XLA's where they are not; the weights are quantized by their verified
-    pass either way (w1 and w2 in the forward and again in the backward, which XLA's CSE
-    merges when it compiles)."""
+    down, dx, fused dsReLU, dW1 and dW2 GEMMs are the FP8 kernels' custom calls, dW1's and
+    dW2's operands quantized straight into their K-major copies by the quantizing pass, and
+    the weights quantized by their pass (w1 and w2 in the forward and again in the
+    backward, which XLA's CSE merges when it compiles)."""
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     from unittest import mock
 
     import jax_dsrelu
     from jax_dsrelu.kernels import registry
-    from jax_dsrelu.kernels.sm90 import backend
 
     m, d, f, num_experts = 512, 256, 384, 4
     s = jax.ShapeDtypeStruct
@@ -356,20 +346,16 @@ def test_moe_mlp_in_fp8_runs_every_gemm_on_the_fp8_kernels_once_enabled():
             return grad.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
 
     def kernel_calls(text):
-        """(GEMMs, K-major copies, weight passes): the calls reading e4m3 operands (the
-        kernel's buffers are in the call's type signature), those moving them as bytes
-        (dW1's and dW2's operands, one copy each), and the weights' quantizing passes (the
-        kernel's name is in the object code the call carries)."""
+        """(GEMMs, K-major quantizing passes, weight passes) by the kernel's name in the
+        object code each call carries."""
         calls = [line for line in text.splitlines() if "custom_call @CuteDSLRT" in line]
-        weights = [line for line in calls if "BlockQuantizeSm90" in line]
-        gemms = [line for line in calls if "f8E4M3FN" in line and line not in weights]
-        copies = [line for line in calls if "f8E4M3FN" not in line and "ui8" in line]
-        assert len(gemms) + len(copies) + len(weights) == len(calls), calls
-        return len(gemms), len(copies), len(weights)
+        named = [[line for line in calls if any(n in line for n in names)] for names in
+                 (("BlockScaledRaggedGemm", "BlockScaledDsrelu", "BlockScaledContract"), ("KMajorQuantize",),
+                  ("BlockQuantizeSm90",))]
+        assert sum(map(len, named)) == len(calls), calls
+        return tuple(map(len, named))
 
-    assert kernel_calls(lowered()) == (0, 0, 4)
-    with backend.unverified_enabled("fp8"):
-        assert kernel_calls(lowered()) == (6, 4, 4)
+    assert kernel_calls(lowered()) == (6, 4, 4)
 
 
 # ---------------------------------------------------------------------------- GPU tier
@@ -378,13 +364,12 @@ def test_moe_mlp_in_fp8_runs_every_gemm_on_the_fp8_kernels_once_enabled():
 def run_poisoned(request, named, m, config=None):
     """The kernel (of `config`, or the chosen one) with every output buffer NaN-filled
     first; its results by name."""
-    from jax_dsrelu.kernels.sm90 import backend, ragged_call
+    from jax_dsrelu.kernels.sm90 import ragged_call
 
-    with backend.unverified_enabled("fp8"):
-        run = ragged_call.implementation(request, config, outputs_in_place=True)
-        filled = {o.name: jnp.full(o.shape_for(m), jnp.nan, o.dtype)
-                  for o in ragged_call.operands(request, config) if o.role == "output"}
-        return jax.jit(lambda o: run(**o, filled=filled))(named)
+    run = ragged_call.implementation(request, config, outputs_in_place=True)
+    filled = {o.name: jnp.full(o.shape_for(m), jnp.nan, o.dtype)
+              for o in ragged_call.operands(request, config) if o.role == "output"}
+    return jax.jit(lambda o: run(**o, filled=filled))(named)
 
 
 @pytest.mark.gpu
@@ -518,9 +503,7 @@ def test_fused_scaled_operands_are_refused_where_they_cannot_run():
     from jax_dsrelu.kernels.sm90 import backend, config
 
     request = dsrelu_request((8, 320, 528), False)
-    assert "not verified" in backend.cannot_implement(request)
-    with backend.unverified_enabled("fp8"):
-        assert backend.cannot_implement(request) is None
+    assert backend.cannot_implement(request) is None
     import dataclasses as dc
 
     assert "multiple of 16" in config.cannot_implement(dc.replace(request, k=520))
@@ -543,11 +526,10 @@ def test_fp8_fused_kernel_compiles_for_sm90a(shape, deterministic):
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     import ptxas
 
-    from jax_dsrelu.kernels.sm90 import backend, config, dsrelu_call
+    from jax_dsrelu.kernels.sm90 import config, dsrelu_call
 
     request = dsrelu_request(shape, deterministic)
-    with backend.unverified_enabled("fp8"):
-        compiled = dsrelu_call.compile_kernel(request, config.choose_config(request), keep=True)
+    compiled = dsrelu_call.compile_kernel(request, config.choose_config(request), keep=True)
     assert ".f32.e4m3.e4m3" in compiled.ptx
     ptxas.check_assembly(compiled.ptx)
 
@@ -559,11 +541,10 @@ def test_fp8_fused_kernel_with_the_promotion_overlapped_compiles_for_sm90a(shape
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     import ptxas
 
-    from jax_dsrelu.kernels.sm90 import backend, dsrelu_call
+    from jax_dsrelu.kernels.sm90 import dsrelu_call
 
     request = dsrelu_request(shape, deterministic)
-    with backend.unverified_enabled("fp8"):
-        compiled = dsrelu_call.compile_kernel(request, fused_config(request, True), keep=True)
+    compiled = dsrelu_call.compile_kernel(request, fused_config(request, True), keep=True)
     half_n = fused_config(request, True).tile_n // 2
     assert f".m64n{half_n}k32.f32.e4m3.e4m3" in compiled.ptx
     # The k-tiles unrolled, two batches each, and a promotion beside every batch but the last.
@@ -586,8 +567,6 @@ def test_the_fused_kernels_rules_keep_128_columns_whichever_promotion_the_table_
 @pytest.mark.parametrize("name, deterministic, overlap", DSRELU_GPU_CASES,
                          ids=[f"{n}-{d}" + ("-overlapped" if o else "") for n, d, o in DSRELU_GPU_CASES])
 def test_fp8_fused_kernel_matches_float64(hopper, name, deterministic, overlap):
-    from jax_dsrelu.kernels.sm90 import backend
-
     from jax_dsrelu.kernels.sm90 import dsrelu_call
 
     (num_experts, n, k), m, sizes, operands, (grad64, weight64), preact, prob = dsrelu_case(name)
@@ -596,14 +575,13 @@ def test_fp8_fused_kernel_matches_float64(hopper, name, deterministic, overlap):
     named = dict(grad=grad, grad_block_scale=grad_scale, weight=weight, weight_block_scale=weight_scale,
                  preact=preact, prob=prob, group_sizes=jnp.asarray(sizes, jnp.int32),
                  alpha=jnp.ones((num_experts,), jnp.float32))
-    with backend.unverified_enabled("fp8"):
-        # Every output the kernel writes whole NaN-filled first (the accumulated ones start at 0).
-        config = fused_config(request, overlap)
-        run = dsrelu_call.implementation(request, config, outputs_in_place=True)
-        filled = {o.name: jnp.full(o.shape_for(m), jnp.nan, o.dtype)
-                  for o in dsrelu_call.operands(request, config) if o.role == "output"}
-        call = jax.jit(lambda o: run(**o, filled=filled))
-        results, again = call(named), call(named)
+    # Every output the kernel writes whole NaN-filled first (the accumulated ones start at 0).
+    config = fused_config(request, overlap)
+    run = dsrelu_call.implementation(request, config, outputs_in_place=True)
+    filled = {o.name: jnp.full(o.shape_for(m), jnp.nan, o.dtype)
+              for o in dsrelu_call.operands(request, config) if o.role == "output"}
+    call = jax.jit(lambda o: run(**o, filled=filled))
+    results, again = call(named), call(named)
     check_fused(results, grad64, weight64, preact, prob, sizes, k)
     # amax is the largest |dh| of each expert's rows, as the kernel stored them (0 when empty).
     dh = np.abs(np.asarray(results["dh"], np.float64))
@@ -623,22 +601,21 @@ def test_fp8_shared_memory_estimate_is_the_kernels_struct(kernel, shape, monkeyp
     """The estimate that picks the FP8 kernels' operand stages (1-byte operands, the fused
     kernel's float32 outputs) is the shared-memory struct each allocates."""
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
-    from jax_dsrelu.kernels.sm90 import backend, config, dsrelu_call, ragged_call
+    from jax_dsrelu.kernels.sm90 import config, dsrelu_call, ragged_call
 
     module = dsrelu_call if kernel == "fused" else ragged_call
     built, make = [], module._kernel
     monkeypatch.setattr(module, "_kernel", lambda *key: built.append(make(*key)) or built[-1])
-    with backend.unverified_enabled("fp8"):
-        if kernel == "fused":
-            request = dsrelu_request(shape, deterministic=True)
-            chosen = config.choose_config(request)
-            dsrelu_call.compile_kernel(request, chosen, keep=True)
-            estimate = chosen.smem_bytes(request.num_experts, True, True, 4)
-        else:
-            request = request_for(shape, kernel)
-            chosen = ragged_call.choose_config(request)
-            ragged_call.compile_kernel(request, chosen, keep=True)
-            estimate = chosen.request_bytes(request)
+    if kernel == "fused":
+        request = dsrelu_request(shape, deterministic=True)
+        chosen = config.choose_config(request)
+        dsrelu_call.compile_kernel(request, chosen, keep=True)
+        estimate = chosen.smem_bytes(request.num_experts, True, True, 4)
+    else:
+        request = request_for(shape, kernel)
+        chosen = ragged_call.choose_config(request)
+        ragged_call.compile_kernel(request, chosen, keep=True)
+        estimate = chosen.request_bytes(request)
     assert built[-1].shared_storage.size_in_bytes() == estimate <= config.SMEM_CAPACITY
 
 

@@ -239,14 +239,13 @@ def test_fp8_contraction_compiles_for_sm90a(shape, out_dtype, monkeypatch):
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     import ptxas
 
-    from jax_dsrelu.kernels.sm90 import backend, config, ragged_call
+    from jax_dsrelu.kernels.sm90 import config, ragged_call
 
     built, make = [], ragged_call._kernel
     monkeypatch.setattr(ragged_call, "_kernel", lambda *key: built.append(make(*key)) or built[-1])
     request = request_for(shape, out_dtype)
-    with backend.unverified_enabled("fp8"):
-        chosen = ragged_call.choose_config(request)
-        compiled = ragged_call.compile_kernel(request, chosen, keep=True)
+    chosen = ragged_call.choose_config(request)
+    compiled = ragged_call.compile_kernel(request, chosen, keep=True)
     assert "wgmma.mma_async.sync.aligned.m64n" in compiled.ptx and ".f32.e4m3.e4m3" in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     # The staged scales are read with ld.shared (the generic proxy) from a stage the producer's
@@ -264,12 +263,11 @@ def test_fp8_contraction_with_the_promotion_overlapped_compiles_for_sm90a(shape,
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     import ptxas
 
-    from jax_dsrelu.kernels.sm90 import backend, ragged_call
+    from jax_dsrelu.kernels.sm90 import ragged_call
 
     request = request_for(shape, out_dtype)
     config = config_of(request, True)
-    with backend.unverified_enabled("fp8"):
-        compiled = ragged_call.compile_kernel(request, config, keep=True)
+    compiled = ragged_call.compile_kernel(request, config, keep=True)
     assert f"wgmma.mma_async.sync.aligned.m64n{config.tile_n // 2}k32.f32.e4m3.e4m3" in compiled.ptx
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     # Two half batches per k-tile: half 0 promoted while half 1's runs, then half 1 alone.
@@ -304,21 +302,18 @@ def test_the_rules_keep_128_columns_whichever_promotion_the_table_picks(decide):
 
 
 @pytest.mark.compile
-def test_fp8_contraction_lowers_for_cuda_only_where_enabled():
+def test_fp8_contraction_lowers_for_cuda():
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     from test_operand_binding import unbound_buffers
 
     from jax_dsrelu.kernels.operands import ROWS
-    from jax_dsrelu.kernels.sm90 import backend, contract_layout, ragged_call
+    from jax_dsrelu.kernels.sm90 import contract_layout, ragged_call
 
     named, _, sizes, out_dtype = operands("ragged_with_empty")
     shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in named.items()}
     call = jax.jit(lambda o: ragged_contract(**o, out_dtype=out_dtype, backend="sm90"))
-    with pytest.raises(NotImplementedError, match="not verified"):
-        call.trace(shapes).lower(lowering_platforms=("cuda",))
-    with backend.unverified_enabled("fp8"):
-        text = call.trace(shapes).lower(lowering_platforms=("cuda",)).as_text()
-        plan = ragged_call.operands(request_for((len(sizes), 256, 320), out_dtype))
+    text = call.trace(shapes).lower(lowering_platforms=("cuda",)).as_text()
+    plan = ragged_call.operands(request_for((len(sizes), 256, 320), out_dtype))
     counts = {ROWS: contract_layout.padded_rows(named["lhs"].shape[0], len(sizes))}
     # A copy kernel per operand (no transposed gather left to XLA), then the contraction,
     # which reads their results and so comes last.
@@ -396,14 +391,13 @@ def prebuild_requests():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, overlapped", GPU_CASES, ids=[n + ("-overlapped" if o else "") for n, o in GPU_CASES])
 def test_fp8_contraction_matches_float64_and_the_plan(hopper, name, overlapped):
-    from jax_dsrelu.kernels.sm90 import backend, ragged_call
+    from jax_dsrelu.kernels.sm90 import ragged_call
 
     named, (lhs64, rhs64), sizes, out_dtype = operands(name)
     request = request_for(grouping(name)[0], out_dtype)
-    with backend.unverified_enabled("fp8"):
-        run = ragged_call.implementation(request, config_of(request, overlapped), outputs_in_place=True)
-        filled = {"out": jnp.full((len(sizes), request.a, request.b), jnp.nan, out_dtype)}
-        results = [jax.jit(lambda o: run(**o, filled=filled))(named)["out"] for _ in range(3)]
+    run = ragged_call.implementation(request, config_of(request, overlapped), outputs_in_place=True)
+    filled = {"out": jnp.full((len(sizes), request.a, request.b), jnp.nan, out_dtype)}
+    results = [jax.jit(lambda o: run(**o, filled=filled))(named)["out"] for _ in range(3)]
     ref, abs_dot = reference(lhs64, rhs64, sizes, len(sizes))
     check_against(results[0], ref, abs_dot, sizes, lhs64.shape[0])
     check_against(results[0], emulated_plan(named, len(sizes)), abs_dot, sizes, lhs64.shape[0], "the emulated plan")

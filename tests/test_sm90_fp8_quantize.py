@@ -2,7 +2,7 @@
 (`kernels/sm90/k_major_quantize_kernel.py`, through `contract_layout.quantize_by_kernel`):
 `quantization.ragged.quantize_ragged_rows` and the K-major copy in one pass; and
 `ragged_contract(..., precision=FP8_BLOCKWISE)`, the contraction that quantizes its own
-operands, which calls it where the unverified kind "fp8_quantize" is enabled.
+operands, which calls it on Hopper.
 
 CPU: the kernel's formula (its module doc) in NumPy against XLA's quantizer and copy, on
 values that reach e4m3's subnormals, with NaNs and infinities planted; refusals; the
@@ -13,7 +13,7 @@ their declared order. GPU tier: the kernel against its formula, byte for byte bu
 NaN's sign, into outputs poisoned two ways, on the K-major copy's cases (empty, negative
 and unowned groups, sums past m, fewer rows than a group, 512 experts), and against XLA's
 quantizer on the GPU within one e4m3 step (XLA:GPU's float32 division is not IEEE's);
-the contraction by either route within the FP8 bound of float64.
+the contraction on the quantizing copies within the FP8 bound of float64.
 """
 
 from __future__ import annotations
@@ -198,32 +198,27 @@ def test_quantized_here_refuses_scales_indices_and_quantized_operands():
 
 
 @pytest.mark.compile
-def test_quantized_here_lowers_to_xlas_quantizer_or_the_quantizing_copies():
+def test_quantized_here_lowers_to_the_quantizing_copies():
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     from test_operand_binding import bound_types, unbound_buffers
 
     from jax_dsrelu.kernels.operands import ROWS
-    from jax_dsrelu.kernels.sm90 import backend, contract_layout, ragged_call
+    from jax_dsrelu.kernels.sm90 import contract_layout, ragged_call
     from test_sm90_fp8_contract import request_for
 
     lhs, rhs, sizes, out_dtype = unquantized("ragged_with_empty")
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (lhs, rhs, jnp.asarray(sizes, jnp.int32))]
     plan = ragged_call.operands(request_for((len(sizes), lhs.shape[1], rhs.shape[1]), out_dtype))
     counts = {ROWS: contract_layout.padded_rows(lhs.shape[0], len(sizes))}
-    first_inputs = {}
-    for kinds in (("fp8",), ("fp8", "fp8_quantize")):
-        # A function of its own for each: jit keeps what it traced.
-        call = jax.jit(lambda l, r, g: ragged_contract(l, r, g, precision=FP8_BLOCKWISE, out_dtype=out_dtype,
-                                                       backend="sm90"))
-        with backend.unverified_enabled(*kinds):
-            text = call.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-        # Two copies or two quantizing copies, then the contraction, which reads their results.
-        assert text.count("custom_call @CuteDSLRT") == 3 and unbound_buffers(plan, counts, text, call=-1) == []
-        first_inputs[kinds] = [bound_types(text, call)[0][0] for call in (0, 1)]
-    # The copies move XLA's quantized values as bytes; the quantizing copies read lhs and rhs themselves.
-    assert first_inputs[("fp8",)] == [f"tensor<{lhs.shape[0]}x{w}xui8>" for w in (lhs.shape[1], rhs.shape[1])]
-    assert first_inputs[("fp8", "fp8_quantize")] == [f"tensor<{lhs.shape[0]}x{lhs.shape[1]}xbf16>",
-                                                     f"tensor<{rhs.shape[0]}x{rhs.shape[1]}xf32>"]
+    call = jax.jit(lambda l, r, g: ragged_contract(l, r, g, precision=FP8_BLOCKWISE, out_dtype=out_dtype,
+                                                   backend="sm90"))
+    text = call.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    # Two quantizing copies, then the contraction, which reads their results; no XLA quantizer.
+    assert text.count("custom_call @CuteDSLRT") == 3 and unbound_buffers(plan, counts, text, call=-1) == []
+    assert "stablehlo.reduce" not in text
+    # The quantizing copies read lhs and rhs themselves, in their own dtypes.
+    assert [bound_types(text, call)[0][0] for call in (0, 1)] == [f"tensor<{lhs.shape[0]}x{lhs.shape[1]}xbf16>",
+                                                                   f"tensor<{rhs.shape[0]}x{rhs.shape[1]}xf32>"]
 
 
 def prebuild_copy_jobs():
@@ -333,24 +328,16 @@ def prebuild_contract_requests():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", QUANTIZED_HERE)
-def test_quantized_here_by_either_route_is_float64_within_the_fp8_bound(hopper, name):
-    """The contraction on operands quantized by the quantizing copies, and by XLA's
-    quantizer and the copy kernel: each within the FP8 bound of the float64 product of
-    the values its operands were quantized to (the formula's; XLA's on the GPU, whose
-    division can differ by an ulp: `test_the_quantizing_copy_computes_its_formula`)."""
-    from jax_dsrelu.kernels.sm90 import backend
-
+def test_quantized_here_is_float64_within_the_fp8_bound(hopper, name):
+    """The contraction on operands quantized by the quantizing copies: within the FP8
+    bound of the float64 product of the values its operands were quantized to (the
+    formula's, `test_the_quantizing_copy_computes_its_formula`)."""
     lhs, rhs, sizes, out_dtype = unquantized(name)
     group_sizes = jnp.asarray(sizes, jnp.int32)
     m = lhs.shape[0]
-    by_formula = [dequantized_rows(*formula(np.asarray(x), sizes), sizes, m) for x in (lhs, rhs)]
-    by_xla = [np.asarray(ragged.dequantize_ragged_rows(ragged.quantize_ragged_rows(x, group_sizes,
-                                                                                   FP8_BLOCKWISE.activations)),
-                         np.float64) for x in (lhs, rhs)]
-    for kinds, (lhs64, rhs64) in ((("fp8",), by_xla), (("fp8", "fp8_quantize"), by_formula)):
-        with backend.unverified_enabled(*kinds):
-            call = jax.jit(lambda l, r, g: ragged_contract(l, r, g, precision=FP8_BLOCKWISE, out_dtype=out_dtype,
-                                                           backend="sm90"))
-            out = call(lhs, rhs, group_sizes)
-        ref, abs_dot = reference(lhs64, rhs64, sizes, len(sizes))
-        check_against(out, ref, abs_dot, sizes, m, f"float64 of the operands {'+'.join(kinds)} quantized")
+    lhs64, rhs64 = (dequantized_rows(*formula(np.asarray(x), sizes), sizes, m) for x in (lhs, rhs))
+    call = jax.jit(lambda l, r, g: ragged_contract(l, r, g, precision=FP8_BLOCKWISE, out_dtype=out_dtype,
+                                                   backend="sm90"))
+    out = call(lhs, rhs, group_sizes)
+    ref, abs_dot = reference(lhs64, rhs64, sizes, len(sizes))
+    check_against(out, ref, abs_dot, sizes, m, "float64 of the operands as quantized")

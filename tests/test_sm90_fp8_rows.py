@@ -119,7 +119,7 @@ def test_the_fp8_step_refuses_the_row_quantizer_until_it_is_enabled():
     from jax_dsrelu.kernels.sm90 import backend
 
     request = RowQuantizeRequest(2688, np.dtype(jnp.bfloat16))
-    with backend.unverified_enabled("fp8"):  # every other kind, whatever the environment names
+    with backend.unverified_enabled("gathered", "gather_sum"):  # every other kind, whatever the environment names
         assert "fp8_rows" in backend.cannot_implement(request)
     with backend.unverified_enabled("fp8_rows"):
         assert backend.cannot_implement(request) is None
@@ -213,7 +213,8 @@ def _fp8_step_text(kinds, batched=False) -> str:
     if batched:
         step = jax.vmap(step, in_axes=(0, None, None, None))
         shapes[0] = jax.ShapeDtypeStruct((2, m, d), jnp.bfloat16)
-    with backend.unverified_enabled(*kinds), mock.patch.object(registry, "cuda_compute_capability", lambda: (9, 0)):
+    with (backend.unverified_enabled(*kinds, on=bool(kinds)),
+          mock.patch.object(registry, "cuda_compute_capability", lambda: (9, 0))):
         return jax.jit(step).trace(*shapes, sizes).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -226,13 +227,13 @@ def test_the_fp8_step_quantizes_its_rows_on_the_kernel_only_where_enabled():
     def row_calls(text):
         return sum("custom_call @CuteDSLRT" in line and "RowQuantizeSm90" in line for line in text.splitlines())
 
-    assert row_calls(_fp8_step_text(("fp8", "fp8_rows"))) == 4
+    assert row_calls(_fp8_step_text(("fp8_rows",))) == 4
     # act's is the squared-ReLU form, which reads h and prob: no float32 act between them.
-    text = _fp8_step_text(("fp8", "fp8_rows"))
+    text = _fp8_step_text(("fp8_rows",))
     assert sum("SquaredReluRowQuantizeSm90" in line for line in text.splitlines() if "custom_call" in line) == 1
-    assert row_calls(_fp8_step_text(("fp8",))) == 0
+    assert row_calls(_fp8_step_text(())) == 0
     # Under vmap each call is a loop of its own, beside the loops the GEMMs' primitives make.
-    batched, without = (_fp8_step_text(kinds, batched=True) for kinds in (("fp8", "fp8_rows"), ("fp8",)))
+    batched, without = (_fp8_step_text(kinds, batched=True) for kinds in (("fp8_rows",), ()))
     assert row_calls(batched) == 4 and batched.count("stablehlo.while") > without.count("stablehlo.while")
 
 

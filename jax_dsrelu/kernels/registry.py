@@ -52,16 +52,15 @@ class LayerBackends:
 
 def check_precision(name: str, precision) -> None:
     """Raises NotImplementedError when backend `name` cannot run the experts at
-    `precision` (a `quantization.schema.Recipe`, or None for the operands' own dtype): no
-    kernel backend has kernels for every GEMM of a step at a recipe yet; "xla" runs one
-    as quantize-dequantize arithmetic, and "auto" runs each GEMM on a kernel where one
-    serves it, else on that path."""
+    `precision` (a `quantization.schema.Recipe`, or None for the operands' own dtype): a
+    recipe's step is not one backend's but a choice per GEMM and per quantizing pass;
+    "xla" runs it as quantize-dequantize arithmetic, and "auto" runs each GEMM and pass on
+    a kernel where one serves it (on Hopper, sm90's FP8 kernels), else on that path."""
     if precision is not None and name in KERNEL_BACKENDS:
         raise NotImplementedError(
-            f"backend={name!r} is not verified at precision={precision.name} on every GEMM of a step: backend='xla' "
-            f"runs it as quantize-dequantize arithmetic, and backend='auto' runs each GEMM on a kernel where one "
-            f"serves it (sm90's FP8 kernels where {sm90.UNVERIFIED_VARIABLE}=fp8 enables them), else on that path "
-            f"(docs/fp8.md)"
+            f"backend={name!r} does not take precision={precision.name}: backend='auto' runs each GEMM of the step "
+            f"on a kernel where one serves it (on Hopper, sm90's FP8 kernels), else as backend='xla' does, as "
+            f"quantize-dequantize arithmetic (docs/fp8.md)"
         )
 
 

@@ -54,10 +54,10 @@ def moe_mlp(
     float32 scales; along the tokens, the blocks restart at each expert's first row),
     accumulating in float32; the weights stay in their dtype, and the output and the
     gradients come in the arguments' dtypes (docs/fp8.md). backend="xla" runs it as
-    quantize-dequantize arithmetic; "auto" runs the up, down, dx and fused dsReLU GEMMs on
-    sm90's FP8 kernels where they are enabled (JAX_DSRELU_SM90_UNVERIFIED=fp8) and
-    everything else on that XLA path; "sm90" or "sm100" raise NotImplementedError (the
-    weight gradients have no FP8 kernel yet).
+    quantize-dequantize arithmetic; "auto" runs every GEMM of the step, the weights'
+    quantizing pass and the weight gradients' on sm90's FP8 kernels on Hopper, and what
+    no kernel serves on that XLA path; "sm90" or "sm100" raise NotImplementedError (a
+    recipe's step is chosen GEMM by GEMM).
 
     quantized_weights: w1 and w2 already quantized by `precision`
     (`quantize_expert_weights(w1, w2, precision)`, which must be of these w1 and w2), for

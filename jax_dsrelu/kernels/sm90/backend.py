@@ -45,49 +45,6 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 #                 bit for bit XLA's sequential sum, no memcheck error or racecheck hazard,
 #                 and, in the block records, faster than XLA's fused gather-and-sum at
 #                 one block of three and slower at two.
-#   "fp8"         the kernels on FP8_BLOCKWISE operands: the ragged-M GEMM
-#                 (`blockwise_matmul_kernel.py`), the fused dsReLU kernel
-#                 (`blockwise_dsrelu_kernel.py`) and the weight gradients' contraction
-#                 (`blockwise_contract_kernel.py`). Run on an H100 at 582564c and 9a1e9e7: the
-#                 GPU tier of all three passed (float64, the recipe's emulation, outputs
-#                 poisoned, ragged and empty experts, 1 to 256 experts, the same bits on every
-#                 run), the layer at FP8 gave one digest in 20 deterministic runs, and the
-#                 layer's step on them is within its check against the XLA path; with the
-#                 K-major copies on a kernel of their own (`k_major_copy_kernel.py`, its
-#                 GPU tier byte for byte XLA's copy, memcheck and racecheck clean) it is still
-#                 1.8x (16384x4096x2048x8) to 2.5x (Nano) slower than the bf16 step (467191a):
-#                 XLA's quantizing passes around the kernels take 37-53% of it. memcheck and
-#                 racecheck of the FP8 GEMM and fused kernels are clean at 06e94fa; the tool
-#                 crashed (exit 139) on the contraction's fewer-rows case, which passed alone
-#                 before. Deterministic mode gave one digest of the layer's gradients over
-#                 4 processes at 7e94690 (determinism_parallel_warm.json), and the FP8
-#                 determinism tests passed at 9ebd080. The contraction with its scales
-#                 staged by TMA (7f6a334, on main as d5ddbba): its GPU tier passed (21
-#                 cases), memcheck and racecheck clean at its boundary cases. Still
-#                 missing: a step faster than the bf16 one (1.47x and 1.65x slower at
-#                 9ebd080, bench_layer_fp8.json.gz; the staged scales took 0.45 ms and
-#                 0.83 ms off it in the A/B, bench_layer_step_ab_7f6a334_r1.json), and the
-#                 FP8 determinism tests and a step record at a commit with the staged scales.
-#   "fp8_quantize" the FP8 weight gradients' operands quantized straight into their
-#                 K-major copies (`k_major_quantize_kernel.py`), for `ragged_contract`
-#                 quantizing its operands itself, instead of XLA's quantizer and the copy
-#                 kernel. Run on an H100 at 895e92c and 5aa3437: its GPU tier passed (byte
-#                 for byte its formula into poisoned outputs, 14 cases), and the FP8 step on
-#                 it was 2% faster at both shapes. Under compute-sanitizer (5aa3437,
-#                 9973162, a process per case, retried where the tool itself crashed
-#                 before the test began, exit 139): memcheck clean in all 14 cases,
-#                 racecheck in 3 of 4; the tool crashed on every try of the fourth
-#                 (fewer_rows_than_a_group, float32 input), so that case is still to run.
-#                 Its whole-line form on an H100: the tier passed at a6916f6 and 9ebd080
-#                 (19 cases); memcheck clean in 14 of 14 at a6916f6, racecheck in 3 of 4
-#                 over both commits (the tool crashed on every try of the fourth,
-#                 negative_and_past_m from float32); the step on it 0.8% (Nano) and 1.5%
-#                 faster than on the copy kernel at 9ebd080 (bench_layer_fp8.json.gz). Its
-#                 raw-byte tile (260cdac, on main as 0c52689): the tier passed (19 cases) and
-#                 it took 0.336 and 0.989 ms against 0.423 and 1.202 in the A/B; under
-#                 compute-sanitizer the tool crashed or failed to start the tests' CUDA
-#                 context on every try, so memcheck and racecheck of this form are still to
-#                 run. It stays here while "fp8", which it serves, does.
 #   "fp8_rows"    the FP8 GEMMs' A operands quantized in one pass over the rows
 #                 (`row_quantize_kernel.py`, a `RowQuantizeRequest`), instead of XLA's
 #                 quantizer, which reads them twice. Run on an H100 at a6916f6: its GPU
@@ -97,7 +54,21 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 # left this list at 5aa3437: on an H100 its GPU tier passed (the recipe's oracle byte for
 # byte, both layouts, into poisoned outputs), memcheck and racecheck were clean, and the FP8
 # step on it took 10.9 ms at Nano's shape against 15.1 with XLA's quantizer.
-UNVERIFIED_KINDS = ("gathered", "gather_sum", "fp8", "fp8_quantize", "fp8_rows")
+# The FP8 GEMMs left it together (kinds "fp8" and "fp8_quantize"): the ragged-M GEMM
+# (`blockwise_matmul_kernel.py`), the fused dsReLU kernel (`blockwise_dsrelu_kernel.py`), the
+# weight gradients' contraction (`blockwise_contract_kernel.py`) and the pass that quantizes
+# its operands straight into their K-major copies (`k_major_quantize_kernel.py`). On H100s
+# from 582564c to ce82cbe their GPU tiers passed (float64 and the recipe's emulation,
+# outputs poisoned, ragged and empty experts, experts of fewer rows than a scale group, 1 to
+# 256 experts, Nano's widths), memcheck and racecheck were clean at their boundary cases
+# (the contraction's staged scales at 7f6a334, the quantizing pass's raw-byte tile at
+# 8554063), deterministic mode gave one digest of the layer's gradients in 20 runs and over
+# 4 processes, and the FP8 determinism tests passed at 8554063. What "auto" ran in their
+# place, XLA's FP8 path, took 270 ms and 8.2 s a step where they took 4.4 and 15.3 ms (an
+# H100 at 895e92c, bench_layer_fp8.json.gz in git at fac393b); at 8554063 the FP8 step on
+# them took 3.00 and 8.77 ms, still 1.26x and 1.47x the bf16 step's time
+# (docs/fp8-kernels.md).
+UNVERIFIED_KINDS = ("gathered", "gather_sum", "fp8_rows")
 # The operands of each request kind that the "gathered" kernels read through an index.
 _GATHERED_OPERANDS = {
     Request: frozenset({"grad"}),
@@ -174,16 +145,9 @@ def cannot_implement(request: AnyRequest) -> str | None:
                     f"gather_sum to use it)")
         return gather_sum_config.cannot_implement(request)
     if isinstance(request, RaggedMatmulRequest):
-        if request.block_scaled and not enabled("fp8"):
-            return f"the sm90 FP8 ragged GEMM is not verified on a Hopper card (set {UNVERIFIED_VARIABLE}=fp8 to use it)"
         return config.cannot_implement_gemm(request)
     if isinstance(request, RaggedContractRequest):
-        if request.block_scaled and not enabled("fp8"):
-            return (f"the sm90 FP8 ragged contraction is not verified on a Hopper card (set {UNVERIFIED_VARIABLE}=fp8 "
-                    f"to use it)")
         return config.cannot_implement_contract(request)
-    if request.blockwise_scaled and not enabled("fp8"):
-        return f"the sm90 FP8 fused kernel is not verified on a Hopper card (set {UNVERIFIED_VARIABLE}=fp8 to use it)"
     return config.cannot_implement(request)
 
 
@@ -217,5 +181,4 @@ def implementation(request: AnyRequest) -> Callable[..., Mapping[str, jax.Array]
         return row_quantize.quantize_rows_by_kernel  # the kernel is built from x's width and dtype (and prob's)
     from jax_dsrelu.kernels.sm90 import ragged_call
 
-    # The switch is read here, when the call is lowered, and handed down.
-    return ragged_call.implementation(request, quantize_by_kernel=enabled("fp8_quantize"))
+    return ragged_call.implementation(request)

@@ -27,7 +27,6 @@ from jax_dsrelu import groups
 from jax_dsrelu.kernels.sm90.arch import ARCH
 from jax_dsrelu.kernels.sm90.config import BLOCK
 from jax_dsrelu.quantization import ragged
-from jax_dsrelu.quantization.schema import FP8_BLOCKWISE
 
 
 def padded_rows(num_rows: int, num_experts: int) -> int:
@@ -48,17 +47,11 @@ def k_major_operands(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> 
     return dict(lhs_k_major=k_major(lhs), rhs_k_major=k_major(rhs), padded_sizes=padded_sizes)
 
 
-def quantized_k_major_operands(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-                               by_kernel: bool) -> dict[str, jax.Array]:
+def quantized_k_major_operands(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> dict[str, jax.Array]:
     """`k_major_operands` of lhs (m, a) and rhs (m, b) unquantized (16- or 32-bit), with
     lhs_scale (G, a) and rhs_scale (G, b): each side quantized in the groups of
     `ragged.quantize_ragged_rows` straight into its copy by one custom call
-    (`k_major_quantize_kernel.py`) with by_kernel (the unverified kind "fp8_quantize",
-    `backend.enabled`), else by XLA's quantizer and then the copy kernel (m > 0 rows)."""
-    if not by_kernel:
-        quantized = [ragged.quantize_ragged_rows(side, group_sizes, FP8_BLOCKWISE.activations) for side in (lhs, rhs)]
-        layout = k_major_operands(quantized[0].values, quantized[1].values, group_sizes)
-        return dict(layout, lhs_scale=quantized[0].scales, rhs_scale=quantized[1].scales)
+    (`k_major_quantize_kernel.py`; m > 0 rows)."""
     first_rows, padded_sizes = _groups(group_sizes, lhs.shape[0])
     (lhs_k_major, lhs_scale), (rhs_k_major, rhs_scale) = (
         quantize_by_kernel(side, first_rows, group_sizes.shape[0]) for side in (lhs, rhs))

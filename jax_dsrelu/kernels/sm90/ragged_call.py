@@ -124,7 +124,7 @@ def compile_kernel(
 
 
 def implementation(
-    request, config=None, *, outputs_in_place: bool = False, quantize_by_kernel: bool = False
+    request, config=None, *, outputs_in_place: bool = False
 ) -> Callable[..., Mapping[str, jax.Array]]:
     """The JAX function computing `request` with the sm90 kernel (signatures above).
 
@@ -133,8 +133,8 @@ def implementation(
     overwrites in place (aliased in and out) and returns. Tests fill them with NaN to
     show that the kernel writes every element. `config`, where given, serves the call
     without a row index; with one, the gathered kernel takes it alone (cluster_n = 1).
-    quantize_by_kernel: a contraction quantizing its operands does so by the quantizing
-    pass (`contract_layout.quantized_k_major_operands`), not XLA's quantizer."""
+    A contraction quantizing its operands does so by the quantizing pass
+    (`contract_layout.quantized_k_major_operands`)."""
     quantized_here = isinstance(request, RaggedContractRequest) and request.quantized_from is not None
     request = kernel_request(request)
     reason = (
@@ -165,7 +165,7 @@ def implementation(
         if isinstance(request, RaggedContractRequest) and request.block_scaled:
             # The kernel reads K-major copies whose rows are the groups' padded rows.
             operands = given.pop("lhs"), given.pop("rhs"), given.pop("group_sizes")
-            given.update(contract_layout.quantized_k_major_operands(*operands, by_kernel=quantize_by_kernel)
+            given.update(contract_layout.quantized_k_major_operands(*operands)
                          if quantized_here else contract_layout.k_major_operands(*operands))
             counts = {ROWS: contract_layout.padded_rows(num_rows, request.num_experts)}
             if counts[ROWS] > MAX_ROWS:
