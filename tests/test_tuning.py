@@ -155,7 +155,7 @@ def recorded(row: tuning.Evidence, timing: tuning.Timing) -> tuple[str, float]:
         return timing.config, step["gemms"][row.gemm]["variants"][timing.entry]["ms"]
     # a layer step of bench_layer.py: the launches of one kernel class
     variants = step["modes"]["step"]["variants"]
-    kernels = variants["sm90" if "sm90" in variants else "sm90_fp8"]["kernels"]
+    kernels = variants[next(name for name in ("sm90", "sm90_fp8", "sm90_fp8_quantize") if name in variants)]["kernels"]
     return timing.config, sum(ms for name, ms in kernels if timing.entry in name)
 
 

@@ -100,6 +100,19 @@ def _fp8_halves_ab(gemm: str, kernel: str, times: dict, exceptions: dict | None 
                  for shape, (waited, halves) in times.items())
 
 
+def _fp8_staged_halves_ab(gemm: str, kernel: str, times: dict) -> tuple[Evidence, ...]:
+    """The FP8 step's A/B of the promotion by column halves once the contraction's scales
+    are staged by TMA (tuning_records.json.gz keeps both sides, dW quantized by kernel):
+    per shape, `kernel`'s ms promoted between the batches (9a06906, without the
+    warpgroups' turns) and by column halves (f328947), both at 128 columns."""
+    return tuple(E(shape, gemm, None,
+                   T("9a06906: between the batches, staged scales, 128x128", waited, kernel,
+                     "bench_layer_step_ab_f328947_9a06906_r1.json"),
+                   T("f328947: by column halves, staged scales, 128x128", halves, kernel,
+                     "bench_layer_step_ab_f328947_f328947_r1.json"))
+                 for shape, (waited, halves) in times.items())
+
+
 DECISIONS: tuple[Decision, ...] = (
     Decision("subtile_columns", 32, 0.0,
              "Epilogue subtiles of 32 columns, in every kernel of the family (one store path): in the "
@@ -659,13 +672,17 @@ DECISIONS: tuple[Decision, ...] = (
              "the next batch in a second whole buffer it needed 64-column tiles and took 29-37% longer; by "
              "column halves (128 columns, the waited form's registers) it took 5% longer at the few-expert "
              "shape and 1.5% less at Nano's (two rounds each, alike), the overlap's saving given back, likely by "
-             "its 64-column wgmma; one rule serves both shapes.",
+             "its 64-column wgmma; one rule serves both shapes. With the scales staged by TMA, by column halves "
+             "took 20% and 14% longer (two rounds, alike).",
              _fp8_promotion_ab("dw1+dw2", "BlockScaledContractSm90",
                                {(16384, 4096, 2048, 8): (1.2067, 1.6500), (49152, 2688, 1856, 128): (3.0664, 3.9877)})
              + _fp8_halves_ab("dw1+dw2", "BlockScaledContractSm90",
                               {(16384, 4096, 2048, 8): (1.2178, 1.2780), (49152, 2688, 1856, 128): (3.0675, 3.0200)},
                               {(49152, 2688, 1856, 128): "by column halves 1.5% faster here and 5% slower at the "
-                               "few-expert shape (round 2 alike): one rule, waited, for both"})),
+                               "few-expert shape (round 2 alike): one rule, waited, for both"})
+             + _fp8_staged_halves_ab("dw1+dw2", "BlockScaledContractSm90",
+                                     {(16384, 4096, 2048, 8): (0.6705, 0.8054),
+                                      (49152, 2688, 1856, 128): (1.7251, 1.9580)})),
     Decision("fp8_fused_overlap_promotion", False, 0.0,
              "The FP8 fused dsReLU kernel promotes each K block between the wgmma batches: beside the next "
              "batch in a second whole buffer it needed 64-column tiles (at 128 its epilogue's live registers "
