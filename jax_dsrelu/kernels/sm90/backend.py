@@ -49,7 +49,9 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 #                 (`row_quantize_kernel.py`, a `RowQuantizeRequest`), instead of XLA's
 #                 quantizer, which reads them twice. Run on an H100 at a6916f6: its GPU
 #                 tier passed (8 cases), memcheck and racecheck clean, but the step on it
-#                 was 1.5-2.2% slower than on XLA's quantizer.
+#                 was 1.5-2.2% slower than on XLA's quantizer, which formed act inside its
+#                 own fusions. Its squared-ReLU form (e34f327: act formed from h and prob as
+#                 the pass reads them) is compiled and tested on the CPU; no GPU has run it.
 # The expert weights' quantizing pass (`block_quantize_kernel.py`, a `WeightQuantizeRequest`)
 # left this list at 5aa3437: on an H100 its GPU tier passed (the recipe's oracle byte for
 # byte, both layouts, into poisoned outputs), memcheck and racecheck were clean, and the FP8
@@ -58,13 +60,13 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 # (`blockwise_matmul_kernel.py`), the fused dsReLU kernel (`blockwise_dsrelu_kernel.py`), the
 # weight gradients' contraction (`blockwise_contract_kernel.py`) and the pass that quantizes
 # its operands straight into their K-major copies (`k_major_quantize_kernel.py`). On H100s
-# from 582564c to ce82cbe their GPU tiers passed (float64 and the recipe's emulation,
+# from 582564c to 8554063 their GPU tiers passed (float64 and the recipe's emulation,
 # outputs poisoned, ragged and empty experts, experts of fewer rows than a scale group, 1 to
 # 256 experts, Nano's widths), memcheck and racecheck were clean at their boundary cases
 # (the contraction's staged scales at 7f6a334, the quantizing pass's raw-byte tile at
-# 8554063), deterministic mode gave one digest of the layer's gradients in 20 runs and over
-# 4 processes, and the FP8 determinism tests passed at 8554063. What "auto" ran in their
-# place, XLA's FP8 path, took 270 ms and 8.2 s a step where they took 4.4 and 15.3 ms (an
+# 8554063), deterministic mode gave one digest of the layer's gradients in 20 runs and
+# over 4 processes (7e94690), and the FP8 determinism tests passed at 8554063. What
+# "auto" ran in their place, XLA's FP8 path, took 270 ms and 8.2 s a step where they took 4.4 and 15.3 ms (an
 # H100 at 895e92c, bench_layer_fp8.json.gz in git at fac393b); at 8554063 the FP8 step on
 # them took 3.00 and 8.77 ms, still 1.26x and 1.47x the bf16 step's time
 # (docs/fp8-kernels.md).
