@@ -31,7 +31,6 @@ import harness  # noqa: E402
 import jax_dsrelu  # noqa: E402
 from jax_dsrelu.ffi import cutlass_bridge  # noqa: E402
 from jax_dsrelu.kernels.sm90 import dsrelu_call as lowering  # noqa: E402
-from jax_dsrelu.kernels.sm90 import backend as sm90_backend  # noqa: E402
 from jax_dsrelu.kernels.sm90 import config as sm90_config  # noqa: E402
 from jax_dsrelu.kernels.sm90 import ragged_call  # noqa: E402
 
@@ -98,12 +97,10 @@ def _layer_tests():
             for dtype, deterministic, with_b1 in itertools.product(("bfloat16", "float16"), (False, True), (False, True))]
 
 
-def _compiles(module, requests, *unverified):
-    """A job per (request, config, outputs_in_place): its kernel compiled, the `unverified` kinds enabled."""
-    def compile_kernel(request, config, in_place):
-        with sm90_backend.unverified_enabled(*unverified, on=bool(unverified)):
-            module.compile_kernel(request, config, outputs_in_place=in_place)
-    return [functools.partial(compile_kernel, *built) for built in requests]
+def _compiles(module, requests):
+    """A job per (request, config, outputs_in_place): its kernel compiled."""
+    return [functools.partial(module.compile_kernel, request, config, outputs_in_place=in_place)
+            for request, config, in_place in requests]
 
 
 def _sweeps(kernel, gemm=None):

@@ -6,7 +6,9 @@
 # STEP_AB_MORE ("TREE:COMMIT TREE:COMMIT", trees made as OLD_TREE is) adds commits to each
 # round, between the old and the new; their records are bench_layer_step_ab_<commit>_r<r>.json.
 # STEP_AB_SHAPES (bench_layer.py's --shapes) narrows the run, STEP_AB_VARIANTS (sm90,sm90_det
-# unless set: sm90_fp8 for the FP8 step) picks the variants. OLD_TREE holds the older
+# unless set: sm90_fp8 for the FP8 step; a variant means what each tree's bench_layer.py says,
+# and sm90_fp8 before f3c2955 quantized dW's operands on XLA, sm90_fp8_quantize the way
+# sm90_fp8 does since) picks the variants. OLD_TREE holds the older
 # commit's jax_dsrelu, benchmarks and tests (git archive OLD_COMMIT ... | tar -x -C OLD_TREE);
 # the working tree is NEW_COMMIT; both commits' kernels come from the carried cache
 # (prebuild_kernels.py --only bench_layer in each tree: the keys digest each tree's sources).

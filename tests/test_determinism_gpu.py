@@ -97,8 +97,8 @@ def layer_grads(deterministic, precision=None):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
-# bf16, and FP8_BLOCKWISE on sm90's FP8 kernels (enabled here: they are not yet run by
-# "auto" alone), whose fused kernel sums dprob and db1 by atomics as the bf16 one does.
+# bf16, and FP8_BLOCKWISE on sm90's FP8 kernels (what "auto" runs on Hopper), whose fused
+# kernel sums dprob and db1 by atomics as the bf16 one does.
 PRECISIONS = [None, jax_dsrelu.quantization.FP8_BLOCKWISE]
 
 

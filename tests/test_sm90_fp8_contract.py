@@ -12,7 +12,7 @@ padded layout, k-tile t of an expert reading group first_row / 128 + t, the scal
 multiplied per row and column) emulated in float64 from the layout the call builds; the
 bound shown to reject a scale from the wrong group, a dropped group, another expert's rows;
 refusals. Compile tier: compiles for sm_90a into e4m3 wgmma with no spills and no
-serialized wgmma, its shared memory as estimated, lowered for cuda only where enabled, its
+serialized wgmma, its shared memory as estimated, lowered for cuda, its
 buffers bound in their declared order. GPU tier: against float64 and the emulated plan,
 outputs NaN-filled first, ragged, empty and past-m groups, experts of fewer rows than a
 group, 1 to 256 experts; the same bits on every run.

@@ -7,7 +7,8 @@ CPU: the kernel refuses what it cannot take, naming it. Compile tier: compiles f
 with IEEE division, the saturating e4m3 conversion, 16-byte loads, half-warp shuffles and no
 local memory; lowers to one call binding its buffers in their declared order; the FP8 step
 as lowered for Hopper quantizes its rows on it (x, act, dy, dh: four calls, and a loop under
-vmap) only where the kind is enabled. GPU tier (not yet run on a Hopper card): the kernel
+vmap) only where the kind is enabled. GPU tier (the plain pass's run on an H100, the
+squared-ReLU form's not yet on a Hopper card): the kernel
 against the recipe's NumPy oracle, byte for byte but for a NaN's sign, values and scales,
 into outputs poisoned two ways, on a partial last block, a block count that leaves a CTA
 part empty, one row, Nano's widths, NaN, infinity and zero blocks and values among e4m3's
@@ -74,8 +75,20 @@ def oracle(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scales
 
 
+def activation_rows(name: str, dtype_name: str) -> np.ndarray:
+    """`rows` as pre-activations: besides its -inf (which relu makes 0), a +inf in row 1
+    (its block's scale NaN) and, but in float16, a finite h whose square overflows
+    float32 in row 2 (2^70: an infinite act, its block's scale NaN)."""
+    h = np.asarray(rows(name, dtype_name), np.float32)
+    if h.shape[0] >= 3:
+        h[1, 3] = np.inf
+        if dtype_name != "f16":
+            h[2, h.shape[1] - 1] = 2.0 ** 70
+    return np.asarray(jnp.asarray(h, DTYPES[dtype_name]))
+
+
 def probs(m: int, dtype_name: str) -> np.ndarray:
-    """prob (m,) in the dtype: values in (0, 1], a NaN in the middle row where there are
+    """prob (m,) in the dtype: values in (0, 1], a NaN in row m // 2 + 1 where there are
     three rows or more (its row's blocks quantize to NaN)."""
     prob = np.random.default_rng(m).uniform(2 ** -8, 1.0, m)
     if m >= 3:
@@ -87,7 +100,8 @@ def activation(h: np.ndarray, prob: np.ndarray) -> np.ndarray:
     """relu(h)**2 * prob in float32 as the forward forms it ((r * r) * prob, NaN kept)."""
     r = np.asarray(h, np.float32)
     r = np.where(r < 0, np.float32(0), r)
-    return (r * r) * np.asarray(prob, np.float32)[:, None]
+    with np.errstate(over="ignore", invalid="ignore"):  # a square past float32's range is inf, as on the GPU
+        return (r * r) * np.asarray(prob, np.float32)[:, None]
 
 
 def test_the_byte_oracle_tells_a_wrong_scale():
@@ -213,7 +227,8 @@ def _fp8_step_text(kinds, batched=False) -> str:
     if batched:
         step = jax.vmap(step, in_axes=(0, None, None, None))
         shapes[0] = jax.ShapeDtypeStruct((2, m, d), jnp.bfloat16)
-    with (backend.unverified_enabled(*kinds, on=bool(kinds)),
+    # No kinds: every unverified kind but the row quantizer's, whatever the environment names.
+    with (backend.unverified_enabled(*(kinds or ("gathered", "gather_sum"))),
           mock.patch.object(registry, "cuda_compute_capability", lambda: (9, 0))):
         return jax.jit(step).trace(*shapes, sizes).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -262,10 +277,11 @@ def test_the_row_quantizer_computes_the_recipe(hopper, name, dtype):
 @pytest.mark.parametrize("name, dtype, prob_dtype", ACT_CASES, ids=ACT_IDS)
 def test_the_squared_relu_form_computes_the_recipe_of_the_activation(hopper, name, dtype, prob_dtype):
     """Byte for byte the oracle of relu(h)**2 * prob formed in float32 (but for a NaN's
-    sign), into poisoned outputs: negative h, a NaN and an infinity in h, a NaN prob."""
+    sign), into poisoned outputs: negative h, a NaN, -inf, +inf and a finite h whose
+    square overflows (`activation_rows`), a NaN prob."""
     from jax_dsrelu.kernels.sm90 import row_quantize
 
-    h = rows(name, dtype)
+    h = activation_rows(name, dtype)
     prob = probs(h.shape[0], prob_dtype)
     want_values, want_scales = oracle(activation(h, prob))
     run = jax.jit(lambda h, prob, filled: row_quantize.quantize_rows_by_kernel(h, filled=filled, prob=prob))

@@ -109,6 +109,9 @@ def test_the_switch_names_the_kinds_it_enables(monkeypatch):
     monkeypatch.setenv(SWITCH, "gathered,gather-sum")
     with pytest.raises(ValueError, match=rf"{SWITCH} names \['gather-sum'\].*'gathered', 'gather_sum'"):
         backend.enabled("gathered")
+    # Kinds verified since may still be named, as the switch was set while they were not.
+    monkeypatch.setenv(SWITCH, "fp8,fp8_quantize,gathered")
+    assert backend.enabled("gathered") and not backend.enabled("gather_sum") and backend.enabled("fp8")
 
 
 def test_unverified_enabled_sets_the_switch_for_its_block_only(monkeypatch):

@@ -82,7 +82,7 @@ def layer_backends(name: str, precision=None) -> LayerBackends:
     check_precision(name, precision)
     if precision is not None:
         # Block-scaled calls that "auto" resolves per call: a kernel where one serves them
-        # (sm90's, once enabled), else XLA.
+        # (sm90's on Hopper), else XLA.
         return LayerBackends(dsrelu=name, matmul=name, contract=name, gather_sum=name)
     backend = KERNEL_BACKENDS.get(name)
 

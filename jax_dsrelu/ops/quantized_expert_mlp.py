@@ -29,8 +29,7 @@ down, dx) and the fused dsReLU step as the block-scaled `ragged_matmul` and
 `grouped_gemm_dsrelu` (weights stored (E, N, K)), the weight gradients as the
 block-scaled `ragged_contract` (rows quantized in groups that restart at each expert). On
 the XLA backend their references dequantize them, the same arithmetic; under backend
-"auto" on a Hopper GPU the FP8 kernels serve them once enabled
-(`kernels/sm90/backend.py`). On the XLA path every step has a fixed summation order and
+"auto" on a Hopper GPU the FP8 kernels serve them (`kernels/sm90/backend.py`). On the XLA path every step has a fixed summation order and
 amax maxima are exact in any order, so every result is bitwise reproducible; the FP8
 fused kernel sums dprob and db1 by atomics unless `deterministic=True`, as the 16-bit one
 does. The quantizing passes here are what the FP8 kernels' epilogues will write instead.
@@ -290,7 +289,7 @@ def epilogue(
     dy_index: jax.Array | None = None,
 ) -> Epilogue:
     """The fused dsReLU GEMM on quantized dy and w2 (values and scales: the FP8 fused
-    kernel where "auto" finds it enabled, else XLA's dequantizing reference), with its
+    kernel where "auto" finds one, else XLA's dequantizing reference), with its
     float32 epilogue and float32 dh and act."""
     grad, grad_scale = _quantized_rows(dy, recipe, backends.dsrelu, dy_index)
     fused = dsrelu.bind(

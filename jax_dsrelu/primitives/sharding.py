@@ -22,8 +22,8 @@ expressed with `jax.shard_map`, where each device calls the primitive on its own
 rows; there these rules step aside.
 
 `split_over_leading_axis` partitions a computation that is no primitive (the expert
-weights' quantizing pass) the simple way: split as its operand's leading axis is, every
-other axis whole.
+weights' quantizing pass, the rows' quantizing pass) the simple way: every operand split
+as the first one's leading axis is, every other axis whole.
 
 Two mechanisms apply the same rules:
 - Auto mesh axes: the lowering is wrapped in `jax.experimental.custom_partitioning`, so

@@ -2,10 +2,11 @@
 
 Kernels not yet verified on the hardware they claim are compiled and lowered, but
 no call uses them unless the environment variable `UNVERIFIED_VARIABLE` names their kind
-(comma-separated), which the H200 run that checks them sets: until then the primitives
-gather rows themselves and run the verified kernels, and the gather-and-sum runs on XLA.
-A kind leaves `UNVERIFIED_KINDS` once such a run has checked it and timed it faster than
-what `backend="auto"` runs in its place.
+(comma-separated), which the Hopper run that checks them sets: until then the primitives
+gather rows themselves and run the verified kernels, the gather-and-sum runs on XLA, and
+the FP8 step quantizes its rows on XLA. A kind leaves `UNVERIFIED_KINDS` once such a run
+has checked it and timed it faster than what `backend="auto"` runs in its place; the
+variable may still name it (`VERIFIED_KINDS`), to no effect.
 """
 
 from __future__ import annotations
@@ -60,17 +61,25 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 # (`blockwise_matmul_kernel.py`), the fused dsReLU kernel (`blockwise_dsrelu_kernel.py`), the
 # weight gradients' contraction (`blockwise_contract_kernel.py`) and the pass that quantizes
 # its operands straight into their K-major copies (`k_major_quantize_kernel.py`). On H100s
-# from 582564c to 8554063 their GPU tiers passed (float64 and the recipe's emulation,
-# outputs poisoned, ragged and empty experts, experts of fewer rows than a scale group, 1 to
-# 256 experts, Nano's widths), memcheck and racecheck were clean at their boundary cases
-# (the contraction's staged scales at 7f6a334, the quantizing pass's raw-byte tile at
-# 8554063), deterministic mode gave one digest of the layer's gradients in 20 runs and
-# over 4 processes (7e94690), and the FP8 determinism tests passed at 8554063. What
-# "auto" ran in their place, XLA's FP8 path, took 270 ms and 8.2 s a step where they took 4.4 and 15.3 ms (an
+# their GPU tiers passed (float64 and the recipe's emulation, outputs poisoned, ragged and
+# empty experts, experts of fewer rows than a scale group, 1 to 256 experts, Nano's
+# widths; the contraction with its staged scales at 7f6a334 and the quantizing pass's
+# raw-byte tile at 260cdac, each the same code at 8554063), and memcheck and racecheck were
+# clean at their boundary cases (the contraction at 7f6a334, the quantizing pass at
+# 8554063). Deterministic mode gave one digest of the layer's gradients over 4 processes
+# at 7e94690, and the FP8 determinism tests passed at 8554063, both with dW's operands
+# quantized by XLA and the copy kernel; the quantizing pass writes each byte once, by one
+# thread, and its tier holds it to its formula byte for byte; the step on all of them
+# (bench_layer's sm90_fp8_quantize) was within its check against XLA's path at both
+# shapes at 895e92c (bench_layer_fp8.json.gz in git at fac393b). What "auto" ran in their
+# place, XLA's FP8 path, took 270 ms and 8.1 s a step where they took 4.4 and 15.5 ms (an
 # H100 at 895e92c, bench_layer_fp8.json.gz in git at fac393b); at 8554063 the FP8 step on
 # them took 3.00 and 8.77 ms, still 1.26x and 1.47x the bf16 step's time
 # (docs/fp8-kernels.md).
 UNVERIFIED_KINDS = ("gathered", "gather_sum", "fp8_rows")
+# Kinds that left the list: the variable may name them (as it was set while they were
+# on it) without an error; "auto" runs them whether named or not.
+VERIFIED_KINDS = ("fp8", "fp8_quantize")
 # The operands of each request kind that the "gathered" kernels read through an index.
 _GATHERED_OPERANDS = {
     Request: frozenset({"grad"}),
@@ -84,11 +93,11 @@ def enabled(kind: str) -> bool:
     if kind not in UNVERIFIED_KINDS:
         return True
     named = {name.strip() for name in os.environ.get(UNVERIFIED_VARIABLE, "").split(",") if name.strip()}
-    unknown = named - set(UNVERIFIED_KINDS)
+    unknown = named - set(UNVERIFIED_KINDS) - set(VERIFIED_KINDS)
     if unknown:
         raise ValueError(
             f"{UNVERIFIED_VARIABLE} names {sorted(unknown)}; the sm90 kernel kinds not yet verified are "
-            f"{list(UNVERIFIED_KINDS)}"
+            f"{list(UNVERIFIED_KINDS)} (and {list(VERIFIED_KINDS)}, verified, may still be named)"
         )
     return kind in named
 

@@ -79,7 +79,8 @@ def quantize_rows_by_kernel(x: jax.Array, filled: dict[str, jax.Array] | None = 
     request = row_quantize_request(x, prob)
     reason = cannot_quantize_rows(request)
     if reason is not None:
-        raise ValueError(f"{reason}; x is {np.dtype(x.dtype).name}{tuple(x.shape)}")
+        given = "" if prob is None else f", prob {np.dtype(prob.dtype).name}{tuple(prob.shape)}"
+        raise ValueError(f"{reason}; x is {np.dtype(x.dtype).name}{tuple(x.shape)}{given}")
     m, k = x.shape
     if m == 0:
         return dict(values=jnp.zeros((0, k), jnp.float8_e4m3fn), scales=jnp.zeros((0, -(-k // _BLOCK)), jnp.float32))
