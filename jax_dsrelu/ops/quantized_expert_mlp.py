@@ -29,8 +29,8 @@ down, dx) and the fused dsReLU step as the block-scaled `ragged_matmul` and
 `grouped_gemm_dsrelu` (weights stored (E, N, K)), the weight gradients as the
 block-scaled `ragged_contract` (rows quantized in groups that restart at each expert). On
 the XLA backend their references dequantize them, the same arithmetic; under backend
-"auto" on a Hopper GPU the FP8 kernels serve them (`kernels/sm90/backend.py`). On the XLA path every step has a fixed summation order and
-amax maxima are exact in any order, so every result is bitwise reproducible; the FP8
+"auto" on a Hopper GPU the FP8 kernels serve them (`kernels/sm90/backend.py`). On the XLA
+path every step has a fixed summation order and amax maxima are exact in any order, so every result is bitwise reproducible; the FP8
 fused kernel sums dprob and db1 by atomics unless `deterministic=True`, as the 16-bit one
 does. The quantizing passes here are what the FP8 kernels' epilogues will write instead.
 """
@@ -86,9 +86,8 @@ def forward(
                                                                                  backend=backends.matmul)
     h = _up(recipe, backends, experts, weights.w1_up)
     # act = squared_relu(h, prob), quantized as it is formed (0 on rows of no expert, whose h is 0).
-    act, act_scale = _quantize_source_rows(h, recipe, backends.matmul, prob=experts.prob)
-    y = ragged_matmul(act, weights.w2_down.values, experts.group_sizes, rhs_layout="nk", out_dtype=experts.w1.dtype,
-                      backend=backends.matmul, lhs_scale=act_scale, rhs_scale=weights.w2_down.scales)
+    y = _block_scaled_matmul(h, weights.w2_down, experts.group_sizes, recipe, backends, out_dtype=experts.w1.dtype,
+                             prob=experts.prob)
     return y, h
 
 
@@ -268,10 +267,11 @@ def _quantized_weight(w: jax.Array, recipe: Recipe) -> tuple[jax.Array, jax.Arra
     return blockwise.quantize_blockwise(qdq.square_blocks(w, recipe), recipe.weights)
 
 
-def _block_scaled_matmul(a, weight: QuantizedWeight, group_sizes, recipe, backends, *, out_dtype):
+def _block_scaled_matmul(a, weight: QuantizedWeight, group_sizes, recipe, backends, *, out_dtype, prob=None):
     """a @ w[e] row by row on a quantized and the weight as quantized (E, N, K): the
-    block-scaled ragged matmul."""
-    lhs, lhs_scale = _quantized_rows(a, recipe, backends.matmul)
+    block-scaled ragged matmul; given prob, on the activation squared_relu(a, prob)
+    quantized as it is formed (`_quantize_source_rows`)."""
+    lhs, lhs_scale = _quantize_source_rows(a, recipe, backends.matmul, prob=prob)
     return ragged_matmul(lhs, weight.values, group_sizes, rhs_layout="nk", out_dtype=out_dtype,
                          backend=backends.matmul, lhs_scale=lhs_scale, rhs_scale=weight.scales)
 
