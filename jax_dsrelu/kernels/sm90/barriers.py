@@ -13,6 +13,3 @@ import enum
 class NamedBarrier(enum.IntEnum):
     EPILOGUE = 1  # consumers around a shared-memory epilogue buffer (epilogue_store.py)
     DBIAS = 2  # consumers around the dbias partials in shared memory (dsrelu_kernel.py)
-    # Consumer warpgroup 1 waits until warpgroup 0 has issued a tile's first wgmma batch
-    # (promoted_mainloop.mma_k_tiles_promoted_by_column).
-    STAGGER = 3

@@ -17,8 +17,7 @@ is running then (both consume the same stages, so they may well promote at the s
 not profiled). The scales of a k-tile are loaded before its stage is waited for, so their
 latency hides behind the wait. The contraction's (`mma_k_tiles_promoted_by_column`), whose
 k-tile needs 34 scales a thread, reads them from the k-tile's stage, where the producer
-staged them by TMA with its operands, and its warpgroups take turns on the tensor
-cores. The overlapped one (`mma_k_tiles_promoted_overlapped`)
+staged them by TMA with its operands. The overlapped one (`mma_k_tiles_promoted_overlapped`)
 promotes k-tile t while the batch of k-tile t + 1 runs, in a second partial-sum buffer.
 The two by column halves (`mma_k_tiles_promoted_in_halves` for a static K,
 `mma_k_tiles_promoted_by_column_in_halves` for the contraction's run-time K) split each
@@ -41,7 +40,6 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_dsrelu.kernels.sm90 import fragment
-from jax_dsrelu.kernels.sm90.barriers import NamedBarrier
 
 
 class ColumnHalves(NamedTuple):
@@ -281,27 +279,17 @@ def mma_k_tiles_promoted_by_column(
     then fences the proxies before the stage goes back to the producer, whose next TMA
     write there (the async proxy) the mbarrier alone does not order after those reads.
 
-    The two warpgroups take turns on the tensor cores: warpgroup 1 issues a tile's first
-    batch only once warpgroup 0 has issued its own (`NamedBarrier.STAGGER`), so its
-    batches queue behind warpgroup 0's, and each warpgroup may promote a k-tile while the
-    other's batch runs. Once staggered they stay so: each issues its next batch after its
-    promotion, behind the other's batch in flight. The epilogue's barriers bring them
-    together again at the tile's end, which the turns rely on: without them warpgroup 0
-    could arrive at the next tile's STAGGER before warpgroup 1 had waited at this one's.
-    The barrier counts the kernel's two consumer warpgroups (256 threads;
-    `GemmSm90.consumer_threads`)."""
+    Both warpgroups issue as soon as their stage has landed (no turns: the turns paid only
+    beside the global scale loads' L1 prefetch, which the staged scales replaced)."""
     acc = ctx.acc
     acc.fill(0.0)
-    warpgroup_index = ctx.ctid // 128
     # The thread's two row scales, then one per column slot.
     scales = cute.make_rmem_tensor(len(rows) + len(columns), Float32)
     for k_tile in range(k_tiles):
         stage = read_state.index
-        _wait_for_the_first_warpgroup(warpgroup_index, k_tile)
         read_state, release_state = _landed_block(
             ctx, acc_block, read_state, release_state,
-            lambda: _let_go_and_read_scales(warpgroup_index, k_tile, scales, row_scales, rows, column_scales, columns,
-                                            stage))
+            lambda: _read_staged_scales(scales, row_scales, rows, column_scales, columns, stage))
         for v in cutlass.range_constexpr(cute.size(acc)):
             scale = scales[fragment.row_half(v)] * scales[len(rows) + fragment.column_slot(v)]
             acc[v] = acc[v] + acc_block[v] * scale
@@ -317,29 +305,6 @@ def _read_staged_scales(scales, row_scales, rows, column_scales, columns, stage)
     for slot in cutlass.range_constexpr(len(columns)):
         scales[len(rows) + slot] = column_scales[columns[slot], 0, stage]
     cute.arch.fence_proxy("async.shared", space="cta")
-
-
-@cute.jit
-def _let_go_and_read_scales(warpgroup_index: Int32, k_tile: Int32, scales, row_scales, rows, column_scales, columns,
-                            stage):
-    """What runs beside a contraction k-tile's batch: warpgroup 0 lets warpgroup 1 issue
-    (at a tile's first k-tile), then the k-tile's scales are read from its stage."""
-    _let_the_second_warpgroup_go(warpgroup_index, k_tile)
-    _read_staged_scales(scales, row_scales, rows, column_scales, columns, stage)
-
-
-@cute.jit
-def _wait_for_the_first_warpgroup(warpgroup_index: Int32, k_tile: Int32):
-    """Warpgroup 1, at a tile's first k-tile: until warpgroup 0 has issued its batch."""
-    if warpgroup_index == 1 and k_tile == 0:
-        cute.arch.barrier(barrier_id=int(NamedBarrier.STAGGER), number_of_threads=256)
-
-
-@cute.jit
-def _let_the_second_warpgroup_go(warpgroup_index: Int32, k_tile: Int32):
-    """Warpgroup 0, once it has issued a tile's first batch: lets warpgroup 1 issue its own."""
-    if warpgroup_index == 0 and k_tile == 0:
-        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.STAGGER), number_of_threads=256)
 
 
 @cute.jit
