@@ -262,7 +262,7 @@ RAGGED_MATMUL_SRELU = Schema(
     ) + _BLOCK_SCALES + (_LHS_INDEX,),
     results=(
         Field("h", "m n", dtype="out_dtype"),
-        Field("act", "m n", dtype="out_dtype"),
+        Field("act", "m n", present_if="with_act", dtype="out_dtype"),
     ),
     # k: the epilogue is nonlinear in the sum over k.
     kept_whole=("k", "e", "p", "q", SOURCE_ROWS),

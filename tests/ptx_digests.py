@@ -198,11 +198,11 @@ def cases() -> list[Case]:
     return [*dsrelu_cases(), *matmul_cases(), *contract_cases(), *unverified_cases()]
 
 
-def fp8_matmul(num_experts, k, n, epilogue):
+def fp8_matmul(num_experts, k, n, epilogue, with_act=True):
     from jax_dsrelu.quantization.schema import E4M3 as e4m3
 
     return RaggedMatmulRequest(num_experts=num_experts, k=k, n=n, rhs_layout="nk", operand_dtype=e4m3, out_dtype=BF16,
-                               epilogue=epilogue, with_bias=epilogue == "srelu", block_scaled=True)
+                               epilogue=epilogue, with_bias=epilogue == "srelu", block_scaled=True, with_act=with_act)
 
 
 def fp8_dsrelu(k, n, num_experts):
@@ -246,15 +246,17 @@ def pinned_cases() -> list[Case]:
         Case("gathered/contract/rhs", contract(8, 328, 520, BF16),
              sm90_config.ContractConfig(tile_n=192, ab_stages=8, store_stages=6, **contract_tiles), gathered="rhs"),
         Case("gather_sum/bfloat16", GatherSumRequest(n=2688, slots=6, rows_dtype=BF16)),
-        # The FP8 kernels: the ragged-M GEMM as its GPU tier ran at e834a7c (both promotion
-        # schedules), and the fused kernel, not yet run on a GPU.
+        # The FP8 kernels: the ragged-M GEMM (both promotion schedules; the up-projection
+        # with act and, as the FP8 forward runs it, h alone), the fused kernel.
         Case("fp8/matmul/plain_overlapped", fp8_matmul(8, 528, 320, "none"),
              sm90_config.GemmConfig(tile_n=128, ab_stages=6, operand_bytes=1, overlap_promotion=True, **fp8_tiles)),
         Case("fp8/matmul/up_srelu_bias", fp8_matmul(8, 528, 320, "srelu"),
              sm90_config.GemmConfig(tile_n=128, ab_stages=6, operand_bytes=1, **fp8_tiles)),
+        Case("fp8/matmul/up_bias_h_alone", fp8_matmul(8, 528, 320, "srelu", with_act=False),
+             sm90_config.GemmConfig(tile_n=128, ab_stages=6, operand_bytes=1, **fp8_tiles)),
         Case("fp8/dsrelu/deterministic", fp8_dsrelu(528, 320, 8),
              sm90_config.TileConfig(tile_n=128, ab_stages=3, preact_stages=4, operand_bytes=1, **fp8_tiles)),
-        # The weight gradients' FP8 contraction, not yet run on a GPU.
+        # The weight gradients' FP8 contraction.
         Case("fp8/contract/whole_tile", fp8_contract(8, 528, 320),
              sm90_config.ContractConfig(tile_n=128, ab_stages=6, store_stages=4, operand_bytes=1,
                                         **dict(contract_tiles, tile_k=128))),

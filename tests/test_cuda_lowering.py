@@ -49,7 +49,7 @@ def reference_of(request):
                                                          quantize=False)
     params = dict(rhs_layout=request.rhs_layout, out_dtype=request.out_dtype, block_scaled=request.block_scaled)
     if request.epilogue == "srelu":
-        return ragged_matmul_srelu_primitive.reference, dict(params, with_bias=request.with_bias)
+        return ragged_matmul_srelu_primitive.reference, dict(params, with_bias=request.with_bias, with_act=request.with_act)
     return ragged_matmul_primitive.reference, params
 
 

@@ -95,6 +95,28 @@ def test_srelu_epilogue_matches_float64(grouping, dtype, with_bias):
     np.testing.assert_array_equal(np.asarray(act)[~owned], 0)
 
 
+def test_srelu_epilogue_without_act_gives_the_same_h_alone():
+    """with_act=False: no act made or returned, and h bit for bit the one beside act."""
+    rng = np.random.default_rng(seed(("ragged", "srelu", "h alone")))
+    sizes = GROUPINGS["ragged"]
+    lhs = jnp.asarray(rng.standard_normal((NUM_ROWS, K)), jnp.bfloat16)
+    rhs = rhs_of(rng, "kn", jnp.bfloat16, len(sizes))
+    prob = jnp.asarray(rng.uniform(0.05, 1.0, NUM_ROWS), jnp.float32)
+    bias = jnp.asarray(0.3 * rng.standard_normal((len(sizes), N)), jnp.float32)
+
+    def up(with_act):
+        return jax.jit(lambda l, r, g, p, b: ragged_matmul_srelu(
+            l, r, g, p, b, with_act=with_act, rhs_layout="kn", out_dtype=jnp.bfloat16, backend="xla"))
+
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    (h, act), (h_alone, no_act) = up(True)(lhs, rhs, group_sizes, prob, bias), up(False)(lhs, rhs, group_sizes, prob, bias)
+    assert act is not None and no_act is None
+    np.testing.assert_array_equal(np.asarray(h_alone).view(np.uint16), np.asarray(h).view(np.uint16))
+    products = [up(with_act).lower(lhs, rhs, group_sizes, prob, bias).as_text().count("stablehlo.multiply")
+                for with_act in (True, False)]
+    assert products[1] == products[0] - 2  # no r * r * prob formed
+
+
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("grouping", GROUPINGS)

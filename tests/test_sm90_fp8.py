@@ -53,7 +53,10 @@ _F32_UNIT = 2.0**-23
 _BF16_UNIT = 2.0**-8
 _BF16_SUBNORMAL = 2.0**-133
 
-VARIANTS = {"plain": ("none", False), "srelu": ("srelu", False), "srelu_bias": ("srelu", True)}
+# variant: the request's epilogue fields; "up_h_alone" as the FP8 forward's up-projection runs (h alone).
+VARIANTS = {"plain": dict(epilogue="none"), "srelu": dict(epilogue="srelu"),
+            "srelu_bias": dict(epilogue="srelu", with_bias=True),
+            "up_h_alone": dict(epilogue="srelu", with_bias=True, with_act=False)}
 # name: ((E, k, n), m, group sizes or None for Dirichlet sizes)
 GROUPINGS = {
     # k = 4 blocks and a partial one of 16; n = 2 N-blocks, the second of 64 columns.
@@ -73,7 +76,8 @@ GROUPINGS = {
 # (`promoted_mainloop.mma_k_tiles_promoted_overlapped`) for the plain GEMM.
 GPU_CASES = [(name, "plain", False) for name in GROUPINGS] + [
     ("ragged_with_empty", "srelu", False), ("ragged_with_empty", "srelu_bias", False),
-    ("nano_widths", "srelu_bias", False), ("past_m", "srelu", False),
+    ("nano_widths", "srelu_bias", False), ("past_m", "srelu", False), ("ragged_with_empty", "up_h_alone", False),
+    ("nano_widths", "up_h_alone", False),
 ] + [(name, "plain", True) for name in ("ragged_with_empty", "past_m", "one_expert", "narrow_n", "nano_widths")]
 
 
@@ -84,9 +88,8 @@ def grouping(name):
 
 def request_for(shape, variant) -> RaggedMatmulRequest:
     num_experts, k, n = shape
-    epilogue, with_bias = VARIANTS[variant]
     return RaggedMatmulRequest(num_experts=num_experts, k=k, n=n, rhs_layout="nk", operand_dtype=E4M3,
-                               out_dtype=BF16, epilogue=epilogue, with_bias=with_bias, block_scaled=True)
+                               out_dtype=BF16, block_scaled=True, **VARIANTS[variant])
 
 
 def quantized_operands(rng, m, k, n, num_experts):
@@ -320,8 +323,8 @@ def test_fp8_matmul_lowers_for_cuda():
 
 @pytest.mark.compile
 def test_moe_mlp_in_fp8_runs_every_gemm_on_the_fp8_kernels():
-    """The layer's precision path under backend="auto", lowered for a Hopper GPU: its up,
-    down, dx, fused dsReLU, dW1 and dW2 GEMMs are the FP8 kernels' custom calls, dW1's and
+    """The layer's precision path under backend="auto", lowered for a Hopper GPU: its up
+    (h alone), down, dx, fused dsReLU, dW1 and dW2 GEMMs are the FP8 kernels' custom calls, dW1's and
     dW2's operands quantized straight into their K-major copies by the quantizing pass, and
     the weights quantized by their pass (w1 and w2 in the forward and again in the
     backward, which XLA's CSE merges when it compiles)."""
@@ -358,7 +361,13 @@ def test_moe_mlp_in_fp8_runs_every_gemm_on_the_fp8_kernels():
         assert sum(map(len, named)) == len(calls), calls
         return tuple(map(len, named))
 
-    assert kernel_calls(lowered()) == (6, 4, 4)
+    text = lowered()
+    assert kernel_calls(text) == (6, 4, 4)
+    # The up-projection stores h alone: act is formed and quantized where the down GEMM reads it.
+    results = [line.split("->")[-1] for line in text.splitlines()
+               if "custom_call @CuteDSLRT" in line and "BlockScaledRaggedGemm" in line]
+    assert sorted(r.count("tensor<") for r in results) == [1, 1, 1]
+    assert sum(f"tensor<{m}x{f}xbf16>" in r for r in results) == 1
 
 
 # ---------------------------------------------------------------------------- GPU tier
@@ -400,8 +409,13 @@ def test_fp8_matmul_matches_float64_and_the_emulation(hopper, name, variant, ove
     check_against(out, ref, abs_dot, k)
     if request.epilogue == "none":
         check_against(out, emulated(operands, sizes, m), abs_dot, k, "the emulation")
-    else:
+    elif request.with_act:
         check_activation(out, results["act"], named["prob"], owned)
+    else:  # h alone: bit for bit the h stored beside act
+        assert set(results) == {"h"}
+        beside_act = dataclasses.replace(request, with_act=True)
+        h = run_poisoned(beside_act, named, m, config_for(beside_act, overlap))["h"]
+        assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(h).view(np.uint16))
     assert (np.asarray(out, np.float64)[~owned] == 0).all()
     again = run_poisoned(request, named, m, config)
     for key in results:

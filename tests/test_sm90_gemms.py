@@ -257,6 +257,17 @@ def test_ragged_matmul_compiles_for_sm90a(variant, shape):
 
 
 @pytest.mark.compile
+def test_the_up_projection_storing_h_alone_compiles_for_sm90a():
+    """with_act=False, as the layer's backward makes h again: one output, so the kernel
+    declares one stored tensor, and no spills."""
+    request = dataclasses.replace(matmul_request((128, 2688, 1856), "up_srelu_bias"), with_act=False)
+    assert [o.name for o in sm90_gemm.operands(request) if o.role == "output"] == ["h"]
+    compiled = sm90_gemm.compile_kernel(request, keep=True)
+    assert "wgmma.mma_async" in compiled.ptx and "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
+    ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("shape", [(8, 4096, 2048), (128, 2688, 1856), (256, 1024, 768), (512, 2048, 768)], ids=str)
 @pytest.mark.parametrize("out_dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_ragged_contraction_compiles_for_sm90a(out_dtype, shape):
@@ -470,6 +481,23 @@ def run_poisoned(request, lhs, rhs, group_sizes, prob=None, bias=None, *, config
     operands = {name: value for name, value in dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes, prob=prob,
                                                     bias=bias).items() if value is not None}
     return jax.jit(lambda o: run(**o, filled=filled))(operands)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["ragged_with_empty", "past_m", "negative"])
+def test_the_up_projection_storing_h_alone_stores_the_same_h(hopper, name):
+    """with_act=False: h alone, bit for bit the h stored beside act, into poisoned outputs."""
+    (num_experts, k, n), m, sizes = GROUPINGS[name]
+    rng = np.random.default_rng(zlib.crc32(f"h alone {name}".encode()))
+    beside_act = matmul_request((num_experts, k, n), "up_srelu_bias")
+    lhs = jnp.asarray(rng.standard_normal((m, k)), BF16)
+    rhs = jnp.asarray(rng.standard_normal((num_experts, k, n)) / np.sqrt(k), BF16)
+    operands = (lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.asarray(rng.uniform(0.05, 1.0, m), jnp.float32),
+                jnp.asarray(rng.standard_normal((num_experts, n)), jnp.float32))
+    alone = run_poisoned(dataclasses.replace(beside_act, with_act=False), *operands)
+    both = run_poisoned(beside_act, *operands)
+    assert set(alone) == {"h"}
+    assert np.array_equal(np.asarray(alone["h"]).view(np.uint16), np.asarray(both["h"]).view(np.uint16))
 
 
 def gpu_cases():

@@ -52,6 +52,8 @@ class RaggedMatmulRequest:
                       act = relu(h)**2 * prob computed from the rounded h, in out_dtype.
                       implementation: (lhs=, rhs=, group_sizes=, prob= (m,),
                       [bias= (E, n)]) -> {h, act}
+                      with_act=False: h alone, {h} (for a caller that forms act
+                      itself, or needs only h), prob read by no kernel.
     block_scaled:     lhs and rhs e4m3 under the FP8_BLOCKWISE recipe
                       (`jax_dsrelu.quantization`), their float32 scales two more
                       operands: lhs_scale= (m, ceil(k / 128)), one per row and K block,
@@ -69,6 +71,7 @@ class RaggedMatmulRequest:
     epilogue: str = "none"  # "none" | "srelu"
     with_bias: bool = False
     block_scaled: bool = False
+    with_act: bool = True  # "srelu": whether act is stored beside h
 
 
 @dataclasses.dataclass(frozen=True)

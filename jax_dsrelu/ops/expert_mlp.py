@@ -62,15 +62,16 @@ def preactivation(
     own GEMMs)."""
     if precision is not None:
         return quantized_expert_mlp.preactivation(precision, backends, experts, quantized)
-    return _up(backends, experts)[0]
+    return _up(backends, experts, with_act=False)[0]
 
 
-def _up(backends: LayerBackends, experts: Experts) -> tuple[jax.Array, jax.Array]:
-    """(h, act) of the up-projection with its squared-ReLU epilogue, in w1.dtype."""
+def _up(backends: LayerBackends, experts: Experts, with_act: bool = True) -> tuple[jax.Array, jax.Array | None]:
+    """(h, act) of the up-projection with its squared-ReLU epilogue, in w1.dtype (act None
+    without with_act: h alone is stored)."""
     rows, w1, _, prob, group_sizes, b1, row_index = experts
     return ragged_matmul_srelu(
-        rows, w1, group_sizes, prob, b1, rhs_layout="kn", out_dtype=w1.dtype, backend=backends.matmul,
-        lhs_index=row_index,
+        rows, w1, group_sizes, prob, b1, with_act=with_act, rhs_layout="kn", out_dtype=w1.dtype,
+        backend=backends.matmul, lhs_index=row_index,
     )
 
 

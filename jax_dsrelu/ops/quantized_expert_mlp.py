@@ -107,8 +107,10 @@ def _up(recipe: Recipe, backends: LayerBackends, experts: Experts, w1_up: Quanti
     # Blocks along d are within a row, so quantizing the source rows and reading them
     # through the index is quantizing the rows read.
     lhs, lhs_scale = _quantized_rows(rows, recipe, backends.matmul, row_index)
-    h, _ = ragged_matmul_srelu(lhs, w1_up.values, group_sizes, prob, b1, rhs_layout="nk", out_dtype=w1.dtype,
-                               backend=backends.matmul, lhs_scale=lhs_scale, rhs_scale=w1_up.scales)
+    # act is quantized as it is formed from h, where the down GEMM reads it: the up-projection stores h alone.
+    h, _ = ragged_matmul_srelu(lhs, w1_up.values, group_sizes, prob, b1, with_act=False, rhs_layout="nk",
+                               out_dtype=w1.dtype, backend=backends.matmul, lhs_scale=lhs_scale,
+                               rhs_scale=w1_up.scales)
     return h
 
 

@@ -6,7 +6,8 @@ Two primitives share the GEMM and differ in their epilogue (`schema.RAGGED_MATMU
 - `ragged_matmul`: out (m, n) = acc in out_dtype;
 - `ragged_matmul_srelu`, the up-projection of a squared-ReLU expert MLP with its
   activation: h = acc (+ bias[e]) rounded to out_dtype, and act = relu(h)**2 * prob
-  computed from the rounded h, exactly as the backward regenerates it.
+  computed from the rounded h, exactly as the backward regenerates it; with
+  with_act=False h alone (for a caller that forms act itself, or needs only h).
 
 lhs (m, k); rhs stored (E, k, n) (rhs_layout "kn", as W1 and W2 are for the forward) or
 (E, n, k) ("nk": a weight read transposed, as for dx = dh @ W1[e]^T). Kernels read either
@@ -58,6 +59,7 @@ def _request_of(epilogue: str):
             epilogue=epilogue,
             with_bias=bool(params.get("with_bias", False)),
             block_scaled=bool(params["block_scaled"]),
+            with_act=bool(params.get("with_act", True)),
         )
 
     return request
@@ -96,10 +98,11 @@ def ragged_matmul(
     lhs_index: jax.Array | None = None,  # (m,) int32: row i of the GEMM is lhs[lhs_index[i]]
     lhs_scale: jax.Array | None = None,  # (m, ceil(k / 128)) float32, FP8_BLOCKWISE operands
     rhs_scale: jax.Array | None = None,  # (E, ceil(n / 128), ceil(k / 128)) float32
-    epilogue: Mapping[str, Any] | None = None,  # the squared-ReLU epilogue's operands (ragged_matmul_srelu)
-) -> jax.Array | tuple[jax.Array, jax.Array]:  # out (m, n) out_dtype; with the epilogue (h, act), each so
-    """The plain ragged matmul, or with `epilogue` {prob, bias} the squared-ReLU one (which
-    `ragged_matmul_srelu` names); shapes and dtypes are the caller's to have checked."""
+    epilogue: Mapping[str, Any] | None = None,  # the squared-ReLU epilogue's (ragged_matmul_srelu)
+) -> jax.Array | tuple[jax.Array, jax.Array | None]:  # out (m, n) out_dtype; with the epilogue (h, act), each so
+    """The plain ragged matmul, or with `epilogue` {prob, bias, with_act} the squared-ReLU
+    one (which `ragged_matmul_srelu` names; act None without with_act); shapes and dtypes
+    are the caller's to have checked."""
     _check_layout(rhs_layout)
     params = dict(rhs_layout=rhs_layout, out_dtype=np.dtype(out_dtype), with_lhs_index=lhs_index is not None,
                   block_scaled=_block_scaled(lhs_scale, rhs_scale, rhs_layout, lhs_index))
@@ -110,8 +113,9 @@ def ragged_matmul(
     prob, bias = epilogue["prob"], epilogue["bias"]
     # The kernel's epilogue reads prob and bias as float32 whatever their dtype.
     named.update(prob=prob.astype(jnp.float32), bias=None if bias is None else bias.astype(jnp.float32))
-    results = ragged_matmul_srelu_primitive.bind(named, backend=backend, with_bias=bias is not None, **params)
-    return results["h"], results["act"]
+    results = ragged_matmul_srelu_primitive.bind(named, backend=backend, with_bias=bias is not None,
+                                                 with_act=epilogue["with_act"], **params)
+    return results["h"], results.get("act")
 
 
 def ragged_matmul_srelu(
@@ -120,7 +124,9 @@ def ragged_matmul_srelu(
     group_sizes: jax.Array,  # (E,) int
     prob: jax.Array,  # (m,)
     bias: jax.Array | None,  # (E, n)
+    *,
+    with_act: bool = True,  # False: h alone, no act made or stored
     **gemm,  # ragged_matmul's keywords
-) -> tuple[jax.Array, jax.Array]:  # h, act: (m, n) out_dtype
+) -> tuple[jax.Array, jax.Array | None]:  # h, act: (m, n) out_dtype; act None without with_act
     """The ragged matmul with the squared-ReLU forward epilogue."""
-    return ragged_matmul(lhs, rhs, group_sizes, epilogue=dict(prob=prob, bias=bias), **gemm)
+    return ragged_matmul(lhs, rhs, group_sizes, epilogue=dict(prob=prob, bias=bias, with_act=with_act), **gemm)

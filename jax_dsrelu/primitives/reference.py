@@ -103,13 +103,15 @@ def ragged_matmul_reference(lhs, rhs, group_sizes, lhs_scale=None, rhs_scale=Non
 
 
 def ragged_matmul_srelu_reference(lhs, rhs, group_sizes, prob, bias=None, lhs_scale=None, rhs_scale=None, *,
-                                  rhs_layout, out_dtype, with_bias, block_scaled):
+                                  rhs_layout, out_dtype, with_bias, block_scaled, with_act):
     del with_bias, block_scaled  # bias and the scales are None without them
     acc = _accumulate(lhs, rhs, group_sizes, rhs_layout, lhs_scale, rhs_scale)
     if bias is not None:
         expert, owned = groups.row_experts(group_sizes, lhs.shape[0])
         acc = acc + jnp.where(owned[:, None], bias.astype(jnp.float32)[expert], 0.0)
     h = acc.astype(out_dtype)
+    if not with_act:
+        return dict(h=h)
     r = jnp.maximum(h.astype(jnp.float32), 0.0)
     act = (r * r * prob.astype(jnp.float32)[:, None]).astype(out_dtype)
     return dict(h=h, act=act)

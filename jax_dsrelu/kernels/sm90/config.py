@@ -359,8 +359,8 @@ class GemmConfig(KernelTiles):
 
 def stored_outputs(request: RaggedMatmulRequest) -> int:
     """The 16-bit tensors a ragged-M kernel stores: h and act after the squared-ReLU
-    epilogue, else one."""
-    return 2 if request.epilogue == "srelu" else 1
+    epilogue that stores act, else one."""
+    return 2 if request.epilogue == "srelu" and request.with_act else 1
 
 
 def _check_capacity(config, need: int, request) -> None:

@@ -6,7 +6,7 @@ Math, with e(i) the expert owning row i (rows contiguous per expert, in expert o
     epilogue "none":  out[i, j] = acc              rounded once to out's dtype
     epilogue "srelu": h[i, j] = acc (+ bias[e, j]) rounded once to h's dtype;
                       act[i, j] = relu(h)^2 prob[i], from the rounded h (r keeps NaN:
-                      relu is a select), rounded once
+                      relu is a select), rounded once; with_act=False: h alone
     rows owned by no expert: every output 0
 
 It is the forward of a squared-ReLU expert MLP (the up-projection with its activation in
@@ -80,15 +80,18 @@ class RaggedGemmSm90(RaggedMGemmSm90):
             raise ValueError(f"epilogue must be 'none' or 'srelu', got {request.epilogue!r}")
         if request.with_bias and request.epilogue != "srelu":
             raise ValueError(f"with_bias=True needs epilogue='srelu' (only it adds a bias), got epilogue={request.epilogue!r}")
+        if not request.with_act and request.epilogue != "srelu":
+            raise ValueError(f"with_act=False needs epilogue='srelu' (only it stores an act), got epilogue={request.epilogue!r}")
         super().__init__(config, request.num_experts, request.n, request.k)
         self.check_operand_bytes(request.operand_dtype)
         self.request = request
         self.srelu = request.epilogue == "srelu"
         self.with_bias = request.with_bias
+        self.with_act = self.srelu and request.with_act
 
     def operands(self) -> list[KernelOperand]:
         """lhs (m, k), rhs (E, k, n) or (E, n, k), group_sizes, [srelu: prob (m,) f32,
-        [bias (E, n) f32]], out (m, n) (srelu: h), [srelu: act (m, n)]."""
+        [bias (E, n) f32]], out (m, n) (srelu: h), [srelu with act: act (m, n)]."""
         r, declare = self.request, self.declare
         plan = [
             declare("lhs", "input", r.operand_dtype),
@@ -110,26 +113,29 @@ class RaggedGemmSm90(RaggedMGemmSm90):
         return dict(e=self.num_experts, n=self.n, k=self.k)
 
     def stored_outputs(self) -> tuple[str, ...]:
-        # The primitives' result names: ragged_matmul_srelu's h and act, ragged_matmul's out.
-        return ("h", "act") if self.srelu else ("out",)
+        # The primitives' result names: ragged_matmul_srelu's h (and act), ragged_matmul's out.
+        if self.srelu:
+            return ("h", "act") if self.with_act else ("h",)
+        return ("out",)
 
     def kernel_params(self, t) -> dict:
         return dict(
-            group_sizes=t.group_sizes, prob=t.prob if self.srelu else None, bias=t.bias if self.with_bias else None,
+            group_sizes=t.group_sizes, prob=t.prob if self.with_act else None, bias=t.bias if self.with_bias else None,
             num_rows=cute.size(t.lhs, mode=[0]),
         )
 
     # ---------------------------------------------------------------- device side
 
     def epilogue_setup(self, ctx) -> None:
-        ctx.rounded_h = cute.make_rmem_tensor(ctx.sub_shape, Float32)
+        if self.with_act:
+            ctx.rounded_h = cute.make_rmem_tensor(ctx.sub_shape, Float32)
 
     def epilogue_prefetch(self, ctx, tile):
-        """prob and the bias, loaded before the mainloop so that their latency hides
-        behind it."""
+        """prob (for act) and the bias, loaded before the mainloop so that their latency
+        hides behind it."""
         row0, rows_valid = self._tile_rows(tile)
         prob = [Float32(0.0), Float32(0.0)]
-        if self.srelu:
+        if self.with_act:
             _, prob = self._row_probs(ctx.params.prob, ctx.tile_row, row0, rows_valid)
         return TileScalars(prob=prob, bias=self._column_bias(ctx.params.bias, ctx.tCcAcc, tile))
 
@@ -140,14 +146,14 @@ class RaggedGemmSm90(RaggedMGemmSm90):
 
     def epilogue_visit(self, ctx, item, tile, subtile: int) -> None:
         """out = acc; srelu: h = acc (+ bias), and act from h as stored: rounded first,
-        then widened again."""
+        then widened again (the store rounds h as it rounds out)."""
         tRS_rD = ctx.registers[0]
         for v in range(ctx.sub_values):
             tRS_rD[v] = ctx.acc[subtile * ctx.sub_values + v]
-        if self.srelu:
-            if self.with_bias:
-                for v in range(ctx.sub_values):
-                    tRS_rD[v] = tRS_rD[v] + item.bias[self._bias_slot(subtile * ctx.sub_values + v)]
+        if self.with_bias:
+            for v in range(ctx.sub_values):
+                tRS_rD[v] = tRS_rD[v] + item.bias[self._bias_slot(subtile * ctx.sub_values + v)]
+        if self.with_act:
             tRS_rDout = ctx.outputs[0].rounded
             tRS_rDout.store(tRS_rD.load().to(self.out_dtype))
             ctx.rounded_h.store(tRS_rDout.load().to(Float32))
