@@ -88,6 +88,10 @@ class RaggedGemmSm90(RaggedMGemmSm90):
         self.srelu = request.epilogue == "srelu"
         self.with_bias = request.with_bias
         self.with_act = self.srelu and request.with_act
+        # With the FP8 promotion overlapped (two partial-sum buffers) the tile's bias values
+        # held from before the mainloop spill registers (ptxas: 52 bytes, act or not), so
+        # each subtile loads its columns' bias as it adds them.
+        self.bias_per_subtile = self.with_bias and config.overlap_promotion
 
     def operands(self) -> list[KernelOperand]:
         """lhs (m, k), rhs (E, k, n) or (E, n, k), group_sizes, [srelu: prob (m,) f32,
@@ -137,7 +141,8 @@ class RaggedGemmSm90(RaggedMGemmSm90):
         prob = [Float32(0.0), Float32(0.0)]
         if self.with_act:
             _, prob = self._row_probs(ctx.params.prob, ctx.tile_row, row0, rows_valid)
-        return TileScalars(prob=prob, bias=self._column_bias(ctx.params.bias, ctx.tCcAcc, tile))
+        bias = [] if self.bias_per_subtile else self._column_bias(ctx.params.bias, ctx.tCcAcc, tile)
+        return TileScalars(prob=prob, bias=bias)
 
     # Both warpgroups multiply every tile, an expert's last one too (the default
     # `mma_active`): with the idle warpgroup's wgmma skipped, the up-projection was no
@@ -150,7 +155,10 @@ class RaggedGemmSm90(RaggedMGemmSm90):
         tRS_rD = ctx.registers[0]
         for v in range(ctx.sub_values):
             tRS_rD[v] = ctx.acc[subtile * ctx.sub_values + v]
-        if self.with_bias:
+        if self.bias_per_subtile:
+            for v in range(ctx.sub_values):
+                tRS_rD[v] = tRS_rD[v] + self._bias_of(ctx.params.bias, ctx.tCcAcc, tile, subtile * ctx.sub_values + v)
+        elif self.with_bias:
             for v in range(ctx.sub_values):
                 tRS_rD[v] = tRS_rD[v] + item.bias[self._bias_slot(subtile * ctx.sub_values + v)]
         if self.with_act:
@@ -166,6 +174,12 @@ class RaggedGemmSm90(RaggedMGemmSm90):
         """The index in `_column_bias`'s list of accumulator value `value`'s column."""
         return fragment.column_slot(value)
 
+    def _bias_of(self, mBias, tCcAcc, tile, value: int):
+        """The bias of accumulator value `value`'s column (column 0's past n, where nothing
+        is stored)."""
+        column = tile.n_tile * self.tile_n + tCcAcc[value][1]
+        return Float32(mBias[tile.expert, Int32(cutlass.select_(column < self.n, column, Int32(0)))])
+
     def _column_bias(self, mBias, tCcAcc, tile):
         """The bias of every column this thread's accumulator holds (column 0's past n,
         where nothing is stored), loaded before the mainloop so that the loads' latency
@@ -175,10 +189,4 @@ class RaggedGemmSm90(RaggedMGemmSm90):
         benchmarks/results/fine_grained/ at commit 03cb159)."""
         if not self.with_bias:
             return []
-        bias = []
-        for slot in range(cute.size(tCcAcc) // 2):
-            value = slot % 2 + 4 * (slot // 2)
-            column = tile.n_tile * self.tile_n + tCcAcc[value][1]
-            safe_column = Int32(cutlass.select_(column < self.n, column, Int32(0)))
-            bias.append(Float32(mBias[tile.expert, safe_column]))
-        return bias
+        return [self._bias_of(mBias, tCcAcc, tile, slot % 2 + 4 * (slot // 2)) for slot in range(cute.size(tCcAcc) // 2)]
