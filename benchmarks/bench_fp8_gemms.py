@@ -93,7 +93,7 @@ def gemm_functions(gemm):
 
             request = RaggedMatmulRequest(num_experts=rhs.shape[0], k=lhs.shape[1], n=rhs.shape[1], rhs_layout="nk",
                                           operand_dtype=E4M3, out_dtype=BF16, block_scaled=True,
-                                          epilogue="srelu" if srelu else "none", with_bias=srelu, with_act=False)
+                                          epilogue="srelu" if srelu else "none", with_bias=srelu, with_act=not srelu)
             config = dataclasses.replace(ragged_call.choose_config(request), overlap_promotion=overlap_promotion)
             named = dict(lhs=lhs, rhs=rhs, group_sizes=sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale)
             named.update(dict(prob=prob, bias=bias) if srelu else {})
