@@ -165,3 +165,17 @@ def test_every_figure_is_its_records(item):
     for timing in row.timings:
         words, ms = recorded(row, timing)
         assert (words, round(ms, 4)) == (timing.config, timing.ms), (row.shape, row.gemm, timing.entry)
+
+
+def test_the_fp8_up_projection_promotes_as_its_rows_pick():
+    """The FP8 up-projection storing h alone (chosen_now reads the bf16 kernels' rules): at
+    each shape `fp8_up_overlap_min_k` timed, the rules choose the row's first configuration."""
+    from jax_dsrelu.quantization.schema import E4M3
+
+    rows = tuning._BY_NAME["fp8_up_overlap_min_k"].evidence
+    for row in rows:
+        _, d, f, num_experts = row.shape
+        chosen = config.choose_gemm_config(RaggedMatmulRequest(
+            num_experts, d, f, "nk", E4M3, BF16, "srelu", with_bias=True, block_scaled=True, with_act=False))
+        assert tuning.describe(dataclasses.asdict(chosen), False) == row.timings[0].config, row.shape
+    assert {row.timings[0].config.endswith("overlapped") for row in rows} == {True, False}

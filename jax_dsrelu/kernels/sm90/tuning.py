@@ -662,6 +662,27 @@ DECISIONS: tuple[Decision, ...] = (
           T("128x128 k128 ab6 st2 overlapped", 0.5427, "sm90_fp8_overlap"),
           T("128x128 k128 ab6 st2", 0.6009, "sm90_fp8")),
         )),
+    # The FP8 up-projection storing h alone (as the FP8 layer runs it), from bench_fp8_gemms.py at two
+    # commits of the same kernels on one H100: the promotion between the batches (sm90_fp8, the bias of the
+    # tile's columns held from before the mainloop) against beside the next block (sm90_fp8_overlap, the
+    # bias loaded subtile by subtile: held, it spills beside the second partial-sum buffer).
+    Decision("fp8_up_overlap_min_k", 2560, 0.0,
+             "The FP8 up-projection (h alone) promotes each K block beside the next block's wgmma where k is at "
+             "least this, else between the batches: overlapped it took 3-4% less at k = 2688 and 2-3% less at "
+             "4096, and 6% more at k = 2048 (n = 768, 256 experts), where the subtiles' bias loads weigh more "
+             "against fewer K blocks (the plain GEMM, with no bias, gains there too); two rounds, alike. Which "
+             "of k and n decides is not measured apart.",
+             tuple(E(shape, "up", record,
+                     *((T("128x128 k128 ab6 st2 overlapped", overlapped, "sm90_fp8_overlap"),
+                        T("128x128 k128 ab6 st2", waited, "sm90_fp8"))[::1 if shape[1] >= 2560 else -1]))
+                   for record, times in (
+                       ("bench_fp8_gemms_57103cd.json", {(16384, 4096, 2048, 8): (0.2694, 0.2607),
+                                                         (49152, 2688, 1856, 128): (0.6293, 0.6087),
+                                                         (65536, 2048, 768, 256): (0.282, 0.2979)}),
+                       ("bench_fp8_gemms_8a849c0.json", {(16384, 4096, 2048, 8): (0.2743, 0.2668),
+                                                         (49152, 2688, 1856, 128): (0.6311, 0.6083),
+                                                         (65536, 2048, 768, 256): (0.2827, 0.3)}))
+                   for shape, (waited, overlapped) in times.items())),
     # The FP8 contraction's and fused kernel's promotion, from FP8 layer steps of two commits on one H100
     # (`benchmarks/step_ab.sh`, STEP_AB_VARIANTS=sm90_fp8, two rounds each): 447b2b8 promotes between the
     # batches at 128 columns, 17848d6 beside the next batch in a second whole buffer at 64 (at 128 ptxas
