@@ -7,9 +7,8 @@ user would write: dense_mlp (one expert's weights for every row, autodiff), batc
 step's six GEMMs alone on cuBLAS, cublas_dense (the practical ceiling) and cublas_batched; precision.py states
 each. The sm90 results are checked against xla's before they are timed, and the step's kernels set against their
 rooflines (roofline.py). By --variants, the FP8 step: moe_mlp at precision=FP8_BLOCKWISE on xla (xla_fp8, the reference),
-on sm90's FP8 kernels as "auto" runs them (sm90_fp8; sm90_fp8_det: deterministic; sm90_fp8_rows: the GEMMs' rows
-quantized by the unverified row quantizer; sm90_fp8_reused: the weights quantized once outside the step, as across
-micro-steps), cublas_fp8: six e4m3 GEMMs.
+on sm90's FP8 kernels as "auto" runs them (sm90_fp8; sm90_fp8_det: deterministic; sm90_fp8_reused: the weights
+quantized once outside the step, as across micro-steps), cublas_fp8: six e4m3 GEMMs.
 
     python benchmarks/bench_layer.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
     JAX_DSRELU_KERNEL_CACHE=.kernels/cache python benchmarks/bench_layer.py --prebuild
@@ -34,18 +33,16 @@ from bench_gemms import activation
 from harness import BF16, group_sizes_for, operand_shapes
 
 import jax_dsrelu
-from jax_dsrelu.kernels.sm90 import backend as sm90_backend
 from jax_dsrelu.quantization.schema import E4M3, FP8_BLOCKWISE
 
 VARIANTS = ("xla", "sm90", "sm90_det", "dense_mlp", "batched_mlp", "cublas_dense", "cublas_batched")
-FP8_VARIANTS = ("xla_fp8", "sm90_fp8", "sm90_fp8_det", "sm90_fp8_rows", "sm90_fp8_reused", "cublas_fp8")
+FP8_VARIANTS = ("xla_fp8", "sm90_fp8", "sm90_fp8_det", "sm90_fp8_reused", "cublas_fp8")
 # Variants that compute something else than moe_mlp: timed, not checked against it.
 BASELINES = ("dense_mlp", "batched_mlp", "cublas_dense", "cublas_batched", "cublas_fp8")
 # The variants through moe_mlp, which a prebuild lowers (xla compiles no kernel, but tests the path).
 LAYER_VARIANTS = ("xla", "sm90", "sm90_det", *(v for v in FP8_VARIANTS if v not in BASELINES))
 # Each one's check, against the XLA backend in its precision.
 REFERENCE = {"sm90": "xla", "sm90_det": "xla", **{v: "xla_fp8" for v in LAYER_VARIANTS if v.startswith("sm90_fp8")}}
-UNVERIFIED = {"sm90_fp8_rows": ("fp8_rows",)}  # the unverified kinds a variant runs
 MODES = ("step", "forward")
 FLOPS_PER_MDF = {"step": 12.0, "forward": 4.0}
 GRADIENTS = ("x", "w1", "w2", "prob", "b1")  # moe_mlp's differentiable operands, in order
@@ -166,11 +163,10 @@ def run_variant(variant, mode, operands, reference, reps, clock, flops) -> tuple
     if variant not in BASELINES:
         fn = functools.partial(lambda fn, *args: flatten(fn(*args), mode), fn)
     ours = variant in REFERENCE
-    with sm90_backend.unverified_enabled(*UNVERIFIED.get(variant, ()), on=variant in UNVERIFIED):
-        entry, outputs = harness.measure(
-            fn, tuple(operands[name] for name in names), reps, clock,
-            check=functools.partial(compare, reference=reference) if ours and reference else None,
-            flops=flops, compiler_options=harness.CUBLAS_ONLY if variant.startswith("cublas") else None)
+    entry, outputs = harness.measure(
+        fn, tuple(operands[name] for name in names), reps, clock,
+        check=functools.partial(compare, reference=reference) if ours and reference else None,
+        flops=flops, compiler_options=harness.CUBLAS_ONLY if variant.startswith("cublas") else None)
     if ours and reference is None:  # recorded rather than dropped
         entry["check"] = f"not checked: {REFERENCE[variant]}, its reference, did not run or failed at this shape"
     return entry, outputs
@@ -181,8 +177,7 @@ def prebuild(shapes, variants, modes) -> None:
     built = [v for v in variants if v in LAYER_VARIANTS and v != "sm90_fp8_reused"]  # whose kernels are sm90_fp8's
     for shape, variant, mode in itertools.product(shapes, built, modes):
         fn, names = computation(variant, mode)
-        with sm90_backend.unverified_enabled(*UNVERIFIED.get(variant, ()), on=variant in UNVERIFIED):
-            harness.lower_for_cuda(f"bench_layer {variant} {mode} {shape}", fn, *(operand_shapes(*shape)[n] for n in names))
+        harness.lower_for_cuda(f"bench_layer {variant} {mode} {shape}", fn, *(operand_shapes(*shape)[n] for n in names))
 
 
 def plot(rows, path, title):

@@ -120,7 +120,7 @@ NUMBERED = {
     "bench_fp8_gemms": lambda: [functools.partial(importlib.import_module("bench_fp8_gemms").main, ["--prebuild"])],
     "bench_gemms": lambda: [functools.partial(bench_gemms.prebuild, [shape], bench_gemms.GEMMS, OURS, harness.BF16)
                             for shape in harness.SHAPES],
-    "bench_layer": lambda: [functools.partial(bench_layer.prebuild, [shape], OURS + ("sm90_fp8", "sm90_fp8_rows"), bench_layer.MODES)
+    "bench_layer": lambda: [functools.partial(bench_layer.prebuild, [shape], OURS + ("sm90_fp8",), bench_layer.MODES)
                             for shape in harness.SHAPES],
     "bench_moe_block": lambda: [functools.partial(bench_moe_block.prebuild, [block], bench_moe_block.KERNEL_VARIANTS)
                                 for block in bench_moe_block.BLOCKS.values()],

@@ -331,7 +331,8 @@ def test_moe_mlp_in_fp8_runs_every_gemm_on_the_fp8_kernels():
     (h alone), down, dx, fused dsReLU, dW1 and dW2 GEMMs are the FP8 kernels' custom calls, dW1's and
     dW2's operands quantized straight into their K-major copies by the quantizing pass, and
     the weights quantized by their pass (w1 and w2 in the forward and again in the
-    backward, which XLA's CSE merges when it compiles)."""
+    backward, which XLA's CSE merges when it compiles), and the GEMMs' rows (x, act, dy,
+    dh) by the rows' pass."""
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     from unittest import mock
 
@@ -350,23 +351,23 @@ def test_moe_mlp_in_fp8_runs_every_gemm_on_the_fp8_kernels():
 
     def lowered():
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        # Every unverified kind but the row quantizer's, whatever the environment names.
-        with (backend.unverified_enabled("gathered", "gather_sum"),
+        # Every unverified kind, whatever the environment names.
+        with (backend.unverified_enabled(),
               mock.patch.object(registry, "cuda_compute_capability", lambda: (9, 0))):
             return grad.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
 
     def kernel_calls(text):
-        """(GEMMs, K-major quantizing passes, weight passes) by the kernel's name in the
-        object code each call carries."""
+        """(GEMMs, K-major quantizing passes, weight passes, row quantizing passes) by the
+        kernel's name in the object code each call carries."""
         calls = [line for line in text.splitlines() if "custom_call @CuteDSLRT" in line]
         named = [[line for line in calls if any(n in line for n in names)] for names in
                  (("BlockScaledRaggedGemm", "BlockScaledDsrelu", "BlockScaledContract"), ("KMajorQuantize",),
-                  ("BlockQuantizeSm90",))]
+                  ("BlockQuantizeSm90",), ("RowQuantizeSm90",))]
         assert sum(map(len, named)) == len(calls), calls
         return tuple(map(len, named))
 
     text = lowered()
-    assert kernel_calls(text) == (6, 4, 4)
+    assert kernel_calls(text) == (6, 4, 4, 4)
     # The up-projection stores h alone: act is formed and quantized where the down GEMM reads it.
     results = [line.split("->")[-1] for line in text.splitlines()
                if "custom_call @CuteDSLRT" in line and "BlockScaledRaggedGemm" in line]

@@ -1,14 +1,13 @@
 """Activation rows quantized for the FP8 GEMMs' A operands by one pass on Hopper
 (`kernels/sm90/row_quantize_kernel.py`, through `row_quantize.quantize_rows_by_kernel`):
 `quantization.blockwise.quantize_blockwise` in 1 x 128 blocks along each row; and the FP8
-step, which quantizes its rows on it where the "fp8_rows" kind is enabled.
+step, which quantizes its rows on it (the "fp8_rows" kind, verified on an H100).
 
 CPU: the kernel refuses what it cannot take, naming it. Compile tier: compiles for sm_90a
 with IEEE division, the saturating e4m3 conversion, 16-byte loads, half-warp shuffles and no
 local memory; lowers to one call binding its buffers in their declared order; the FP8 step
 as lowered for Hopper quantizes its rows on it (x, act, dy, dh: four calls, and a loop under
-vmap) only where the kind is enabled. GPU tier (the plain pass's run on an H100, the
-squared-ReLU form's not yet on a Hopper card): the kernel
+vmap), with no switch. GPU tier (both forms run on an H100): the kernel
 against the recipe's NumPy oracle, byte for byte but for a NaN's sign, values and scales,
 into outputs poisoned two ways, on a partial last block, a block count that leaves a CTA
 part empty, one row, Nano's widths, NaN, infinity and zero blocks and values among e4m3's
@@ -129,14 +128,18 @@ def test_the_row_quantizer_refuses_what_it_cannot_take():
                                              prob=jax.ShapeDtypeStruct((3,), jnp.float32))
 
 
-def test_the_fp8_step_refuses_the_row_quantizer_until_it_is_enabled():
+def test_the_row_quantizer_serves_the_fp8_step_whatever_the_switch_names():
+    """Verified on a Hopper card (it left UNVERIFIED_KINDS): no switch needed, and a switch
+    that still names it, as set while it was unverified, is accepted."""
+    from unittest import mock
+
     from jax_dsrelu.kernels.sm90 import backend
 
     request = RowQuantizeRequest(2688, np.dtype(jnp.bfloat16))
-    with backend.unverified_enabled("gathered", "gather_sum"):  # every other kind, whatever the environment names
-        assert "fp8_rows" in backend.cannot_implement(request)
-    with backend.unverified_enabled("fp8_rows"):
+    with backend.unverified_enabled("gathered", "gather_sum"):  # the switch names neither the kind nor nothing
         assert backend.cannot_implement(request) is None
+    with mock.patch.dict(os.environ, {backend.UNVERIFIED_VARIABLE: "fp8_rows"}):
+        assert backend.enabled("fp8_rows") and backend.cannot_implement(request) is None
 
 
 def prebuild_copy_jobs():
@@ -206,9 +209,9 @@ def test_the_row_quantizer_lowers_to_one_call_binding_its_buffers_in_order():
     assert unbound_buffers(plan, {"m": m}, text) == []
 
 
-def _fp8_step_text(kinds, batched=False) -> str:
-    """The FP8 moe_mlp step (value and grad in x, w1, w2) under "auto" as lowered for Hopper,
-    with the unverified kinds `kinds` enabled: its StableHLO text."""
+def _fp8_step_text(batched=False) -> str:
+    """The FP8 moe_mlp step (value and grad in x, w1, w2) under "auto" as lowered for Hopper:
+    its StableHLO text."""
     from unittest import mock
 
     import jax_dsrelu
@@ -227,29 +230,36 @@ def _fp8_step_text(kinds, batched=False) -> str:
     if batched:
         step = jax.vmap(step, in_axes=(0, None, None, None))
         shapes[0] = jax.ShapeDtypeStruct((2, m, d), jnp.bfloat16)
-    # No kinds: every unverified kind but the row quantizer's, whatever the environment names.
-    with (backend.unverified_enabled(*(kinds or ("gathered", "gather_sum"))),
+    # Every unverified kind enabled, whatever the environment names: the step reads no row through an index.
+    with (backend.unverified_enabled(),
           mock.patch.object(registry, "cuda_compute_capability", lambda: (9, 0))):
         return jax.jit(step).trace(*shapes, sizes).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.compile
-def test_the_fp8_step_quantizes_its_rows_on_the_kernel_only_where_enabled():
-    """Enabled, the step's four row quantizations (x for up, act for down, dy for the fused
-    kernel, dh for dx) are the kernel's calls, one each, and under vmap each sits in a loop;
-    else XLA's quantizer makes them and no call of the kernel is in the program."""
+def test_the_fp8_step_quantizes_its_rows_on_the_kernel():
+    """The step's four row quantizations (x for up, act for down, dy for the fused kernel,
+    dh for dx) are the kernel's calls, one each, act's the squared-ReLU form that reads h
+    and prob (no float32 act between them), and under vmap each of a batched operand sits
+    in a loop of its own."""
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
-    def row_calls(text):
-        return sum("custom_call @CuteDSLRT" in line and "RowQuantizeSm90" in line for line in text.splitlines())
 
-    assert row_calls(_fp8_step_text(("fp8_rows",))) == 4
-    # act's is the squared-ReLU form, which reads h and prob: no float32 act between them.
-    text = _fp8_step_text(("fp8_rows",))
-    assert sum("SquaredReluRowQuantizeSm90" in line for line in text.splitlines() if "custom_call" in line) == 1
-    assert row_calls(_fp8_step_text(())) == 0
-    # Under vmap each call is a loop of its own, beside the loops the GEMMs' primitives make.
-    batched, without = (_fp8_step_text(kinds, batched=True) for kinds in (("fp8_rows",), ()))
-    assert row_calls(batched) == 4 and batched.count("stablehlo.while") > without.count("stablehlo.while")
+    def calls(text, name):
+        return sum("custom_call @CuteDSLRT" in line and name in line for line in text.splitlines())
+
+    from unittest import mock
+
+    from jax_dsrelu.kernels.sm90 import row_quantize
+
+    text, batched = _fp8_step_text(), _fp8_step_text(batched=True)
+    assert calls(text, "RowQuantizeSm90") == 4 and calls(text, "SquaredReluRowQuantizeSm90") == 1
+    assert calls(batched, "RowQuantizeSm90") == 4
+    # Each call of a batched operand a loop of its own under vmap, beside the loops of the step
+    # on XLA's quantizer: x's, act's and dh's (dy, the cotangent of a sum, is every member's).
+    with mock.patch.object(row_quantize, "cannot_quantize_rows", lambda request: "refused here"):
+        on_xla = _fp8_step_text(batched=True)
+    assert calls(on_xla, "RowQuantizeSm90") == 0
+    assert batched.count("stablehlo.while") - on_xla.count("stablehlo.while") == 3
 
 
 # ---------------------------------------------------------------------------- GPU tier

@@ -130,8 +130,8 @@ def _quantize_source_rows(a: jax.Array, recipe: Recipe, backend: str,
     """`blockwise.quantize_blockwise(a, recipe.activations)` of rows a (m, k), or given prob
     (m,) of the activation `squared_relu(a, prob)` of pre-activation rows a: on a kernel
     where `backend` finds one that serves (on Hopper, one pass over the rows that forms
-    the activation as it reads them: `kernels/sm90/row_quantize_kernel.py`, while
-    unverified only where enabled), else XLA's quantizer. On a GPU the two may differ by a
+    the activation as it reads them: `kernels/sm90/row_quantize_kernel.py`), else XLA's
+    quantizer. On a GPU the two may differ by a
     step of e4m3 where XLA's float32 division is not IEEE's (`quantization.blockwise`)."""
     operands = (a,) if prob is None else (a, prob)
 
@@ -142,7 +142,7 @@ def _quantize_source_rows(a: jax.Array, recipe: Recipe, backend: str,
         return by_xla(*operands)
     request = row_quantize_request(a, prob)
     name, implementation = registry.cuda_implementation(backend, request)
-    # An explicit backend's implementation comes without its refusals (an unverified kind's among them).
+    # An explicit backend's implementation comes without its refusals (the kernel's limits).
     if implementation is None or registry.kernel_backend(name).cannot_implement(request) is not None:
         return by_xla(*operands)
 

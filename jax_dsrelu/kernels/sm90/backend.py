@@ -3,8 +3,8 @@
 Kernels not yet verified on the hardware they claim are compiled and lowered, but
 no call uses them unless the environment variable `UNVERIFIED_VARIABLE` names their kind
 (comma-separated), which the Hopper run that checks them sets: until then the primitives
-gather rows themselves and run the verified kernels, the gather-and-sum runs on XLA, and
-the FP8 step quantizes its rows on XLA. A kind leaves `UNVERIFIED_KINDS` once such a run
+gather rows themselves and run the verified kernels, and the gather-and-sum runs on XLA.
+A kind leaves `UNVERIFIED_KINDS` once such a run
 has checked it and timed it faster than what `backend="auto"` runs in its place; the
 variable may still name it (`VERIFIED_KINDS`), to no effect.
 """
@@ -46,13 +46,6 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 #                 bit for bit XLA's sequential sum, no memcheck error or racecheck hazard,
 #                 and, in the block records, faster than XLA's fused gather-and-sum at
 #                 one block of three and slower at two.
-#   "fp8_rows"    the FP8 GEMMs' A operands quantized in one pass over the rows
-#                 (`row_quantize_kernel.py`, a `RowQuantizeRequest`), instead of XLA's
-#                 quantizer, which reads them twice. Run on an H100 at a6916f6: its GPU
-#                 tier passed (8 cases), memcheck and racecheck clean, but the step on it
-#                 was 1.5-2.2% slower than on XLA's quantizer, which formed act inside its
-#                 own fusions. Its squared-ReLU form (e34f327: act formed from h and prob as
-#                 the pass reads them) is compiled and tested on the CPU; no GPU has run it.
 # The expert weights' quantizing pass (`block_quantize_kernel.py`, a `WeightQuantizeRequest`)
 # left this list at 5aa3437: on an H100 its GPU tier passed (the recipe's oracle byte for
 # byte, both layouts, into poisoned outputs), memcheck and racecheck were clean, and the FP8
@@ -76,10 +69,21 @@ UNVERIFIED_VARIABLE = "JAX_DSRELU_SM90_UNVERIFIED"
 # H100 at 895e92c, bench_layer_fp8.json.gz in git at fac393b); at 8554063 the FP8 step on
 # them took 3.00 and 8.77 ms, still 1.26x and 1.47x the bf16 step's time
 # (docs/fp8-kernels.md).
-UNVERIFIED_KINDS = ("gathered", "gather_sum", "fp8_rows")
+# The rows' quantizing pass (kind "fp8_rows": `row_quantize_kernel.py`, a `RowQuantizeRequest`;
+# the FP8 GEMMs' A operands x, act, dy and dh quantized in one pass over the rows, act formed
+# from h and prob as the pass reads them) left it at 57103cd. On an H100 its GPU tier passed
+# (12 cases: the recipe's oracle byte for byte into poisoned outputs, the squared-ReLU form
+# with negative, NaN and infinite h, a NaN prob and an overflowing square), memcheck and
+# racecheck were clean (the squared-ReLU form's first run, 4 cases; the plain form, 2, and
+# 7 at a6916f6), and the FP8 step on it took 2.82 and 8.37 ms against 2.96 and 8.64 with
+# XLA's quantizer (bench_layer_fp8.json.gz at 57103cd: sm90_fp8_rows against sm90_fp8). Each
+# byte and scale has one writer and the maxima are exact in any order. Before its
+# squared-ReLU form (a6916f6) the step on it was 1.5-2.2% slower: XLA wrote the float32 act
+# for it to read.
+UNVERIFIED_KINDS = ("gathered", "gather_sum")
 # Kinds that left the list: the variable may name them (as it was set while they were
 # on it) without an error; "auto" runs them whether named or not.
-VERIFIED_KINDS = ("fp8", "fp8_quantize")
+VERIFIED_KINDS = ("fp8", "fp8_quantize", "fp8_rows")
 # The operands of each request kind that the "gathered" kernels read through an index.
 _GATHERED_OPERANDS = {
     Request: frozenset({"grad"}),
@@ -146,9 +150,6 @@ def cannot_implement(request: AnyRequest) -> str | None:
     if isinstance(request, RowQuantizeRequest):
         from jax_dsrelu.kernels.sm90 import row_quantize
 
-        if not enabled("fp8_rows"):
-            return (f"the sm90 row quantizer is not verified on a Hopper card (set {UNVERIFIED_VARIABLE}=fp8_rows "
-                    f"to use it)")
         return row_quantize.cannot_quantize_rows(request)
     if isinstance(request, GatherSumRequest):
         if not enabled("gather_sum"):
