@@ -654,7 +654,8 @@ DECISIONS: tuple[Decision, ...] = (
     Decision("fp8_overlap_promotion", True, 0.0,
              "The plain FP8 GEMM promotes each K block beside the next block's wgmma, in two partial-sum "
              "buffers: less time than promoting between batches at both shapes measured (the up-projection's "
-             "squared-ReLU epilogue with its bias keeps one buffer: with two it spills registers).", (
+             "squared-ReLU epilogue storing act beside h keeps one buffer: with two it spills registers; storing h "
+             "alone, see fp8_up_overlap_min_k).", (
         E((16384, 4096, 2048, 8), "down", "bench_fp8_gemms_e834a7c.json",
           T("128x128 k128 ab6 st2 overlapped", 0.2387, "sm90_fp8_overlap"),
           T("128x128 k128 ab6 st2", 0.2587, "sm90_fp8")),
