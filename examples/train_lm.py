@@ -16,6 +16,8 @@ AdamW under `nnx.jit`, with the load-balancing and router z-losses added to the 
         # by the step's load (auxiliary-loss-free balancing), a shared expert, a latent width
     python examples/train_lm.py --fp8                 # the experts' GEMMs on FP8 operands
         # (DeepSeek-V3's blockwise recipe, docs/fp8.md); the parameters stay in float32
+    python examples/train_lm.py --fp8 --micro-batches 4   # gradient accumulation: the
+        # experts' weights quantized once a step, every micro-batch reading those copies
 
 It prints a progress bar, tokens per second, the training and held-out losses, a short
 sample of generated text, and draws the loss curves into a PNG (--plot; needs matplotlib).
@@ -100,9 +102,9 @@ class Block(nnx.Module):
             rngs=rngs,
         )
 
-    def __call__(self, x):
+    def __call__(self, x, quantized_weights=None):
         x = x + self.attention(self.attention_norm(x)).astype(x.dtype)
-        y, aux = self.moe(self.moe_norm(x), return_aux=True)
+        y, aux = self.moe(self.moe_norm(x), return_aux=True, quantized_weights=quantized_weights)
         return x + y, aux
 
 
@@ -113,7 +115,8 @@ class LanguageModel(nnx.Module):
         self.blocks = nnx.List([Block(args, rngs) for _ in range(args.layers)])
         self.norm = nnx.RMSNorm(args.d_model, rngs=rngs)
 
-    def __call__(self, tokens):  # (B, S) int32 -> logits (B, S, VOCAB) float32, (aux losses, loads)
+    def __call__(self, tokens, quantized=None):  # (B, S) int32 -> logits (B, S, VOCAB) float32, (aux losses, loads)
+        """quantized: each block's `MoE.quantize_weights()`, or None (each block quantizes its own)."""
         # The lookup as a one-hot matmul: a table lookup's gradient adds every token's row
         # into the table with a scatter-add, which XLA runs on a GPU with atomics in an
         # order that varies from run to run; a matmul's gradient is a GEMM, summed in a
@@ -122,8 +125,8 @@ class LanguageModel(nnx.Module):
         embedded = jnp.matmul(one_hot, self.embed.embedding[...], precision=jax.lax.Precision.HIGHEST)
         x = embedded + self.position[...][: tokens.shape[1]]
         load_balancing, z_loss, group_sizes = 0.0, 0.0, []
-        for block in self.blocks:
-            x, aux = block(x)
+        for block, quantized_weights in zip(self.blocks, quantized or [None] * len(self.blocks)):
+            x, aux = block(x, quantized_weights)
             load_balancing += aux.load_balancing_loss
             z_loss += aux.router_z_loss
             group_sizes.append(aux.group_sizes)
@@ -131,12 +134,39 @@ class LanguageModel(nnx.Module):
         return self.embed.attend(self.norm(x)).astype(jnp.float32), (load_balancing, z_loss, group_sizes)
 
 
-def loss_fn(model, tokens, targets, args):
-    """(total loss, (cross-entropy in nats per byte, each block's expert loads (E,)))."""
-    logits, (load_balancing, z_loss, group_sizes) = model(tokens)
+def loss_fn(model, tokens, targets, args, quantized=None):
+    """(total loss, (cross-entropy in nats per byte, each block's expert loads (E,)));
+    quantized: as `LanguageModel` takes it."""
+    logits, (load_balancing, z_loss, group_sizes) = model(tokens, quantized)
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
     total = cross_entropy + args.aux_weight * load_balancing + args.z_weight * z_loss
     return total, (cross_entropy, group_sizes)
+
+
+def accumulated_gradients(model, tokens, targets, args, quantized=None):
+    """(cross-entropy, each block's expert loads, gradients) of the batch in
+    args.micro_batches equal parts, one after another: the parts' gradients and loads
+    summed in order (a fixed order, so --deterministic holds), the losses and gradients
+    divided by the count. quantized: as `LanguageModel` takes it, read by every part."""
+    cross_entropy, loads, grads = 0.0, None, None
+    for part_tokens, part_targets in zip(jnp.split(tokens, args.micro_batches), jnp.split(targets, args.micro_batches)):
+        (_, (part_entropy, part_loads)), part_grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+            model, part_tokens, part_targets, args, quantized)
+        cross_entropy += part_entropy
+        loads = part_loads if loads is None else [a + b for a, b in zip(loads, part_loads)]
+        grads = part_grads if grads is None else jax.tree.map(jnp.add, grads, part_grads)
+    count = args.micro_batches
+    return cross_entropy / count, loads, jax.tree.map(lambda g: g / count, grads)
+
+
+def quantized_experts(model, args):
+    """Each block's routed experts' weights quantized once for a step's micro-batches
+    (`MoE.quantize_weights`): they do not change between the parts, so every part reads
+    the same FP8 copies and the gradients are those of quantizing in each part, bit for
+    bit. None without --fp8 or with one micro-batch (the step quantizes them itself)."""
+    if not args.fp8 or args.micro_batches == 1:
+        return None
+    return [block.moe.quantize_weights() for block in model.blocks]
 
 
 def batches(data: np.ndarray, rng: np.random.Generator, batch: int, length: int):
@@ -225,6 +255,8 @@ def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--micro-batches", type=int, default=1,
+                        help="gradient accumulation: each step's batch in this many parts (dividing --batch)")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--d-model", type=int, default=64)
@@ -260,6 +292,8 @@ def arguments() -> argparse.Namespace:
     args = parser.parse_args()
     if args.d_model % args.heads:
         parser.error(f"--d-model={args.d_model} must be a multiple of --heads={args.heads}")
+    if args.micro_batches < 1 or args.batch % args.micro_batches:
+        parser.error(f"--micro-batches={args.micro_batches} must be positive and divide --batch={args.batch}")
     return args
 
 
@@ -293,9 +327,13 @@ def main() -> None:
 
     @nnx.jit
     def train_step(model, optimizer, tokens, targets):
-        (_, (cross_entropy, group_sizes)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
-            model, tokens, targets, args
-        )
+        if args.micro_batches == 1:
+            (_, (cross_entropy, group_sizes)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+                model, tokens, targets, args
+            )
+        else:
+            cross_entropy, group_sizes, grads = accumulated_gradients(
+                model, tokens, targets, args, quantized_experts(model, args))
         optimizer.update(model, grads)
         if args.router == "sigmoid":
             # Auxiliary-loss-free balancing: the step's loads over all of its tokens (one

@@ -59,11 +59,12 @@ def test_language_model_learns_and_plots_and_learns_as_well_with_fp8_experts(tmp
 
 @pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="needs Flax (pip install 'jax-dsrelu[examples]')")
 def test_language_model_with_nemotron_style_blocks_learns_and_moves_the_bias(tmp_path):
+    """Its steps in two micro-batches, whose expert loads are summed for the bias update."""
     out = run_example(
         "train_lm.py", "--steps", "40", "--batch", "8", "--seq-len", "32", "--eval-every", "20", "--sample", "0",
         "--plot", "", "--router", "sigmoid", "--normalize", "--routed-scale", "2.5", "--experts", "8", "--top-k", "3",
         "--num-groups", "4", "--top-groups", "2", "--shared-d-ff", "64", "--latent-dim", "32", "--bias-rate", "1e-2",
-        cwd=tmp_path,
+        "--micro-batches", "2", cwd=tmp_path,
     )
     start, end = map(float, re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert start > 5.0 and end < 3.5, out
@@ -103,3 +104,37 @@ def test_language_model_gradient_adds_no_two_tokens_into_one_place(monkeypatch, 
     shapes = list(scatter_adds(jax.make_jaxpr(jax.grad(loss))(state, tokens).jaxpr))
     assert shapes, "the cross-entropy's label pick was expected as a scatter-add: has the check gone blind?"
     assert all(shape[:2] == tokens.shape for shape in shapes), shapes
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="needs Flax (pip install 'jax-dsrelu[examples]')")
+def test_language_model_micro_batches_read_the_weights_quantized_once(monkeypatch):
+    """--fp8 --micro-batches 2: the experts' weights quantized once for the step and read by
+    both parts give the gradients of each part quantizing its own, bit for bit, and those
+    are the mean of the two parts' gradients, each part's own (neither alone)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.setattr(sys, "argv", ["train_lm.py", "--fp8", "--micro-batches", "2", "--batch", "4", "--seq-len", "16",
+                                      "--d-model", "32", "--d-ff", "64", "--deterministic"])
+    import train_lm
+
+    args = train_lm.arguments()
+    model = train_lm.LanguageModel(args, nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, train_lm.VOCAB, (args.batch, args.seq_len)), jnp.int32)
+    targets = jnp.roll(tokens, -1, axis=1)
+
+    @nnx.jit
+    def gradients(model, tokens, targets):
+        def part(rows):
+            return nnx.grad(train_lm.loss_fn, has_aux=True)(model, tokens[rows], targets[rows], args)
+        once = train_lm.accumulated_gradients(model, tokens, targets, args, train_lm.quantized_experts(model, args))
+        each = train_lm.accumulated_gradients(model, tokens, targets, args)
+        return once[2], each[2], part(slice(0, 2)), part(slice(2, 4))
+
+    once, each, first, second = (jax.tree.leaves(g) for g in gradients(model, tokens, targets))
+    assert all(np.array_equal(a, b) for a, b in zip(once, each))
+    assert all(np.array_equal(a, (b + c) / 2) for a, b, c in zip(once, second, first))
+    assert not all(np.array_equal(a, b) for a, b in zip(once, first))
