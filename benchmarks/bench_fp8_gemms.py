@@ -4,7 +4,7 @@ At each layer shape (m, d, f, E), on one set of inputs: up (h = x W1[e] + b1[e],
 act = srelu(h) beside it in bf16, h alone in FP8, as the layers run them) and down (act W2[e], K =
 f, N = d, as dx = dh W1[e]^T), each by sm90 (ours, bf16), sm90_fp8 (ours on FP8_BLOCKWISE operands
 quantized beforehand), sm90_fp8_between and sm90_fp8_overlap (sm90_fp8 with each K block promoted
-between the wgmma batches, or beside the next block's, whichever the rules choose),
+between the wgmma batches, or beside the next block's, forced whatever the rules choose),
 quantize (quantize_blockwise of the rows, which the step pays where no epilogue writes them
 quantized), cublas_bf16, cublas_fp8 (XLA's dot of scaled e4m3 operands, which its GEMM rewriter
 hands cuBLASLt: `hlo_fp8_call` says whether the compiled HLO holds that call) and torch_fp8

@@ -4,9 +4,9 @@ A kernel's roofline is max(its FLOPs at the dense cuBLAS rate, its bytes at a de
 cublas_dense (cublas_fp8 for the FP8 step) reaches on the step's six GEMMs, and what an elementwise kernel reading and
 writing a large bf16 array reaches (`copy_rate`), both timed in the kernels' run. Bytes: every operand read and every
 output written once, all E experts' weights, at the rows the experts own (m less the rows token rounding cut). FLOPs:
-2 m d f a GEMM. FP8_BLOCKWISE: e4m3 operands, a float32 scale per 128 along K; h, y, dx, dW bf16; dsrelu writes dh
-along f and, like act, along the rows; x, dy (both ways) and the weights (two layouts) are quantized by no GEMM:
-those "quantize" bytes, at the copy's rate, are in the step's floor.
+2 m d f a GEMM. FP8_BLOCKWISE, the design's floor: e4m3 operands, a float32 scale per 128 along K; h, y, dx, dW bf16;
+up writes act quantized (today h alone, act by the rows' pass); dsrelu writes dh along f and, like act, along the rows;
+x, dy (both ways) and the weights (two layouts) are quantized by no GEMM: those bytes, at the copy's rate, are in the floor.
 """
 
 from __future__ import annotations

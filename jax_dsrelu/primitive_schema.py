@@ -61,7 +61,12 @@ class Field:
             return True
         # A row index is optional by nature: a call that does not name its flag reads
         # the operand's rows in place.
-        return bool(params.get(self.present_if, False) if self.gathers else params[self.present_if])
+        if self.gathers:
+            return bool(params.get(self.present_if, False))
+        if self.present_if not in params:
+            raise ValueError(f"{self.name!r} is present where the static parameter {self.present_if!r} is True, "
+                             f"but the call's parameters {sorted(params)} do not name it")
+        return bool(params[self.present_if])
 
     def gathered(self, params: Mapping[str, Any]) -> bool:
         return self.gathered_if is not None and bool(params.get(self.gathered_if, False))

@@ -254,6 +254,8 @@ def pinned_cases() -> list[Case]:
              sm90_config.GemmConfig(tile_n=128, ab_stages=6, operand_bytes=1, **fp8_tiles)),
         Case("fp8/matmul/up_bias_h_alone", fp8_matmul(8, 528, 320, "srelu", with_act=False),
              sm90_config.GemmConfig(tile_n=128, ab_stages=6, operand_bytes=1, **fp8_tiles)),
+        Case("fp8/matmul/up_bias_h_alone_overlapped", fp8_matmul(8, 528, 320, "srelu", with_act=False),
+             sm90_config.GemmConfig(tile_n=128, ab_stages=6, operand_bytes=1, overlap_promotion=True, **fp8_tiles)),
         Case("fp8/dsrelu/deterministic", fp8_dsrelu(528, 320, 8),
              sm90_config.TileConfig(tile_n=128, ab_stages=3, preact_stages=4, operand_bytes=1, **fp8_tiles)),
         # The weight gradients' FP8 contraction.

@@ -139,7 +139,7 @@ def cases():
             (lambda x, w, g, p, b: ragged_matmul_srelu(x, w, g, p, b, rhs_layout="nk", out_dtype=BF16, backend="sm90"),
              (a["x"], a["w_nk"], a["sizes"], a["prob"], a["bias"])),
             ragged_call.operands(matmul_request("srelu", True)), {ROWS: M}, schema.RAGGED_MATMUL_SRELU,
-            dict(rhs_layout="nk", out_dtype=BF16, with_bias=True, block_scaled=False),
+            dict(rhs_layout="nk", out_dtype=BF16, with_bias=True, block_scaled=False, with_act=True),
         ),
         "ragged_contract": (
             (lambda x, h, g: ragged_contract(x, h, g, out_dtype=F32, backend="sm90"), (a["x"], a["h"], a["sizes"])),

@@ -40,7 +40,7 @@ def test_layout_parameter_orders_the_rhs_dimensions():
 
 def test_an_absent_bias_is_no_argument():
     s = schema.RAGGED_MATMUL_SRELU
-    params = dict(rhs_layout="kn", out_dtype=np.float32, with_bias=False, block_scaled=False)
+    params = dict(rhs_layout="kn", out_dtype=np.float32, with_bias=False, block_scaled=False, with_act=True)
     assert s.call_arguments(["x", "w", "g", "p"], params) == dict(lhs="x", rhs="w", group_sizes="g", prob="p")
     with pytest.raises(ValueError, match=r"operands \['prob'\] are required"):
         s.bound_operands(dict(lhs=1, rhs=2, group_sizes=3, bias=None), params)
@@ -62,3 +62,9 @@ def test_results_are_taken_by_name_and_checked_against_abstract_evaluation():
     swapped = dict(arrays, dprob=arrays["amax"], amax=arrays["dprob"])
     with pytest.raises(ValueError, match=r"returned dprob of shape \(3,\) and dtype float32; expected \(10,\)"):
         s.ordered_results(swapped, operand_shapes, params, "a test")
+
+
+def test_a_missing_presence_flag_is_named():
+    params = dict(rhs_layout="kn", out_dtype=np.float32, with_bias=False, block_scaled=False)  # no with_act
+    with pytest.raises(ValueError, match=r"'act' is present where the static parameter 'with_act' is True"):
+        schema.RAGGED_MATMUL_SRELU.result_fields(params)

@@ -136,10 +136,12 @@ def test_the_row_quantizer_serves_the_fp8_step_whatever_the_switch_names():
     from jax_dsrelu.kernels.sm90 import backend
 
     request = RowQuantizeRequest(2688, np.dtype(jnp.bfloat16))
-    with backend.unverified_enabled("gathered", "gather_sum"):  # the switch names neither the kind nor nothing
+    assert "fp8_rows" in backend.VERIFIED_KINDS and "fp8_rows" not in backend.UNVERIFIED_KINDS
+    with backend.unverified_enabled("gathered", "gather_sum"):  # the switch names the other kinds, not this one
         assert backend.cannot_implement(request) is None
     with mock.patch.dict(os.environ, {backend.UNVERIFIED_VARIABLE: "fp8_rows"}):
-        assert backend.enabled("fp8_rows") and backend.cannot_implement(request) is None
+        # Read and accepted (an unknown name raises), enabling no unverified kind.
+        assert not backend.enabled("gathered") and backend.cannot_implement(request) is None
 
 
 def prebuild_copy_jobs():

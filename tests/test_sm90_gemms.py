@@ -230,6 +230,7 @@ def prebuild_requests():
         dtypes = (BF16, FP16) if name in FP16_GROUPINGS else (BF16,)
         for dtype in dtypes:
             built += [matmul_request(shape, variant, dtype) for variant in MATMUL_VARIANTS]
+            built += [dataclasses.replace(matmul_request(shape, "up_srelu_bias", dtype), with_act=False)]
             built += [contract_request(shape, F32, dtype), contract_request(shape, dtype, dtype)]
     chosen = [(request, None, True) for request in sorted(set(built), key=repr)] + [
         (contract_request(GROUPINGS[name][0], F32), None, False) for name in ("tile_n_256", "many_experts", "experts_512")
@@ -254,6 +255,15 @@ def test_ragged_matmul_compiles_for_sm90a(variant, shape):
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     assert not ATOMIC.search(compiled.ptx)
     ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.parametrize("shape", [(8, 4096, 2048), (128, 2688, 1856), (256, 2048, 768), (512, 2048, 768)], ids=str)
+def test_the_up_projection_storing_h_alone_takes_the_tile_width_of_the_one_storing_act(shape):
+    """The backward making h again runs the forward's wgmma shapes (at 512 experts of 768
+    the freed store buffers would otherwise let a 256-wide tile in where act keeps 192)."""
+    beside_act = matmul_request(shape, "up_srelu_bias")
+    alone = sm90_gemm.choose_config(dataclasses.replace(beside_act, with_act=False))
+    assert alone.tile_n == sm90_gemm.choose_config(beside_act).tile_n
 
 
 @pytest.mark.compile

@@ -59,6 +59,7 @@ def _request_of(epilogue: str):
             epilogue=epilogue,
             with_bias=bool(params.get("with_bias", False)),
             block_scaled=bool(params["block_scaled"]),
+            # ragged_matmul's parameters name no act: its epilogue stores what it makes.
             with_act=bool(params.get("with_act", True)),
         )
 
@@ -114,7 +115,7 @@ def ragged_matmul(
     # The kernel's epilogue reads prob and bias as float32 whatever their dtype.
     named.update(prob=prob.astype(jnp.float32), bias=None if bias is None else bias.astype(jnp.float32))
     results = ragged_matmul_srelu_primitive.bind(named, backend=backend, with_bias=bias is not None,
-                                                 with_act=epilogue["with_act"], **params)
+                                                 with_act=bool(epilogue["with_act"]), **params)
     return results["h"], results.get("act")
 
 

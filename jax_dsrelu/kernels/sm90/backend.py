@@ -4,9 +4,9 @@ Kernels not yet verified on the hardware they claim are compiled and lowered, bu
 no call uses them unless the environment variable `UNVERIFIED_VARIABLE` names their kind
 (comma-separated), which the Hopper run that checks them sets: until then the primitives
 gather rows themselves and run the verified kernels, and the gather-and-sum runs on XLA.
-A kind leaves `UNVERIFIED_KINDS` once such a run
-has checked it and timed it faster than what `backend="auto"` runs in its place; the
-variable may still name it (`VERIFIED_KINDS`), to no effect.
+A kind leaves `UNVERIFIED_KINDS` once such a run has checked it and timed it faster than
+what `backend="auto"` runs in its place; the variable may still name it
+(`VERIFIED_KINDS`), to no effect.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ Math, with e(i) the expert owning row i and b the K blocks of 128:
 each block's partial sum of e4m3 products formed by wgmma and promoted to float32 before
 it is scaled and added, block after block (`promoted_mainloop.py`); then the epilogues of
 the 16-bit kernel (`ragged_matmul_kernel.py`): out = acc, or h = acc (+ bias) and
-act = relu(h)^2 prob, rounded once to the 16-bit output.
+act = relu(h)^2 prob, or h alone, rounded once to the 16-bit output. With the promotion
+beside the next block's wgmma (config.overlap_promotion) the bias is loaded subtile by
+subtile: held from before the mainloop beside the second partial sum, it spills.
 
 Operands: lhs (m, k) and rhs (E, n, k) e4m3, both K-major as Hopper's FP8 wgmma reads
 them; lhs_scale (m, ceil(k / 128)) and rhs_scale (E, ceil(n / 128), ceil(k / 128))

@@ -469,7 +469,7 @@ def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_
     if request.block_scaled:
         return _blockwise_gemm_config(request, outputs, sm_count)
 
-    def with_most_stages(tile_n, cluster_n=1):
+    def with_most_stages(tile_n, cluster_n=1, outputs=outputs):
         base = dict(tile_n=tile_n, tile_k=_RAGGED_M_TILE_K, epi_n=_EPI_N,
                     store_stages=tuning.value("gemm_store_stages"), cluster_n=cluster_n,
                     max_ctas=sm_count - sm_count % cluster_n)
@@ -477,7 +477,11 @@ def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_
         return GemmConfig(ab_stages=most_stages(fits, 2), **base)
 
     enough = tuning.value("gemm_enough_stages")
-    tile_n = choose_tile_n(request.n, lambda tile: with_most_stages(tile).ab_stages >= enough)
+    # The up-projection storing h alone takes the tile width the one storing act beside it
+    # takes, so that the backward making h again (`expert_mlp.preactivation`) runs the
+    # forward's wgmma shapes; the stages it frees are its own.
+    tile_outputs = stored_outputs(dataclasses.replace(request, with_act=True))
+    tile_n = choose_tile_n(request.n, lambda tile: with_most_stages(tile, outputs=tile_outputs).ab_stages >= enough)
     pairs = request.epilogue == "none" and request.k >= tuning.value("gemm_pairs") and pairs_up(request.n, tile_n)
     return with_most_stages(tile_n, 2 if pairs else 1)
 
@@ -487,8 +491,8 @@ def _blockwise_gemm_config(request: RaggedMatmulRequest, outputs: int, sm_count:
     128-byte row), N tiles of at most one scale block (128 columns, 64 below n = 128),
     so that a tile's k-tile has one weight scale; alone; as many stages as fit; the plain
     GEMM's promotion beside the next K block's wgmma (decision `fp8_overlap_promotion`), and
-    the up-projection's storing h alone where k is deep enough (`fp8_up_overlap_min_k`): with
-    act beside h it would spill."""
+    the up-projection's storing h alone where k is deep enough (`fp8_up_overlap_min_k`, under
+    the same decision): with act beside h it would spill."""
     h_alone = request.epilogue == "srelu" and not request.with_act
     overlap = request.epilogue == "none" or (h_alone and request.k >= tuning.value("fp8_up_overlap_min_k"))
     base = dict(tile_n=64 if request.n < BLOCK else BLOCK, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1,

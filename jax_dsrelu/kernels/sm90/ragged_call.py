@@ -5,7 +5,8 @@ place: the primitive's operands by name in, its results by name out, the names t
 kernels declare for their buffers (`jax_dsrelu.kernels.request` documents each call):
 
     RaggedMatmulRequest, epilogue "none":  (lhs=, rhs=, group_sizes=) -> {out}
-    RaggedMatmulRequest, epilogue "srelu": (lhs=, rhs=, group_sizes=, prob=, [bias=]) -> {h, act}
+    RaggedMatmulRequest, epilogue "srelu": (lhs=, rhs=, group_sizes=, prob=, [bias=]) -> {h, act}, or {h}
+                                           with with_act=False
     RaggedMatmulRequest, block_scaled:     the same, with lhs_scale= and rhs_scale= (FP8)
     RaggedContractRequest:                 (lhs=, rhs=, group_sizes=) -> {out}
     RaggedContractRequest, block_scaled:   the same, with lhs_scale= and rhs_scale= (FP8), the

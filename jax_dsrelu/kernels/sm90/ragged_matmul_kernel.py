@@ -184,8 +184,9 @@ class RaggedGemmSm90(RaggedMGemmSm90):
         """The bias of every column this thread's accumulator holds (column 0's past n,
         where nothing is stored), loaded before the mainloop so that the loads' latency
         hides behind it; [] without bias. Loaded in the epilogue instead, subtile by
-        subtile, the up-projection took 4% more time at Nemotron-3 Nano's shape and 6% more
-        at (65536, 2048, 768, 256) (sweep_gemm_bias_257da8f.json, under
+        subtile (as `bias_per_subtile` does beside the FP8 overlapped promotion), the bf16
+        up-projection took 4% more time at Nemotron-3 Nano's shape and 6% more at
+        (65536, 2048, 768, 256) (sweep_gemm_bias_257da8f.json, under
         benchmarks/results/fine_grained/ at commit 03cb159)."""
         if not self.with_bias:
             return []
