@@ -327,13 +327,8 @@ def main() -> None:
 
     @nnx.jit
     def train_step(model, optimizer, tokens, targets):
-        if args.micro_batches == 1:
-            (_, (cross_entropy, group_sizes)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
-                model, tokens, targets, args
-            )
-        else:
-            cross_entropy, group_sizes, grads = accumulated_gradients(
-                model, tokens, targets, args, quantized_experts(model, args))
+        cross_entropy, group_sizes, grads = accumulated_gradients(
+            model, tokens, targets, args, quantized_experts(model, args))
         optimizer.update(model, grads)
         if args.router == "sigmoid":
             # Auxiliary-loss-free balancing: the step's loads over all of its tokens (one

@@ -30,9 +30,10 @@ down, dx) and the fused dsReLU step as the block-scaled `ragged_matmul` and
 block-scaled `ragged_contract` (rows quantized in groups that restart at each expert). On
 the XLA backend their references dequantize them, the same arithmetic; under backend
 "auto" on a Hopper GPU the FP8 kernels serve them (`kernels/sm90/backend.py`). On the XLA
-path every step has a fixed summation order and amax maxima are exact in any order, so every result is bitwise reproducible; the FP8
-fused kernel sums dprob and db1 by atomics unless `deterministic=True`, as the 16-bit one
-does. The quantizing passes here are what the FP8 kernels' epilogues will write instead.
+path every step has a fixed summation order and amax maxima are exact in any order, so
+every result is bitwise reproducible; the FP8 fused kernel sums dprob and db1 by atomics
+unless `deterministic=True`, as the 16-bit one does. The quantizing passes here are what
+the FP8 kernels' epilogues will write instead.
 """
 
 from __future__ import annotations
@@ -131,8 +132,8 @@ def _quantize_source_rows(a: jax.Array, recipe: Recipe, backend: str,
     (m,) of the activation `squared_relu(a, prob)` of pre-activation rows a: on a kernel
     where `backend` finds one that serves (on Hopper, one pass over the rows that forms
     the activation as it reads them: `kernels/sm90/row_quantize_kernel.py`), else XLA's
-    quantizer. On a GPU the two may differ by a
-    step of e4m3 where XLA's float32 division is not IEEE's (`quantization.blockwise`)."""
+    quantizer. On a GPU the two may differ by a step of e4m3 where XLA's float32 division
+    is not IEEE's (`quantization.blockwise`)."""
     operands = (a,) if prob is None else (a, prob)
 
     def by_xla(a, prob=None):
