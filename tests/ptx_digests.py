@@ -205,11 +205,11 @@ def fp8_matmul(num_experts, k, n, epilogue, with_act=True):
                                epilogue=epilogue, with_bias=epilogue == "srelu", block_scaled=True, with_act=with_act)
 
 
-def fp8_dsrelu(k, n, num_experts):
+def fp8_dsrelu(k, n, num_experts, out_dtype=F32):
     from jax_dsrelu.quantization.schema import E4M3 as e4m3
 
     return Request(num_experts=num_experts, n=n, k=k, operand_dtype=e4m3, preact_dtype=BF16, prob_dtype=F32,
-                   out_dtype=F32, with_dbias=True, with_act=True, deterministic=True, blockwise_scaled=True)
+                   out_dtype=out_dtype, with_dbias=True, with_act=True, deterministic=True, blockwise_scaled=True)
 
 
 def fp8_contract(num_experts, a, b):
@@ -258,6 +258,9 @@ def pinned_cases() -> list[Case]:
              sm90_config.GemmConfig(tile_n=128, ab_stages=6, operand_bytes=1, overlap_promotion=True, **fp8_tiles)),
         Case("fp8/dsrelu/deterministic", fp8_dsrelu(528, 320, 8),
              sm90_config.TileConfig(tile_n=128, ab_stages=3, preact_stages=4, operand_bytes=1, **fp8_tiles)),
+        # dh and act stored in bf16, as the FP8 step stores them.
+        Case("fp8/dsrelu/deterministic_bf16", fp8_dsrelu(528, 320, 8, BF16),
+             sm90_config.TileConfig(tile_n=128, ab_stages=4, preact_stages=4, operand_bytes=1, **fp8_tiles)),
         # The weight gradients' FP8 contraction.
         Case("fp8/contract/whole_tile", fp8_contract(8, 528, 320),
              sm90_config.ContractConfig(tile_n=128, ab_stages=6, store_stages=4, operand_bytes=1,

@@ -188,7 +188,7 @@ def stage_checks(x, w1, w2, prob, b1, dy, got) -> dict[str, bool]:
     checks["db1"] = within(got["db1"], per_expert_sum(dh),
                            per_expert_sum(dh_tolerance) + (M + 3) * F32 * per_expert_sum(np.abs(dh)))
 
-    # The gradient GEMMs, fed the path's own float32 dh and act.
+    # The gradient GEMMs, fed the path's own dh and act (float32 here, the inputs' dtype).
     qdh = oracle_along_k(got["dh"])
     checks["dx"] = within(got["dx"], rows_matmul(qdh, qw1_t), accumulation(F, qdh, qw1_t, rows_matmul))
     qx_rows, qdh_rows = oracle_along_expert_rows(x), oracle_along_expert_rows(got["dh"])
@@ -215,6 +215,26 @@ def test_every_gemm_is_float64_of_the_same_quantized_operands(case):
     # Not vacuous: the quantization shows against the unquantized product.
     exact_h = rows_matmul(arrays[0], arrays[1]) + bias_rows(arrays[4])
     assert np.abs(np.asarray(got["h"]) - exact_h).max() > 1e-3 * np.abs(exact_h).max()
+
+
+def test_the_fused_step_stores_dh_and_act_once_rounded_to_hs_dtype():
+    """In bf16 the gradient GEMMs read dh and act rounded once from the float32 epilogue;
+    dprob and db1 stay its float32 sums."""
+    x, w1, w2, prob, b1, dy = inputs(jnp.bfloat16)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    h = jnp.asarray(np.random.default_rng(3).standard_normal((M, F)), jnp.bfloat16)
+    w2_q = qmlp.QuantizedWeight(*qmlp._quantized_weight(jnp.asarray(w2, jnp.bfloat16), RECIPE))
+    fused = qmlp.epilogue(RECIPE, True, BACKENDS, w2_q, prob, sizes, True, h, jnp.asarray(dy, jnp.bfloat16))
+    as_float32 = qmlp.epilogue(RECIPE, True, BACKENDS, w2_q, prob, sizes, True, h.astype(jnp.float32),
+                               jnp.asarray(dy, jnp.bfloat16))
+    assert fused.dh.dtype == fused.act.dtype == jnp.bfloat16
+    assert fused.dprob.dtype == fused.dbias.dtype == jnp.float32
+    for name in ("dh", "act"):
+        want = getattr(as_float32, name)
+        assert want.dtype == jnp.float32 and (np.asarray(want) != np.asarray(want.astype(jnp.bfloat16), np.float32)).any()
+        np.testing.assert_array_equal(np.asarray(getattr(fused, name)), np.asarray(want.astype(jnp.bfloat16)), name)
+    for name in ("dprob", "dbias"):
+        np.testing.assert_array_equal(np.asarray(getattr(fused, name)), np.asarray(getattr(as_float32, name)), name)
 
 
 def rolled_row_scales(a, recipe, backend, prob=None):
@@ -324,13 +344,16 @@ def unquantized_bounds(x, w1, w2, prob, b1, dy, unit):
     dprob_error += (F + 3) * F32 * np.sum((r + h_error) ** 2 * (np.abs(da) + da_error), axis=1)
     db1 = per_expert_sum(dh)
     db1_error = per_expert_sum(dh_error) + (M + 3) * F32 * per_expert_sum(np.abs(dh) + dh_error)
+    # dh and the regenerated act as the fused step stores them, rounded to the caller's dtype.
+    stored_dh_error = dh_error + unit * (np.abs(dh) + dh_error)
+    stored_act_error = act_error + unit * (act + act_error)
 
     dx = rows_matmul(dh, w1_t)
-    dx_error = gemm_error(dh, dh_error, w1_t, zero(w1_t), F, rows_matmul, unit)
+    dx_error = gemm_error(dh, stored_dh_error, w1_t, zero(w1_t), F, rows_matmul, unit)
     dw1 = per_expert_outer(x, dh)
-    dw1_error = gemm_error(x, zero(x), dh, dh_error, M, per_expert_outer, unit)
+    dw1_error = gemm_error(x, zero(x), dh, stored_dh_error, M, per_expert_outer, unit)
     dw2 = per_expert_outer(act, dy)
-    dw2_error = gemm_error(act, act_error, dy, zero(dy), M, per_expert_outer, unit)
+    dw2_error = gemm_error(act, stored_act_error, dy, zero(dy), M, per_expert_outer, unit)
     exact = dict(y=y, dx=dx, dw1=dw1, dw2=dw2, dprob=dprob, db1=db1)
     bounds = dict(y=y_error, dx=dx_error, dw1=dw1_error, dw2=dw2_error, dprob=dprob_error, db1=db1_error)
     return exact, bounds

@@ -273,6 +273,8 @@ def prebuild_fused_requests():
     """The fused kernel's (request, config) of every case of its GPU tier, for the cache."""
     built = {(dsrelu_request(DSRELU_GROUPINGS[name][0], deterministic), overlap)
              for name, deterministic, overlap in DSRELU_GPU_CASES}
+    built |= {(dsrelu_request(DSRELU_GROUPINGS[name][0], deterministic, BF16), False)
+              for name in DSRELU_BF16_GROUPINGS for deterministic in (False, True)}
     return [(request, fused_config(request, overlap)) for request, overlap in sorted(built, key=repr)]
 
 
@@ -332,7 +334,7 @@ def test_moe_mlp_in_fp8_runs_every_gemm_on_the_fp8_kernels():
     dW2's operands quantized straight into their K-major copies by the quantizing pass, and
     the weights quantized by their pass (w1 and w2 in the forward and again in the
     backward, which XLA's CSE merges when it compiles), and the GEMMs' rows (x, act, dy,
-    dh) by the rows' pass."""
+    dh) by the rows' pass; the fused kernel's dh and act in bf16."""
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     from unittest import mock
 
@@ -373,6 +375,10 @@ def test_moe_mlp_in_fp8_runs_every_gemm_on_the_fp8_kernels():
                if "custom_call @CuteDSLRT" in line and "BlockScaledRaggedGemm" in line]
     assert sorted(r.count("tensor<") for r in results) == [1, 1, 1]
     assert sum(f"tensor<{m}x{f}xbf16>" in r for r in results) == 1
+    # The fused kernel stores dh and act in the caller's dtype, not float32.
+    fused = [line.split("->")[-1] for line in text.splitlines()
+             if "custom_call @CuteDSLRT" in line and "BlockScaledDsrelu" in line]
+    assert len(fused) == 1 and fused[0].count(f"tensor<{m}x{f}xbf16>") == 2 and f"x{f}xf32>" not in fused[0]
 
 
 # ---------------------------------------------------------------------------- GPU tier
@@ -436,6 +442,9 @@ DSRELU_GROUPINGS = {
     "past_m": ((8, 320, 528), 2000, [900, 800, 700, 0, 0, 0, 0, 5]),
     "nano_widths": ((16, 1856, 2688), 5000, None),
 }
+# The groupings the kernel storing bf16 dh and act (as the FP8 step runs it) is held to the
+# float32 one's values rounded once.
+DSRELU_BF16_GROUPINGS = ("ragged_with_empty", "nano_widths")
 # (name, deterministic, overlap_promotion): the promotion by column halves too
 # (`promoted_mainloop.mma_k_tiles_promoted_in_halves`) and waited.
 DSRELU_GPU_CASES = [(name, deterministic, False) for name in DSRELU_GROUPINGS for deterministic in (False, True)] + [
@@ -557,6 +566,23 @@ def test_fp8_fused_kernel_compiles_for_sm90a(shape, deterministic):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("shape", [(8, 2048, 4096), (128, 1856, 2688)], ids=str)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_fp8_fused_kernel_storing_bf16_compiles_for_sm90a(shape, deterministic):
+    """dh and act stored in bf16, as the FP8 step stores them: stmatrix, no spills."""
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    import ptxas
+
+    from jax_dsrelu.kernels.sm90 import config, dsrelu_call
+
+    request = dsrelu_request(shape, deterministic, BF16)
+    compiled = dsrelu_call.compile_kernel(request, config.choose_config(request), keep=True)
+    assert ".f32.e4m3.e4m3" in compiled.ptx and "stmatrix" in compiled.ptx
+    assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
+    ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("shape", [(8, 2048, 4096), (128, 1856, 2688), (4, 64, 384)], ids=str)
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_fp8_fused_kernel_with_the_promotion_overlapped_compiles_for_sm90a(shape, deterministic):
@@ -614,25 +640,58 @@ def test_fp8_fused_kernel_matches_float64(hopper, name, deterministic, overlap):
             assert np.array_equal(np.asarray(results[key]), np.asarray(again[key])), key
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", DSRELU_BF16_GROUPINGS)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_fp8_fused_kernel_storing_bf16_rounds_the_float32_values_once(hopper, name, deterministic):
+    """dh and act stored in bf16 are the float32 kernel's (held to float64 above) rounded
+    once; amax, and in deterministic mode dprob and dbias, are the float32 kernel's, bit
+    for bit: the epilogue computes in float32 either way. Outputs NaN-filled first."""
+    from jax_dsrelu.kernels.sm90 import config, dsrelu_call
+
+    (num_experts, n, k), m, sizes, operands, _, preact, prob = dsrelu_case(name)
+    grad, grad_scale, weight, weight_scale = operands
+    named = dict(grad=grad, grad_block_scale=grad_scale, weight=weight, weight_block_scale=weight_scale,
+                 preact=preact, prob=prob, group_sizes=jnp.asarray(sizes, jnp.int32),
+                 alpha=jnp.ones((num_experts,), jnp.float32))
+    results = {}
+    for out_dtype in (np.dtype(np.float32), BF16):
+        request = dsrelu_request((num_experts, n, k), deterministic, out_dtype)
+        chosen = config.choose_config(request)
+        run = dsrelu_call.implementation(request, chosen, outputs_in_place=True)
+        filled = {o.name: jnp.full(o.shape_for(m), jnp.nan, o.dtype)
+                  for o in dsrelu_call.operands(request, chosen) if o.role == "output"}
+        results[out_dtype] = jax.jit(lambda o: run(**o, filled=filled))(named)
+    wide, narrow = results[np.dtype(np.float32)], results[BF16]
+    for key in ("dh", "act"):
+        assert narrow[key].dtype == BF16
+        np.testing.assert_array_equal(np.asarray(narrow[key]), np.asarray(wide[key].astype(BF16)), key)
+    for key in ("amax",) + (("dprob", "dbias") if deterministic else ()):
+        np.testing.assert_array_equal(np.asarray(narrow[key]), np.asarray(wide[key]), key)
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("kernel, shape", [
     ("plain", (8, 4096, 2048)), ("srelu_bias", (128, 2688, 1856)), ("srelu_bias", (512, 2688, 1856)),
-    ("fused", (128, 1856, 2688)), ("fused", (512, 768, 2048)),
+    ("fused", (128, 1856, 2688)), ("fused", (512, 768, 2048)), ("fused_bf16", (128, 1856, 2688)),
 ], ids=str)
 def test_fp8_shared_memory_estimate_is_the_kernels_struct(kernel, shape, monkeypatch):
     """The estimate that picks the FP8 kernels' operand stages (1-byte operands, the fused
-    kernel's float32 outputs) is the shared-memory struct each allocates."""
+    kernel's float32 or, as the FP8 step stores them, bf16 outputs) is the shared-memory
+    struct each allocates."""
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     from jax_dsrelu.kernels.sm90 import config, dsrelu_call, ragged_call
 
-    module = dsrelu_call if kernel == "fused" else ragged_call
+    fused = kernel.startswith("fused")
+    module = dsrelu_call if fused else ragged_call
     built, make = [], module._kernel
     monkeypatch.setattr(module, "_kernel", lambda *key: built.append(make(*key)) or built[-1])
-    if kernel == "fused":
-        request = dsrelu_request(shape, deterministic=True)
+    if fused:
+        out_dtype = BF16 if kernel == "fused_bf16" else np.dtype(np.float32)
+        request = dsrelu_request(shape, deterministic=True, out_dtype=out_dtype)
         chosen = config.choose_config(request)
         dsrelu_call.compile_kernel(request, chosen, keep=True)
-        estimate = chosen.smem_bytes(request.num_experts, True, True, 4)
+        estimate = chosen.smem_bytes(request.num_experts, True, True, out_dtype.itemsize)
     else:
         request = request_for(shape, kernel)
         chosen = ragged_call.choose_config(request)

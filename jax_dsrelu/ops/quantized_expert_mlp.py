@@ -19,10 +19,13 @@ restart at each expert's first row (`jax_dsrelu.quantization.ragged`).
 
 The epilogues compute in float32, as without a recipe: h = acc (+ b1) is rounded to the
 caller's dtype, which the backward keeps; act = relu(h)**2 * prob is formed from that h
-in float32 and quantized from float32 (never rounded to the caller's dtype first), in the
-forward and again, the same values, in the backward; dh, dprob and db1 come from the
-fused dsReLU step's float32 epilogue, and dh is quantized from float32. y and dx come out
-in the caller's dtype, dW1 and dW2 in the weights'.
+in float32 and, in the forward, quantized from float32 for the down GEMM (never rounded
+to the caller's dtype first); dh, dprob and db1 come from the fused dsReLU step's float32
+epilogue, which sums dprob and db1 in float32 and, as without a recipe, stores dh and the
+regenerated act in the caller's dtype, the values dx and the weight gradients quantize
+(in bf16 a rounding of 2^-8 beside e4m3's 2^-4, for half the bytes of float32 values
+written once and read three times). y and dx come out in the caller's dtype, dW1 and dW2
+in the weights'.
 
 Every GEMM takes its operands quantized, values and scales: the ragged-M GEMMs (up,
 down, dx) and the fused dsReLU step as the block-scaled `ragged_matmul` and
@@ -60,8 +63,8 @@ from jax_dsrelu.quantization.schema import FP8_BLOCKWISE, Recipe
 class Epilogue(NamedTuple):
     """The backward's fused step: da = dy w2^T on quantized operands, and its epilogue."""
 
-    dh: jax.Array  # (m, f) float32, rows of no expert 0
-    act: jax.Array  # (m, f) float32: relu(h)**2 * prob, regenerated
+    dh: jax.Array  # (m, f) in h's dtype, rows of no expert 0
+    act: jax.Array  # (m, f) in h's dtype: relu(h)**2 * prob, regenerated
     dprob: jax.Array  # (m,) float32
     dbias: jax.Array | None  # (E, f) float32, when b1 is given
 
@@ -293,12 +296,12 @@ def epilogue(
 ) -> Epilogue:
     """The fused dsReLU GEMM on quantized dy and w2 (values and scales: the FP8 fused
     kernel where "auto" finds one, else XLA's dequantizing reference), with its
-    float32 epilogue and float32 dh and act."""
+    float32 epilogue, dh and act stored in h's dtype."""
     grad, grad_scale = _quantized_rows(dy, recipe, backends.dsrelu, dy_index)
     fused = dsrelu.bind(
         grad=grad, grad_block_scale=grad_scale, weight=w2.values, weight_block_scale=w2.scales, preact=h, prob=prob,
         group_sizes=group_sizes, alpha=jnp.ones((w2.values.shape[0],), jnp.float32),
-        with_dbias=with_dbias, with_act=True, out_dtype=jnp.float32, deterministic=deterministic,
+        with_dbias=with_dbias, with_act=True, out_dtype=h.dtype, deterministic=deterministic,
         backend=backends.dsrelu,
     )
     return Epilogue(fused["dh"], fused["act"], fused["dprob"], fused["dbias"] if with_dbias else None)

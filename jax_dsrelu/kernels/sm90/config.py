@@ -164,8 +164,8 @@ class TileConfig(KernelTiles):
 
 def _blockwise_dsrelu_reason(request: Request) -> str | None:
     """Why the fused kernel on FP8_BLOCKWISE operands (`blockwise_dsrelu_kernel.py`)
-    cannot serve `request`, or None. Its dh and act may be float32: the recipe's next
-    GEMMs quantize them from float32."""
+    cannot serve `request`, or None. Its dh and act are 16-bit (as the FP8 step stores
+    them) or float32."""
     if np.dtype(request.preact_dtype) not in _SIXTEEN_BIT:
         return f"the sm90 kernel needs preact dtype bfloat16 or float16, got {np.dtype(request.preact_dtype).name}"
     return _fp8_reason("fused kernel", request, _SIXTEEN_BIT + (np.dtype(np.float32),))
