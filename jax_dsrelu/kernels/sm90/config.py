@@ -318,14 +318,22 @@ def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileCon
 
 def _blockwise_dsrelu_config(request: Request, facts, sm_count: int) -> TileConfig:
     """The FP8 fused kernel's configuration: the FP8 GEMM's k-tiles of one scale block and
-    N tiles of at most one (`_blockwise_gemm_config`), the preact ring of the bf16
-    kernel's decision, as many operand stages as fit beside it; alone."""
+    N tiles of at most one (`_blockwise_gemm_config`), then as the 16-bit kernel's rule
+    (`choose_config`) the operand stages that fit beside the larger preact ring, or one
+    more beside the smaller where that makes room for it; alone."""
     overlap = tuning.value("fp8_fused_overlap_promotion")
-    base = dict(tile_n=64 if request.n < BLOCK else BLOCK, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1,
-                preact_stages=_DSRELU_PREACT_STAGES, store_stages=tuning.value("fused_store_stages"), cluster_n=1,
-                max_ctas=sm_count, overlap_promotion=overlap)
-    stages = most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2)
-    config = TileConfig(ab_stages=stages, **base)
+
+    def with_most_stages(preact_stages):
+        base = dict(tile_n=64 if request.n < BLOCK else BLOCK, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1,
+                    preact_stages=preact_stages, store_stages=tuning.value("fused_store_stages"), cluster_n=1,
+                    max_ctas=sm_count, overlap_promotion=overlap)
+        stages = most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2)
+        return TileConfig(ab_stages=stages, **base)
+
+    config = with_most_stages(_DSRELU_PREACT_STAGES)
+    fewer_preact = with_most_stages(_DSRELU_FEWER_PREACT_STAGES)
+    if fewer_preact.ab_stages > config.ab_stages:
+        config = fewer_preact
     config.check_fits(*facts)
     return config
 
