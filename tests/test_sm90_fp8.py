@@ -611,6 +611,19 @@ def test_the_fused_kernels_rules_keep_128_columns_whichever_promotion_the_table_
         assert (chosen.tile_n, chosen.overlap_promotion) == (128, overlapped)
 
 
+def test_the_fused_kernels_preact_ring_follows_the_table(decide):
+    """2 preact stages make room for one more operand stage where the table says so
+    (`fp8_fused_fewer_preact`): 5 beside bf16 dh and act, where 4 preact stages leave 4,
+    and 4 beside float32 ones, where they leave 3."""
+    from jax_dsrelu.kernels.sm90 import config
+
+    for fewer, bf16_stages, float32_stages in ((True, (5, 2), (4, 2)), (False, (4, 4), (3, 4))):
+        decide("fp8_fused_fewer_preact", fewer)
+        for out_dtype, stages in ((BF16, bf16_stages), (np.dtype(np.float32), float32_stages)):
+            chosen = config.choose_config(dsrelu_request((128, 1856, 2688), False, out_dtype))
+            assert (chosen.ab_stages, chosen.preact_stages) == stages, (fewer, out_dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, deterministic, overlap", DSRELU_GPU_CASES,
                          ids=[f"{n}-{d}" + ("-overlapped" if o else "") for n, d, o in DSRELU_GPU_CASES])

@@ -319,8 +319,9 @@ def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileCon
 def _blockwise_dsrelu_config(request: Request, facts, sm_count: int) -> TileConfig:
     """The FP8 fused kernel's configuration: the FP8 GEMM's k-tiles of one scale block and
     N tiles of at most one (`_blockwise_gemm_config`), then as the 16-bit kernel's rule
-    (`choose_config`) the operand stages that fit beside the larger preact ring, or one
-    more beside the smaller where that makes room for it; alone."""
+    (`choose_config`, decision `fp8_fused_fewer_preact`) the operand stages that fit beside
+    the larger preact ring, or one more beside the smaller where that makes room for it;
+    alone."""
     overlap = tuning.value("fp8_fused_overlap_promotion")
 
     def with_most_stages(preact_stages):
@@ -332,7 +333,7 @@ def _blockwise_dsrelu_config(request: Request, facts, sm_count: int) -> TileConf
 
     config = with_most_stages(_DSRELU_PREACT_STAGES)
     fewer_preact = with_most_stages(_DSRELU_FEWER_PREACT_STAGES)
-    if fewer_preact.ab_stages > config.ab_stages:
+    if tuning.value("fp8_fused_fewer_preact") and fewer_preact.ab_stages > config.ab_stages:
         config = fewer_preact
     config.check_fits(*facts)
     return config

@@ -113,6 +113,19 @@ def _fp8_staged_halves_ab(gemm: str, kernel: str, times: dict) -> tuple[Evidence
                  for shape, (waited, halves) in times.items())
 
 
+def _fp8_fused_preact_ab(times: dict) -> tuple[Evidence, ...]:
+    """The FP8 step's A/B of the fused kernel's preact ring beside bf16 dh and act, two
+    rounds (tuning_records.json.gz keeps both sides): per shape and round, its ms with 2
+    preact and 5 operand stages (fc6c2e9) and with 4 and 4 (38b0c15)."""
+    few_expert = ("2.2% slower here in both rounds and 2.3% faster at Nano's shape: one rule, the 16-bit "
+                  "kernel's, for both (the step within 0.4% either way)")
+    return tuple(E(shape, "dsrelu", None,
+                   T("fc6c2e9: pre2 ab5", fewer, "BlockScaledDsreluSm90", f"bench_layer_step_ab_38b0c15_fc6c2e9_r{r}.json"),
+                   T("38b0c15: pre4 ab4", more, "BlockScaledDsreluSm90", f"bench_layer_step_ab_38b0c15_38b0c15_r{r}.json"),
+                   exception=few_expert if shape[3] == 8 else "")
+                 for shape, rounds in times.items() for r, (fewer, more) in enumerate(rounds, 1))
+
+
 DECISIONS: tuple[Decision, ...] = (
     Decision("subtile_columns", 32, 0.0,
              "Epilogue subtiles of 32 columns, in every kernel of the family (one store path): in the "
@@ -714,6 +727,15 @@ DECISIONS: tuple[Decision, ...] = (
                                {(16384, 4096, 2048, 8): (0.3780, 0.4315), (49152, 2688, 1856, 128): (0.9118, 1.0836)})
              + _fp8_halves_ab("dsrelu", "BlockScaledDsreluSm90",
                               {(16384, 4096, 2048, 8): (0.3794, 0.4080), (49152, 2688, 1856, 128): (0.8942, 0.9456)})),
+    # The FP8 fused kernel storing bf16 dh and act, from FP8 layer steps of two commits on one H100
+    # (`benchmarks/step_ab.sh`, two rounds): 38b0c15 keeps 4 preact stages beside 4 operand stages,
+    # fc6c2e9 the 16-bit kernel's rule (`fused_preact_stages`), 2 beside 5.
+    Decision("fp8_fused_fewer_preact", True, 0.0,
+             "The FP8 fused kernel takes the 16-bit kernel's rule, 2 preact stages where that frees room for "
+             "one more operand stage: beside bf16 dh and act, 5 operand stages took 2.3% less at Nano's shape "
+             "and 2.2% more at the few-expert shape than 4 beside 4 preact stages.",
+             _fp8_fused_preact_ab({(16384, 4096, 2048, 8): ((0.3231, 0.3159), (0.3219, 0.3147)),
+                                   (49152, 2688, 1856, 128): ((0.7579, 0.7750), (0.7580, 0.7766))})),
 )
 _BY_NAME = {decision.name: decision for decision in DECISIONS}
 
