@@ -619,9 +619,10 @@ def test_the_fused_kernels_preact_ring_follows_the_table(decide):
 
     for fewer, bf16_stages, float32_stages in ((True, (5, 2), (4, 2)), (False, (4, 4), (3, 4))):
         decide("fp8_fused_fewer_preact", fewer)
-        for out_dtype, stages in ((BF16, bf16_stages), (np.dtype(np.float32), float32_stages)):
-            chosen = config.choose_config(dsrelu_request((128, 1856, 2688), False, out_dtype))
-            assert (chosen.ab_stages, chosen.preact_stages) == stages, (fewer, out_dtype)
+        for shape in ((128, 1856, 2688), (8, 2048, 4096)):  # the A/B's two shapes
+            for out_dtype, stages in ((BF16, bf16_stages), (np.dtype(np.float32), float32_stages)):
+                chosen = config.choose_config(dsrelu_request(shape, False, out_dtype))
+                assert (chosen.ab_stages, chosen.preact_stages) == stages, (fewer, shape, out_dtype)
 
 
 @pytest.mark.gpu
@@ -659,10 +660,12 @@ def test_fp8_fused_kernel_matches_float64(hopper, name, deterministic, overlap):
 def test_fp8_fused_kernel_storing_bf16_rounds_the_float32_values_once(hopper, name, deterministic):
     """dh and act stored in bf16 are the float32 kernel's (held to float64 above) rounded
     once; amax, and in deterministic mode dprob and dbias, are the float32 kernel's, bit
-    for bit: the epilogue computes in float32 either way. Outputs NaN-filled first."""
+    for bit: the epilogue computes in float32 either way; in atomic mode dprob and dbias
+    are within float32's error of summing their terms in another order. Outputs
+    NaN-filled first."""
     from jax_dsrelu.kernels.sm90 import config, dsrelu_call
 
-    (num_experts, n, k), m, sizes, operands, _, preact, prob = dsrelu_case(name)
+    (num_experts, n, k), m, sizes, operands, (grad64, weight64), preact, prob = dsrelu_case(name)
     grad, grad_scale, weight, weight_scale = operands
     named = dict(grad=grad, grad_block_scale=grad_scale, weight=weight, weight_block_scale=weight_scale,
                  preact=preact, prob=prob, group_sizes=jnp.asarray(sizes, jnp.int32),
@@ -681,6 +684,19 @@ def test_fp8_fused_kernel_storing_bf16_rounds_the_float32_values_once(hopper, na
         np.testing.assert_array_equal(np.asarray(narrow[key]), np.asarray(wide[key].astype(BF16)), key)
     for key in ("amax",) + (("dprob", "dbias") if deterministic else ()):
         np.testing.assert_array_equal(np.asarray(narrow[key]), np.asarray(wide[key]), key)
+    if not deterministic:
+        # The same float32 partials added by atomics in another order: within twice float32's
+        # error of summing the terms (|r^2 acc| over a row for dprob, |dh| over an expert's rows
+        # for dbias), which a bf16-rounded dh (2^-8) would exceed.
+        acc, _, owned = reference(grad64, weight64, sizes)
+        r = np.maximum(np.asarray(preact, np.float64), 0.0)
+        p = np.asarray(prob, np.float64)[:, None]
+        gap = lambda key: np.abs(np.asarray(narrow[key], np.float64) - np.asarray(wide[key], np.float64))  # noqa: E731
+        assert (gap("dprob") <= 2 * (n + 4) * 2.0**-23 * np.sum(r * r * np.abs(acc), axis=1) + 1e-30).all(), "dprob"
+        dh_terms = np.where(owned[:, None], 2 * np.abs(acc) * r * p, 0.0)
+        for e, (start, end) in enumerate(expert_rows(sizes, m)):
+            bound = 2 * (end - start + 4) * 2.0**-23 * dh_terms[start:end].sum(axis=0) + 1e-30
+            assert (gap("dbias")[e] <= bound).all(), f"dbias of expert {e}"
 
 
 @pytest.mark.compile

@@ -154,8 +154,9 @@ def test_the_quantizing_copy_refuses_what_it_cannot_take():
 
 def unquantized(name, seed=0):
     """(lhs (m, a) bfloat16, rhs (m, b) float32, group sizes, out dtype) of a contraction
-    case (`test_sm90_fp8_contract.GROUPINGS`): dW1's x and dh, rows whose magnitudes span
-    2^-6 to 2^6 from row to row."""
+    case (`test_sm90_fp8_contract.GROUPINGS`): dW1's x and dh (float32 where the caller's
+    dtype is; the FP8 step's bf16 dh is the lhs's kind), rows whose magnitudes span 2^-6
+    to 2^6 from row to row."""
     (_, a, b), m, sizes, out_dtype = grouping(name)
     rng = np.random.default_rng(seed)
     lhs, rhs = (rng.standard_normal((m, w)) * np.exp2(rng.uniform(-6, 6, (m, 1))) for w in (a, b))
@@ -222,7 +223,7 @@ def test_quantized_here_lowers_to_the_quantizing_copies():
 
 def prebuild_copy_jobs():
     """The passes the GPU tier runs, for the kernel cache: in place into poisoned buffers,
-    and as the quantized-here contraction calls them (lhs bfloat16, rhs float32)."""
+    and as the quantized-here contraction calls them in its tier (lhs bfloat16, rhs float32)."""
     from jax_dsrelu.kernels.sm90 import contract_layout
 
     in_place = {(copy_case(name)[1], len(copy_case(name)[2]), DTYPES[dtype], True) for name, dtype in CASES}

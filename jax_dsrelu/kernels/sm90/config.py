@@ -300,41 +300,37 @@ def choose_config(request: Request, sm_count: int = DEFAULT_SM_COUNT) -> TileCon
     facts = (request.num_experts, request.with_act, request.with_dbias, np.dtype(request.out_dtype).itemsize)
     if request.blockwise_scaled:
         return _blockwise_dsrelu_config(request, facts, sm_count)
-
-    def with_most_stages(preact_stages):
-        base = dict(tile_n=dsrelu_tile_n(request.n), tile_k=_RAGGED_M_TILE_K, epi_n=_EPI_N,
-                    preact_stages=preact_stages, store_stages=tuning.value("fused_store_stages"),
-                    cluster_n=tuning.value("fused_cluster"), max_ctas=sm_count)
-        stages = most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2)
-        return TileConfig(ab_stages=stages, **base)
-
-    config = with_most_stages(_DSRELU_PREACT_STAGES)
-    fewer_preact = with_most_stages(_DSRELU_FEWER_PREACT_STAGES)
-    if fewer_preact.ab_stages > config.ab_stages:
-        config = fewer_preact
-    config.check_fits(*facts)
-    return config
+    base = dict(tile_n=dsrelu_tile_n(request.n), tile_k=_RAGGED_M_TILE_K, epi_n=_EPI_N,
+                store_stages=tuning.value("fused_store_stages"), cluster_n=tuning.value("fused_cluster"),
+                max_ctas=sm_count)
+    return _with_most_operand_stages(base, facts, fewer_preact=True)
 
 
 def _blockwise_dsrelu_config(request: Request, facts, sm_count: int) -> TileConfig:
     """The FP8 fused kernel's configuration: the FP8 GEMM's k-tiles of one scale block and
-    N tiles of at most one (`_blockwise_gemm_config`), then as the 16-bit kernel's rule
-    (`choose_config`, decision `fp8_fused_fewer_preact`) the operand stages that fit beside
-    the larger preact ring, or one more beside the smaller where that makes room for it;
-    alone."""
-    overlap = tuning.value("fp8_fused_overlap_promotion")
+    N tiles of at most one (`_blockwise_gemm_config`), then the operand stages of the
+    16-bit kernel's rule where decision `fp8_fused_fewer_preact` takes it, else those that
+    fit beside the larger preact ring; alone."""
+    base = dict(tile_n=64 if request.n < BLOCK else BLOCK, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1,
+                store_stages=tuning.value("fused_store_stages"), cluster_n=1, max_ctas=sm_count,
+                overlap_promotion=tuning.value("fp8_fused_overlap_promotion"))
+    return _with_most_operand_stages(base, facts, fewer_preact=tuning.value("fp8_fused_fewer_preact"))
 
+
+def _with_most_operand_stages(base: dict, facts, fewer_preact: bool) -> TileConfig:
+    """`base` with as many operand stages as shared memory holds beside the larger preact
+    ring, or, with fewer_preact, one more beside the smaller where that makes room for it."""
     def with_most_stages(preact_stages):
-        base = dict(tile_n=64 if request.n < BLOCK else BLOCK, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1,
-                    preact_stages=preact_stages, store_stages=tuning.value("fused_store_stages"), cluster_n=1,
-                    max_ctas=sm_count, overlap_promotion=overlap)
-        stages = most_stages(lambda stages: TileConfig(ab_stages=stages, **base).smem_bytes(*facts) <= SMEM_CAPACITY, 2)
-        return TileConfig(ab_stages=stages, **base)
+        fields = dict(base, preact_stages=preact_stages)
+        stages = most_stages(lambda stages: TileConfig(ab_stages=stages, **fields).smem_bytes(*facts) <= SMEM_CAPACITY,
+                             2)
+        return TileConfig(ab_stages=stages, **fields)
 
     config = with_most_stages(_DSRELU_PREACT_STAGES)
-    fewer_preact = with_most_stages(_DSRELU_FEWER_PREACT_STAGES)
-    if tuning.value("fp8_fused_fewer_preact") and fewer_preact.ab_stages > config.ab_stages:
-        config = fewer_preact
+    if fewer_preact:
+        smaller_ring = with_most_stages(_DSRELU_FEWER_PREACT_STAGES)
+        if smaller_ring.ab_stages > config.ab_stages:
+            config = smaller_ring
     config.check_fits(*facts)
     return config
 

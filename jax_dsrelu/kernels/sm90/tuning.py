@@ -117,8 +117,8 @@ def _fp8_fused_preact_ab(times: dict) -> tuple[Evidence, ...]:
     """The FP8 step's A/B of the fused kernel's preact ring beside bf16 dh and act, two
     rounds (tuning_records.json.gz keeps both sides): per shape and round, its ms with 2
     preact and 5 operand stages (fc6c2e9) and with 4 and 4 (38b0c15)."""
-    few_expert = ("2.2% slower here in both rounds and 2.3% faster at Nano's shape: one rule, the 16-bit "
-                  "kernel's, for both (the step within 0.4% either way)")
+    few_expert = ("2.3% slower here in both rounds and 2.3% faster at Nano's shape: one rule, the 16-bit "
+                  "kernel's, for both (the step within 0.5% either way in each round)")
     return tuple(E(shape, "dsrelu", None,
                    T("fc6c2e9: pre2 ab5", fewer, "BlockScaledDsreluSm90", f"bench_layer_step_ab_38b0c15_fc6c2e9_r{r}.json"),
                    T("38b0c15: pre4 ab4", more, "BlockScaledDsreluSm90", f"bench_layer_step_ab_38b0c15_38b0c15_r{r}.json"),
@@ -733,7 +733,7 @@ DECISIONS: tuple[Decision, ...] = (
     Decision("fp8_fused_fewer_preact", True, 0.0,
              "The FP8 fused kernel takes the 16-bit kernel's rule, 2 preact stages where that frees room for "
              "one more operand stage: beside bf16 dh and act, 5 operand stages took 2.3% less at Nano's shape "
-             "and 2.2% more at the few-expert shape than 4 beside 4 preact stages.",
+             "and 2.3% more at the few-expert shape than 4 beside 4 preact stages.",
              _fp8_fused_preact_ab({(16384, 4096, 2048, 8): ((0.3231, 0.3159), (0.3219, 0.3147)),
                                    (49152, 2688, 1856, 128): ((0.7579, 0.7750), (0.7580, 0.7766))})),
 )
