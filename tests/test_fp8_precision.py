@@ -157,46 +157,52 @@ def run_stages(x, w1, w2, prob, b1, dy):
                 dw2=dw2)
 
 
-def stage_checks(x, w1, w2, prob, b1, dy, got) -> dict[str, bool]:
+def stage_checks(x, w1, w2, prob, b1, dy, got, unit=0.0) -> dict[str, bool]:
     """Each output of the stages against float64 of the same quantized arithmetic, fed the
-    values the path feeds it; True where it is within float32 accumulation's tolerance."""
+    values the path feeds it; True where it is within float32 accumulation's tolerance and
+    the rounding (unit) to the caller's dtype of what the path stores in it."""
     f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    rounded = lambda value, tolerance: tolerance + unit * (np.abs(value) + tolerance)  # noqa: E731
     qx, qw1, qw2, qdy = oracle_along_k(x), oracle_weights(w1), oracle_weights(w2), oracle_along_k(dy)
     qw1_t, qw2_t = np.swapaxes(qw1, 1, 2), np.swapaxes(qw2, 1, 2)
     checks = {}
 
     h = rows_matmul(qx, qw1) + bias_rows(b1)
-    checks["h"] = within(got["h"], h, accumulation(D, qx, qw1, rows_matmul) + 4 * F32 * np.abs(h))
+    checks["h"] = within(got["h"], h, rounded(h, accumulation(D, qx, qw1, rows_matmul) + 4 * F32 * np.abs(h)))
 
-    # The activation, from the path's own h, in float32 as the epilogue forms it.
+    # The activation, from the path's own h, in float32 as the epilogue forms it: the
+    # forward quantizes it as it is; the backward regenerates it and stores it in h's dtype.
     r = np.maximum(np.asarray(got["h"], np.float32), 0)
     act = r * r * prob[:, None]
-    checks["act"] = np.array_equal(np.asarray(got["act"]), act)  # regenerated: the forward's, bit for bit
+    stored_act = np.asarray(jnp.asarray(act).astype(got["h"].dtype))
+    checks["act"] = np.array_equal(np.asarray(got["act"]), stored_act)  # bit for bit
     qact = oracle_along_k(act)
     y = rows_matmul(qact, qw2)
-    checks["y"] = within(got["y"], y, accumulation(F, qact, qw2, rows_matmul))
+    checks["y"] = within(got["y"], y, rounded(y, accumulation(F, qact, qw2, rows_matmul)))
 
     da = rows_matmul(qdy, qw2_t)
     da_tolerance = accumulation(D, qdy, qw2_t, rows_matmul)
     r, p = f64(r), f64(prob)[:, None]
     dh = 2 * da * r * p
     dh_tolerance = 2 * r * p * da_tolerance + 4 * F32 * np.abs(dh)
-    checks["dh"] = within(got["dh"], dh, dh_tolerance)
+    checks["dh"] = within(got["dh"], dh, rounded(dh, dh_tolerance))
     dprob = np.sum(r * r * da, axis=1)
     checks["dprob"] = within(got["dprob"], dprob,
                              np.sum(r * r * da_tolerance, axis=1) + (F + 4) * F32 * np.sum(r * r * np.abs(da), axis=1))
     checks["db1"] = within(got["db1"], per_expert_sum(dh),
                            per_expert_sum(dh_tolerance) + (M + 3) * F32 * per_expert_sum(np.abs(dh)))
 
-    # The gradient GEMMs, fed the path's own dh and act (float32 here, the inputs' dtype).
-    qdh = oracle_along_k(got["dh"])
-    checks["dx"] = within(got["dx"], rows_matmul(qdh, qw1_t), accumulation(F, qdh, qw1_t, rows_matmul))
-    qx_rows, qdh_rows = oracle_along_expert_rows(x), oracle_along_expert_rows(got["dh"])
-    checks["dw1"] = within(got["dw1"], per_expert_outer(qx_rows, qdh_rows),
-                           accumulation(M, qx_rows, qdh_rows, per_expert_outer))
-    qact_rows, qdy_rows = oracle_along_expert_rows(got["act"]), oracle_along_expert_rows(dy)
-    checks["dw2"] = within(got["dw2"], per_expert_outer(qact_rows, qdy_rows),
-                           accumulation(M, qact_rows, qdy_rows, per_expert_outer))
+    # The gradient GEMMs, fed the path's own dh and act as it stores them.
+    got_dh, got_act = (np.asarray(got[name], np.float32) for name in ("dh", "act"))
+    qdh = oracle_along_k(got_dh)
+    dx = rows_matmul(qdh, qw1_t)
+    checks["dx"] = within(got["dx"], dx, rounded(dx, accumulation(F, qdh, qw1_t, rows_matmul)))
+    qx_rows, qdh_rows = oracle_along_expert_rows(x), oracle_along_expert_rows(got_dh)
+    dw1 = per_expert_outer(qx_rows, qdh_rows)
+    checks["dw1"] = within(got["dw1"], dw1, rounded(dw1, accumulation(M, qx_rows, qdh_rows, per_expert_outer)))
+    qact_rows, qdy_rows = oracle_along_expert_rows(got_act), oracle_along_expert_rows(dy)
+    dw2 = per_expert_outer(qact_rows, qdy_rows)
+    checks["dw2"] = within(got["dw2"], dw2, rounded(dw2, accumulation(M, qact_rows, qdy_rows, per_expert_outer)))
     # Rows of no expert: exact zeros.
     checks["unowned"] = all(not np.asarray(got[name])[OWNED:].any() for name in ("y", "h", "dh", "act", "dprob", "dx"))
     return checks
@@ -206,6 +212,20 @@ def stage_checks(x, w1, w2, prob, b1, dy, got) -> dict[str, bool]:
 def case():
     arrays = inputs()
     return arrays, run_stages(*arrays)
+
+
+def test_every_gemm_is_float64_of_the_same_quantized_operands_in_bf16():
+    """The same checks with x, the weights and dy in bf16: h, dh, act and the outputs are
+    stored in bf16, and each GEMM is fed those."""
+    arrays = inputs(jnp.bfloat16)
+    x, w1, w2, prob, b1, dy = arrays
+    bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    got = run_stages(bf16(x), bf16(w1), bf16(w2), prob, b1, bf16(dy))
+    assert got["dh"].dtype == got["act"].dtype == got["dw1"].dtype == jnp.bfloat16
+    checks = stage_checks(*arrays, got, unit=BF16)
+    assert all(checks.values()), checks
+    # Not vacuous: float32 accumulation's tolerance alone rejects the bf16 roundings.
+    assert not all(stage_checks(*arrays, got).values())
 
 
 def test_every_gemm_is_float64_of_the_same_quantized_operands(case):
