@@ -322,9 +322,8 @@ def _with_most_operand_stages(base: dict, facts, fewer_preact: bool) -> TileConf
     ring, or, with fewer_preact, one more beside the smaller where that makes room for it."""
     def with_most_stages(preact_stages):
         fields = dict(base, preact_stages=preact_stages)
-        stages = most_stages(lambda stages: TileConfig(ab_stages=stages, **fields).smem_bytes(*facts) <= SMEM_CAPACITY,
-                             2)
-        return TileConfig(ab_stages=stages, **fields)
+        fits = lambda stages: TileConfig(ab_stages=stages, **fields).smem_bytes(*facts) <= SMEM_CAPACITY  # noqa: E731
+        return TileConfig(ab_stages=most_stages(fits, 2), **fields)
 
     config = with_most_stages(_DSRELU_PREACT_STAGES)
     if fewer_preact:
