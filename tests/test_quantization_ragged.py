@@ -137,3 +137,43 @@ def test_bad_arguments_name_what_was_seen():
         ragged.quantize_ragged_rows(jnp.ones((2, 4, 1)), sizes, SCALING)
     with pytest.raises(TypeError, match="x.dtype must be bfloat16, float16 or float32, got x.dtype=int32"):
         ragged.quantize_ragged_rows(jnp.ones((2, 4), jnp.int32), sizes, SCALING)
+
+
+ROW_GROUPS = jax.jit(ragged.row_groups, static_argnums=(1, 2))
+
+
+def first_rows_by_rows(sizes, num_rows: int) -> np.ndarray:
+    """Each group's first row read off `row_groups`' answer in NumPy: the first row holding
+    each group number, m for a number no row holds."""
+    row_group = np.asarray(ROW_GROUPS(jnp.asarray(sizes, jnp.int32), num_rows, R))
+    return np.searchsorted(row_group, np.arange(ragged.max_groups(num_rows, len(sizes), R) + 1), side="left")
+
+
+def test_the_groups_first_rows_from_the_sizes_are_those_of_the_rows_groups():
+    """`group_first_rows` from the sizes alone against the groups read row by row, over the
+    cases above, no rows, and random groupings of 1 to 256 experts: empty experts, totals
+    short of m and past it (clamped)."""
+    first_rows = jax.jit(ragged.group_first_rows, static_argnums=(1, 2))
+    rng = np.random.default_rng(0)
+    groupings = [*CASES.values(), ([0, 0], 0), ([5], 0)]
+    for experts, num_rows in ((1, 300), (7, 1000), (64, 4097), (256, 20000)):
+        for scale in (0.5, 1.0, 1.5):  # totals short of m, about m and past it
+            sizes = rng.integers(0, 2 * scale * num_rows / experts + 1, experts) * (rng.random(experts) < 0.8)
+            groupings.append((sizes.tolist(), num_rows))
+    for sizes, num_rows in groupings:
+        got = np.asarray(first_rows(jnp.asarray(sizes, jnp.int32), num_rows, R))
+        np.testing.assert_array_equal(got, first_rows_by_rows(sizes, num_rows), err_msg=f"{sizes}, m={num_rows}")
+    # The comparison tells groupings apart: one expert's row moved to its neighbour moves a group.
+    moved = np.asarray(first_rows(jnp.asarray([71, 199, 5], jnp.int32), 290, R))
+    assert not np.array_equal(moved, first_rows_by_rows([70, 200, 5], 290))
+
+
+def test_the_groups_first_rows_take_no_loop():
+    """On a GPU a binary search over the m rows is a loop of log2(m) steps, a kernel or two
+    each; the first rows from the sizes are one fusion of comparisons (the search over the
+    rows, lowered alike, shows the check can fail)."""
+    sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+    text = jax.jit(lambda s: ragged.group_first_rows(s, 16384, R)).lower(sizes).as_text()
+    assert "while" not in text
+    by_rows = jax.jit(lambda s: jnp.searchsorted(ragged.row_groups(s, 16384, R), jnp.arange(137), side="left"))
+    assert "while" in by_rows.lower(sizes).as_text()

@@ -415,7 +415,7 @@ def test_the_k_major_copy_kernel_is_xlas_copy_byte_for_byte(hopper, name):
     group_sizes = jnp.asarray(sizes, jnp.int32)
     count = ragged.max_groups(m, len(sizes), 128)
     want = np.asarray(jax.jit(xla_copy)(values, group_sizes))
-    first_rows = ragged.group_first_rows(ragged.row_groups(group_sizes, m, 128), count)
+    first_rows = ragged.group_first_rows(group_sizes, m, 128)
     copy = jax.jit(lambda v, f, p: contract_layout.copy_by_kernel(v, f, len(sizes), filled=p))
     # Into buffers poisoned two ways: a byte the kernel does not write keeps the poison.
     for poison in (0xA5, 0x5A):
@@ -432,7 +432,7 @@ def test_the_copy_kernels_arithmetic_is_xlas_copy(name):
     values = np.random.default_rng(7).integers(0, 256, (m, n), dtype=np.uint8)
     group_sizes = jnp.asarray(sizes, jnp.int32)
     count = ragged.max_groups(m, len(sizes), 128)
-    first_rows = np.asarray(ragged.group_first_rows(ragged.row_groups(group_sizes, m, 128), count))
+    first_rows = np.asarray(ragged.group_first_rows(group_sizes, m, 128))
     emulated = np.zeros((n, count, 128), np.uint8)
     for group in range(count):
         rows = min(first_rows[group + 1], m) - first_rows[group]

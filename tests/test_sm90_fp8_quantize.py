@@ -76,7 +76,7 @@ def formula(x: np.ndarray, sizes) -> tuple[np.ndarray, np.ndarray]:
     division, round to nearest even), stored at the group's 128 places, zeros after."""
     m, n = x.shape
     count = ragged.max_groups(m, len(sizes), GROUP)
-    first_rows = np.asarray(ragged.group_first_rows(ragged.row_groups(jnp.asarray(sizes, jnp.int32), m, GROUP), count))
+    first_rows = np.asarray(ragged.group_first_rows(jnp.asarray(sizes, jnp.int32), m, GROUP))
     k_major = np.zeros((n, count, GROUP), np.uint8)
     scales = np.ones((count, n), np.float32)  # a group of no rows: scale 1
     for group in range(count):
@@ -91,8 +91,7 @@ def formula(x: np.ndarray, sizes) -> tuple[np.ndarray, np.ndarray]:
 def dequantized_rows(k_major: np.ndarray, scales: np.ndarray, sizes, num_rows: int) -> np.ndarray:
     """(m, n) float64: the values the K-major bytes and scales represent, back in row order."""
     count = scales.shape[0]
-    first_rows = np.asarray(ragged.group_first_rows(ragged.row_groups(jnp.asarray(sizes, jnp.int32), num_rows, GROUP),
-                                                    count))
+    first_rows = np.asarray(ragged.group_first_rows(jnp.asarray(sizes, jnp.int32), num_rows, GROUP))
     values = k_major.view(ml_dtypes.float8_e4m3fn).astype(np.float64).reshape(k_major.shape[0], count, GROUP)
     rows = np.empty((num_rows, k_major.shape[0]))
     for group in range(count):
@@ -300,10 +299,9 @@ def test_the_quantizing_copy_lowers_to_one_call_binding_its_buffers_in_order():
     from jax_dsrelu.kernels.sm90 import contract_layout
 
     m, n, sizes = copy_case("ragged_with_empty")
-    count = ragged.max_groups(m, len(sizes), GROUP)
 
     def quantize(x, group_sizes):
-        first_rows = ragged.group_first_rows(ragged.row_groups(group_sizes, m, GROUP), count)
+        first_rows = ragged.group_first_rows(group_sizes, m, GROUP)
         return contract_layout.quantize_by_kernel(x, first_rows, len(sizes))
 
     shapes = (jax.ShapeDtypeStruct((m, n), jnp.bfloat16), jax.ShapeDtypeStruct((len(sizes),), jnp.int32))
@@ -329,7 +327,7 @@ def test_the_quantizing_copy_computes_its_formula(hopper, name, dtype):
     group_sizes = jnp.asarray(sizes, jnp.int32)
     count = ragged.max_groups(m, len(sizes), GROUP)
     want_k_major, want_scales = formula(x, sizes)
-    first_rows = ragged.group_first_rows(ragged.row_groups(group_sizes, m, GROUP), count)
+    first_rows = ragged.group_first_rows(group_sizes, m, GROUP)
     run = jax.jit(lambda v, f, filled: contract_layout.quantize_by_kernel(v, f, len(sizes), filled=filled))
     # Into buffers poisoned two ways: a byte or scale the kernel does not write keeps the poison.
     for poison in (0xA5, 0x5A):

@@ -53,25 +53,39 @@ def row_groups(group_sizes: jax.Array, num_rows: int, rows_per_group: int) -> ja
     return jnp.cumsum(opens.astype(jnp.int32)) - 1
 
 
-def group_first_rows(row_group: jax.Array, count: int) -> jax.Array:
-    """(count + 1,) int32: the first row of each group, m for a number no group takes (and
-    at the end): groups hold consecutive rows in row order, so group g's rows are
-    [first[g], first[g + 1]). A binary search of the sorted row_group, not a scatter."""
-    return jnp.searchsorted(row_group, jnp.arange(count + 1, dtype=row_group.dtype), side="left").astype(jnp.int32)
+def group_first_rows(group_sizes: jax.Array, num_rows: int, rows_per_group: int) -> jax.Array:
+    """(G + 1,) int32, G = `max_groups`: the first row of each group, m for a number no
+    group takes (and at the end): groups hold consecutive rows in row order, so group g's
+    rows are [first[g], first[g + 1]). From the group sizes alone: each segment of rows
+    (each expert's, then the unowned rows') opens ceil(rows / r) groups, r rows apart from
+    its first row, so group g is segment s's (g - opened before s)-th, s the first segment
+    whose groups reach past g. G x (E + 1) comparisons in one fusion, where reading
+    `row_groups`' answer took a sum over the m rows and a binary search of them, a loop of
+    log2(m) steps on the GPU."""
+    num_experts = group_sizes.shape[0]
+    count = max_groups(num_rows, num_experts, rows_per_group)
+    sizes = groups.clamped_group_sizes(group_sizes, num_rows)
+    total = jnp.sum(sizes)
+    segment_rows = jnp.concatenate([sizes, (num_rows - total)[None]])
+    segment_starts = jnp.cumsum(segment_rows) - segment_rows
+    opened = -(-segment_rows // rows_per_group)
+    opened_through = jnp.cumsum(opened)  # groups of segments 0 .. s
+    numbers = jnp.arange(count + 1, dtype=jnp.int32)
+    segment = jnp.sum(opened_through[None, :] <= numbers[:, None], axis=1, dtype=jnp.int32)
+    taken = segment <= num_experts
+    segment = jnp.minimum(segment, num_experts)
+    within = numbers - (opened_through[segment] - opened[segment])
+    return jnp.where(taken, segment_starts[segment] + rows_per_group * within, num_rows).astype(jnp.int32)
 
 
-def padded_sources(group_sizes: jax.Array, num_rows: int, rows_per_group: int,
-                   row_group: jax.Array | None = None) -> jax.Array:
+def padded_sources(group_sizes: jax.Array, num_rows: int, rows_per_group: int) -> jax.Array:
     """(G r,) int32, G = `max_groups`: the row each place holds in the layout that gives
     each group r places of its own, group g's rows from g * r on in row order (a partial
-    group's other places left empty), m where a place is empty (row_group: `row_groups`'
-    answer, where the caller has it). Gathering rows
+    group's other places left empty), m where a place is empty. Gathering rows
     through it (`gather_padded`) builds the layout (the FP8 weight gradients' kernel reads
     its K-major copies in it) and lines each group up as one r-row block; every place is
     written once, by a gather, with no scatter."""
-    if row_group is None:
-        row_group = row_groups(group_sizes, num_rows, rows_per_group)
-    first = group_first_rows(row_group, max_groups(num_rows, group_sizes.shape[0], rows_per_group))
+    first = group_first_rows(group_sizes, num_rows, rows_per_group)
     offset = jnp.arange(rows_per_group, dtype=jnp.int32)
     rows = first[:-1, None] + offset
     return jnp.where(offset < (first[1:] - first[:-1])[:, None], rows, num_rows).reshape(-1)
@@ -113,7 +127,7 @@ def quantize_ragged_rows(
     # Each group lined up as one r-row block (empty places 0), so its maxima are a dense
     # reduction: a scatter-max of every element into its group's row contends 128 ways on
     # the GPU's atomics. Maxima are exact in any order.
-    sources = padded_sources(group_sizes, num_rows, rows_per_group, row_group)
+    sources = padded_sources(group_sizes, num_rows, rows_per_group)
     blocks = gather_padded(x, sources).reshape(count, rows_per_group, x.shape[1]).astype(jnp.float32)
     amax, special = blockwise.finite_amax(blocks, axis=1)
     x = x.astype(jnp.float32)

@@ -62,8 +62,7 @@ def quantized_k_major_operands(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.
 def _groups(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
     """(first_rows (G + 1,) of the groups of 128 rows (`ragged.group_first_rows`), each
     expert's rows rounded up to whole groups (E,) int32)."""
-    row_group = ragged.row_groups(group_sizes, num_rows, BLOCK)
-    first_rows = ragged.group_first_rows(row_group, ragged.max_groups(num_rows, group_sizes.shape[0], BLOCK))
+    first_rows = ragged.group_first_rows(group_sizes, num_rows, BLOCK)
     sizes = groups.clamped_group_sizes(group_sizes, num_rows)
     return first_rows, (-(-sizes // BLOCK) * BLOCK).astype(jnp.int32)
 
