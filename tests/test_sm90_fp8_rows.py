@@ -319,3 +319,12 @@ def test_no_rows_give_empty_outputs_without_a_launch():
 
     out = jax.jit(row_quantize.quantize_rows_by_kernel)(jnp.zeros((0, 1856), jnp.bfloat16))
     assert out["values"].shape == (0, 1856) and out["scales"].shape == (0, 15)
+
+
+@pytest.mark.compile
+def test_the_fp8_step_takes_no_loop():
+    """No while loop in the step as lowered for Hopper: on the GPU each step of one is a
+    kernel or more (the K-major passes' group tables once searched the m rows' groups, a
+    loop of log2 m steps; `quantization.ragged.group_first_rows`)."""
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    assert "stablehlo.while" not in _fp8_step_text()
