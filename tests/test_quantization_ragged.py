@@ -151,14 +151,15 @@ def first_rows_by_rows(sizes, num_rows: int) -> np.ndarray:
 
 def test_the_groups_first_rows_from_the_sizes_are_those_of_the_rows_groups():
     """`group_first_rows` from the sizes alone against the groups read row by row, over the
-    cases above, no rows, and random groupings of 1 to 256 experts: empty experts, totals
-    short of m and past it (clamped)."""
+    cases above, no rows, and random groupings of 1 to 256 experts: empty experts, negative
+    sizes, totals short of m and past it (clamped)."""
     first_rows = jax.jit(ragged.group_first_rows, static_argnums=(1, 2))
     rng = np.random.default_rng(0)
     groupings = [*CASES.values(), ([0, 0], 0), ([5], 0)]
     for experts, num_rows in ((1, 300), (7, 1000), (64, 4097), (256, 20000)):
         for scale in (0.5, 1.0, 1.5):  # totals short of m, about m and past it
             sizes = rng.integers(0, 2 * scale * num_rows / experts + 1, experts) * (rng.random(experts) < 0.8)
+            sizes[rng.random(experts) < 0.05] = -3  # a negative size owns no rows
             groupings.append((sizes.tolist(), num_rows))
     for sizes, num_rows in groupings:
         got = np.asarray(first_rows(jnp.asarray(sizes, jnp.int32), num_rows, R))
