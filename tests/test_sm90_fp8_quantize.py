@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 # Before anything imports CuTe DSL: on a machine without a GPU it cannot detect one.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -243,17 +244,48 @@ def test_the_quantizing_copy_compiles_for_sm90a(dtype):
 
 
 SIXTEEN_BYTE_ACCESSES = ("ld.global.v4", "st.shared.v4", "st.global.v4")
+# `e4m3.quotient`'s division: its dividend is 1 where the value is 0.
+GUARDED_DIVISION = re.compile(r"selp\.f32 dividend, one, %r\d+, zero;\s+div\.rn\.f32 divided, dividend, %r\d+;")
+
+
+def test_a_zero_values_stand_in_quotient_is_its_quotient_bit_for_bit():
+    """What `e4m3.quotient` puts in a zero's place: its sign's 1 divided by the scale, times
+    0, is +-0 / scale bit for bit for every kind of scale the recipe makes (float32's
+    smallest normal, 1, 1 / 448, large, NaN); dividing +1 would lose -0's sign, as the
+    comparison shows."""
+    scales = np.array([np.finfo(np.float32).tiny, 1.0, 1.0 / 448.0, 3.0e30, np.nan], np.float32)
+    for zero in (np.float32(0.0), np.float32(-0.0)):
+        one = (zero.view(np.uint32) | np.float32(1.0).view(np.uint32)).view(np.float32)
+        stand_in, quotient = (one / scales) * np.float32(0.0), zero / scales
+        assert np.array_equal(stand_in.view(np.uint32)[:-1], quotient.view(np.uint32)[:-1])
+        assert np.isnan(stand_in[-1]) and np.isnan(quotient[-1])
+    unsigned = (np.float32(1.0) / scales[:-1]) * np.float32(0.0)
+    assert not np.array_equal(unsigned.view(np.uint32), (np.float32(-0.0) / scales[:-1]).view(np.uint32))
+
+
+@pytest.mark.compile
+def test_the_compile_checks_tell_a_division_of_a_value_that_may_be_zero():
+    """The guard check above fails on a pass whose division reads the value itself."""
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    from jax_dsrelu.kernels.sm90 import contract_layout
+
+    ptx = contract_layout.compile_quantize_kernel(256, 2, DTYPES["bf16"], keep=True).ptx
+    bare = re.sub(r"div\.rn\.f32 divided, dividend,", "div.rn.f32 divided, %r1,", ptx, count=1)
+    with pytest.raises(AssertionError, match="may be zero"):
+        assert_a_quantizing_pass(bare)
 
 
 def assert_a_quantizing_pass(ptx: str, *also: str, accesses=SIXTEEN_BYTE_ACCESSES) -> None:
-    """A quantizing pass's PTX: IEEE division (no approximation, no flush to zero), the
-    saturating RNE conversion, its vector `accesses` (16-byte loads and stores unless
-    named) and the instructions `also` names, no local memory, and ptxas takes it."""
+    """A quantizing pass's PTX: IEEE division (no approximation, no flush to zero) of
+    dividends that are never zero (`e4m3.quotient`), the saturating RNE conversion, its
+    vector `accesses` (16-byte loads and stores unless named) and the instructions `also`
+    names, no local memory, and ptxas takes it."""
     import ptxas
 
     for instruction in ("div.rn.f32", "cvt.rn.satfinite.e4m3x2.f32", *accesses, *also):
         assert instruction in ptx, instruction
     assert "div.approx" not in ptx and "div.full" not in ptx and ".ftz" not in ptx
+    assert ptx.count("div.rn.f32") == len(GUARDED_DIVISION.findall(ptx)), "a division whose dividend may be zero"
     assert "ld.local" not in ptx and "st.local" not in ptx
     ptxas.check_assembly(ptx)
 

@@ -32,8 +32,9 @@ byte is written once, by one thread: the same bits on every run. w is read once 
 output written once: 2 + 2 bytes an element for 16-bit weights, the pass's least traffic.
 
 The byte tile is `byte_tile.py`'s, its 16-byte slots swizzled so that neither the
-pieces' stores nor the column reads meet a bank conflict. The division is IEEE's (div.rn.f32),
-the conversion `cvt.rn.satfinite.e4m3x2.f32` (`e4m3.py`).
+pieces' stores nor the column reads meet a bank conflict. The division is IEEE's
+(div.rn.f32, zero kept out of it: `e4m3.quotient`), the conversion
+`cvt.rn.satfinite.e4m3x2.f32` (`e4m3.py`).
 
 Constraints (`weight_quantize.quantize_by_kernel` refuses the rest): N and K positive
 multiples of 16, so that every 16-byte piece lies whole inside w.
@@ -155,7 +156,8 @@ class BlockQuantizeSm90:
             piece = tidx + THREADS * q
             row, column = piece // pieces_per_row, (piece % pieces_per_row) * PIECE
             for i in cutlass.range_constexpr(PIECE // 2):
-                packed[i] = e4m3.e4m3x2(widened[2 * i, q] / scale, widened[2 * i + 1, q] / scale)
+                packed[i] = e4m3.e4m3x2(e4m3.quotient(widened[2 * i, q], scale),
+                                         e4m3.quotient(widened[2 * i + 1, q], scale))
             cute.copy(store, packed_bytes, tile_slots[None, byte_tile.slot_of(row, column // PIECE)])
             if row < rows and column < columns:
                 cute.copy(store, packed_bytes, value_pieces[first_row + row, (None, (first_column + column) // PIECE)])

@@ -1,6 +1,7 @@
 """What the sm90 quantizing passes share: the recipe's constants as float32 values
 (`quantization.blockwise.scales_from_amax`), the input types they read, their access width,
-a block's maximum and its scale, and the conversion of float32 to e4m3 in CuTe DSL."""
+a block's maximum and its scale, a value's quotient by the scale, and the conversion of
+float32 to e4m3 in CuTe DSL."""
 
 from __future__ import annotations
 
@@ -62,3 +63,30 @@ def recipe_scale(amax: Float32, special: cutlass.Int32) -> Float32:
     if special != 0:
         scale = Float32(float("nan"))
     return scale
+
+
+
+@dsl_user_op
+def quotient(value: Float32, scale: Float32, *, loc=None, ip=None) -> Float32:
+    """value / scale as IEEE's division rounds it (div.rn.f32), with zero kept out of the
+    division: a zero value divides its sign's 1 instead and takes that quotient times 0,
+    the same signed zero as the division's for a finite scale (a scale is positive, at
+    least float32's smallest normal) and NaN for a NaN one. Why: div.rn.f32 takes a
+    subroutine (its slow path) for a zero dividend, as for any operand or quotient outside
+    the normal range; dh and act are about half zeros (relu), and the zeros past an
+    operand's edge are divided too. One asm statement, since LLVM sees that the division's
+    result is used only where the value is not zero and hands it the value itself; the
+    value is not read after the division, so that no more registers live across its
+    subroutine (multiplying the value by the scale there made ptxas spill in the weights'
+    pass)."""
+    result = llvm.inline_asm(
+        T.f32(), [Float32(value).ir_value(loc=loc, ip=ip), Float32(scale).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred zero;\n.reg .b32 one;\n.reg .f32 dividend, divided, product;\n"
+        "setp.eq.f32 zero, $1, 0f00000000;\n"
+        "or.b32 one, $1, 0x3F800000;\n"
+        "selp.f32 dividend, one, $1, zero;\n"
+        "div.rn.f32 divided, dividend, $2;\n"
+        "mul.rn.f32 product, divided, 0f00000000;\n"
+        "selp.f32 $0, product, divided, zero;\n}",
+        "=f,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return Float32(result)

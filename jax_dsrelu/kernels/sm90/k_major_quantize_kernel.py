@@ -36,7 +36,8 @@ neighbouring columns, one slot, in eight row ranges r // 16 = 0 .. 7) then fall 
 distinct slots' banks, one wavefront, and its stores in the first (four rows' 512 bytes)
 on four wavefronts, the least for 512 bytes.
 
-The division is IEEE's (div.rn.f32), the conversion `cvt.rn.satfinite.e4m3x2.f32`:
+The division is IEEE's (div.rn.f32, zero kept out of it: `e4m3.quotient`), the conversion
+`cvt.rn.satfinite.e4m3x2.f32`:
 saturating is the recipe's clamp to +-448 (x / scale exceeds 448 by an ulp at most,
 and rounds to 448 either way), and a NaN converts to a NaN.
 
@@ -158,8 +159,8 @@ class KMajorQuantizeSm90:
                 # Its rows' bytes; zeros past the group's rows.
                 for k in cutlass.range_constexpr(PART_ROWS // 2):
                     row = part * PART_ROWS + 2 * k
-                    low = values[2 * k] / scale
-                    high = values[2 * k + 1] / scale
+                    low = e4m3.quotient(values[2 * k], scale)
+                    high = e4m3.quotient(values[2 * k + 1], scale)
                     if row >= rows:
                         low = Float32(0.0)
                     if row + 1 >= rows:

@@ -37,7 +37,8 @@ CTA of 256 threads takes 16 neighbouring blocks in row-major order; the grid cov
 block of x, and a thread past the last block or past k loads zeros and stores nothing
 (it still takes part in the shuffles, which every lane of a warp must reach).
 
-The division is IEEE's (div.rn.f32), the conversion `cvt.rn.satfinite.e4m3x2.f32` (`e4m3.py`).
+The division is IEEE's (div.rn.f32, zero kept out of it: `e4m3.quotient`), the conversion
+`cvt.rn.satfinite.e4m3x2.f32` (`e4m3.py`).
 
 Constraints (`row_quantize.cannot_quantize_rows` refuses the rest): k a positive multiple
 of 16, so that every row starts aligned for the 16-byte loads and 8-byte stores; m > 0
@@ -137,7 +138,7 @@ class RowQuantizeSm90:
         # The thread's values as 8 bytes; the half's first thread the scale.
         packed = cute.make_rmem_tensor(cute.make_layout(PIECE // 2), cutlass.Uint16)
         for i in cutlass.range_constexpr(PIECE // 2):
-            packed[i] = e4m3.e4m3x2(widened[2 * i] / scale, widened[2 * i + 1] / scale)
+            packed[i] = e4m3.e4m3x2(e4m3.quotient(widened[2 * i], scale), e4m3.quotient(widened[2 * i + 1], scale))
         store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint8, num_bits_per_copy=8 * PIECE)
         value_pieces = cute.logical_divide(cute.recast_tensor(values, cutlass.Uint8), (None, PIECE))
         if inside:
