@@ -65,7 +65,6 @@ def recipe_scale(amax: Float32, special: cutlass.Int32) -> Float32:
     return scale
 
 
-
 @dsl_user_op
 def quotient(value: Float32, scale: Float32, *, loc=None, ip=None) -> Float32:
     """value / scale as IEEE's division rounds it (div.rn.f32), with zero kept out of the
