@@ -311,6 +311,22 @@ def test_fp8_matmul_with_the_promotion_overlapped_compiles_for_sm90a(variant, sh
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("variant", ["plain", "up_h_alone"])
+def test_fp8_matmul_in_pairs_compiles_for_sm90a(variant):
+    """The configuration decision `fp8_gemm_pairs` would take (timed on an H100 in
+    bench_fp8_gemms): two CTAs along N, A multicast to both, no spills."""
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    import ptxas
+
+    from jax_dsrelu.kernels.sm90 import ragged_call
+
+    request = request_for((8, 4096, 2048), variant)
+    compiled = ragged_call.compile_kernel(request, dataclasses.replace(config_for(request, True), cluster_n=2), keep=True)
+    assert "multicast::cluster" in compiled.ptx
+    ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.compile
 def test_fp8_matmul_lowers_for_cuda():
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
 

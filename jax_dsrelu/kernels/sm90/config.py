@@ -493,14 +493,17 @@ def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_
 def _blockwise_gemm_config(request: RaggedMatmulRequest, outputs: int, sm_count: int) -> GemmConfig:
     """The FP8 ragged-M GEMM's configuration: k-tiles of one scale block (128 of K, a
     128-byte row), N tiles of at most one scale block (128 columns, 64 below n = 128),
-    so that a tile's k-tile has one weight scale; alone; as many stages as fit; the plain
+    so that a tile's k-tile has one weight scale; alone, or in pairs along N where its
+    N-tiles pair up and decision `fp8_gemm_pairs` takes them; as many stages as fit; the plain
     GEMM's promotion beside the next K block's wgmma (decision `fp8_overlap_promotion`), and
     the up-projection's storing h alone where k is deep enough (`fp8_up_overlap_min_k`, under
     the same decision): with act beside h it would spill."""
     h_alone = request.epilogue == "srelu" and not request.with_act
     overlap = request.epilogue == "none" or (h_alone and request.k >= tuning.value("fp8_up_overlap_min_k"))
-    base = dict(tile_n=64 if request.n < BLOCK else BLOCK, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1,
-                store_stages=tuning.value("gemm_store_stages"), cluster_n=1, max_ctas=sm_count,
+    tile_n = 64 if request.n < BLOCK else BLOCK
+    cluster_n = 2 if tuning.value("fp8_gemm_pairs") and pairs_up(request.n, tile_n) else 1
+    base = dict(tile_n=tile_n, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1, store_stages=tuning.value("gemm_store_stages"),
+                cluster_n=cluster_n, max_ctas=sm_count - sm_count % cluster_n,
                 overlap_promotion=overlap and tuning.value("fp8_overlap_promotion"))
     fits = lambda stages: GemmConfig(ab_stages=stages, **base).smem_bytes(request.num_experts, outputs) <= SMEM_CAPACITY  # noqa: E731
     return GemmConfig(ab_stages=most_stages(fits, 2), **base)

@@ -676,6 +676,28 @@ DECISIONS: tuple[Decision, ...] = (
           T("128x128 k128 ab6 st2 overlapped", 0.5427, "sm90_fp8_overlap"),
           T("128x128 k128 ab6 st2", 0.6009, "sm90_fp8")),
         )),
+    # The FP8 GEMM in CTA pairs along N sharing each A tile by multicast (sm90_fp8_pairs) against alone, from
+    # bench_fp8_gemms.py on one H100: at 128 x 128 FP8 tiles a k-tile's 32 KB of operands per 4 MFLOP asks
+    # L2 for more bytes per FLOP than the bf16 GEMM's 128 x 256 tiles, which pairs would cut by a quarter.
+    Decision("fp8_gemm_pairs", False, 0.02,
+             "The FP8 ragged GEMMs run alone: in pairs they took 3.9% (up) and 1.7% (down) less at 8 experts of "
+             "2048 rows on average, and 6.9% and 1.0% more at 256 experts of 256; the rules see neither the rows "
+             "per expert (known at run time) nor a k that parts the two, and the gain at 8 experts (about 0.02 "
+             "ms over up, down and dx) is under 1% of the FP8 step there, about a step's spread over reps.", (
+        E((16384, 4096, 2048, 8), "up", "bench_fp8_gemms_04f97fa.json",
+          T("128x128 k128 ab6 st2 overlapped", 0.2613, "sm90_fp8"),
+          T("128x128 k128 ab6 st2 pairs overlapped", 0.2512, "sm90_fp8_pairs"),
+          exception="pairs take 3.9% less here and 6.9% more at 256 experts; the rules cannot tell the two apart"),
+        E((16384, 4096, 2048, 8), "down", "bench_fp8_gemms_04f97fa.json",
+          T("128x128 k128 ab6 st2 overlapped", 0.2543, "sm90_fp8"),
+          T("128x128 k128 ab6 st2 pairs overlapped", 0.25, "sm90_fp8_pairs")),
+        E((65536, 2048, 768, 256), "up", "bench_fp8_gemms_04f97fa.json",
+          T("128x128 k128 ab6 st2", 0.2855, "sm90_fp8"),
+          T("128x128 k128 ab6 st2 pairs", 0.3051, "sm90_fp8_pairs")),
+        E((65536, 2048, 768, 256), "down", "bench_fp8_gemms_04f97fa.json",
+          T("128x128 k128 ab6 st2 overlapped", 0.3196, "sm90_fp8"),
+          T("128x128 k128 ab6 st2 pairs overlapped", 0.3229, "sm90_fp8_pairs")),
+        )),
     # The FP8 up-projection storing h alone (as the FP8 layer runs it), from bench_fp8_gemms.py at two
     # commits of the same kernels on one H100: the promotion between the batches (sm90_fp8, the bias of the
     # tile's columns held from before the mainloop) against beside the next block (sm90_fp8_overlap, the
