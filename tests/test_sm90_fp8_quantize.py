@@ -46,10 +46,13 @@ IDS = [f"{name}-{dtype}" for name, dtype in CASES]
 
 def operand(name, dtype_name, specials=True):
     """(x (m, n) in the dtype, group sizes): values over 2^-20 to 2^20 in every group, so
-    that most land among e4m3's subnormals, and a NaN and an infinity in two groups."""
+    that most land among e4m3's subnormals, a third of them zeros of either sign (as relu
+    leaves in dh and act; -0 quantizes to e4m3's -0, 0x80), and a NaN and an infinity in
+    two groups."""
     m, n, sizes = copy_case(name)
     rng = np.random.default_rng(m + n)
     x = rng.standard_normal((m, n)) * np.exp2(rng.uniform(-20, 20, (m, n)))
+    x = np.where(rng.uniform(size=(m, n)) < 1 / 3, np.copysign(0.0, x), x)
     if specials and m > 40:
         x[3, 5], x[min(m - 1, 200), n - 1] = np.nan, -np.inf
     return np.asarray(jnp.asarray(x, DTYPES[dtype_name])), sizes

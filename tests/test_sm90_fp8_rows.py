@@ -54,11 +54,13 @@ ACT_IDS = [f"{name}-{dtype}-prob_{prob}" for name, dtype, prob in ACT_CASES]
 
 def rows(name: str, dtype_name: str) -> np.ndarray:
     """x (m, k) in the dtype: values over 2^-20 to 2^20 (most of a block's land among
-    e4m3's subnormals), a NaN in one block, an infinity in another and a block of zeros
-    where there are three blocks or more."""
+    e4m3's subnormals), a third of them zeros of either sign (as relu leaves in dh; -0
+    quantizes to e4m3's -0, 0x80), a NaN in one block, an infinity in another and a block
+    of zeros where there are three blocks or more."""
     m, k = SHAPES[name]
     rng = np.random.default_rng(m + k)
     x = rng.standard_normal((m, k)) * np.exp2(rng.uniform(-20, 20, (m, k)))
+    x = np.where(rng.uniform(size=(m, k)) < 1 / 3, np.copysign(0.0, x), x)
     if dtype_name == "f16":  # float16's range: 2^-14 to 2^15 and its subnormals
         x = np.clip(x, -6e4, 6e4)
     if m * k > 2 * BLOCK[1]:
@@ -303,6 +305,23 @@ def test_the_squared_relu_form_computes_the_recipe_of_the_activation(hopper, nam
         out = run(jnp.asarray(h), jnp.asarray(prob), filled)
         assert same_bytes_but_nan_sign(np.asarray(out["values"]).view(np.uint8), want_values)
         np.testing.assert_array_equal(np.asarray(out["scales"]), want_scales)
+
+
+@pytest.mark.parametrize("name", ["partial_last", "one_row"])
+def test_the_inputs_hold_zeros_of_both_signs_which_the_oracle_keeps(name):
+    """The GPU tier's rows (and the K-major pass's) carry -0, and the oracle quantizes it to
+    0x80, +0 to 0x00: a kernel dropping the sign of zero fails them."""
+    import test_sm90_fp8_quantize
+
+    for x in (np.asarray(rows(name, "bf16"), np.float32), test_sm90_fp8_quantize.operand("one_expert", "bf16")[0]):
+        zeros = x == 0
+        assert (zeros & np.signbit(x)).any() and (zeros & ~np.signbit(x)).any()
+    x = np.asarray(rows(name, "bf16"), np.float32)
+    values, _ = oracle(x)
+    zeros = (x == 0) & ~np.isnan(oracle(x)[1]).repeat(BLOCK[1], axis=1)[:, :x.shape[1]]
+    assert (values[zeros & np.signbit(x)] == 0x80).all() and (values[zeros & ~np.signbit(x)] == 0x00).all()
+    unsigned = np.where(values == 0x80, np.uint8(0), values)
+    assert not same_bytes_but_nan_sign(unsigned, values)
 
 
 def test_the_activation_oracle_tells_a_missing_square_and_a_dropped_prob():
