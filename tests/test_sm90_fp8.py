@@ -22,6 +22,7 @@ import os
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import dataclasses  # noqa: E402
+import re  # noqa: E402
 import zlib  # noqa: E402
 
 import jax  # noqa: E402
@@ -72,14 +73,20 @@ GROUPINGS = {
     # Nemotron-3 Nano's widths: d = 2688 (21 blocks) and f = 1856 (14.5 blocks).
     "nano_widths": ((16, 2688, 1856), 5000, None),
 }
-# (grouping, variant, overlap_promotion): the promotion beside the next wgmma batch
-# (`promoted_mainloop.mma_k_tiles_promoted_overlapped`) for the plain GEMM.
+# (grouping, variant, schedule): True, the promotion beside the next wgmma batch
+# (`promoted_mainloop.mma_k_tiles_promoted_overlapped`); False, between the batches;
+# "wide", between them over N tiles of 192 columns spanning two N blocks of the weight
+# (`promoted_mainloop.mma_k_tiles_promoted_wide`: tiles starting on a block's edge and half
+# way, the second block past n clamped).
 GPU_CASES = [(name, "plain", False) for name in GROUPINGS] + [
     ("ragged_with_empty", "srelu", False), ("ragged_with_empty", "srelu_bias", False),
     ("nano_widths", "srelu_bias", False), ("past_m", "srelu", False), ("ragged_with_empty", "up_h_alone", False),
     ("nano_widths", "up_h_alone", False),
 ] + [(name, "plain", True) for name in ("ragged_with_empty", "past_m", "one_expert", "narrow_n", "nano_widths")] + [
-    (name, "up_h_alone", True) for name in ("ragged_with_empty", "past_m", "nano_widths")]
+    (name, "up_h_alone", True) for name in ("ragged_with_empty", "past_m", "nano_widths")] + [
+    (name, "plain", "wide") for name in ("ragged_with_empty", "past_m", "one_expert", "narrow_n", "nano_widths")] + [
+    (name, "up_h_alone", "wide") for name in ("ragged_with_empty", "one_expert", "nano_widths")]
+SCHEDULE_IDS = {True: "-overlapped", False: "", "wide": "-wide"}
 
 
 def grouping(name):
@@ -250,11 +257,18 @@ def test_sm90_refuses_what_the_fp8_kernel_cannot_take():
 # ------------------------------------------------------------------------- compile tier
 
 
-def config_for(request, overlap_promotion: bool):
-    """The chosen config with the promotion schedule named (whichever the rules choose)."""
-    from jax_dsrelu.kernels.sm90 import ragged_call
+def config_for(request, schedule):
+    """The chosen config with the promotion schedule named (whichever the rules choose):
+    True or False (`overlap_promotion`), or "wide" (`GPU_CASES`), its stages as many as fit."""
+    from jax_dsrelu.kernels.sm90 import config, ragged_call
+    from jax_dsrelu.kernels.sm90.block_scaled import WIDE_TILE_N
 
-    return dataclasses.replace(ragged_call.choose_config(request), overlap_promotion=overlap_promotion)
+    chosen = ragged_call.choose_config(request)
+    if schedule != "wide":
+        return dataclasses.replace(chosen, overlap_promotion=schedule)
+    wide = dataclasses.replace(chosen, tile_n=WIDE_TILE_N, overlap_promotion=False)
+    fits = lambda stages: dataclasses.replace(wide, ab_stages=stages).request_bytes(request) <= config.SMEM_CAPACITY  # noqa: E731
+    return dataclasses.replace(wide, ab_stages=config.most_stages(fits, 2))
 
 
 def prebuild_requests():
@@ -324,6 +338,36 @@ def test_fp8_matmul_in_pairs_compiles_for_sm90a(variant):
     compiled = ragged_call.compile_kernel(request, dataclasses.replace(config_for(request, True), cluster_n=2), keep=True)
     assert "multicast::cluster" in compiled.ptx
     ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("variant", ["plain", "up_h_alone"])
+def test_fp8_matmul_with_wide_tiles_compiles_for_sm90a(variant):
+    """N tiles of 192 columns (`block_scaled.WIDE_TILE_N`): one wgmma of n = 192 a k-block,
+    the bias loaded subtile by subtile, no spills beside the partial sum."""
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    import ptxas
+
+    from jax_dsrelu.kernels.sm90 import ragged_call
+
+    request = request_for((8, 4096, 2048), variant)
+    compiled = ragged_call.compile_kernel(request, config_for(request, "wide"), keep=True)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n192k32\.f32\.e4m3\.e4m3", compiled.ptx)
+    ptxas.check_assembly(compiled.ptx)
+
+
+def test_wide_tiles_are_refused_where_they_do_not_fit():
+    """192 columns only promoted between the batches, and not for the kernels without the
+    wide promotion (the contraction's check names its limit)."""
+    from jax_dsrelu.kernels.sm90 import block_scaled
+
+    request = request_for((8, 528, 320), "plain")
+    wide = config_for(request, "wide")
+    block_scaled.check_block_scaled("k", wide, request, "block_scaled", wide_tiles=True)
+    for config, wide_tiles in ((dataclasses.replace(wide, overlap_promotion=True), True), (wide, False),
+                               (dataclasses.replace(wide, tile_n=256), True)):
+        with pytest.raises(ValueError, match="tile_n=(192|256)"):
+            block_scaled.check_block_scaled("k", config, request, "block_scaled", wide_tiles=wide_tiles)
 
 
 @pytest.mark.compile
@@ -413,7 +457,7 @@ def run_poisoned(request, named, m, config=None):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, variant, overlap", GPU_CASES,
-                         ids=[f"{n}-{v}" + ("-overlapped" if o else "") for n, v, o in GPU_CASES])
+                         ids=[f"{n}-{v}{SCHEDULE_IDS[o]}" for n, v, o in GPU_CASES])
 def test_fp8_matmul_matches_float64_and_the_emulation(hopper, name, variant, overlap):
     (num_experts, k, n), m, sizes = grouping(name)
     rng = np.random.default_rng(zlib.crc32(f"{name}{variant}".encode()))
@@ -438,7 +482,7 @@ def test_fp8_matmul_matches_float64_and_the_emulation(hopper, name, variant, ove
         check_against(out, emulated(operands, sizes, m), abs_dot, k, "the emulation")
     elif request.with_act:
         check_activation(out, results["act"], named["prob"], owned)
-    else:  # h alone: bit for bit the h stored beside act (whose kernel promotes between the batches)
+    else:  # h alone: bit for bit the h stored beside act (whose kernel promotes between the batches, 128 wide)
         assert set(results) == {"h"}
         beside_act = dataclasses.replace(request, with_act=True)
         h = run_poisoned(beside_act, named, m, config_for(beside_act, False))["h"]

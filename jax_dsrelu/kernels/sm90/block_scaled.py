@@ -6,8 +6,9 @@ request field that says its operands are block-scaled (`scaled_flag`) and its sc
 operands: `a_scale` (rows, K blocks), one per row of A and 128 of K, and `b_scale`
 (E, N blocks, K blocks), one per 128 x 128 block of B stored (E, N, K). The config's
 k-tile is one K block and its N tile at most one N block (`config.BLOCK`), so each
-k-tile of a work tile has one B scale and a scale per row; the 16-bit variant's epilogue
-then reads the promoted float32 accumulator as it reads its own.
+k-tile of a work tile has one B scale and a scale per row, or, in a variant taking wide
+tiles, WIDE_TILE_N columns over two N blocks; the 16-bit variant's epilogue then reads the
+promoted float32 accumulator as it reads its own.
 """
 
 from __future__ import annotations
@@ -22,16 +23,24 @@ from jax_dsrelu.kernels.sm90 import promoted_mainloop
 from jax_dsrelu.kernels.sm90.config import BLOCK
 
 _F32 = np.dtype(np.float32)
+# An N tile of one and a half scale blocks: it spans two N blocks of the weight wherever
+# it starts (at a block's edge or half way), and its 96 accumulator values a thread, with
+# a partial-sum buffer as large, fit the consumers' registers.
+WIDE_TILE_N = 192
 
 
-def check_block_scaled(kernel: str, config, request, scaled_flag: str) -> None:
+def check_block_scaled(kernel: str, config, request, scaled_flag: str, wide_tiles: bool = False) -> None:
     """What every FP8_BLOCKWISE kernel asks: a request whose `scaled_flag` is set, k-tiles
-    of one scale block along K and N tiles of at most one."""
+    of one scale block along K and N tiles of at most one; with `wide_tiles`, N tiles of
+    WIDE_TILE_N columns too, their promotion between the batches."""
     if not getattr(request, scaled_flag):
         raise ValueError(f"{kernel} serves requests with {scaled_flag}=True, got False")
-    if config.tile_k != BLOCK or config.tile_n > BLOCK:
-        raise ValueError(f"{kernel} needs tile_k={BLOCK} and tile_n <= {BLOCK} (one scale block per k-tile), "
-                         f"got tile_k={config.tile_k}, tile_n={config.tile_n}")
+    wide = wide_tiles and config.tile_n == WIDE_TILE_N and not config.overlap_promotion
+    if config.tile_k != BLOCK or (config.tile_n > BLOCK and not wide):
+        widths = f"tile_n <= {BLOCK}" + (f" or {WIDE_TILE_N} promoted between the batches" if wide_tiles else "")
+        raise ValueError(f"{kernel} needs tile_k={BLOCK} and {widths} (at most two scale blocks per k-tile), "
+                         f"got tile_k={config.tile_k}, tile_n={config.tile_n}, "
+                         f"overlap_promotion={config.overlap_promotion}")
 
 
 class BlockScaledMainloop:
@@ -47,10 +56,12 @@ class BlockScaledMainloop:
     # (the fused kernel's epilogue state); else a second buffer of the whole tile
     # (`mma_k_tiles_promoted_overlapped`).
     promotion_by_column_halves = False
+    # Whether the variant takes N tiles of WIDE_TILE_N (`mma_k_tiles_promoted_wide`).
+    wide_tiles = False
     scales_after = "group_sizes"
 
     def __init__(self, config, request):
-        check_block_scaled(type(self).__name__, config, request, self.scaled_flag)
+        check_block_scaled(type(self).__name__, config, request, self.scaled_flag, self.wide_tiles)
         super().__init__(config, request)
 
     def operands(self) -> list[KernelOperand]:
@@ -86,6 +97,17 @@ class BlockScaledMainloop:
             half_blocks = [cute.make_rmem_tensor(ctx.column_halves.shape, Float32) for _ in range(2)]
             return promoted_mainloop.mma_k_tiles_promoted_in_halves(
                 ctx, half_blocks, read_state, release_state, self.k_tiles, *scales)
+        if cutlass.const_expr(self.tile_n > BLOCK):
+            # The tile's two N blocks (the second clamped to the last, whose columns past n are
+            # zeros never stored); columns [64, 128) lie in the second unless the tile starts on
+            # a block's edge.
+            last_block = -(-self.n // BLOCK) - 1
+            n_blocks = [n_block, Int32(cutlass.min(n_block + 1, last_block))]
+            middle_second = (tile.n_tile * self.tile_n) % BLOCK != 0
+            return promoted_mainloop.mma_k_tiles_promoted_wide(
+                ctx, cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32), read_state, release_state,
+                self.k_tile_count(tile), ctx.params.a_scale, rows, ctx.params.b_scale, tile.expert, n_blocks,
+                middle_second)
         if self.config.overlap_promotion:
             blocks = [cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32) for _ in range(2)]
             return promoted_mainloop.mma_k_tiles_promoted_overlapped(

@@ -16,6 +16,9 @@ them; lhs_scale (m, ceil(k / 128)) and rhs_scale (E, ceil(n / 128), ceil(k / 128
 float32, as `quantization.blockwise.quantize_blockwise` makes them (`block_scaled.py`).
 A partial last K block is zero-filled by TMA past k, and its scale is its own.
 
+N tiles of 192 columns (`block_scaled.WIDE_TILE_N`, promoted between the batches) span
+two N blocks of rhs (`promoted_mainloop.mma_k_tiles_promoted_wide`).
+
 Constraints (`config.cannot_implement_gemm`): rhs_layout "nk", n and k multiples of 16
 (16-byte TMA rows), 16-bit outputs, 1 <= E <= 512, fewer than 2^30 rows.
 """
@@ -23,6 +26,7 @@ Constraints (`config.cannot_implement_gemm`): rhs_layout "nk", n and k multiples
 from __future__ import annotations
 
 from jax_dsrelu.kernels.sm90.block_scaled import BlockScaledMainloop
+from jax_dsrelu.kernels.sm90.config import BLOCK
 from jax_dsrelu.kernels.sm90.ragged_matmul_kernel import RaggedGemmSm90
 
 
@@ -32,3 +36,10 @@ class BlockScaledRaggedGemmSm90(BlockScaledMainloop, RaggedGemmSm90):
     a_scale = "lhs_scale"
     b_scale = "rhs_scale"
     scaled_flag = "block_scaled"
+    wide_tiles = True
+
+    def __init__(self, config, request):
+        super().__init__(config, request)
+        # A wide tile's bias (tile_n / 4 values a thread) held from before the mainloop
+        # beside its partial sum would crowd the registers: loaded subtile by subtile.
+        self.bias_per_subtile = self.with_bias and (config.overlap_promotion or config.tile_n > BLOCK)
