@@ -23,8 +23,8 @@ from jax_dsrelu.kernels.sm90 import promoted_mainloop
 from jax_dsrelu.kernels.sm90.config import BLOCK
 
 _F32 = np.dtype(np.float32)
-# An N tile of one and a half scale blocks: it spans two N blocks of the weight wherever
-# it starts (at a block's edge or half way), and its 96 accumulator values a thread, with
+# An N tile of one and a half scale blocks: it spans at most two N blocks of the weight
+# (it starts at a block's edge or half way), and its 96 accumulator values a thread, with
 # a partial-sum buffer as large, fit the consumers' registers.
 WIDE_TILE_N = 192
 
@@ -38,7 +38,7 @@ def check_block_scaled(kernel: str, config, request, scaled_flag: str, wide_tile
     wide = wide_tiles and config.tile_n == WIDE_TILE_N and not config.overlap_promotion
     if config.tile_k != BLOCK or (config.tile_n > BLOCK and not wide):
         widths = f"tile_n <= {BLOCK}" + (f" or {WIDE_TILE_N} promoted between the batches" if wide_tiles else "")
-        raise ValueError(f"{kernel} needs tile_k={BLOCK} and {widths} (at most two scale blocks per k-tile), "
+        raise ValueError(f"{kernel} needs tile_k={BLOCK} and {widths} (the scale blocks a k-tile's promotion reads), "
                          f"got tile_k={config.tile_k}, tile_n={config.tile_n}, "
                          f"overlap_promotion={config.overlap_promotion}")
 
