@@ -84,24 +84,24 @@ def gemm_functions(gemm):
         return lax.dot_general(up(a, a_scale), up(b, b_scale), (((1,), (1,)), ((), ())), preferred_element_type=BF16)
 
     def configured(**fields):
-        """sm90_fp8's GEMM with the configuration's `fields` as named."""
+        """sm90_fp8's GEMM with the configuration's `fields` as named, then as many stages as fit."""
         def run(lhs, rhs, sizes, prob, bias, lhs_scale, rhs_scale):
-            from jax_dsrelu.kernels.sm90 import ragged_call  # CuTe DSL: the 'gpu' extra
+            from jax_dsrelu.kernels.sm90 import config, ragged_call  # CuTe DSL: the 'gpu' extra
 
             request = RaggedMatmulRequest(num_experts=rhs.shape[0], k=lhs.shape[1], n=rhs.shape[1], rhs_layout="nk",
                                           operand_dtype=E4M3, out_dtype=BF16, block_scaled=True,
                                           epilogue="srelu" if srelu else "none", with_bias=srelu, with_act=not srelu)
-            config = dataclasses.replace(ragged_call.choose_config(request), **fields)
+            chosen = config.with_most_gemm_stages(dataclasses.replace(ragged_call.choose_config(request), **fields), request)
             named = dict(lhs=lhs, rhs=rhs, group_sizes=sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale,
                          **(dict(prob=prob, bias=bias) if srelu else {}))
-            return ragged_call.implementation(request, config)(**named)["h" if srelu else "out"]
+            return ragged_call.implementation(request, chosen)(**named)["h" if srelu else "out"]
         return run
 
     fp8_names = ("lhs", "rhs", "group_sizes", "prob", "bias", "lhs_scale", "rhs_scale")
     return {"sm90": (ours, ("rows", "weight_kn", "group_sizes", "prob", "bias")),
         "sm90_fp8": (lambda *a: ours(*a, layout="nk"), fp8_names), "sm90_fp8_pairs": (configured(cluster_n=2), fp8_names),
         "sm90_fp8_between": (configured(overlap_promotion=False), fp8_names), "sm90_fp8_overlap": (configured(overlap_promotion=True), fp8_names),
-        "sm90_fp8_wide": (configured(tile_n=192, overlap_promotion=False, ab_stages=5), fp8_names),
+        "sm90_fp8_wide": (configured(tile_n=192, overlap_promotion=False), fp8_names),
         "quantize": (lambda rows: quantize_blockwise(rows, ACT), ("rows",)),
         "cublas_bf16": (lambda a, b: a @ b, ("rows", "dense_bf16")),
         "cublas_fp8": (cublas_fp8, ("lhs", "dense_fp8", "lhs_scale_max", "dense_scale")),

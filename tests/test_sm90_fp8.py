@@ -76,7 +76,7 @@ GROUPINGS = {
 # (grouping, variant, schedule): True, the promotion beside the next wgmma batch
 # (`promoted_mainloop.mma_k_tiles_promoted_overlapped`); False, between the batches;
 # "wide", between them over N tiles of 192 columns spanning two N blocks of the weight
-# (`promoted_mainloop.mma_k_tiles_promoted_wide`: tiles starting on a block's edge and half
+# (`promoted_mainloop.mma_k_tiles_promoted`, given `wide`: tiles starting on a block's edge and half
 # way, the second block past n clamped).
 GPU_CASES = [(name, "plain", False) for name in GROUPINGS] + [
     ("ragged_with_empty", "srelu", False), ("ragged_with_empty", "srelu_bias", False),
@@ -266,9 +266,7 @@ def config_for(request, schedule):
     chosen = ragged_call.choose_config(request)
     if schedule != "wide":
         return dataclasses.replace(chosen, overlap_promotion=schedule)
-    wide = dataclasses.replace(chosen, tile_n=WIDE_TILE_N, overlap_promotion=False)
-    fits = lambda stages: dataclasses.replace(wide, ab_stages=stages).request_bytes(request) <= config.SMEM_CAPACITY  # noqa: E731
-    return dataclasses.replace(wide, ab_stages=config.most_stages(fits, 2))
+    return config.with_most_gemm_stages(dataclasses.replace(chosen, tile_n=WIDE_TILE_N, overlap_promotion=False), request)
 
 
 def prebuild_requests():

@@ -56,7 +56,7 @@ class BlockScaledMainloop:
     # (the fused kernel's epilogue state); else a second buffer of the whole tile
     # (`mma_k_tiles_promoted_overlapped`).
     promotion_by_column_halves = False
-    # Whether the variant takes N tiles of WIDE_TILE_N (`mma_k_tiles_promoted_wide`).
+    # Whether the variant takes N tiles of WIDE_TILE_N (`mma_k_tiles_promoted` given `wide`).
     wide_tiles = False
     scales_after = "group_sizes"
 
@@ -97,21 +97,16 @@ class BlockScaledMainloop:
             half_blocks = [cute.make_rmem_tensor(ctx.column_halves.shape, Float32) for _ in range(2)]
             return promoted_mainloop.mma_k_tiles_promoted_in_halves(
                 ctx, half_blocks, read_state, release_state, self.k_tiles, *scales)
-        if cutlass.const_expr(self.tile_n > BLOCK):
-            # The tile's two N blocks (the second clamped to the last, whose columns past n are
-            # zeros never stored); columns [64, 128) lie in the second unless the tile starts on
-            # a block's edge.
-            last_block = -(-self.n // BLOCK) - 1
-            n_blocks = [n_block, Int32(cutlass.min(n_block + 1, last_block))]
-            middle_second = (tile.n_tile * self.tile_n) % BLOCK != 0
-            return promoted_mainloop.mma_k_tiles_promoted_wide(
-                ctx, cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32), read_state, release_state,
-                self.k_tile_count(tile), ctx.params.a_scale, rows, ctx.params.b_scale, tile.expert, n_blocks,
-                middle_second)
         if self.config.overlap_promotion:
             blocks = [cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32) for _ in range(2)]
             return promoted_mainloop.mma_k_tiles_promoted_overlapped(
                 ctx, blocks, read_state, release_state, self.k_tiles, *scales)
+        wide = None
+        if cutlass.const_expr(self.tile_n > BLOCK):
+            # The tile's second N block (clamped to the last, whose columns past n are zeros never
+            # stored); columns [64, 128) lie in it unless the tile starts on a block's edge.
+            last_block = -(-self.n // BLOCK) - 1
+            wide = (Int32(cutlass.min(n_block + 1, last_block)), (tile.n_tile * self.tile_n) % BLOCK != 0)
         return promoted_mainloop.mma_k_tiles_promoted(
             ctx, cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32), read_state, release_state, self.k_tile_count(tile),
-            *scales)
+            *scales, wide)

@@ -17,7 +17,7 @@ float32, as `quantization.blockwise.quantize_blockwise` makes them (`block_scale
 A partial last K block is zero-filled by TMA past k, and its scale is its own.
 
 N tiles of 192 columns (`block_scaled.WIDE_TILE_N`, promoted between the batches) span
-two N blocks of rhs (`promoted_mainloop.mma_k_tiles_promoted_wide`).
+two N blocks of rhs (`promoted_mainloop.mma_k_tiles_promoted`, given `wide`).
 
 Constraints (`config.cannot_implement_gemm`): rhs_layout "nk", n and k multiples of 16
 (16-byte TMA rows), 16-bit outputs, 1 <= E <= 512, fewer than 2^30 rows.

@@ -471,7 +471,7 @@ def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_
         raise ValueError(reason)
     outputs = stored_outputs(request)
     if request.block_scaled:
-        return _blockwise_gemm_config(request, outputs, sm_count)
+        return _blockwise_gemm_config(request, sm_count)
 
     def with_most_stages(tile_n, cluster_n=1, outputs=outputs):
         base = dict(tile_n=tile_n, tile_k=_RAGGED_M_TILE_K, epi_n=_EPI_N,
@@ -490,7 +490,7 @@ def choose_gemm_config(request: RaggedMatmulRequest, sm_count: int = DEFAULT_SM_
     return with_most_stages(tile_n, 2 if pairs else 1)
 
 
-def _blockwise_gemm_config(request: RaggedMatmulRequest, outputs: int, sm_count: int) -> GemmConfig:
+def _blockwise_gemm_config(request: RaggedMatmulRequest, sm_count: int) -> GemmConfig:
     """The FP8 ragged-M GEMM's configuration: k-tiles of one scale block (128 of K, a
     128-byte row), N tiles of at most one scale block (128 columns, 64 below n = 128),
     so that a tile's k-tile has one weight scale; alone, or in pairs along N where its
@@ -505,8 +505,15 @@ def _blockwise_gemm_config(request: RaggedMatmulRequest, outputs: int, sm_count:
     base = dict(tile_n=tile_n, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1, store_stages=tuning.value("gemm_store_stages"),
                 cluster_n=cluster_n, max_ctas=sm_count - sm_count % cluster_n,
                 overlap_promotion=overlap and tuning.value("fp8_overlap_promotion"))
-    fits = lambda stages: GemmConfig(ab_stages=stages, **base).smem_bytes(request.num_experts, outputs) <= SMEM_CAPACITY  # noqa: E731
-    return GemmConfig(ab_stages=most_stages(fits, 2), **base)
+    return with_most_gemm_stages(GemmConfig(ab_stages=2, **base), request)
+
+
+def with_most_gemm_stages(config: GemmConfig, request: RaggedMatmulRequest) -> GemmConfig:
+    """`config` with as many operand stages (at least 2) as shared memory holds beside what
+    it keeps for `request`: the rules' last step, and what a config they did not choose
+    (another tile width) takes."""
+    fits = lambda stages: dataclasses.replace(config, ab_stages=stages).request_bytes(request) <= SMEM_CAPACITY  # noqa: E731
+    return dataclasses.replace(config, ab_stages=most_stages(fits, 2))
 
 
 # The contraction's operand ring: no config of more stages was measured.

@@ -227,55 +227,34 @@ def mma_k_tiles_promoted(
     rhs_scale: cute.Tensor,  # (E, N blocks, K blocks) float32
     expert: Int32,
     n_block: Int32,
+    wide=None,  # for a tile of 192 columns: (its second N block of rhs, whether columns [64, 128) lie in it)
 ):
     """acc = sum over the tile's k-tiles of (A B^T over the k-tile) times its scales
     (acc = 0 for none). Returns (read_state, release_state), each advanced k_tiles times.
     Not with `_issue_block` and `_promote`: their order of the state advances gives other
-    PTX than the code that passed its GPU tier (tests/ptx_digests.json)."""
+    PTX than the code that passed its GPU tier (tests/ptx_digests.json).
+
+    A tile of 192 columns (`block_scaled.WIDE_TILE_N`, given `wide`) spans two N blocks of
+    rhs: its columns [0, 64) lie in n_block, [128, 192) in the second, and [64, 128) in
+    n_block where the tile starts on a block's edge, else in the second. Value v of the
+    fragment lies at column 8 (v // 4) + (0 .. 7), in the 64-column segment v // 32; each
+    segment's scale products are chosen once a k-tile, so each value's product and sum are
+    the 128-column tile's."""
     acc = ctx.acc
     acc.fill(0.0)
     for k_tile in range(k_tiles):
         row_scales = [Float32(lhs_scale[row, k_tile]) for row in rows]
         block_scale = Float32(rhs_scale[expert, n_block, k_tile])
+        if cutlass.const_expr(wide is not None):
+            second_scale = Float32(rhs_scale[expert, wide[0], k_tile])
         read_state, release_state = _landed_block(ctx, acc_block, read_state, release_state)
         scales = [scale * block_scale for scale in row_scales]
+        segments = [scales]
+        if cutlass.const_expr(wide is not None):
+            second = [scale * second_scale for scale in row_scales]
+            segments = [scales, [Float32(cutlass.select_(wide[1], b, a)) for a, b in zip(scales, second)], second]
         for v in cutlass.range_constexpr(cute.size(acc)):
-            acc[v] = acc[v] + acc_block[v] * scales[fragment.row_half(v)]
-    return read_state, release_state
-
-
-@cute.jit
-def mma_k_tiles_promoted_wide(
-    ctx,  # the consumer's context: its tiled_mma, acc (the float32 total), tCrA, tCrB and ab_pipeline
-    acc_block: cute.Tensor,  # one K block's partial sum, written by wgmma only
-    read_state: pipeline.PipelineState,
-    release_state: pipeline.PipelineState,
-    k_tiles: Int32,
-    lhs_scale: cute.Tensor,  # (m, K blocks) float32
-    rows: list,  # this thread's two rows of lhs (in bounds)
-    rhs_scale: cute.Tensor,  # (E, N blocks, K blocks) float32
-    expert: Int32,
-    n_blocks: list,  # the tile's two N blocks of rhs
-    middle_second,  # whether the tile's columns [64, 128) lie in the second
-):
-    """`mma_k_tiles_promoted` for a tile of 192 columns (`block_scaled.WIDE_TILE_N`), which
-    spans two N blocks of rhs: its columns [0, 64) lie in the first, [128, 192) in the
-    second, and [64, 128) in the first where the tile starts on a block's edge, else in the
-    second. Value v of the fragment lies at column 8 (v // 4) + (0 .. 7), in the 64-column
-    segment v // 32; each segment's scale products are chosen once a k-tile, so the
-    promotion is the same product and sum a value as in `mma_k_tiles_promoted`."""
-    acc = ctx.acc
-    acc.fill(0.0)
-    for k_tile in range(k_tiles):
-        row_scales = [Float32(lhs_scale[row, k_tile]) for row in rows]
-        block_scales = [Float32(rhs_scale[expert, n_block, k_tile]) for n_block in n_blocks]
-        read_state, release_state = _landed_block(ctx, acc_block, read_state, release_state)
-        first = [scale * block_scales[0] for scale in row_scales]
-        second = [scale * block_scales[1] for scale in row_scales]
-        middle = [Float32(cutlass.select_(middle_second, b, a)) for a, b in zip(first, second)]
-        segments = [first, middle, second]
-        for v in cutlass.range_constexpr(cute.size(acc)):
-            acc[v] = acc[v] + acc_block[v] * segments[v // 32][fragment.row_half(v)]
+            acc[v] = acc[v] + acc_block[v] * segments[v // 32 if wide is not None else 0][fragment.row_half(v)]
     return read_state, release_state
 
 
