@@ -169,7 +169,7 @@ def main(argv=None):
             k, n = (d, f) if gemm == "up" else (f, d)
             shapes = jax.eval_shape(lambda: operands(m, k, n, num_experts, 0, "dirichlet"))
             for variant, (fn, names) in gemm_functions(gemm).items():
-                if variant.startswith("sm90"):
+                if variant.startswith("sm90") and variant in options.variants:
                     harness.lower_for_cuda(f"{gemm} {variant} {(m, d, f, num_experts)}", fn, *(shapes[x] for x in names))
         return
     harness.run(options, functools.partial(measure_row, options), plot, "gemms", benchmark="bench_fp8_gemms",
