@@ -3,8 +3,9 @@
 At each layer shape (m, d, f, E), on one set of inputs: up (h = x W1[e] + b1[e], K = d, N = f;
 act = srelu(h) beside it in bf16, h alone in FP8, as the layers run them) and down (act W2[e], K =
 f, N = d, as dx = dh W1[e]^T), each by sm90 (ours, bf16), sm90_fp8 (ours on FP8_BLOCKWISE operands
-quantized beforehand), sm90_fp8_between, _overlap, _pairs and _wide (sm90_fp8 promoted between the wgmma
-batches, beside the next block's, in CTA pairs along N sharing A by multicast, or over 192-column tiles),
+quantized beforehand), sm90_fp8_between, _overlap, _pairs, _wide and _wide_halves (sm90_fp8 promoted
+between the wgmma batches, beside the next block's, in CTA pairs along N sharing A by multicast, or over
+192-column tiles between the batches or in column halves beside each other's),
 quantize (quantize_blockwise of the rows, which the step pays where no epilogue writes them
 quantized), cublas_bf16, cublas_fp8 (XLA's dot of scaled e4m3 operands, which its GEMM rewriter
 hands cuBLASLt: `hlo_fp8_call` says whether the compiled HLO holds that call) and torch_fp8
@@ -36,7 +37,7 @@ from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_sre
 from jax_dsrelu.quantization.blockwise import quantize_blockwise
 from jax_dsrelu.quantization.schema import E4M3, FP8_BLOCKWISE
 
-VARIANTS = ("sm90", "sm90_fp8", "sm90_fp8_between", "sm90_fp8_overlap", "sm90_fp8_pairs", "sm90_fp8_wide", "quantize", "cublas_bf16", "cublas_fp8", "torch_fp8")
+VARIANTS = ("sm90", "sm90_fp8", "sm90_fp8_between", "sm90_fp8_overlap", "sm90_fp8_pairs", "sm90_fp8_wide", "sm90_fp8_wide_halves", "quantize", "cublas_bf16", "cublas_fp8", "torch_fp8")
 GEMMS = ("up", "down")
 SHAPES = [(16384, 4096, 2048, 8), (49152, 2688, 1856, 128), (65536, 2048, 768, 256)]
 TOLERANCE = 2.0**-7
@@ -96,14 +97,13 @@ def gemm_functions(gemm):
                          **(dict(prob=prob, bias=bias) if srelu else {}))
             return ragged_call.implementation(request, chosen)(**named)["h" if srelu else "out"]
         return run
-
     fp8_names = ("lhs", "rhs", "group_sizes", "prob", "bias", "lhs_scale", "rhs_scale")
     return {"sm90": (ours, ("rows", "weight_kn", "group_sizes", "prob", "bias")),
         "sm90_fp8": (lambda *a: ours(*a, layout="nk"), fp8_names), "sm90_fp8_pairs": (configured(cluster_n=2), fp8_names),
         "sm90_fp8_between": (configured(overlap_promotion=False), fp8_names), "sm90_fp8_overlap": (configured(overlap_promotion=True), fp8_names),
         "sm90_fp8_wide": (configured(tile_n=192, overlap_promotion=False), fp8_names),
-        "quantize": (lambda rows: quantize_blockwise(rows, ACT), ("rows",)),
-        "cublas_bf16": (lambda a, b: a @ b, ("rows", "dense_bf16")),
+        "sm90_fp8_wide_halves": (configured(tile_n=192, overlap_promotion=True), fp8_names),
+        "quantize": (lambda rows: quantize_blockwise(rows, ACT), ("rows",)), "cublas_bf16": (lambda a, b: a @ b, ("rows", "dense_bf16")),
         "cublas_fp8": (cublas_fp8, ("lhs", "dense_fp8", "lhs_scale_max", "dense_scale")),
     }
 
@@ -149,7 +149,7 @@ def measure_row(options, shape, grouping, row, clock, save):
             entry["variants"]["torch_fp8"] = torch_fp8(t, options.reps, flops)
         times = {v: r["ms"] for v, r in entry["variants"].items() if "ms" in r}
         entry["ratios"] = {f"{a}/{b}": times[a] / times[b] for a, b in (
-            ("sm90_fp8", "sm90"), ("sm90_fp8_overlap", "sm90_fp8_between"), ("sm90_fp8_pairs", "sm90_fp8"), ("sm90_fp8_wide", "sm90_fp8"), ("sm90_fp8", "cublas_fp8"), ("sm90_fp8", "torch_fp8"),
+            ("sm90_fp8", "sm90"), ("sm90_fp8_overlap", "sm90_fp8_between"), ("sm90_fp8_pairs", "sm90_fp8"), ("sm90_fp8_wide", "sm90_fp8"), ("sm90_fp8_wide_halves", "sm90_fp8"), ("sm90_fp8", "cublas_fp8"), ("sm90_fp8", "torch_fp8"),
             ("cublas_fp8", "cublas_bf16"), ("quantize", "sm90_fp8")) if a in times and b in times}
         save()
 

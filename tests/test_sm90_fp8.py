@@ -77,7 +77,8 @@ GROUPINGS = {
 # (`promoted_mainloop.mma_k_tiles_promoted_overlapped`); False, between the batches;
 # "wide", between them over N tiles of 192 columns spanning two N blocks of the weight
 # (`promoted_mainloop.mma_k_tiles_promoted`, given `wide`: tiles starting on a block's edge and half
-# way, the second block past n clamped).
+# way, the second block past n clamped); "wide_halves", over those tiles in column halves of 96,
+# each promoted beside the other's batch (`mma_k_tiles_promoted_in_halves`, given `wide`).
 GPU_CASES = [(name, "plain", False) for name in GROUPINGS] + [
     ("ragged_with_empty", "srelu", False), ("ragged_with_empty", "srelu_bias", False),
     ("nano_widths", "srelu_bias", False), ("past_m", "srelu", False), ("ragged_with_empty", "up_h_alone", False),
@@ -85,8 +86,10 @@ GPU_CASES = [(name, "plain", False) for name in GROUPINGS] + [
 ] + [(name, "plain", True) for name in ("ragged_with_empty", "past_m", "one_expert", "narrow_n", "nano_widths")] + [
     (name, "up_h_alone", True) for name in ("ragged_with_empty", "past_m", "nano_widths")] + [
     (name, "plain", "wide") for name in ("ragged_with_empty", "past_m", "one_expert", "narrow_n", "nano_widths")] + [
-    (name, "up_h_alone", "wide") for name in ("ragged_with_empty", "one_expert", "nano_widths")]
-SCHEDULE_IDS = {True: "-overlapped", False: "", "wide": "-wide"}
+    (name, "up_h_alone", "wide") for name in ("ragged_with_empty", "one_expert", "nano_widths")] + [
+    (name, variant, "wide_halves") for name in ("ragged_with_empty", "past_m", "nano_widths")
+    for variant in ("plain", "up_h_alone")]
+SCHEDULE_IDS = {True: "-overlapped", False: "", "wide": "-wide", "wide_halves": "-wide_halves"}
 
 
 def grouping(name):
@@ -259,14 +262,16 @@ def test_sm90_refuses_what_the_fp8_kernel_cannot_take():
 
 def config_for(request, schedule):
     """The chosen config with the promotion schedule named (whichever the rules choose):
-    True or False (`overlap_promotion`), or "wide" (`GPU_CASES`), its stages as many as fit."""
+    True or False (`overlap_promotion`), or "wide" or "wide_halves" (`GPU_CASES`), its stages
+    as many as fit."""
     from jax_dsrelu.kernels.sm90 import config, ragged_call
     from jax_dsrelu.kernels.sm90.block_scaled import WIDE_TILE_N
 
     chosen = ragged_call.choose_config(request)
-    if schedule != "wide":
+    if schedule not in ("wide", "wide_halves"):
         return dataclasses.replace(chosen, overlap_promotion=schedule)
-    return config.with_most_gemm_stages(dataclasses.replace(chosen, tile_n=WIDE_TILE_N, overlap_promotion=False), request)
+    wide = dataclasses.replace(chosen, tile_n=WIDE_TILE_N, overlap_promotion=schedule == "wide_halves")
+    return config.with_most_gemm_stages(wide, request)
 
 
 def prebuild_requests():
@@ -339,32 +344,36 @@ def test_fp8_matmul_in_pairs_compiles_for_sm90a(variant):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("schedule", ["wide", "wide_halves"])
 @pytest.mark.parametrize("variant", ["plain", "up_h_alone"])
-def test_fp8_matmul_with_wide_tiles_compiles_for_sm90a(variant):
-    """N tiles of 192 columns (`block_scaled.WIDE_TILE_N`): one wgmma of n = 192 a k-block,
-    the bias loaded subtile by subtile, no spills beside the partial sum."""
+def test_fp8_matmul_with_wide_tiles_compiles_for_sm90a(variant, schedule):
+    """N tiles of 192 columns (`block_scaled.WIDE_TILE_N`): one wgmma of n = 192 a k-block
+    (between the batches) or two of n = 96 (in column halves, the k-tiles unrolled), the
+    bias loaded subtile by subtile, no spills beside the partial sums."""
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     import ptxas
 
     from jax_dsrelu.kernels.sm90 import ragged_call
 
     request = request_for((8, 4096, 2048), variant)
-    compiled = ragged_call.compile_kernel(request, config_for(request, "wide"), keep=True)
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n192k32\.f32\.e4m3\.e4m3", compiled.ptx)
+    compiled = ragged_call.compile_kernel(request, config_for(request, schedule), keep=True)
+    n = 192 if schedule == "wide" else 96
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.f32\.e4m3\.e4m3", compiled.ptx)
+    if schedule == "wide_halves":
+        assert compiled.ptx.count("wgmma.commit_group") == 2 * (4096 // BLOCK)
     ptxas.check_assembly(compiled.ptx)
 
 
 def test_wide_tiles_are_refused_where_they_do_not_fit():
-    """192 columns only promoted between the batches and only for a kernel with the wide
-    promotion; no other width past 128."""
+    """192 columns only for a kernel with the wide promotion; no other width past 128."""
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     from jax_dsrelu.kernels.sm90 import block_scaled
 
     request = request_for((8, 528, 320), "plain")
     wide = config_for(request, "wide")
-    block_scaled.check_block_scaled("k", wide, request, "block_scaled", wide_tiles=True)
-    for config, wide_tiles in ((dataclasses.replace(wide, overlap_promotion=True), True), (wide, False),
-                               (dataclasses.replace(wide, tile_n=256), True)):
+    for accepted in (wide, config_for(request, "wide_halves")):
+        block_scaled.check_block_scaled("k", accepted, request, "block_scaled", wide_tiles=True)
+    for config, wide_tiles in ((wide, False), (dataclasses.replace(wide, tile_n=256), True)):
         with pytest.raises(ValueError, match="tile_n=(192|256)"):
             block_scaled.check_block_scaled("k", config, request, "block_scaled", wide_tiles=wide_tiles)
 

@@ -32,12 +32,13 @@ WIDE_TILE_N = 192
 def check_block_scaled(kernel: str, config, request, scaled_flag: str, wide_tiles: bool = False) -> None:
     """What every FP8_BLOCKWISE kernel asks: a request whose `scaled_flag` is set, k-tiles
     of one scale block along K and N tiles of at most one; with `wide_tiles`, N tiles of
-    WIDE_TILE_N columns too, their promotion between the batches."""
+    WIDE_TILE_N columns too (promoted between the batches, or with overlap_promotion in
+    column halves)."""
     if not getattr(request, scaled_flag):
         raise ValueError(f"{kernel} serves requests with {scaled_flag}=True, got False")
-    wide = wide_tiles and config.tile_n == WIDE_TILE_N and not config.overlap_promotion
+    wide = wide_tiles and config.tile_n == WIDE_TILE_N
     if config.tile_k != BLOCK or (config.tile_n > BLOCK and not wide):
-        widths = f"tile_n <= {BLOCK}" + (f" or {WIDE_TILE_N} promoted between the batches" if wide_tiles else "")
+        widths = f"tile_n <= {BLOCK}" + (f" or {WIDE_TILE_N}" if wide_tiles else "")
         raise ValueError(f"{kernel} needs tile_k={BLOCK} and {widths} (the scale blocks a k-tile's promotion reads), "
                          f"got tile_k={config.tile_k}, tile_n={config.tile_n}, "
                          f"overlap_promotion={config.overlap_promotion}")
@@ -56,7 +57,9 @@ class BlockScaledMainloop:
     # (the fused kernel's epilogue state); else a second buffer of the whole tile
     # (`mma_k_tiles_promoted_overlapped`).
     promotion_by_column_halves = False
-    # Whether the variant takes N tiles of WIDE_TILE_N (`mma_k_tiles_promoted` given `wide`).
+    # Whether the variant takes N tiles of WIDE_TILE_N (`mma_k_tiles_promoted` given `wide`;
+    # with the config's overlap_promotion, `mma_k_tiles_promoted_in_halves` given it: two
+    # whole buffers of 192 columns beside the total would spill).
     wide_tiles = False
     scales_after = "group_sizes"
 
@@ -77,8 +80,12 @@ class BlockScaledMainloop:
     def kernel_params(self, t) -> dict:
         return dict(super().kernel_params(t), a_scale=getattr(t, self.a_scale), b_scale=getattr(t, self.b_scale))
 
+    def promotes_in_halves(self) -> bool:
+        """Whether the promotion runs beside the wgmma in column halves (`promotion_by_column_halves`)."""
+        return self.config.overlap_promotion and (self.promotion_by_column_halves or self.tile_n > BLOCK)
+
     def mainloop_setup(self, ctx, sA, sB) -> None:
-        if cutlass.const_expr(self.config.overlap_promotion and self.promotion_by_column_halves):
+        if cutlass.const_expr(self.promotes_in_halves()):
             ctx.column_halves = promoted_mainloop.column_halves(self, ctx.ctid, sA, sB)
 
     def mainloop(self, ctx, item, tile, read_state, release_state):
@@ -93,20 +100,20 @@ class BlockScaledMainloop:
             rows.append(Int32(cutlass.select_(row < num_rows, row, Int32(0))))
         n_block = (tile.n_tile * self.tile_n) // BLOCK
         scales = (ctx.params.a_scale, rows, ctx.params.b_scale, tile.expert, n_block)
-        if self.config.overlap_promotion and self.promotion_by_column_halves:
-            half_blocks = [cute.make_rmem_tensor(ctx.column_halves.shape, Float32) for _ in range(2)]
-            return promoted_mainloop.mma_k_tiles_promoted_in_halves(
-                ctx, half_blocks, read_state, release_state, self.k_tiles, *scales)
-        if self.config.overlap_promotion:
-            blocks = [cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32) for _ in range(2)]
-            return promoted_mainloop.mma_k_tiles_promoted_overlapped(
-                ctx, blocks, read_state, release_state, self.k_tiles, *scales)
         wide = None
         if cutlass.const_expr(self.tile_n > BLOCK):
             # The tile's second N block (clamped to the last, whose columns past n are zeros never
             # stored); columns [64, 128) lie in it unless the tile starts on a block's edge.
             last_block = -(-self.n // BLOCK) - 1
             wide = (Int32(cutlass.min(n_block + 1, last_block)), (tile.n_tile * self.tile_n) % BLOCK != 0)
+        if self.promotes_in_halves():
+            half_blocks = [cute.make_rmem_tensor(ctx.column_halves.shape, Float32) for _ in range(2)]
+            return promoted_mainloop.mma_k_tiles_promoted_in_halves(
+                ctx, half_blocks, read_state, release_state, self.k_tiles, *scales, wide)
+        if self.config.overlap_promotion:
+            blocks = [cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32) for _ in range(2)]
+            return promoted_mainloop.mma_k_tiles_promoted_overlapped(
+                ctx, blocks, read_state, release_state, self.k_tiles, *scales)
         return promoted_mainloop.mma_k_tiles_promoted(
             ctx, cute.make_rmem_tensor(ctx.tCcAcc.shape, Float32), read_state, release_state, self.k_tile_count(tile),
             *scales, wide)

@@ -80,6 +80,7 @@ def mma_k_tiles_promoted_in_halves(
     rhs_scale: cute.Tensor,
     expert: Int32,
     n_block: Int32,
+    wide=None,  # for a tile of 192 columns, as `mma_k_tiles_promoted` takes it
 ):
     """`mma_k_tiles_promoted` with every promotion beside a wgmma batch, for a static K:
     each k-tile is two batches, one per half of the tile's columns, into the half's own
@@ -94,13 +95,22 @@ def mma_k_tiles_promoted_in_halves(
     half h is the total's value v + size(half) h). The k-tiles are unrolled, as in
     `mma_k_tiles_promoted_overlapped`, so that ptxas sees which batch each wait_group(1)
     leaves in flight (across a run-time loop's back edge it cannot, and serializes every
-    wgmma: `mma_k_tiles_promoted_by_column_in_halves`)."""
+    wgmma: `mma_k_tiles_promoted_by_column_in_halves`).
+
+    Given `wide`, a tile of 192 columns in halves of 96: each value takes the scale
+    products of its 64-column segment (`_segment_scales`), as in the waited form, so the
+    promotion in halves holds the waited wide form's registers and sums."""
     ctx.acc.fill(0.0)
     if cutlass.const_expr(k_tiles > 0):
         ctx.ab_pipeline.consumer_wait(read_state)
         _wgmma_half(ctx, half_blocks[0], 0, read_state.index)
         for k_tile in cutlass.range_constexpr(k_tiles):
-            scales = _block_scales(lhs_scale, rows, rhs_scale, expert, n_block, k_tile)
+            if cutlass.const_expr(wide is None):
+                scales = [_block_scales(lhs_scale, rows, rhs_scale, expert, n_block, k_tile)]
+            else:
+                row_scales = [Float32(lhs_scale[row, k_tile]) for row in rows]
+                scales = _segment_scales(row_scales, Float32(rhs_scale[expert, n_block, k_tile]),
+                                         Float32(rhs_scale[expert, wide[0], k_tile]), wide)
             _wgmma_half(ctx, half_blocks[1], 1, read_state.index)
             read_state.advance()
             warpgroup.wait_group(1)
@@ -118,10 +128,13 @@ def mma_k_tiles_promoted_in_halves(
 
 
 @cute.jit
-def _promote_half_by_row(acc, half_block, scales, half: cutlass.Constexpr):
-    """acc's values of half `half` += half_block * its row's scale product (`_block_scales`)."""
+def _promote_half_by_row(acc, half_block, segments, half: cutlass.Constexpr):
+    """acc's values of half `half` += half_block * its row's scale product in its
+    64-column segment (`_segment_scales`; one segment for a tile of at most 128 columns)."""
     size = cute.size(half_block)
     for v in cutlass.range_constexpr(size):
+        # A half's value v lies at column 8 (v // 4) + (0 .. 7) of the half, of 2 size columns.
+        scales = segments[(half * 2 * size + 8 * (v // 4)) // 64 if len(segments) > 1 else 0]
         acc[half * size + v] = acc[half * size + v] + _fence_operand(half_block[v]) * scales[fragment.row_half(v)]
 
 
@@ -248,14 +261,22 @@ def mma_k_tiles_promoted(
         if cutlass.const_expr(wide is not None):
             second_scale = Float32(rhs_scale[expert, wide[0], k_tile])
         read_state, release_state = _landed_block(ctx, acc_block, read_state, release_state)
-        scales = [scale * block_scale for scale in row_scales]
-        segments = [scales]
-        if cutlass.const_expr(wide is not None):
-            second = [scale * second_scale for scale in row_scales]
-            segments = [scales, [Float32(cutlass.select_(wide[1], b, a)) for a, b in zip(scales, second)], second]
+        segments = _segment_scales(row_scales, block_scale, second_scale if wide is not None else None, wide)
         for v in cutlass.range_constexpr(cute.size(acc)):
             acc[v] = acc[v] + acc_block[v] * segments[v // 32 if wide is not None else 0][fragment.row_half(v)]
     return read_state, release_state
+
+
+def _segment_scales(row_scales: list, block_scale, second_scale, wide) -> list:
+    """The scale products of a k-tile per 64-column segment of the tile, each a list of
+    this thread's two rows' (row scale * the segment's weight block scale): one segment
+    without `wide`; given it, the first block's, the middle segment's (the second block's
+    where `wide[1]` says its columns lie there) and the second block's."""
+    scales = [scale * block_scale for scale in row_scales]
+    if wide is None:
+        return [scales]
+    second = [scale * second_scale for scale in row_scales]
+    return [scales, [Float32(cutlass.select_(wide[1], b, a)) for a, b in zip(scales, second)], second]
 
 
 @cute.jit
