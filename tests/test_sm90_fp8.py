@@ -87,8 +87,8 @@ GPU_CASES = [(name, "plain", False) for name in GROUPINGS] + [
     (name, "up_h_alone", True) for name in ("ragged_with_empty", "past_m", "nano_widths")] + [
     (name, "plain", "wide") for name in ("ragged_with_empty", "past_m", "one_expert", "narrow_n", "nano_widths")] + [
     (name, "up_h_alone", "wide") for name in ("ragged_with_empty", "one_expert", "nano_widths")] + [
-    (name, variant, "wide_halves") for name in ("ragged_with_empty", "past_m", "nano_widths")
-    for variant in ("plain", "up_h_alone")]
+    (name, variant, "wide_halves") for name in ("ragged_with_empty", "past_m", "one_expert", "nano_widths")
+    for variant in ("plain", "up_h_alone")] + [("narrow_n", "plain", "wide_halves")]
 SCHEDULE_IDS = {True: "-overlapped", False: "", "wide": "-wide", "wide_halves": "-wide_halves"}
 
 
@@ -365,7 +365,8 @@ def test_fp8_matmul_with_wide_tiles_compiles_for_sm90a(variant, schedule):
 
 
 def test_wide_tiles_are_refused_where_they_do_not_fit():
-    """192 columns only for a kernel with the wide promotion; no other width past 128."""
+    """192 columns only for a kernel with the wide promotion, in column halves only without
+    act beside h; no other width past 128."""
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
     from jax_dsrelu.kernels.sm90 import block_scaled
 
@@ -376,6 +377,12 @@ def test_wide_tiles_are_refused_where_they_do_not_fit():
     for config, wide_tiles in ((wide, False), (dataclasses.replace(wide, tile_n=256), True)):
         with pytest.raises(ValueError, match="tile_n=(192|256)"):
             block_scaled.check_block_scaled("k", config, request, "block_scaled", wide_tiles=wide_tiles)
+    # In column halves beside act, which spills.
+    from jax_dsrelu.kernels.sm90.blockwise_matmul_kernel import BlockScaledRaggedGemmSm90
+
+    with_act = request_for((8, 528, 320), "srelu")
+    with pytest.raises(ValueError, match="with_act=True"):
+        BlockScaledRaggedGemmSm90(config_for(with_act, "wide_halves"), with_act)
 
 
 @pytest.mark.compile
