@@ -99,20 +99,22 @@ def mma_k_tiles_promoted_in_halves(
 
     Given `wide`, a tile of 192 columns in halves of 96: each value takes the scale
     products of its 64-column segment (`_segment_scales`), as in the waited form, so the
-    promotion in halves holds the waited wide form's registers and sums."""
+    promotion in halves holds the waited wide form's registers and sums.
+
+    The scales of k-tile t + 1 are loaded as k-tile t's products are formed, so that their
+    latency passes behind t's waits and promotions (loaded just before the first wait
+    that needs them, it would stall the promotion)."""
     ctx.acc.fill(0.0)
     if cutlass.const_expr(k_tiles > 0):
+        loaded = _loaded_scales(lhs_scale, rows, rhs_scale, expert, n_block, 0, wide)
         ctx.ab_pipeline.consumer_wait(read_state)
         _wgmma_half(ctx, half_blocks[0], 0, read_state.index)
         for k_tile in cutlass.range_constexpr(k_tiles):
-            if cutlass.const_expr(wide is None):
-                scales = [_block_scales(lhs_scale, rows, rhs_scale, expert, n_block, k_tile)]
-            else:
-                row_scales = [Float32(lhs_scale[row, k_tile]) for row in rows]
-                scales = _segment_scales(row_scales, Float32(rhs_scale[expert, n_block, k_tile]),
-                                         Float32(rhs_scale[expert, wide[0], k_tile]), wide)
             _wgmma_half(ctx, half_blocks[1], 1, read_state.index)
             read_state.advance()
+            scales = _segment_scales(*loaded, wide)
+            if cutlass.const_expr(k_tile + 1 < k_tiles):
+                loaded = _loaded_scales(lhs_scale, rows, rhs_scale, expert, n_block, k_tile + 1, wide)
             warpgroup.wait_group(1)
             _promote_half_by_row(ctx.acc, half_blocks[0], scales, 0)
             if cutlass.const_expr(k_tile + 1 < k_tiles):
@@ -265,6 +267,14 @@ def mma_k_tiles_promoted(
         for v in cutlass.range_constexpr(cute.size(acc)):
             acc[v] = acc[v] + acc_block[v] * segments[v // 32 if wide is not None else 0][fragment.row_half(v)]
     return read_state, release_state
+
+
+def _loaded_scales(lhs_scale, rows, rhs_scale, expert, n_block, k_tile, wide) -> tuple:
+    """(this thread's rows' scales, the tile's weight block scale, the second block's
+    given `wide` else None) of k-tile `k_tile`, as loaded: `_segment_scales`' operands."""
+    row_scales = [Float32(lhs_scale[row, k_tile]) for row in rows]
+    second = Float32(rhs_scale[expert, wide[0], k_tile]) if wide is not None else None
+    return row_scales, Float32(rhs_scale[expert, n_block, k_tile]), second
 
 
 def _segment_scales(row_scales: list, block_scale, second_scale, wide) -> list:
