@@ -364,6 +364,26 @@ def test_fp8_matmul_with_wide_tiles_compiles_for_sm90a(variant, schedule):
     ptxas.check_assembly(compiled.ptx)
 
 
+def test_a_wide_tiles_values_take_their_columns_scale_block_in_either_schedule():
+    """In a tile of 192 columns, value v of the waited form's fragment (96 values a
+    thread) and value v of column half h in halves of 96 (48 values, the total's value
+    v + 48 h) lie at the same column, so `fragment.segment` gives both the 64-column
+    segment, whose weight block (the first, the middle's choice, the second) is the
+    column's own: a segment never straddles two blocks at either start of a tile."""
+    from jax_dsrelu.kernels.sm90 import fragment
+
+    for value in range(96):
+        column = 8 * (value // 4)  # of lane 0; other lanes add 2 (lane % 4) + c < 8
+        assert fragment.segment(value) == column // 64
+        half, in_half = divmod(value, 48)
+        assert fragment.segment(in_half, half * 96) == fragment.segment(value)
+        for tile_start in (0, 192):  # on a block's edge, and half way through one
+            block_of = [(tile_start + s * 64) // BLOCK for s in range(3)]
+            for lane_offset in range(8):
+                assert (tile_start + column + lane_offset) // BLOCK == block_of[fragment.segment(value)]
+    assert fragment.segment(47, 0) == 1 and fragment.segment(0, 96) == 1 and fragment.segment(16, 96) == 2
+
+
 def test_wide_tiles_are_refused_where_they_do_not_fit():
     """192 columns only for a kernel with the wide promotion, in column halves only without
     act beside h; no other width past 128."""

@@ -22,3 +22,10 @@ def column_slot(value: int) -> int:
 def column_offset(slot: int) -> int:
     """Column slot `slot`'s column, less the thread's first (slot 0's): 8 j + c."""
     return 8 * (slot // 2) + slot % 2
+
+
+def segment(value: int, first_column: int = 0, width: int = 64) -> int:
+    """Which `width`-column segment of a tile holds value `value` of a fragment whose
+    columns start at the tile's column `first_column` (a multiple of 8): its column is
+    first_column + 8 j + 2 (lane % 4) + c, within the 8 of j."""
+    return (first_column + 8 * (value // 4)) // width

@@ -135,8 +135,8 @@ def _promote_half_by_row(acc, half_block, segments, half: cutlass.Constexpr):
     64-column segment (`_segment_scales`; one segment for a tile of at most 128 columns)."""
     size = cute.size(half_block)
     for v in cutlass.range_constexpr(size):
-        # A half's value v lies at column 8 (v // 4) + (0 .. 7) of the half, of 2 size columns.
-        scales = segments[(half * 2 * size + 8 * (v // 4)) // 64 if len(segments) > 1 else 0]
+        # Half h's fragment starts at the tile's column 2 size h (a half of 2 size columns).
+        scales = segments[fragment.segment(v, half * 2 * size) if len(segments) > 1 else 0]
         acc[half * size + v] = acc[half * size + v] + _fence_operand(half_block[v]) * scales[fragment.row_half(v)]
 
 
@@ -265,7 +265,7 @@ def mma_k_tiles_promoted(
         read_state, release_state = _landed_block(ctx, acc_block, read_state, release_state)
         segments = _segment_scales(row_scales, block_scale, second_scale if wide is not None else None, wide)
         for v in cutlass.range_constexpr(cute.size(acc)):
-            acc[v] = acc[v] + acc_block[v] * segments[v // 32 if wide is not None else 0][fragment.row_half(v)]
+            acc[v] = acc[v] + acc_block[v] * segments[fragment.segment(v) if wide is not None else 0][fragment.row_half(v)]
     return read_state, release_state
 
 
