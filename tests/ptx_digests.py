@@ -256,6 +256,9 @@ def pinned_cases() -> list[Case]:
              sm90_config.GemmConfig(tile_n=128, ab_stages=6, operand_bytes=1, **fp8_tiles)),
         Case("fp8/matmul/up_bias_h_alone_overlapped", fp8_matmul(8, 528, 320, "srelu", with_act=False),
              sm90_config.GemmConfig(tile_n=128, ab_stages=6, operand_bytes=1, overlap_promotion=True, **fp8_tiles)),
+        # As the FP8 forward runs its up-projection where k >= 2560: 192 columns in halves.
+        Case("fp8/matmul/up_bias_h_alone_wide_halves", fp8_matmul(8, 2688, 1856, "srelu", with_act=False),
+             sm90_config.GemmConfig(tile_n=192, ab_stages=5, operand_bytes=1, overlap_promotion=True, **fp8_tiles)),
         Case("fp8/dsrelu/deterministic", fp8_dsrelu(528, 320, 8),
              sm90_config.TileConfig(tile_n=128, ab_stages=3, preact_stages=4, operand_bytes=1, **fp8_tiles)),
         # dh and act stored in bf16 beside 2 preact and 5 operand stages, as the FP8 step runs it.

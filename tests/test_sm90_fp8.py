@@ -262,16 +262,17 @@ def test_sm90_refuses_what_the_fp8_kernel_cannot_take():
 
 def config_for(request, schedule):
     """The chosen config with the promotion schedule named (whichever the rules choose):
-    True or False (`overlap_promotion`), or "wide" or "wide_halves" (`GPU_CASES`), its stages
-    as many as fit."""
+    True or False (`overlap_promotion`) over 128-column tiles, or "wide" or "wide_halves"
+    (`GPU_CASES`) over 192, its stages as many as fit."""
     from jax_dsrelu.kernels.sm90 import config, ragged_call
-    from jax_dsrelu.kernels.sm90.block_scaled import WIDE_TILE_N
+    from jax_dsrelu.kernels.sm90.config import WIDE_TILE_N
 
     chosen = ragged_call.choose_config(request)
-    if schedule not in ("wide", "wide_halves"):
-        return dataclasses.replace(chosen, overlap_promotion=schedule)
-    wide = dataclasses.replace(chosen, tile_n=WIDE_TILE_N, overlap_promotion=schedule == "wide_halves")
-    return config.with_most_gemm_stages(wide, request)
+    wide = schedule in ("wide", "wide_halves")
+    # True or False: the 128-column tiles (64 below n = 128), whichever width the rules take.
+    tile_n = WIDE_TILE_N if wide else 64 if request.n < BLOCK else BLOCK
+    named = dataclasses.replace(chosen, tile_n=tile_n, overlap_promotion=schedule == "wide_halves" if wide else schedule)
+    return config.with_most_gemm_stages(named, request)
 
 
 def prebuild_requests():
@@ -347,7 +348,7 @@ def test_fp8_matmul_in_pairs_compiles_for_sm90a(variant):
 @pytest.mark.parametrize("schedule", ["wide", "wide_halves"])
 @pytest.mark.parametrize("variant", ["plain", "up_h_alone"])
 def test_fp8_matmul_with_wide_tiles_compiles_for_sm90a(variant, schedule):
-    """N tiles of 192 columns (`block_scaled.WIDE_TILE_N`): one wgmma of n = 192 a k-block
+    """N tiles of 192 columns (`config.WIDE_TILE_N`): one wgmma of n = 192 a k-block
     (between the batches) or two of n = 96 (in column halves, the k-tiles unrolled), the
     bias loaded subtile by subtile, no spills beside the partial sums."""
     pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")

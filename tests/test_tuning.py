@@ -167,15 +167,31 @@ def test_every_figure_is_its_records(item):
         assert (words, round(ms, 4)) == (timing.config, timing.ms), (row.shape, row.gemm, timing.entry)
 
 
-def test_the_fp8_up_projection_promotes_as_its_rows_pick():
-    """The FP8 up-projection storing h alone (chosen_now reads the bf16 kernels' rules): at
-    each shape `fp8_up_overlap_min_k` timed, the rules choose the row's first configuration."""
+def fp8_up_chosen(shape) -> str:
+    """The FP8 up-projection storing h alone, as the rules configure it (chosen_now reads
+    the bf16 kernels' rules), in the table's words."""
     from jax_dsrelu.quantization.schema import E4M3
 
+    _, d, f, num_experts = shape
+    chosen = config.choose_gemm_config(RaggedMatmulRequest(
+        num_experts, d, f, "nk", E4M3, BF16, "srelu", with_bias=True, block_scaled=True, with_act=False))
+    return tuning.describe(dataclasses.asdict(chosen), False)
+
+
+def test_the_fp8_up_projection_promotes_as_its_rows_pick(decide):
+    """At each shape `fp8_up_overlap_min_k` timed (at 128 columns, as before
+    `fp8_up_wide_tiles`), the rules choose the row's first configuration."""
+    decide("fp8_up_wide_tiles", False)
     rows = tuning._BY_NAME["fp8_up_overlap_min_k"].evidence
     for row in rows:
-        _, d, f, num_experts = row.shape
-        chosen = config.choose_gemm_config(RaggedMatmulRequest(
-            num_experts, d, f, "nk", E4M3, BF16, "srelu", with_bias=True, block_scaled=True, with_act=False))
-        assert tuning.describe(dataclasses.asdict(chosen), False) == row.timings[0].config, row.shape
+        assert fp8_up_chosen(row.shape) == row.timings[0].config, row.shape
     assert {row.timings[0].config.endswith("overlapped") for row in rows} == {True, False}
+
+
+def test_the_fp8_up_projection_takes_the_tile_width_its_rows_pick():
+    """At each shape `fp8_up_wide_tiles` timed, the rules choose the row's first
+    configuration: 192 columns in halves where the promotion overlaps, 128 where it waits."""
+    rows = tuning._BY_NAME["fp8_up_wide_tiles"].evidence
+    for row in rows:
+        assert fp8_up_chosen(row.shape) == row.timings[0].config, row.shape
+    assert {row.timings[0].config.split()[0] for row in rows} == {"128x192", "128x128"}

@@ -20,13 +20,9 @@ from cutlass import Float32, Int32
 
 from jax_dsrelu.kernels.operands import KernelOperand
 from jax_dsrelu.kernels.sm90 import promoted_mainloop
-from jax_dsrelu.kernels.sm90.config import BLOCK
+from jax_dsrelu.kernels.sm90.config import BLOCK, WIDE_TILE_N
 
 _F32 = np.dtype(np.float32)
-# An N tile of one and a half scale blocks: it spans at most two N blocks of the weight
-# (it starts at a block's edge or half way), and its 96 accumulator values a thread, with
-# a partial-sum buffer as large, fit the consumers' registers.
-WIDE_TILE_N = 192
 
 
 def check_block_scaled(kernel: str, config, request, scaled_flag: str, wide_tiles: bool = False) -> None:

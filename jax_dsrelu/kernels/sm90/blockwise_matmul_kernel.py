@@ -17,7 +17,7 @@ them; lhs_scale (m, ceil(k / 128)) and rhs_scale (E, ceil(n / 128), ceil(k / 128
 float32, as `quantization.blockwise.quantize_blockwise` makes them (`block_scaled.py`).
 A partial last K block is zero-filled by TMA past k, and its scale is its own.
 
-N tiles of 192 columns (`block_scaled.WIDE_TILE_N`) span two N blocks of rhs, promoted
+N tiles of 192 columns (`config.WIDE_TILE_N`) span two N blocks of rhs, promoted
 between the batches (`promoted_mainloop.mma_k_tiles_promoted`, given `wide`) or, with
 config.overlap_promotion, in column halves of 96 (`mma_k_tiles_promoted_in_halves`, given
 `wide`); the latter not with act stored beside h, whose epilogue state beside the two

@@ -33,6 +33,10 @@ FP8 = E4M3
 # The FP8 recipe's scale block along K and N: a k-tile is one block, so each k-tile's
 # partial sum is promoted with one pair of scales.
 BLOCK = FP8_BLOCKWISE.promotion
+# The FP8 ragged GEMM's N tile of one and a half scale blocks: it spans at most two N
+# blocks of the weight (it starts at a block's edge or half way), and its 96 accumulator
+# values a thread, with a partial-sum buffer as large, fit the consumers' registers.
+WIDE_TILE_N = 192
 # H100 and H200 SXM have 132 multiprocessors; used when no GPU is visible at lowering.
 DEFAULT_SM_COUNT = 132
 # Columns per epilogue subtile, the same in every kernel of the family.
@@ -497,15 +501,24 @@ def _blockwise_gemm_config(request: RaggedMatmulRequest, sm_count: int) -> GemmC
     N-tiles pair up and decision `fp8_gemm_pairs` takes them; as many stages as fit; the plain
     GEMM's promotion beside the next K block's wgmma (decision `fp8_overlap_promotion`), and
     the up-projection's storing h alone where k is deep enough (`fp8_up_overlap_min_k`, under
-    the same decision): with act beside h it would spill."""
+    the same decision): with act beside h it would spill. That up-projection takes N tiles of
+    192 columns, promoted in column halves, where they pad little (decision `fp8_up_wide_tiles`)."""
     h_alone = request.epilogue == "srelu" and not request.with_act
     overlap = request.epilogue == "none" or (h_alone and request.k >= tuning.value("fp8_up_overlap_min_k"))
     tile_n = 64 if request.n < BLOCK else BLOCK
+    if h_alone and overlap and tuning.value("fp8_up_wide_tiles") and _wide_fp8_tiles_pad_little(request.n):
+        tile_n = WIDE_TILE_N  # promoted in column halves (`BlockScaledMainloop.promotes_in_halves`)
     cluster_n = 2 if tuning.value("fp8_gemm_pairs") and pairs_up(request.n, tile_n) else 1
     base = dict(tile_n=tile_n, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1, store_stages=tuning.value("gemm_store_stages"),
                 cluster_n=cluster_n, max_ctas=sm_count - sm_count % cluster_n,
                 overlap_promotion=overlap and tuning.value("fp8_overlap_promotion"))
     return with_most_gemm_stages(GemmConfig(ab_stages=2, **base), request)
+
+
+def _wide_fp8_tiles_pad_little(n: int) -> bool:
+    """Whether N tiles of WIDE_TILE_N columns compute at most 1/32 more columns than
+    128-column ones (n = 1856: as many; 2048: 1/32 more, where they were measured to pay)."""
+    return n >= WIDE_TILE_N and 32 * _padded_width(n, WIDE_TILE_N) <= 33 * _padded_width(n, BLOCK)
 
 
 def with_most_gemm_stages(config: GemmConfig, request: RaggedMatmulRequest) -> GemmConfig:

@@ -249,7 +249,7 @@ def mma_k_tiles_promoted(
     Not with `_issue_block` and `_promote`: their order of the state advances gives other
     PTX than the code that passed its GPU tier (tests/ptx_digests.json).
 
-    A tile of 192 columns (`block_scaled.WIDE_TILE_N`, given `wide`) spans two N blocks of
+    A tile of 192 columns (`config.WIDE_TILE_N`, given `wide`) spans two N blocks of
     rhs: its columns [0, 64) lie in n_block, [128, 192) in the second, and [64, 128) in
     n_block where the tile starts on a block's edge, else in the second. Value v of the
     fragment lies at column 8 (v // 4) + (0 .. 7), in the 64-column segment v // 32; each

@@ -719,6 +719,29 @@ DECISIONS: tuple[Decision, ...] = (
                                                          (49152, 2688, 1856, 128): (0.6311, 0.6083),
                                                          (65536, 2048, 768, 256): (0.2827, 0.3)}))
                    for shape, (waited, overlapped) in times.items())),
+    # The FP8 up-projection storing h alone over N tiles of 192 columns (two weight scale blocks a k-tile),
+    # promoted in column halves of 96 each beside the other's batch (sm90_fp8_wide_halves) or between the
+    # batches (sm90_fp8_wide), against the 128-column tiles the rules took before (sm90_fp8), from
+    # bench_fp8_gemms.py on one H100 (one process, the same inputs).
+    Decision("fp8_up_wide_tiles", True, 0.0,
+             "Where the FP8 up-projection storing h alone promotes beside the wgmma (fp8_up_overlap_min_k), it "
+             "takes 192-column tiles promoted in column halves where they pad at most 1/32 more columns: 5.8% "
+             "less than 128-column tiles at (16384, 4096, 2048, 8) (n = 2048, 1/32 more columns) and 9.6% less "
+             "at Nano's shape (n = 1856, as many); at k = 2048 (256 experts), where the promotion waits, both "
+             "192-column schedules took 2-5% more. The plain GEMM (down, dx) keeps 128 columns: in halves it "
+             "took 5% and 3% less at 8 and 256 experts and 9% more at Nano's shape, and in the step with every "
+             "ragged GEMM on either 192-column schedule the step moved by under 1% either way "
+             "(step A/B at 513de3c, benchmarks/results/device_checks.log).", (
+        E((16384, 4096, 2048, 8), "up", "bench_fp8_gemms_513de3c.json",
+          T("128x192 k128 ab5 st2 overlapped", 0.2576, "sm90_fp8_wide_halves"),
+          T("128x128 k128 ab6 st2 overlapped", 0.2736, "sm90_fp8"), T("128x192 k128 ab5 st2", 0.2725, "sm90_fp8_wide")),
+        E((49152, 2688, 1856, 128), "up", "bench_fp8_gemms_513de3c.json",
+          T("128x192 k128 ab5 st2 overlapped", 0.5631, "sm90_fp8_wide_halves"),
+          T("128x128 k128 ab6 st2 overlapped", 0.6232, "sm90_fp8"), T("128x192 k128 ab5 st2", 0.6288, "sm90_fp8_wide")),
+        E((65536, 2048, 768, 256), "up", "bench_fp8_gemms_513de3c.json",
+          T("128x128 k128 ab6 st2", 0.2855, "sm90_fp8"), T("128x192 k128 ab5 st2 overlapped", 0.2912, "sm90_fp8_wide_halves"),
+          T("128x192 k128 ab5 st2", 0.2987, "sm90_fp8_wide")),
+        )),
     # The FP8 contraction's and fused kernel's promotion, from FP8 layer steps of two commits on one H100
     # (`benchmarks/step_ab.sh`, STEP_AB_VARIANTS=sm90_fp8, two rounds each): 447b2b8 promotes between the
     # batches at 128 columns, 17848d6 beside the next batch in a second whole buffer at 64 (at 128 ptxas
