@@ -85,14 +85,14 @@ def gemm_functions(gemm):
         return lax.dot_general(up(a, a_scale), up(b, b_scale), (((1,), (1,)), ((), ())), preferred_element_type=BF16)
 
     def configured(**fields):
-        """sm90_fp8's GEMM with the configuration's `fields` as named, then as many stages as fit."""
+        """sm90_fp8's GEMM at 128 columns with the configuration's `fields` as named, then as many stages as fit."""
         def run(lhs, rhs, sizes, prob, bias, lhs_scale, rhs_scale):
             from jax_dsrelu.kernels.sm90 import config, ragged_call  # CuTe DSL: the 'gpu' extra
 
-            request = RaggedMatmulRequest(num_experts=rhs.shape[0], k=lhs.shape[1], n=rhs.shape[1], rhs_layout="nk",
-                                          operand_dtype=E4M3, out_dtype=BF16, block_scaled=True,
-                                          epilogue="srelu" if srelu else "none", with_bias=srelu, with_act=not srelu)
-            chosen = config.with_most_gemm_stages(dataclasses.replace(ragged_call.choose_config(request), **fields), request)
+            request = RaggedMatmulRequest(num_experts=rhs.shape[0], k=lhs.shape[1], n=rhs.shape[1], rhs_layout="nk", operand_dtype=E4M3,
+                                          out_dtype=BF16, block_scaled=True, epilogue="srelu" if srelu else "none", with_bias=srelu, with_act=not srelu)
+            chosen = config.with_most_gemm_stages(dataclasses.replace(  # 128 columns, whichever width the rules take
+                ragged_call.choose_config(request), **{"tile_n": config.fp8_tile_n(request.n), **fields}), request)
             named = dict(lhs=lhs, rhs=rhs, group_sizes=sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale,
                          **(dict(prob=prob, bias=bias) if srelu else {}))
             return ragged_call.implementation(request, chosen)(**named)["h" if srelu else "out"]

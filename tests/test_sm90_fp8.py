@@ -270,7 +270,7 @@ def config_for(request, schedule):
     chosen = ragged_call.choose_config(request)
     wide = schedule in ("wide", "wide_halves")
     # True or False: the 128-column tiles (64 below n = 128), whichever width the rules take.
-    tile_n = WIDE_TILE_N if wide else 64 if request.n < BLOCK else BLOCK
+    tile_n = WIDE_TILE_N if wide else config.fp8_tile_n(request.n)
     named = dataclasses.replace(chosen, tile_n=tile_n, overlap_promotion=schedule == "wide_halves" if wide else schedule)
     return config.with_most_gemm_stages(named, request)
 

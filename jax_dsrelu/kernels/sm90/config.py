@@ -315,7 +315,7 @@ def _blockwise_dsrelu_config(request: Request, facts, sm_count: int) -> TileConf
     N tiles of at most one (`_blockwise_gemm_config`), then the operand stages of the
     16-bit kernel's rule where decision `fp8_fused_fewer_preact` takes it, else those that
     fit beside the larger preact ring; alone."""
-    base = dict(tile_n=64 if request.n < BLOCK else BLOCK, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1,
+    base = dict(tile_n=fp8_tile_n(request.n), tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1,
                 store_stages=tuning.value("fused_store_stages"), cluster_n=1, max_ctas=sm_count,
                 overlap_promotion=tuning.value("fp8_fused_overlap_promotion"))
     return _with_most_operand_stages(base, facts, fewer_preact=tuning.value("fp8_fused_fewer_preact"))
@@ -505,7 +505,7 @@ def _blockwise_gemm_config(request: RaggedMatmulRequest, sm_count: int) -> GemmC
     192 columns, promoted in column halves, where they pad little (decision `fp8_up_wide_tiles`)."""
     h_alone = request.epilogue == "srelu" and not request.with_act
     overlap = request.epilogue == "none" or (h_alone and request.k >= tuning.value("fp8_up_overlap_min_k"))
-    tile_n = 64 if request.n < BLOCK else BLOCK
+    tile_n = fp8_tile_n(request.n)
     if h_alone and overlap and tuning.value("fp8_up_wide_tiles") and _wide_fp8_tiles_pad_little(request.n):
         tile_n = WIDE_TILE_N  # promoted in column halves (`BlockScaledMainloop.promotes_in_halves`)
     cluster_n = 2 if tuning.value("fp8_gemm_pairs") and pairs_up(request.n, tile_n) else 1
@@ -513,6 +513,12 @@ def _blockwise_gemm_config(request: RaggedMatmulRequest, sm_count: int) -> GemmC
                 cluster_n=cluster_n, max_ctas=sm_count - sm_count % cluster_n,
                 overlap_promotion=overlap and tuning.value("fp8_overlap_promotion"))
     return with_most_gemm_stages(GemmConfig(ab_stages=2, **base), request)
+
+
+def fp8_tile_n(n: int) -> int:
+    """The FP8 kernels' N tile of at most one scale block, so that a k-tile has one weight
+    scale: 128 columns, 64 below n = 128."""
+    return 64 if n < BLOCK else BLOCK
 
 
 def _wide_fp8_tiles_pad_little(n: int) -> bool:
@@ -560,7 +566,7 @@ def choose_contract_config(request: RaggedContractRequest, sm_count: int = DEFAU
         # Each group's promotion beside the wgmma batch of the tile's other column half, or
         # between the batches (decision `fp8_contract_overlap_promotion`).
         tile_k = BLOCK
-        base.update(tile_n=64 if request.b < BLOCK else BLOCK, tile_k=tile_k, operand_bytes=1, cluster_n=1,
+        base.update(tile_n=fp8_tile_n(request.b), tile_k=tile_k, operand_bytes=1, cluster_n=1,
                     overlap_promotion=tuning.value("fp8_contract_overlap_promotion"))
     subtiles = base["tile_n"] // base["epi_n"]
 
