@@ -69,12 +69,12 @@ selected moe_block && PYTHONPATH="$(carried tokamax_deps.tar.zst "import tokamax
   python3 benchmarks/bench_moe_block.py --commit "$commit" --out "$OUT" $MOE_BLOCK_ARGS
 selected gemms && run bench_gemms 540 python3 benchmarks/bench_gemms.py --commit "$commit" --out "$OUT" $GEMMS_ARGS
 selected fp8_gemms && run bench_fp8_gemms 300 python3 benchmarks/bench_fp8_gemms.py --commit "$commit" --out "$OUT" $FP8_GEMMS_ARGS
-# ncu's sections for the step's kernels named by NCU_KERNELS (a regex), at the clocks the driver sets, PROFILE_ARGS bench_layer's (--cpu: no CUPTI).
-selected profile && run profile 400 ncu --clock-control none -k "regex:${NCU_KERNELS:-BlockScaled(Contract|Dsrelu)Sm90}" -c "${NCU_COUNT:-6}" --csv --page details --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats --log-file "$OUT/ncu.csv" python3 benchmarks/bench_layer.py --commit "$commit" --out "$OUT/profile" --cpu ${PROFILE_ARGS:---variants sm90_fp8 --modes step --reps 1 --shapes 16384,4096,2048,8}
+# ncu's sections for kernels matching NCU_KERNELS in PROFILE_SCRIPT PROFILE_ARGS (--cpu: no CUPTI): its process only, XLA autotuning off.
+selected profile && XLA_FLAGS="--xla_gpu_autotune_level=0 $XLA_FLAGS" run profile "${PROFILE_LIMIT:-400}" ncu --clock-control none --target-processes application-only -k "regex:${NCU_KERNELS:-BlockScaled(Contract|Dsrelu)Sm90}" -c "${NCU_COUNT:-6}" --csv --page details \
+  --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
+  --log-file "$OUT/ncu.csv" python3 "benchmarks/${PROFILE_SCRIPT:-bench_layer.py}" --commit "$commit" --out "$OUT/profile" --cpu ${PROFILE_ARGS:---variants sm90_fp8 --modes step --reps 1 --shapes 16384,4096,2048,8}
 selected layer && run bench_layer 560 python3 benchmarks/bench_layer.py --commit "$commit" --out "$OUT" $LAYER_ARGS
-selected step_ab && run step_ab 400 bash benchmarks/step_ab.sh .kernels/old_tree "${STEP_AB_OLD:?}" "$commit" \
-  "${STEP_AB_ROUNDS:-1}"
-
+selected step_ab && run step_ab 400 bash benchmarks/step_ab.sh .kernels/old_tree "${STEP_AB_OLD:?}" "$commit" "${STEP_AB_ROUNDS:-1}"
 if selected determinism_parallel; then
   # Each mode in PARALLEL_MODES runs at the same time as the others (a fresh process spends
   # most of its time compiling on the CPUs, a warm one on the GPU).
