@@ -70,7 +70,7 @@ selected moe_block && PYTHONPATH="$(carried tokamax_deps.tar.zst "import tokamax
 selected gemms && run bench_gemms 540 python3 benchmarks/bench_gemms.py --commit "$commit" --out "$OUT" $GEMMS_ARGS
 selected fp8_gemms && run bench_fp8_gemms 300 python3 benchmarks/bench_fp8_gemms.py --commit "$commit" --out "$OUT" $FP8_GEMMS_ARGS
 # ncu's sections for kernels matching NCU_KERNELS in PROFILE_SCRIPT PROFILE_ARGS (--cpu: no CUPTI): its process only, XLA autotuning off.
-selected profile && XLA_FLAGS="--xla_gpu_autotune_level=0 $XLA_FLAGS" run profile "${PROFILE_LIMIT:-400}" ncu --clock-control none --target-processes application-only -k "regex:${NCU_KERNELS:-BlockScaled(Contract|Dsrelu)Sm90}" -c "${NCU_COUNT:-6}" --csv --page details \
+selected profile && XLA_FLAGS="--xla_gpu_autotune_level=0 $XLA_FLAGS" run profile "${PROFILE_LIMIT:-400}" ncu --clock-control none --target-processes application-only -k "regex:${NCU_KERNELS:-BlockScaled(Contract|Dsrelu)Sm90}" -c "${NCU_COUNT:-6}" --csv --page ${NCU_PAGE:-details} $NCU_ARGS \
   --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
   --log-file "$OUT/ncu.csv" python3 "benchmarks/${PROFILE_SCRIPT:-bench_layer.py}" --commit "$commit" --out "$OUT/profile" --cpu ${PROFILE_ARGS:---variants sm90_fp8 --modes step --reps 1 --shapes 16384,4096,2048,8}
 selected layer && run bench_layer 560 python3 benchmarks/bench_layer.py --commit "$commit" --out "$OUT" $LAYER_ARGS
