@@ -37,7 +37,7 @@ from jax_dsrelu.primitives.ragged_matmul import ragged_matmul, ragged_matmul_sre
 from jax_dsrelu.quantization.blockwise import quantize_blockwise
 from jax_dsrelu.quantization.schema import E4M3, FP8_BLOCKWISE
 
-VARIANTS = ("sm90", "sm90_fp8", "sm90_fp8_between", "sm90_fp8_overlap", "sm90_fp8_pairs", "sm90_fp8_wide", "sm90_fp8_wide_halves", "quantize", "cublas_bf16", "cublas_fp8", "torch_fp8")
+VARIANTS = ("sm90", "sm90_fp8", "sm90_fp8_between", "sm90_fp8_overlap", "sm90_fp8_pairs", "sm90_fp8_wide", "sm90_fp8_wide_halves", "sm90_fp8_whole", "quantize", "cublas_bf16", "cublas_fp8", "torch_fp8")
 GEMMS = ("up", "down")
 SHAPES = [(16384, 4096, 2048, 8), (49152, 2688, 1856, 128), (65536, 2048, 768, 256)]
 TOLERANCE = 2.0**-7
@@ -91,18 +91,18 @@ def gemm_functions(gemm):
 
             request = RaggedMatmulRequest(num_experts=rhs.shape[0], k=lhs.shape[1], n=rhs.shape[1], rhs_layout="nk", operand_dtype=E4M3,
                                           out_dtype=BF16, block_scaled=True, epilogue="srelu" if srelu else "none", with_bias=srelu, with_act=not srelu)
-            chosen = config.with_most_gemm_stages(dataclasses.replace(  # 128 columns, whichever width the rules take
-                ragged_call.choose_config(request), **{"tile_n": config.fp8_tile_n(request.n), **fields}), request)
-            named = dict(lhs=lhs, rhs=rhs, group_sizes=sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale,
-                         **(dict(prob=prob, bias=bias) if srelu else {}))
+            chosen, asked = ragged_call.choose_config(request), {"tile_n": config.fp8_tile_n(request.n), **fields}  # 128 columns, whichever width the rules take
+            stores = asked["tile_n"] // chosen.epi_n if asked.get("whole_tile_store") else 2  # whole_tile_store: a buffer per subtile
+            chosen = config.with_most_gemm_stages(dataclasses.replace(chosen, store_stages=stores, **asked), request)
+            named = dict(lhs=lhs, rhs=rhs, group_sizes=sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale, **(dict(prob=prob, bias=bias) if srelu else {}))
             return ragged_call.implementation(request, chosen)(**named)["h" if srelu else "out"]
         return run
     fp8_names = ("lhs", "rhs", "group_sizes", "prob", "bias", "lhs_scale", "rhs_scale")
     return {"sm90": (ours, ("rows", "weight_kn", "group_sizes", "prob", "bias")),
         "sm90_fp8": (lambda *a: ours(*a, layout="nk"), fp8_names), "sm90_fp8_pairs": (configured(cluster_n=2), fp8_names),
         "sm90_fp8_between": (configured(overlap_promotion=False), fp8_names), "sm90_fp8_overlap": (configured(overlap_promotion=True), fp8_names),
-        "sm90_fp8_wide": (configured(tile_n=192, overlap_promotion=False), fp8_names),
-        "sm90_fp8_wide_halves": (configured(tile_n=192, overlap_promotion=True), fp8_names),
+        "sm90_fp8_wide": (configured(tile_n=192, overlap_promotion=False), fp8_names), "sm90_fp8_wide_halves": (configured(tile_n=192, overlap_promotion=True), fp8_names),
+        "sm90_fp8_whole": (configured(whole_tile_store=True), fp8_names),
         "quantize": (lambda rows: quantize_blockwise(rows, ACT), ("rows",)), "cublas_bf16": (lambda a, b: a @ b, ("rows", "dense_bf16")),
         "cublas_fp8": (cublas_fp8, ("lhs", "dense_fp8", "lhs_scale_max", "dense_scale")),
     }
@@ -149,7 +149,7 @@ def measure_row(options, shape, grouping, row, clock, save):
             entry["variants"]["torch_fp8"] = torch_fp8(t, options.reps, flops)
         times = {v: r["ms"] for v, r in entry["variants"].items() if "ms" in r}
         entry["ratios"] = {f"{a}/{b}": times[a] / times[b] for a, b in (
-            ("sm90_fp8", "sm90"), ("sm90_fp8_overlap", "sm90_fp8_between"), ("sm90_fp8_pairs", "sm90_fp8"), ("sm90_fp8_wide", "sm90_fp8"), ("sm90_fp8_wide_halves", "sm90_fp8"), ("sm90_fp8", "cublas_fp8"), ("sm90_fp8", "torch_fp8"),
+            ("sm90_fp8", "sm90"), ("sm90_fp8_overlap", "sm90_fp8_between"), ("sm90_fp8_pairs", "sm90_fp8"), ("sm90_fp8_wide", "sm90_fp8"), ("sm90_fp8_wide_halves", "sm90_fp8"), ("sm90_fp8_whole", "sm90_fp8_overlap"), ("sm90_fp8", "cublas_fp8"), ("sm90_fp8", "torch_fp8"),
             ("cublas_fp8", "cublas_bf16"), ("quantize", "sm90_fp8")) if a in times and b in times}
         save()
 

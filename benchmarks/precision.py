@@ -39,7 +39,7 @@ BY_BENCHMARK = {
     },
     "bench_fp8_gemms": {"sm90": BF16_GEMM, "quantize": "bf16 rows to e4m3 and float32 scales (1 x 128)", "sm90_fp8":
                         "e4m3 operands, FP8_BLOCKWISE float32 scales, float32 promotion every 128 of K, bf16 out",
-                        "sm90_fp8_between": "as sm90_fp8", "sm90_fp8_overlap": "as sm90_fp8", "sm90_fp8_pairs": "as sm90_fp8", "sm90_fp8_wide": "as sm90_fp8", "sm90_fp8_wide_halves": "as sm90_fp8",
+                        "sm90_fp8_between": "as sm90_fp8", "sm90_fp8_overlap": "as sm90_fp8", "sm90_fp8_pairs": "as sm90_fp8", "sm90_fp8_wide": "as sm90_fp8", "sm90_fp8_wide_halves": "as sm90_fp8", "sm90_fp8_whole": "as sm90_fp8",
                         "cublas_fp8": "e4m3, per-tensor float32 scales, bf16 out (XLA's dot, cuBLASLt)",
                         "torch_fp8": "as cublas_fp8 (torch._scaled_mm)", "cublas_bf16": BF16_GEMM},
 }

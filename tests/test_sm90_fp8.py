@@ -78,7 +78,9 @@ GROUPINGS = {
 # "wide", between them over N tiles of 192 columns spanning two N blocks of the weight
 # (`promoted_mainloop.mma_k_tiles_promoted`, given `wide`: tiles starting on a block's edge and half
 # way, the second block past n clamped); "wide_halves", over those tiles in column halves of 96,
-# each promoted beside the other's batch (`mma_k_tiles_promoted_in_halves`, given `wide`).
+# each promoted beside the other's batch (`mma_k_tiles_promoted_in_halves`, given `wide`);
+# "whole", the rules' config storing each tile at once from a buffer per subtile
+# (`whole_tile_store`: rows of no expert too, act beside h too).
 GPU_CASES = [(name, "plain", False) for name in GROUPINGS] + [
     ("ragged_with_empty", "srelu", False), ("ragged_with_empty", "srelu_bias", False),
     ("nano_widths", "srelu_bias", False), ("past_m", "srelu", False), ("ragged_with_empty", "up_h_alone", False),
@@ -88,8 +90,10 @@ GPU_CASES = [(name, "plain", False) for name in GROUPINGS] + [
     (name, "plain", "wide") for name in ("ragged_with_empty", "past_m", "one_expert", "narrow_n", "nano_widths")] + [
     (name, "up_h_alone", "wide") for name in ("ragged_with_empty", "one_expert", "nano_widths")] + [
     (name, variant, "wide_halves") for name in ("ragged_with_empty", "past_m", "one_expert", "nano_widths")
-    for variant in ("plain", "up_h_alone")] + [("narrow_n", "plain", "wide_halves")]
-SCHEDULE_IDS = {True: "-overlapped", False: "", "wide": "-wide", "wide_halves": "-wide_halves"}
+    for variant in ("plain", "up_h_alone")] + [("narrow_n", "plain", "wide_halves")] + [
+    (name, "plain", "whole") for name in ("ragged_with_empty", "past_m", "one_expert", "narrow_n", "nano_widths")] + [
+    ("past_m", "srelu", "whole"), ("ragged_with_empty", "srelu_bias", "whole")]
+SCHEDULE_IDS = {True: "-overlapped", False: "", "wide": "-wide", "wide_halves": "-wide_halves", "whole": "-whole"}
 
 
 def grouping(name):
@@ -263,11 +267,15 @@ def test_sm90_refuses_what_the_fp8_kernel_cannot_take():
 def config_for(request, schedule):
     """The chosen config with the promotion schedule named (whichever the rules choose):
     True or False (`overlap_promotion`) over 128-column tiles, or "wide" or "wide_halves"
-    (`GPU_CASES`) over 192, its stages as many as fit."""
+    (`GPU_CASES`) over 192; "whole", the chosen config storing whole tiles; its stages
+    as many as fit."""
     from jax_dsrelu.kernels.sm90 import config, ragged_call
     from jax_dsrelu.kernels.sm90.config import WIDE_TILE_N
 
     chosen = ragged_call.choose_config(request)
+    if schedule == "whole":
+        whole = dataclasses.replace(chosen, whole_tile_store=True, store_stages=chosen.subtiles)
+        return config.with_most_gemm_stages(whole, request)
     wide = schedule in ("wide", "wide_halves")
     # True or False: the 128-column tiles (64 below n = 128), whichever width the rules take.
     tile_n = WIDE_TILE_N if wide else config.fp8_tile_n(request.n)
@@ -363,6 +371,38 @@ def test_fp8_matmul_with_wide_tiles_compiles_for_sm90a(variant, schedule):
     if schedule == "wide_halves":
         assert compiled.ptx.count("wgmma.commit_group") == 2 * (4096 // BLOCK)
     ptxas.check_assembly(compiled.ptx)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("variant", ["plain", "srelu_bias"])
+def test_fp8_matmul_storing_whole_tiles_compiles_for_sm90a(variant):
+    """A buffer per subtile, each tile stored as one bulk group: two epilogue barriers a
+    tile (each subtile of the ring takes two), no spills, no serialized wgmma. (The
+    up-projection storing h alone over 192 columns in halves spilled 128 bytes so.)"""
+    pytest.importorskip("cutlass", reason="CuTe DSL (the 'gpu' extra) is not installed")
+    import ptxas
+
+    from jax_dsrelu.kernels.sm90 import ragged_call
+    from jax_dsrelu.kernels.sm90.barriers import NamedBarrier
+
+    request = request_for((8, 4096, 2048), variant)
+    config = config_for(request, "whole")
+    assert config.whole_tile_store and config.store_stages == config.subtiles > 2
+    compiled = ragged_call.compile_kernel(request, config, keep=True)
+    barrier = re.compile(rf"bar\.sync\s+{int(NamedBarrier.EPILOGUE)},")
+    ring = ragged_call.compile_kernel(request, keep=True)
+    # The tile's two and the rows of no expert's two (stored as whole tiles too), against two a subtile.
+    assert len(barrier.findall(compiled.ptx)) == 4 < len(barrier.findall(ring.ptx))
+    assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
+    ptxas.check_assembly(compiled.ptx)
+
+
+def test_a_whole_tile_store_takes_a_buffer_per_subtile():
+    from jax_dsrelu.kernels.sm90 import ragged_call
+
+    chosen = ragged_call.choose_config(request_for((8, 4096, 2048), "plain"))
+    with pytest.raises(ValueError, match="store_stages must be the tile's 4 subtiles, got 2"):
+        dataclasses.replace(chosen, tile_n=128, store_stages=2, whole_tile_store=True)
 
 
 def test_a_wide_tiles_values_take_their_columns_scale_block_in_either_schedule():

@@ -345,13 +345,20 @@ def _with_most_operand_stages(base: dict, facts, fewer_preact: bool) -> TileConf
 class GemmConfig(KernelTiles):
     """The ragged-M GEMM's configuration (`ragged_matmul_kernel.py`): the family's; for
     block-scaled FP8 operands, whether each K block's promotion runs beside the next
-    block's wgmma (`promoted_mainloop`), with two partial-sum buffers."""
+    block's wgmma (`promoted_mainloop`), with two partial-sum buffers; whether the
+    epilogue stages the whole tile, a buffer per subtile (store_stages = subtiles), and
+    stores it as one bulk group (`epilogue_store.store_tile`) rather than through a ring
+    of store_stages buffers."""
 
     overlap_promotion: bool = False
+    whole_tile_store: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_overlap_promotion(self)
+        if self.whole_tile_store and self.store_stages != self.subtiles:
+            raise ValueError(f"whole_tile_store=True stores a buffer per subtile: store_stages must be the tile's "
+                             f"{self.subtiles} subtiles, got {self.store_stages}")
 
     def smem_bytes(self, num_experts: int, outputs: int) -> int:
         """Shared memory for this config with `outputs` 16-bit output tensors."""

@@ -63,41 +63,38 @@ def store_subtile(
 
 @cute.jit
 def store_tile(
+    visit,  # visit(subtile): the subtile's values into each output's float32 registers (traced)
     tiled_r2s: cute.TiledCopy,
-    tRS_rAcc: cute.Tensor,  # the tile's accumulator, retiled for tiled_r2s
-    rF: cute.Tensor,  # one subtile's registers in float32
-    rOut: cute.Tensor,  # and in the output dtype
-    tRS_s: cute.Tensor,  # (.., subtiles) this thread's part of the tile's shared buffers
-    tma: cute.CopyAtom,
-    gmem: cute.Tensor,  # (tile_m, epi_n, column blocks) global view of the tile's rows
-    smem: cute.Tensor,  # (tile_m, epi_n, subtiles) the tile's shared buffers
+    outputs,  # the `StoredOutput`s, each with its work item's gmem view and a shared buffer per subtile
     store_pipeline,  # PipelineTmaStore of one stage: one bulk group per tile
     first_block: Int32,
     ctid: Int32,
     subtiles: cutlass.Constexpr,
     consumer_threads: cutlass.Constexpr,
 ):
-    """A whole tile at once: every subtile rounded and staged in its own buffer, then one
-    barrier and the TMA stores as one bulk group.
+    """A whole tile at once: every subtile made by `visit`, rounded and staged in its own
+    buffer, then one barrier and the TMA stores as one bulk group.
 
     Where shared memory holds a whole tile, this costs two barriers and one proxy fence
     per tile instead of two barriers and a fence per subtile (`store_subtile`), and the
     wait for the buffers is for the previous tile's stores, issued a whole mainloop ago.
     """
-    sub_values = cute.size(rOut)
     if ctid == 0:
         store_pipeline.producer_acquire()
     cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=consumer_threads)
     for subtile in cutlass.range_constexpr(subtiles):
-        for v in cutlass.range_constexpr(sub_values):
-            rF[v] = tRS_rAcc[subtile * sub_values + v]
-        rOut.store(rF.load().to(rOut.element_type))
-        cute.copy(tiled_r2s, rOut, tRS_s[None, None, None, subtile])
+        visit(subtile)
+        for i in cutlass.range_constexpr(len(outputs)):
+            output = outputs[i]
+            output.rounded.store(output.registers.load().to(output.rounded.element_type))
+            cute.copy(tiled_r2s, output.rounded, output.partition[None, None, None, subtile])
     # stmatrix writes are generic-proxy; the TMA engine reads through the async proxy.
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=consumer_threads)
     if ctid == 0:
-        bSG_s, bSG_g = mainloop.tma_partition(tma, smem, gmem)
-        for subtile in cutlass.range_constexpr(subtiles):
-            cute.copy(tma, bSG_s[None, subtile], bSG_g[None, first_block + subtile])
+        for i in cutlass.range_constexpr(len(outputs)):
+            output = outputs[i]
+            bSG_s, bSG_g = mainloop.tma_partition(output.tma, output.smem, output.gmem)
+            for subtile in cutlass.range_constexpr(subtiles):
+                cute.copy(output.tma, bSG_s[None, subtile], bSG_g[None, first_block + subtile])
         store_pipeline.producer_commit()

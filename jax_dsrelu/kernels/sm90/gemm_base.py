@@ -159,9 +159,9 @@ class GemmSm90:
     context_type = EpilogueContext
     # The walk's items include rows no expert owns, and locating an item moves the walk.
     walk_rebinds = False
-    # Every subtile of a tile staged at once and stored as one bulk group
-    # (`epilogue_store.store_tile`): needs a buffer per subtile and one stored output
-    # whose values are the accumulator's.
+    # Every subtile of a tile made by `epilogue_visit`, staged at once and stored as one
+    # bulk group (`epilogue_store.store_tile`): needs a buffer per subtile of each stored
+    # output, and an epilogue with no input ring and no per-subtile reduction.
     whole_tile = False
     # The operand ring filled by TMA alone: wgmma reads its stages with no proxy fence.
     operands_written_by_generic_proxy = False
@@ -741,11 +741,9 @@ class GemmSm90:
         self.epilogue_begin(ctx, item)
         stores = self.store_views(ctx.outputs, tile)
         if self.whole_tile:
-            stored = stores[0]
             epilogue_store.store_tile(
-                ctx.tiled_r2s, ctx.tiled_r2s.retile(ctx.acc), stored.registers, stored.rounded, stored.partition,
-                stored.tma, stored.gmem, stored.smem, ctx.store_pipeline,
-                tile.n_tile * self.subtiles, ctx.ctid, self.subtiles, self.consumer_threads,
+                lambda subtile: self.epilogue_visit(ctx, item, tile, subtile), ctx.tiled_r2s, stores,
+                ctx.store_pipeline, tile.n_tile * self.subtiles, ctx.ctid, self.subtiles, self.consumer_threads,
             )
         else:
             for subtile in range(self.subtiles):

@@ -132,6 +132,13 @@ class RaggedMGemmSm90(GemmSm90):
         stores = self._stores(outputs, first_row, rows, tile)
         for i in cutlass.range_constexpr(len(outputs)):
             outputs[i].registers.fill(0.0)
-        for subtile in cutlass.range_constexpr(self.subtiles):
-            store_count = self._store_subtile(tiled_r2s, stores, store_pipeline, store_count, n_tile, subtile, ctid)
+        if cutlass.const_expr(self.whole_tile):
+            # As the expert tiles store: a ring store would write a buffer that the last
+            # tile's bulk group may still be reading.
+            epilogue_store.store_tile(lambda subtile: None, tiled_r2s, stores, store_pipeline, n_tile * self.subtiles,
+                                      ctid, self.subtiles, self.consumer_threads)
+        else:
+            for subtile in cutlass.range_constexpr(self.subtiles):
+                store_count = self._store_subtile(tiled_r2s, stores, store_pipeline, store_count, n_tile, subtile,
+                                                  ctid)
         return store_count

@@ -92,6 +92,7 @@ class RaggedGemmSm90(RaggedMGemmSm90):
         # held from before the mainloop spill registers (ptxas: 52 bytes, act or not), so
         # each subtile loads its columns' bias as it adds them.
         self.bias_per_subtile = self.with_bias and config.overlap_promotion
+        self.whole_tile = config.whole_tile_store
 
     def operands(self) -> list[KernelOperand]:
         """lhs (m, k), rhs (E, k, n) or (E, n, k), group_sizes, [srelu: prob (m,) f32,

@@ -73,6 +73,8 @@ def describe(fields: dict[str, Any], contraction: bool) -> str:
         text += " pairs"
     if fields.get("overlap_promotion"):
         text += " overlapped"
+    if fields.get("whole_tile_store"):
+        text += " whole"
     if contraction:
         text += " a-fastest" if fields.get("a_fastest") else " b-fastest"
     return text
