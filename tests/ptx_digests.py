@@ -250,6 +250,10 @@ def pinned_cases() -> list[Case]:
         # with act and, as the FP8 forward runs it, h alone), the fused kernel.
         Case("fp8/matmul/plain_overlapped", fp8_matmul(8, 528, 320, "none"),
              sm90_config.GemmConfig(tile_n=128, ab_stages=6, operand_bytes=1, overlap_promotion=True, **fp8_tiles)),
+        # As the FP8 step runs down and dx: each tile stored at once (`fp8_gemm_whole_tile`).
+        Case("fp8/matmul/plain_whole_tile", fp8_matmul(8, 528, 320, "none"),
+             sm90_config.GemmConfig(tile_n=128, ab_stages=6, operand_bytes=1, overlap_promotion=True,
+                                    whole_tile_store=True, **dict(fp8_tiles, store_stages=4))),
         Case("fp8/matmul/up_srelu_bias", fp8_matmul(8, 528, 320, "srelu"),
              sm90_config.GemmConfig(tile_n=128, ab_stages=6, operand_bytes=1, **fp8_tiles)),
         Case("fp8/matmul/up_bias_h_alone", fp8_matmul(8, 528, 320, "srelu", with_act=False),

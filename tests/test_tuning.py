@@ -195,3 +195,25 @@ def test_the_fp8_up_projection_takes_the_tile_width_its_rows_pick():
     for row in rows:
         assert fp8_up_chosen(row.shape) == row.timings[0].config, row.shape
     assert {row.timings[0].config.split()[0] for row in rows} == {"128x192", "128x128"}
+
+
+def test_the_plain_fp8_gemm_stores_as_its_rows_pick(decide):
+    """At each shape `fp8_gemm_whole_tile` timed alone, the rules choose the row's first
+    configuration (whole tiles), and without the decision its second (the ring); the
+    up-projection storing h alone keeps the ring."""
+    from jax_dsrelu.quantization.schema import E4M3
+
+    def down_chosen(shape):
+        _, d, f, num_experts = shape
+        chosen = config.choose_gemm_config(RaggedMatmulRequest(num_experts, f, d, "nk", E4M3, BF16, "none",
+                                                               block_scaled=True))
+        return tuning.describe(dataclasses.asdict(chosen), False)
+
+    rows = [row for row in tuning._BY_NAME["fp8_gemm_whole_tile"].evidence if row.gemm == "down"]
+    assert len(rows) == 3
+    for row in rows:
+        assert down_chosen(row.shape) == row.timings[0].config, row.shape
+        assert not fp8_up_chosen(row.shape).endswith("whole"), row.shape
+    decide("fp8_gemm_whole_tile", False)
+    for row in rows:
+        assert down_chosen(row.shape) == row.timings[1].config, row.shape

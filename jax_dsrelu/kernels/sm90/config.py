@@ -516,7 +516,9 @@ def _blockwise_gemm_config(request: RaggedMatmulRequest, sm_count: int) -> GemmC
     if h_alone and overlap and tuning.value("fp8_up_wide_tiles") and _wide_fp8_tiles_pad_little(request.n):
         tile_n = WIDE_TILE_N  # promoted in column halves (`BlockScaledMainloop.promotes_in_halves`)
     cluster_n = 2 if tuning.value("fp8_gemm_pairs") and pairs_up(request.n, tile_n) else 1
-    base = dict(tile_n=tile_n, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1, store_stages=tuning.value("gemm_store_stages"),
+    whole = request.epilogue == "none" and tuning.value("fp8_gemm_whole_tile")
+    base = dict(tile_n=tile_n, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1,
+                store_stages=tile_n // _EPI_N if whole else tuning.value("gemm_store_stages"), whole_tile_store=whole,
                 cluster_n=cluster_n, max_ctas=sm_count - sm_count % cluster_n,
                 overlap_promotion=overlap and tuning.value("fp8_overlap_promotion"))
     return with_most_gemm_stages(GemmConfig(ab_stages=2, **base), request)

@@ -721,6 +721,29 @@ DECISIONS: tuple[Decision, ...] = (
                                                          (49152, 2688, 1856, 128): (0.6311, 0.6083),
                                                          (65536, 2048, 768, 256): (0.2827, 0.3)}))
                    for shape, (waited, overlapped) in times.items())),
+    # The plain FP8 GEMM (down, dx) storing each tile at once from a buffer per subtile (whole_tile_store,
+    # one fewer operand stage) against through a ring of two subtile buffers, each subtile's store waited
+    # for before the next reuses its buffer: bench_fp8_gemms at 0a9659b (sm90_fp8_whole against sm90_fp8),
+    # and the FP8 step's A/B of cced5d9 (the ring) against 27d89bd (whole tiles), two rounds on one H100.
+    Decision("fp8_gemm_whole_tile", True, 0.01,
+             "The plain FP8 ragged GEMM stores whole tiles: with the tensor cores twice as fast as bf16's, a "
+             "tile's mainloop is short beside an epilogue of two barriers and a wait for the last store per "
+             "subtile. Alone it took 3.4% and 2.0% less at 8 and 256 experts and 0.9% more at Nano's shape; in "
+             "the step, its three ragged GEMMs (up unchanged) took 2.6% and 1.8% less at 8 experts and 1.0% "
+             "and 0.2% less at Nano's shape (two rounds). The up-projection storing h alone keeps the ring: over 128 or 192 "
+             "columns with its promotion overlapped, whole tiles spilled (12 and 128 bytes).", (
+        *(E(shape, "down", "bench_fp8_gemms_0a9659b.json",
+            T("128x128 k128 ab6 st4 overlapped whole", whole, "sm90_fp8_whole"),
+            T("128x128 k128 ab6 st2 overlapped", ring, "sm90_fp8"))
+          for shape, (whole, ring) in {(16384, 4096, 2048, 8): (0.2445, 0.253), (49152, 2688, 1856, 128): (0.6088, 0.6036),
+                                       (65536, 2048, 768, 256): (0.3068, 0.313)}.items()),
+        *(E(shape, "up+down+dx", None,
+            T("27d89bd: whole tiles (down, dx)", whole, "BlockScaledRaggedGemmSm90", f"bench_layer_step_ab_cced5d9_27d89bd_r{r}.json"),
+            T("cced5d9: a ring of two", ring, "BlockScaledRaggedGemmSm90", f"bench_layer_step_ab_cced5d9_cced5d9_r{r}.json"))
+          for shape, rounds in {(16384, 4096, 2048, 8): ((0.7476, 0.7673), (0.7526, 0.7668)),
+                                (49152, 2688, 1856, 128): ((1.7623, 1.7804), (1.766, 1.7694))}.items()
+          for r, (whole, ring) in enumerate(rounds, 1)),
+        )),
     # The FP8 up-projection storing h alone over N tiles of 192 columns (two weight scale blocks a k-tile),
     # promoted in column halves of 96 each beside the other's batch (sm90_fp8_wide_halves) or between the
     # batches (sm90_fp8_wide), against the 128-column tiles the rules took before (sm90_fp8), from
