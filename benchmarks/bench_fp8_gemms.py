@@ -91,7 +91,7 @@ def gemm_functions(gemm):
 
             request = RaggedMatmulRequest(num_experts=rhs.shape[0], k=lhs.shape[1], n=rhs.shape[1], rhs_layout="nk", operand_dtype=E4M3,
                                           out_dtype=BF16, block_scaled=True, epilogue="srelu" if srelu else "none", with_bias=srelu, with_act=not srelu)
-            chosen, asked = ragged_call.choose_config(request), {"tile_n": config.fp8_tile_n(request.n), **fields}  # 128 columns, whichever width the rules take
+            chosen, asked = ragged_call.choose_config(request), {"tile_n": config.fp8_tile_n(request.n), "whole_tile_store": False, **fields}  # 128 columns, whichever width the rules take
             stores = asked["tile_n"] // chosen.epi_n if asked.get("whole_tile_store") else 2  # whole_tile_store: a buffer per subtile
             chosen = config.with_most_gemm_stages(dataclasses.replace(chosen, store_stages=stores, **asked), request)
             named = dict(lhs=lhs, rhs=rhs, group_sizes=sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale, **(dict(prob=prob, bias=bias) if srelu else {}))

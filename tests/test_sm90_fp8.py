@@ -277,9 +277,11 @@ def config_for(request, schedule):
         whole = dataclasses.replace(chosen, whole_tile_store=True, store_stages=chosen.subtiles)
         return config.with_most_gemm_stages(whole, request)
     wide = schedule in ("wide", "wide_halves")
-    # True or False: the 128-column tiles (64 below n = 128), whichever width the rules take.
+    # True or False: the 128-column tiles (64 below n = 128), whichever width the rules take; each
+    # through the ring of store buffers, whichever store the rules take.
     tile_n = WIDE_TILE_N if wide else config.fp8_tile_n(request.n)
-    named = dataclasses.replace(chosen, tile_n=tile_n, overlap_promotion=schedule == "wide_halves" if wide else schedule)
+    named = dataclasses.replace(chosen, tile_n=tile_n, overlap_promotion=schedule == "wide_halves" if wide else schedule,
+                                whole_tile_store=False, store_stages=2)
     return config.with_most_gemm_stages(named, request)
 
 
@@ -390,7 +392,7 @@ def test_fp8_matmul_storing_whole_tiles_compiles_for_sm90a(variant):
     assert config.whole_tile_store and config.store_stages == config.subtiles > 2
     compiled = ragged_call.compile_kernel(request, config, keep=True)
     barrier = re.compile(rf"bar\.sync\s+{int(NamedBarrier.EPILOGUE)},")
-    ring = ragged_call.compile_kernel(request, keep=True)
+    ring = ragged_call.compile_kernel(request, config_for(request, config.overlap_promotion), keep=True)
     # The tile's two and the rows of no expert's two (stored as whole tiles too), against two a subtile.
     assert len(barrier.findall(compiled.ptx)) == 4 < len(barrier.findall(ring.ptx))
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx

@@ -509,19 +509,24 @@ def _blockwise_gemm_config(request: RaggedMatmulRequest, sm_count: int) -> GemmC
     GEMM's promotion beside the next K block's wgmma (decision `fp8_overlap_promotion`), and
     the up-projection's storing h alone where k is deep enough (`fp8_up_overlap_min_k`, under
     the same decision): with act beside h it would spill. That up-projection takes N tiles of
-    192 columns, promoted in column halves, where they pad little (decision `fp8_up_wide_tiles`)."""
+    192 columns, promoted in column halves, where they pad little (decision `fp8_up_wide_tiles`).
+    The plain GEMM stores whole tiles where that costs no operand stage (`fp8_gemm_whole_tile`)."""
     h_alone = request.epilogue == "srelu" and not request.with_act
     overlap = request.epilogue == "none" or (h_alone and request.k >= tuning.value("fp8_up_overlap_min_k"))
     tile_n = fp8_tile_n(request.n)
     if h_alone and overlap and tuning.value("fp8_up_wide_tiles") and _wide_fp8_tiles_pad_little(request.n):
         tile_n = WIDE_TILE_N  # promoted in column halves (`BlockScaledMainloop.promotes_in_halves`)
     cluster_n = 2 if tuning.value("fp8_gemm_pairs") and pairs_up(request.n, tile_n) else 1
-    whole = request.epilogue == "none" and tuning.value("fp8_gemm_whole_tile")
-    base = dict(tile_n=tile_n, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1,
-                store_stages=tile_n // _EPI_N if whole else tuning.value("gemm_store_stages"), whole_tile_store=whole,
+    base = dict(tile_n=tile_n, tile_k=BLOCK, epi_n=_EPI_N, operand_bytes=1, store_stages=tuning.value("gemm_store_stages"),
                 cluster_n=cluster_n, max_ctas=sm_count - sm_count % cluster_n,
                 overlap_promotion=overlap and tuning.value("fp8_overlap_promotion"))
-    return with_most_gemm_stages(GemmConfig(ab_stages=2, **base), request)
+    ring = with_most_gemm_stages(GemmConfig(ab_stages=2, **base), request)
+    if request.epilogue != "none" or not tuning.value("fp8_gemm_whole_tile"):
+        return ring
+    # Whole tiles where their buffers cost no operand stage, as measured (at k = 1856 with a stage
+    # fewer, 512 experts' tables beside them, ptxas spilled).
+    whole = with_most_gemm_stages(dataclasses.replace(ring, store_stages=ring.subtiles, whole_tile_store=True), request)
+    return whole if whole.ab_stages >= ring.ab_stages else ring
 
 
 def fp8_tile_n(n: int) -> int:
