@@ -108,11 +108,11 @@ if selected sanitize; then
       "memcheck|tests/test_sm90_gathered.py|not nano_widths and (gathered_matmul or gathered_dsrelu or (gathered_contraction and f32) or (gather_sum_is and bf16))" \
       "racecheck|tests/test_sm90_gathered.py|(one_token or ragged_with_empty) and (up_srelu_bias or (gathered_dsrelu and True) or (gathered_contraction and f32 and both)) or (gather_sum_is and bf16)" \
       "memcheck|tests/test_sm90_fp8_contract.py|k_major_copy_kernel" "memcheck|tests/test_sm90_fp8_quantize.py|computes_its_formula" \
-      "memcheck|tests/test_sm90_fp8.py|(matmul and (past_m-plain or fewer_rows) and not overlapped) or (fused and (short_of_m-True or ragged_with_empty-True-overlapped)) or up_h_alone or (storing_bf16 and True-ragged)" \
+      "memcheck|tests/test_sm90_fp8.py|(matmul and (past_m-plain or fewer_rows or short_of_m-plain-whole) and not overlapped) or (fused and (short_of_m-True or ragged_with_empty-True-overlapped)) or up_h_alone or (storing_bf16 and True-ragged)" \
       "memcheck|tests/test_sm90_fp8_contract.py|matches_float64 and (past_m or fewer_rows)" \
       "racecheck|tests/test_sm90_fp8_contract.py|(matches_float64 and fewer_rows) or (k_major_copy_kernel and fewer)" \
       "memcheck|tests/test_sm90_fp8_weights.py|computes_the_recipe" "racecheck|tests/test_sm90_fp8_weights.py|computes_the_recipe and (partial_both-bf16 or narrow)" \
-      "racecheck|tests/test_sm90_fp8_quantize.py|computes_its_formula and (fewer or past_m)" "racecheck|tests/test_sm90_fp8.py|past_m-srelu or past_m-plain-wide or (fused and (past_m-True or ragged_with_empty-False-overlapped)) or up_h_alone or (storing_bf16 and False-ragged)" \
+      "racecheck|tests/test_sm90_fp8_quantize.py|computes_its_formula and (fewer or past_m)" "racecheck|tests/test_sm90_fp8.py|past_m-srelu or past_m-plain-wide or short_of_m-plain-whole or (fused and (past_m-True or ragged_with_empty-False-overlapped)) or up_h_alone or (storing_bf16 and False-ragged)" \
       "memcheck|tests/test_sm90_fp8_rows.py|squared_relu_form_computes or (row_quantizer_computes and (partial_last-bf16 or ragged_cta))" \
       "racecheck|tests/test_sm90_fp8_rows.py|squared_relu_form_computes or (row_quantizer_computes and (partial_last-bf16 or ragged_cta))"; do
     IFS="|" read -r tool file selection <<<"$check"

@@ -92,7 +92,8 @@ GPU_CASES = [(name, "plain", False) for name in GROUPINGS] + [
     (name, variant, "wide_halves") for name in ("ragged_with_empty", "past_m", "one_expert", "nano_widths")
     for variant in ("plain", "up_h_alone")] + [("narrow_n", "plain", "wide_halves")] + [
     (name, "plain", "whole") for name in ("ragged_with_empty", "past_m", "one_expert", "narrow_n", "nano_widths")] + [
-    ("past_m", "srelu", "whole"), ("ragged_with_empty", "srelu_bias", "whole")]
+    ("short_of_m", "plain", "whole"), ("short_of_m", "srelu", "whole"), ("past_m", "srelu", "whole"),
+    ("ragged_with_empty", "srelu_bias", "whole")]
 SCHEDULE_IDS = {True: "-overlapped", False: "", "wide": "-wide", "wide_halves": "-wide_halves", "whole": "-whole"}
 
 

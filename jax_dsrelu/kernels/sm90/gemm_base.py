@@ -691,6 +691,10 @@ class GemmSm90:
         """Consumer warpgroups: per work item, the wgmma mainloop, then the epilogue.
         `staged_rings`: the staged inputs' shared rings, (elements, 1, stages) each, as
         ctx.staged."""
+        if cutlass.const_expr(self.whole_tile and (self.epilogue_input is not None
+                                                   or type(self).epilogue_reduce is not GemmSm90.epilogue_reduce)):
+            raise ValueError(f"{type(self).__name__}: whole-tile stores skip the epilogue input and per-subtile "
+                             "reductions, and it has one")
         warp_c = ctid // 32  # consumer warp 0..7, rows [16 warp_c, 16 warp_c + 16) of the tile
         lane = ctid % 32
         tCrA, tCrB, tCcAcc, acc = self._mma_fragments(tiled_mma, sA, sB, ctid)
