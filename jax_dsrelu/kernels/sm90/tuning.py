@@ -758,7 +758,9 @@ DECISIONS: tuple[Decision, ...] = (
              "192-column schedules took 2-5% more. The plain GEMM (down, dx) keeps 128 columns: in halves it "
              "took 5% and 3% less at 8 and 256 experts and 9% more at Nano's shape, and in the step with every "
              "ragged GEMM on either 192-column schedule the step moved by under 1% either way "
-             "(step A/B at 513de3c, benchmarks/results/device_checks.log).", (
+             "(step A/B at 513de3c, benchmarks/results/device_checks.log). With this rule, in the step's A/B "
+             "(513de3c against d98a16c, one H100) the up-projection took 8.6% less at Nano's shape and as long "
+             "as before at 8 experts (0.2718 against 0.2716 ms).", (
         E((16384, 4096, 2048, 8), "up", "bench_fp8_gemms_513de3c.json",
           T("128x192 k128 ab5 st2 overlapped", 0.2576, "sm90_fp8_wide_halves"),
           T("128x128 k128 ab6 st2 overlapped", 0.2736, "sm90_fp8"), T("128x192 k128 ab5 st2", 0.2725, "sm90_fp8_wide")),
