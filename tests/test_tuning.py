@@ -10,6 +10,7 @@ import gzip
 import hashlib
 import itertools
 import json
+import math
 import pathlib
 
 import numpy as np
@@ -156,7 +157,7 @@ def recorded(row: tuning.Evidence, timing: tuning.Timing) -> tuple[str, float]:
     # a layer step of bench_layer.py: the launches of one kernel class
     variants = step["modes"]["step"]["variants"]
     kernels = variants[next(name for name in ("sm90", "sm90_fp8", "sm90_fp8_quantize") if name in variants)]["kernels"]
-    return timing.config, sum(ms for name, ms in kernels if timing.entry in name)
+    return timing.config, math.fsum(ms for name, ms in kernels if timing.entry in name)  # summed alike on every Python
 
 
 @pytest.mark.parametrize("item", ROWS, ids=row_id)
